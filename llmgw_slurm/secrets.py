@@ -1,0 +1,65 @@
+"""Per-replica secrets, derived so that a restarted daemon can re-derive them.
+
+A cluster's users see each other's job names, comments and command lines, so
+nothing here ever goes there: the replica secret travels in the job's
+environment (set on the sbatch process), and the daemon keeps only its own
+server key, from which every replica secret follows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets as _secrets
+from pathlib import Path
+
+__all__ = [
+    "constant_time_equal",
+    "engine_api_key",
+    "load_or_create_server_key",
+    "replica_secret",
+]
+
+
+def _derive(server_key: bytes, purpose: str, replica_id: str) -> str:
+    msg = f"{purpose}\0{replica_id}".encode()
+    return hmac.new(server_key, msg, hashlib.sha256).hexdigest()
+
+
+def replica_secret(server_key: bytes, replica_id: str) -> str:
+    """The secret an agent presents to prove it runs replica ``replica_id``."""
+    return _derive(server_key, "replica", replica_id)
+
+
+def engine_api_key(server_key: bytes, replica_id: str) -> str:
+    """The API key the replica's engine is started with.
+
+    Distinct from the replica secret: the engine key is sent with every proxied
+    request, and a leak of it must not let anyone register as the replica.
+    """
+    return _derive(server_key, "engine", replica_id)
+
+
+def constant_time_equal(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def load_or_create_server_key(path: Path) -> bytes:
+    """Read the daemon's key, creating it (mode 0600) on first start.
+
+    Losing this file orphans running replicas' secrets: they can no longer
+    register after a daemon restart, so it lives with the daemon's state.
+    """
+    try:
+        data = path.read_bytes().strip()
+        if len(data) >= 32:
+            return data
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = _secrets.token_hex(32).encode()
+    tmp = path.with_suffix(".tmp")
+    tmp.touch(mode=0o600)
+    tmp.write_bytes(key + b"\n")
+    tmp.replace(path)
+    return key

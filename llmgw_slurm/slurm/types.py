@@ -1,0 +1,327 @@
+"""The typed vocabulary of the Slurm adapter, shared by every backend."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+class JobState(enum.Enum):
+    """A job's state, as one enum whatever backend or command reported it.
+
+    Slurm's long names (squeue ``%T``, sacct ``State``) and short codes
+    (squeue ``%t``) both translate through :func:`JobState.parse`; a code we
+    do not know becomes UNKNOWN with a warning instead of an exception, so a
+    newer Slurm never stops the daemon.
+
+    ========== ===================================================================
+    PENDING     queued (also REQUEUED/REQUEUE_HOLD/REQUEUE_FED: back in the queue)
+    CONFIGURING nodes allocated, being readied (boot, prolog)
+    RUNNING     running
+    COMPLETING  ending: epilog or processes being killed
+    SUSPENDED   suspended (by an admin, or preemption in SUSPEND mode)
+    STOPPED     sent SIGSTOP
+    SIGNALING   being signaled
+    RESIZING    changing size
+    STAGE_OUT   staging out after it ended
+    COMPLETED   ended with exit 0
+    CANCELLED   scancel, by a user or an admin
+    FAILED      non-zero exit or launch failure
+    TIMEOUT     reached its time limit
+    NODE_FAIL   a node it ran on failed
+    PREEMPTED   preempted (with REQUEUE, sacct shows this on the old attempt)
+    BOOT_FAIL   a node failed to boot
+    DEADLINE    missed its deadline
+    OUT_OF_MEMORY killed by the OOM handler
+    REVOKED     sibling of a federated job
+    SPECIAL_EXIT requeued in hold after a special exit code
+    UNKNOWN     anything else; logged once per code
+    ========== ===================================================================
+    """
+
+    PENDING = "PENDING"
+    CONFIGURING = "CONFIGURING"
+    RUNNING = "RUNNING"
+    COMPLETING = "COMPLETING"
+    SUSPENDED = "SUSPENDED"
+    STOPPED = "STOPPED"
+    SIGNALING = "SIGNALING"
+    RESIZING = "RESIZING"
+    STAGE_OUT = "STAGE_OUT"
+    COMPLETED = "COMPLETED"
+    CANCELLED = "CANCELLED"
+    FAILED = "FAILED"
+    TIMEOUT = "TIMEOUT"
+    NODE_FAIL = "NODE_FAIL"
+    PREEMPTED = "PREEMPTED"
+    BOOT_FAIL = "BOOT_FAIL"
+    DEADLINE = "DEADLINE"
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    REVOKED = "REVOKED"
+    SPECIAL_EXIT = "SPECIAL_EXIT"
+    UNKNOWN = "UNKNOWN"
+
+    @classmethod
+    def parse(cls, code: str) -> JobState:
+        """Translate a Slurm state code; ``"CANCELLED by 0"`` reads as CANCELLED."""
+        word = code.strip().split(" ", 1)[0].rstrip("+").upper()
+        state = _STATE_CODES.get(word)
+        if state is None:
+            if word not in _warned:
+                _warned.add(word)
+                log.warning("unknown Slurm job state %r, treated as UNKNOWN", code)
+            return cls.UNKNOWN
+        return state
+
+    @property
+    def is_active(self) -> bool:
+        """Queued or holding (or about to hold) resources."""
+        return self in _ACTIVE
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_warned: set[str] = set()
+
+_STATE_CODES: dict[str, JobState] = {s.value: s for s in JobState if s is not JobState.UNKNOWN}
+_STATE_CODES.update(
+    {
+        # Requeued jobs go back to the queue: for us they are pending again.
+        "REQUEUED": JobState.PENDING,
+        "REQUEUE_HOLD": JobState.PENDING,
+        "REQUEUE_FED": JobState.PENDING,
+        "RESV_DEL_HOLD": JobState.PENDING,
+        "PD": JobState.PENDING,
+        "RQ": JobState.PENDING,
+        "RH": JobState.PENDING,
+        "RF": JobState.PENDING,
+        "RD": JobState.PENDING,
+        "CF": JobState.CONFIGURING,
+        "R": JobState.RUNNING,
+        "CG": JobState.COMPLETING,
+        "S": JobState.SUSPENDED,
+        "ST": JobState.STOPPED,
+        "SI": JobState.SIGNALING,
+        "RS": JobState.RESIZING,
+        "SO": JobState.STAGE_OUT,
+        "CD": JobState.COMPLETED,
+        "CA": JobState.CANCELLED,
+        "F": JobState.FAILED,
+        "TO": JobState.TIMEOUT,
+        "NF": JobState.NODE_FAIL,
+        "PR": JobState.PREEMPTED,
+        "BF": JobState.BOOT_FAIL,
+        "DL": JobState.DEADLINE,
+        "OOM": JobState.OUT_OF_MEMORY,
+        "RV": JobState.REVOKED,
+        "SE": JobState.SPECIAL_EXIT,
+    }
+)
+
+_ACTIVE = frozenset(
+    {
+        JobState.PENDING,
+        JobState.CONFIGURING,
+        JobState.RUNNING,
+        JobState.COMPLETING,
+        JobState.SUSPENDED,
+        JobState.STOPPED,
+        JobState.SIGNALING,
+        JobState.RESIZING,
+    }
+)
+_FINISHED = frozenset(
+    {
+        JobState.COMPLETED,
+        JobState.CANCELLED,
+        JobState.FAILED,
+        JobState.TIMEOUT,
+        JobState.NODE_FAIL,
+        JobState.PREEMPTED,
+        JobState.BOOT_FAIL,
+        JobState.DEADLINE,
+        JobState.OUT_OF_MEMORY,
+        JobState.REVOKED,
+        JobState.STAGE_OUT,
+        JobState.SPECIAL_EXIT,
+    }
+)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to submit.
+
+    ``script`` is the whole batch script, ``#SBATCH`` lines included (for a
+    heterogeneous job, components separated by ``#SBATCH hetjob``).
+    ``name`` and ``comment`` are also given to sbatch as options so that the
+    job's identity holds even if a site's template forgets them; both are
+    visible to every user of the cluster, so never a secret.
+    ``env`` is added to the sbatch process's environment (sbatch exports it to
+    the job): the channel for secrets and trace context, never argv.
+    """
+
+    name: str
+    script: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    comment: str = ""
+    workdir: str | None = None
+
+    @property
+    def heterogeneous(self) -> bool:
+        return any(
+            line.split()[:2] in (["#SBATCH", "hetjob"], ["#SBATCH", "packjob"])
+            for line in self.script.splitlines()
+        )
+
+
+@dataclass(frozen=True)
+class JobComponent:
+    """One component of a job (a plain job has exactly one, offset 0)."""
+
+    offset: int
+    job_id: str
+    state: JobState
+    nodes: tuple[str, ...]
+    node_count: int
+    tres_per_node: str
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as listed by the queue, heterogeneous components folded in.
+
+    ``job_id`` is the id sbatch returned (for a heterogeneous job, the id of
+    component 0, which is also the het job's id).
+    """
+
+    job_id: str
+    name: str
+    state: JobState
+    reason: str
+    partition: str
+    user: str
+    comment: str
+    nodes: tuple[str, ...]
+    submit_time: datetime | None
+    start_time: datetime | None
+    time_limit_s: int | None
+    time_left_s: int | None
+    restarts: int
+    components: tuple[JobComponent, ...]
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len(self.components) > 1
+
+
+@dataclass(frozen=True)
+class GpuCount:
+    type: str  # "" when the gres has no type
+    total: int
+    used: int
+
+    @property
+    def free(self) -> int:
+        return max(0, self.total - self.used)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    state: str  # Slurm's long state, e.g. "idle", "mixed", "down*", "drained"
+    partitions: tuple[str, ...]
+    cpus_total: int
+    cpus_alloc: int
+    memory_mb: int
+    gpus: tuple[GpuCount, ...]
+    address: str = ""
+    reason: str = ""
+
+    @property
+    def usable(self) -> bool:
+        """Can take new work (not down, drained, failing or unresponsive)."""
+        s = self.state.lower()
+        bad = ("down", "drain", "fail", "maint", "reboot", "unknown", "inval", "future", "power")
+        return not s.endswith("*") and not any(b in s for b in bad)
+
+    def gpus_free(self, gpu_type: str = "") -> int:
+        return sum(g.free for g in self.gpus if not gpu_type or g.type == gpu_type)
+
+    def gpus_total(self, gpu_type: str = "") -> int:
+        return sum(g.total for g in self.gpus if not gpu_type or g.type == gpu_type)
+
+
+@dataclass(frozen=True)
+class AccountingRecord:
+    """One job (allocation, not steps) from ``sacct``."""
+
+    job_id: str
+    name: str
+    user: str
+    account: str
+    partition: str
+    state: JobState
+    exit_code: str
+    comment: str
+    submit: datetime | None
+    start: datetime | None
+    end: datetime | None
+    elapsed_s: int
+    nodes: int
+    alloc_tres: str
+    gpus: int
+    restarts: int = 0
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpus * self.elapsed_s / 3600.0
+
+
+class SlurmBackend(Protocol):
+    """What the rest of llmgw-slurm may ask of Slurm. One place talks to Slurm."""
+
+    async def submit(self, spec: JobSpec) -> str:
+        """Submit; returns the job id. Raises SlurmError."""
+
+    async def list_jobs(self, name_prefix: str = "") -> list[Job]:
+        """This user's jobs whose name starts with ``name_prefix``, in one call."""
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        """Every node with total and used GPUs per type, in one call."""
+
+    async def cancel(self, job_id: str, *, signal: str | None = None, batch_only: bool = False) -> None:
+        """Cancel (or, with ``signal``, only signal) a job. A job already gone is not an error."""
+
+    async def requeue(self, job_id: str) -> None:
+        """Put a running job back in the queue."""
+
+    async def accounting(
+        self, start: datetime, end: datetime | None = None, name_prefix: str = "",
+        all_users: bool = False,
+    ) -> list[AccountingRecord]:
+        """Finished and running jobs from the accounting database."""
+
+    @property
+    def calls(self) -> int:
+        """How many Slurm commands or API calls this backend has made (for load figures)."""
+
+
+__all__: Sequence[str] = (
+    "AccountingRecord",
+    "GpuCount",
+    "Job",
+    "JobComponent",
+    "JobSpec",
+    "JobState",
+    "NodeInfo",
+    "SlurmBackend",
+)
