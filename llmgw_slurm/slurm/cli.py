@@ -130,10 +130,7 @@ class CliBackend:
                 "--Format=" + parse.format_arg(parse.SQUEUE_FIELDS),
             ]
         )
-        jobs = parse.parse_squeue(out)
-        if name_prefix:
-            jobs = [j for j in jobs if j.name.startswith(name_prefix)]
-        return jobs
+        return parse.parse_squeue(out, name_prefix)
 
     async def list_nodes(self) -> list[NodeInfo]:
         out = await self._run(

@@ -162,13 +162,22 @@ def _int(text: str, default: int = 0) -> int:
     return int(text) if text.isdigit() else default
 
 
-def parse_squeue(stdout: str) -> list[Job]:
-    """Fold squeue rows (one per heterogeneous component) into jobs."""
+def parse_squeue(stdout: str, name_prefix: str = "") -> list[Job]:
+    """Fold squeue rows (one per heterogeneous component) into jobs.
+
+    With ``name_prefix``, other jobs are dropped before they are parsed: a user
+    who is also the service account may have thousands of unrelated jobs.
+    """
     rows: dict[str, list[list[str]]] = {}
     order: list[str] = []
     for line in stdout.splitlines():
         if not line.strip():
             continue
+        # The name is the 4th field: a cheap check before the whole line is parsed.
+        if name_prefix:
+            head = line.split(SEP, 4)
+            if len(head) > 3 and not head[3].startswith(name_prefix):
+                continue
         f = _split(line, len(SQUEUE_FIELDS), "squeue")
         if f is None:
             continue

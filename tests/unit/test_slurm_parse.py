@@ -181,3 +181,10 @@ def test_hostlist_expand(text: str, want: tuple[str, ...]) -> None:
 def test_hostlist_rejects_unbalanced() -> None:
     with pytest.raises(SlurmParseError):
         expand("gpu[1-2")
+
+
+def test_squeue_prefix_drops_other_jobs_before_parsing() -> None:
+    text = (DATA / "squeue.txt").read_text()
+    jobs = parse.parse_squeue("not even a valid line but named otherwise\n" + text, "llmgw.big.")
+    assert [j.name for j in jobs] == ["llmgw.big.11223344"]
+    assert len(jobs[0].components) == 2
