@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,11 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     mem_kb = 0
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    slurm = subprocess.run(["sinfo", "-V"], capture_output=True, text=True, check=False).stdout.strip()
+    slurm = subprocess.run(
+        ["sinfo", "-V"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -43,7 +44,9 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def result(name: str, value: float, unit: str, reference: str, reference_value: float) -> dict[str, Any]:
+def result(
+    name: str, value: float, unit: str, reference: str, reference_value: float
+) -> dict[str, Any]:
     return {
         "name": name,
         "value": round(value, 6),
@@ -57,7 +60,7 @@ def result(name: str, value: float, unit: str, reference: str, reference_value: 
 def write(name: str, results: list[dict[str, Any]]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    doc = {"machine": machine(), "when": datetime.now(timezone.utc).isoformat(), "results": results}
+    doc = {"machine": machine(), "when": datetime.now(UTC).isoformat(), "results": results}
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import median, print_table, result, write  # noqa: E402
-from llmgw_slurm.slurm import JobSpec  # noqa: E402
-from llmgw_slurm.slurm.cli import CliBackend  # noqa: E402
+from bench.common import median, print_table, result, write
+from llmgw_slurm.slurm import JobSpec
+from llmgw_slurm.slurm.cli import CliBackend
 
 PREFIX = "llmgwbench."
 
@@ -79,7 +79,13 @@ async def main() -> None:
                 ours.append(await adapter(backend, n))
                 bare.append(await bare_squeue())
             results.append(
-                result(f"list_jobs, {n} service jobs queued", median(ours), "s", "bare squeue -u", median(bare))
+                result(
+                    f"list_jobs, {n} service jobs queued",
+                    median(ours),
+                    "s",
+                    "bare squeue -u",
+                    median(bare),
+                )
             )
     finally:
         for i in range(0, len(ids), 500):
