@@ -309,13 +309,15 @@ def convert(
         return INVALID
 
 
-def _null_refused(tp: Any) -> Invalid:
+def _null_refused(tp: Any, meta: Mapping[str, Any]) -> Invalid:
+    if meta.get("_item"):
+        return Invalid(f"expected {_type_name(tp)}, got nothing (null)")
     return Invalid(f"expected {_type_name(tp)}, got nothing (null); remove the key for the default")
 
 
 def _convert_scalar(tp: Any, node: YNode, ctx: Ctx, meta: Mapping[str, Any]) -> Any:
     if is_null(node):
-        raise _null_refused(tp)
+        raise _null_refused(tp, meta)
     if get_origin(tp) is Literal:
         choices = get_args(tp)
         if isinstance(node, YScalar) and isinstance(node.value, str) and node.value in choices:
@@ -331,6 +333,8 @@ def _convert_scalar(tp: Any, node: YNode, ctx: Ctx, meta: Mapping[str, Any]) -> 
         _check_pattern(text, meta)
         return text
     if tp is Path:
+        if not isinstance(node, YScalar) or isinstance(node.value, bool):
+            raise Invalid(f"expected a path, got {describe(node)}")
         text = scalar_text(node)
         if not text.strip():
             raise Invalid("expected a path, got an empty string")
@@ -368,7 +372,7 @@ def _convert_list(
     out = []
     ok = True
     for i, item in enumerate(node.items):
-        v = convert(item_tp, item, f"{path}[{i}]", ctx, meta, line)
+        v = convert(item_tp, item, f"{path}[{i}]", ctx, {**meta, "_item": True}, line)
         ok = ok and v is not INVALID
         out.append(v)
     return tuple(out) if ok else INVALID
@@ -392,7 +396,7 @@ def _convert_map(
             ctx.add(f"{entry.key!r} is not a valid name: expected {help_}", entry.key_line, sub)
             ok = False
             continue
-        v = convert(value_tp, entry.value, sub, ctx, meta, entry.key_line)
+        v = convert(value_tp, entry.value, sub, ctx, {**meta, "_item": True}, entry.key_line)
         ok = ok and v is not INVALID
         out[entry.key] = v
     return out if ok else INVALID

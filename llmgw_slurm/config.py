@@ -58,21 +58,19 @@ _SLURM_NAME_HELP = "a Slurm name: letters, digits, '_', '.', '+', '-'"
 _URL_HELP = "an http:// or https:// URL, e.g. http://login1:8001"
 
 
-def _check_url(value: str | None, key: str) -> list[tuple[str, str]]:
-    if value is None:
-        return []
+def _parse_url(node: YNode, ctx: Ctx) -> str:
+    text = _schema.scalar_text(node).strip()
     try:
-        parts = urlsplit(value)
+        parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError as err:
-        return [(key, f"{value!r} is not a valid URL ({err}); expected {_URL_HELP}")]
-    if (
-        parts.scheme not in ("http", "https")
-        or not parts.hostname
-        or any(c.isspace() for c in value)
-    ):
-        return [(key, f"{value!r} is not valid: expected {_URL_HELP}")]
-    return []
+        raise Invalid(f"{text!r} is not a valid URL ({err}); expected {_URL_HELP}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or " " in text:
+        raise Invalid(f"{text!r} is not valid: expected {_URL_HELP}")
+    return text
+
+
+_URL = rule(parse=_parse_url, expect=_URL_HELP)
 
 
 # --------------------------------------------------------------------- tracing
@@ -92,7 +90,7 @@ class TracingConfig:
     )
     # Default None: the exporter's own default (OTEL_EXPORTER_OTLP_ENDPOINT,
     # else localhost). Set it when the collector is elsewhere.
-    endpoint: str | None = None
+    endpoint: str | None = field(default=None, metadata=_URL)
     # Default http/protobuf: the exporter installed with llmgw-slurm. grpc
     # needs opentelemetry-exporter-otlp-proto-grpc installed as well.
     protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
@@ -109,9 +107,6 @@ class TracingConfig:
         default_factory=dict,
         metadata=rule(key_pattern=r"[^\s\x00-\x1f]{1,200}", key_help="a name without spaces"),
     )
-
-    def _problems(self) -> list[tuple[str, str]]:
-        return _check_url(self.endpoint, "endpoint")
 
 
 # ---------------------------------------------------------------------- server
@@ -206,10 +201,10 @@ class ListenConfig:
     )
     # Default None: http://<this host's FQDN>:<internal port>. Set it when
     # agents must use another name or a proxy to reach the daemon.
-    daemon_url: str | None = None
+    daemon_url: str | None = field(default=None, metadata=_URL)
 
     def _problems(self) -> list[tuple[str, str]]:
-        out = _check_url(self.daemon_url, "daemon_url")
+        out: list[tuple[str, str]] = []
         if self.gateway.port != 0 and self.gateway.port == self.internal.port:
             out.append(("internal", f"the gateway already uses port {self.gateway.port}"))
         return out
@@ -465,7 +460,7 @@ class AgentConfig:
 
     # Default None: LLMGW_DAEMON_URL from the job environment, which wins over
     # this anyway (the daemon knows where it listens).
-    daemon_url: str | None = None
+    daemon_url: str | None = field(default=None, metadata=_URL)
     # Default: see AgentWeightsConfig.
     weights: AgentWeightsConfig = field(default_factory=AgentWeightsConfig)
     # Default: every engine run with the agent's own interpreter.
@@ -489,9 +484,6 @@ class AgentConfig:
     log_dir: Path | None = None
     # Default: tracing off, see TracingConfig.
     tracing: TracingConfig = field(default_factory=TracingConfig)
-
-    def _problems(self) -> list[tuple[str, str]]:
-        return _check_url(self.daemon_url, "daemon_url")
 
     def effective_daemon_url(self, environ: Mapping[str, str] | None = None) -> str | None:
         """LLMGW_DAEMON_URL from the environment if set, else ``daemon_url``."""
