@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import textwrap
+import typing
 from pathlib import Path
 
 import pytest
 
+from llmgw_slurm.catalog import Model, TimeLimit
 from llmgw_slurm.config import (
     AgentConfig,
     EngineRuntime,
@@ -362,3 +366,31 @@ def test_check_files_collects_every_file_s_errors(tmp_path: Path) -> None:
     ]
     assert str(errs[-1]) == f"{tmp_path / 'missing.yaml'}: file not found"
     assert check_files(agent=server) != []  # a server file is not an agent file
+
+
+# ----------------------------------------------------------------------- docs
+
+
+def _schema_fields(cls: type, seen: set[type]) -> set[str]:
+    """Every field name of ``cls`` and of the dataclasses it nests."""
+    if cls in seen:
+        return set()
+    seen.add(cls)
+    names: set[str] = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        names.add(f.name)
+        for tp in (hints[f.name], *typing.get_args(hints[f.name])):
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+                names |= _schema_fields(tp, seen)
+    return names
+
+
+def test_docs_name_every_field() -> None:
+    doc = (SITE.parent / "docs" / "configuration.md").read_text()
+    seen: set[type] = {HostPort, PortRange, TimeLimit}  # values, not blocks
+    names = set()
+    for cls in (ServerConfig, AgentConfig, Model):
+        names |= _schema_fields(cls, seen)
+    missing = sorted(n for n in names if not re.search(rf"`([\w.]+\.)?{n}`", doc))
+    assert missing == []
