@@ -36,6 +36,7 @@ from llmgw_slurm.yamlsrc import YEntry, YMap, YNode, YScalar, YSeq, describe, lo
 __all__ = [
     "INVALID",
     "Ctx",
+    "FrozenMap",
     "Invalid",
     "build",
     "join",
@@ -46,6 +47,29 @@ __all__ = [
     "rule",
     "scalar_text",
 ]
+
+
+class FrozenMap(dict[str, Any]):
+    """A dict that refuses changes and can be hashed: mappings inside frozen
+    config dataclasses (``engine.env``, ``tracing.headers``) stay frozen, and the
+    dataclasses stay hashable. Still a dict for ``json.dumps`` and ``asdict``."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> Any:
+        raise TypeError("config mappings are read-only; build a new one with dict(...)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # copy/deepcopy/pickle would otherwise rebuild it item by item through
+        # __setitem__, which refuses.
+        return (FrozenMap, (dict(self),))
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 class _Invalid:
@@ -75,11 +99,10 @@ def rule(
     key_pattern: str | None = None,
     key_help: str = "",
     parse: Parser | None = None,
-    expect: str = "",
 ) -> dict[str, Any]:
     """Field metadata: bounds (ge/le/gt), a regex for strings (and list items
     and mapping values), a regex for mapping keys, or a custom ``parse``
-    function (``expect`` then names what it accepts, for type errors)."""
+    function that reads the node and raises :class:`Invalid` with a message."""
     return {
         "ge": ge,
         "le": le,
@@ -89,7 +112,6 @@ def rule(
         "key_pattern": re.compile(key_pattern) if key_pattern else None,
         "key_help": key_help,
         "parse": parse,
-        "expect": expect,
     }
 
 
@@ -382,7 +404,7 @@ def _convert_map(
     tp: Any, node: YNode, path: str, ctx: Ctx, meta: Mapping[str, Any], line: int | None
 ) -> Any:
     if is_null(node):
-        return {}
+        return FrozenMap()
     if not isinstance(node, YMap):
         raise Invalid(f"expected {_type_name(tp)}, got {describe(node)}")
     value_tp = get_args(tp)[1]
@@ -399,7 +421,7 @@ def _convert_map(
         v = convert(value_tp, entry.value, sub, ctx, {**meta, "_item": True}, entry.key_line)
         ok = ok and v is not INVALID
         out[entry.key] = v
-    return out if ok else INVALID
+    return FrozenMap(out) if ok else INVALID
 
 
 def schema_keys(cls: type) -> list[str]:

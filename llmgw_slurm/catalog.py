@@ -30,12 +30,12 @@ import math
 import re
 import string
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from llmgw_slurm import _schema
-from llmgw_slurm._schema import Ctx, Invalid, rule
+from llmgw_slurm._schema import Ctx, FrozenMap, Invalid, rule
 from llmgw_slurm.errors import ConfigError, ConfigErrors
 from llmgw_slurm.yamlsrc import (
     YEntry,
@@ -208,7 +208,7 @@ class EngineSpec:
     # Default {}: extra environment for the engine. Names starting with LLMGW_
     # and TRACEPARENT/TRACESTATE are refused: they carry the replica's identity.
     env: Mapping[str, str] = field(
-        default_factory=dict, metadata=rule(key_pattern=_ENV_NAME_RE, key_help=_ENV_HELP)
+        default_factory=FrozenMap, metadata=rule(key_pattern=_ENV_NAME_RE, key_help=_ENV_HELP)
     )
     # Default /health: what vLLM and SGLang answer on once the model is loaded.
     health_path: str = field(
@@ -256,7 +256,13 @@ class EngineSpec:
     def command_argv(
         self, *, host: str, port: int, model_path: str, api_key: str, served_name: str
     ) -> list[str]:
-        """The argv of a ``command`` engine (command then args), placeholders filled in."""
+        """The argv of a ``command`` engine (command then args), placeholders filled in.
+
+        Hazard: ``{api_key}`` on a command line is readable by every user of the
+        node (``ps``); prefer engines that take the key from their environment.
+        """
+        if self.kind != "command":
+            raise ValueError(f"a {self.kind} engine is started by the agent, not from a command")
         values = {
             "host": host,
             "port": str(port),
@@ -347,7 +353,7 @@ class Resources:
     cpus: int = field(default=4, metadata=rule(ge=1, le=4096))
     # Default None (the partition's DefMemPerCPU/DefMemPerNode): Slurm syntax
     # (64G, 512M; a bare number is megabytes; 0 means all of the node's memory).
-    memory: str | None = field(default=None, metadata=rule(parse=_parse_memory, expect=_MEM_HELP))
+    memory: str | None = field(default=None, metadata=rule(parse=_parse_memory))
     # Default None: the server's slurm.partition, else Slurm's default partition.
     # A comma list lets Slurm pick the first partition that fits.
     partition: str | None = field(
@@ -363,9 +369,7 @@ class Resources:
     )
     # Default None (the partition's DefaultTime; the daemon reads the real limit
     # from squeue for renewal). Slurm syntax (4:00:00, 1-00:00:00) or 90m/4h/1d.
-    time_limit: TimeLimit | None = field(
-        default=None, metadata=rule(parse=_parse_time_limit, expect=_TL_HELP)
-    )
+    time_limit: TimeLimit | None = field(default=None, metadata=rule(parse=_parse_time_limit))
     # Default None: a Slurm --constraint expression over node features.
     constraint: str | None = field(
         default=None,
@@ -396,8 +400,6 @@ class Resources:
         self, *, partition: str | None, account: str | None, qos: str | None
     ) -> Resources:
         """These resources with the server's slurm defaults filled in where unset."""
-        from dataclasses import replace
-
         return replace(
             self,
             partition=self.partition or partition,
@@ -480,7 +482,6 @@ class Model:
         data = asdict(self)
         tl = self.resources.time_limit
         data["resources"]["time_limit"] = tl.slurm if tl is not None else None
-        data["engine"]["env"] = dict(self.engine.env)
         return _drop_none(data)
 
     def to_spec_json(self) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from llmgw_slurm import _schema
-from llmgw_slurm._schema import Ctx, Invalid, rule
+from llmgw_slurm._schema import Ctx, FrozenMap, Invalid, rule
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.errors import ConfigError, ConfigErrors
 from llmgw_slurm.yamlsrc import YNode, YScalar, YSeq, describe
@@ -70,7 +70,7 @@ def _parse_url(node: YNode, ctx: Ctx) -> str:
     return text
 
 
-_URL = rule(parse=_parse_url, expect=_URL_HELP)
+_URL = rule(parse=_parse_url)
 
 
 # --------------------------------------------------------------------- tracing
@@ -96,7 +96,7 @@ class TracingConfig:
     protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
     # Default {}: sent with every export (e.g. an API key for a hosted backend).
     headers: Mapping[str, str] = field(
-        default_factory=dict,
+        default_factory=FrozenMap,
         metadata=rule(key_pattern=r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,200}", key_help="a header name"),
     )
     # Default 1.0 (every trace): the daemon makes few traces (one per reconcile
@@ -104,7 +104,7 @@ class TracingConfig:
     sampling_ratio: float = field(default=1.0, metadata=rule(ge=0, le=1))
     # Default {}: extra resource attributes (deployment.environment, cluster name...).
     resource_attributes: Mapping[str, str] = field(
-        default_factory=dict,
+        default_factory=FrozenMap,
         metadata=rule(key_pattern=r"[^\s\x00-\x1f]{1,200}", key_help="a name without spaces"),
     )
 
@@ -190,14 +190,14 @@ class ListenConfig:
     # default; open it (0.0.0.0:8000) deliberately, with keys_file set.
     gateway: HostPort = field(
         default=HostPort("127.0.0.1", 8000),
-        metadata=rule(parse=_parse_hostport, expect=_HOSTPORT_HELP),
+        metadata=rule(parse=_parse_hostport),
     )
     # Default 0.0.0.0:8001: the internal API (agent registration, CLI status).
     # Agents run on compute nodes, so it must be reachable from them; every
     # agent call is authenticated with its replica's secret.
     internal: HostPort = field(
         default=HostPort("0.0.0.0", 8001),  # noqa: S104 - compute nodes must reach it
-        metadata=rule(parse=_parse_hostport, expect=_HOSTPORT_HELP),
+        metadata=rule(parse=_parse_hostport),
     )
     # Default None: http://<this host's FQDN>:<internal port>. Set it when
     # agents must use another name or a proxy to reach the daemon.
@@ -392,7 +392,7 @@ class EngineRuntime:
     # Default {}: extra environment for every engine of this kind (a model's
     # engine.env wins on a clash).
     env: Mapping[str, str] = field(
-        default_factory=dict, metadata=rule(key_pattern=_ENV_NAME_RE, key_help=_ENV_HELP)
+        default_factory=FrozenMap, metadata=rule(key_pattern=_ENV_NAME_RE, key_help=_ENV_HELP)
     )
 
     def _problems(self) -> list[tuple[str, str]]:
@@ -477,7 +477,7 @@ class AgentConfig:
     # Default 20000-29999: engines bind a free port from this range; it keeps
     # clear of the well-known ports and of the OS's ephemeral range.
     port_range: PortRange = field(
-        default=PortRange(20000, 29999), metadata=rule(parse=_parse_port_range, expect=_PORTS_HELP)
+        default=PortRange(20000, 29999), metadata=rule(parse=_parse_port_range)
     )
     # Default None: engine output goes to the job's output file. A folder here
     # gets one log file per replica and node.

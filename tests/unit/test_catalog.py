@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import json
+import pickle
 import textwrap
 from pathlib import Path
 
@@ -656,6 +659,10 @@ def test_command_argv_fills_placeholders() -> None:
     )
     argv = eng.command_argv(host="n1", port=20001, model_path="/m", api_key="k", served_name="s")
     assert argv == ["srv", "--port=20001", "{x}", "--key", "k", "s", "/m", "n1"]
+    with pytest.raises(ValueError, match="started by the agent"):
+        EngineSpec(kind="vllm").command_argv(
+            host="h", port=1, model_path="/m", api_key="k", served_name="s"
+        )
 
 
 def test_resources_helpers() -> None:
@@ -799,3 +806,16 @@ def test_random_catalog_entries_load_or_raise_config_error(tmp_path: Path, doc: 
     p = tmp_path / "doc.yaml"
     p.write_text(yaml.safe_dump({"models": [doc], "defaults": doc}))
     _load_any(p)
+
+
+def test_loaded_models_are_frozen_and_hashable() -> None:
+    cat = load_catalog(SITE / "models.yaml")
+    big = cat.resolve("llama-3.1-70b")
+    assert big is not None
+    with pytest.raises(TypeError, match="read-only"):
+        big.engine.env["X"] = "y"  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        big.name = "other"  # type: ignore[misc]
+    assert len({*cat.models, *cat.models}) == 3
+    assert copy.deepcopy(big) == big and pickle.loads(pickle.dumps(big)) == big
+    assert json.loads(json.dumps(big.engine.env)) == {"NCCL_SOCKET_IFNAME": "ib0"}
