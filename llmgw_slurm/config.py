@@ -34,6 +34,7 @@ __all__ = [
     "AgentConfig",
     "AgentWeightsConfig",
     "ApptainerConfig",
+    "DrainConfig",
     "EngineRuntime",
     "EnginesConfig",
     "HostPort",
@@ -41,6 +42,7 @@ __all__ = [
     "PortRange",
     "ReadinessConfig",
     "ReconcileConfig",
+    "RendezvousConfig",
     "RestartConfig",
     "RouterConfig",
     "ServerConfig",
@@ -373,6 +375,14 @@ class AgentWeightsConfig:
     # downloading at once hit rate limits; hf sources are then taken from the
     # cache only (pre-fetch them with a model job).
     allow_download: bool = False
+    # Default size: cached weights are checked by file sizes at every start
+    # (cheap); sha256 reads every byte, minutes for a large model.
+    verify: Literal["size", "sha256"] = "size"
+    # Default 6h: another job may be fetching the same model into the cache;
+    # wait this long for its lock before failing the start.
+    lock_timeout: float = field(
+        default=6 * 3600.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+    )
 
 
 @dataclass(frozen=True)
@@ -455,6 +465,33 @@ class ReadinessConfig:
 
 
 @dataclass(frozen=True)
+class DrainConfig:
+    """How the agent stops its engine (on --signal before the time limit, or SIGTERM)."""
+
+    # Default 2m: in-flight requests may finish for this long; it fits within
+    # the --signal lead the sbatch templates ask for.
+    timeout: float = field(default=120.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 2s: how often the engine's in-flight count is read while draining.
+    poll_interval: float = field(default=2.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 10s: waited instead when the engine exposes no request metric.
+    grace: float = field(default=10.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 20s: between SIGTERM and SIGKILL of the engine; vLLM stops in a
+    # few seconds.
+    stop_grace: float = field(default=20.0, metadata=rule(parse=_schema.parse_duration))
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """How the nodes of a multi-node replica find their head."""
+
+    # Default None: the head's port is derived from the job id. A folder every
+    # node of a job sees lets the head pick any free port and publish it there.
+    dir: Path | None = None
+    # Default 10m: workers wait this long for the head.
+    timeout: float = field(default=600.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """``agent.yaml``: settings of the agent that runs inside every replica job."""
 
@@ -482,6 +519,25 @@ class AgentConfig:
     # Default None: engine output goes to the job's output file. A folder here
     # gets one log file per replica and node.
     log_dir: Path | None = None
+    # Default 0.0.0.0: the engine listens on every interface, because the
+    # daemon reaches it across the network (its API key keeps others out).
+    bind_host: str = field(
+        default="0.0.0.0",  # noqa: S104 - the daemon calls the engine from the login node
+        metadata=rule(pattern=r"[A-Za-z0-9.:-]{1,255}", pattern_help="an address or host name"),
+    )
+    # Default None: the node's host name as Slurm knows it; set it when the
+    # login node reaches compute nodes under another name.
+    advertise_host: str | None = field(
+        default=None,
+        metadata=rule(pattern=r"[A-Za-z0-9.:-]{1,255}", pattern_help="an address or host name"),
+    )
+    # Default 10s: a report to the daemon that takes longer counts as failed
+    # (and is retried); the engine keeps serving meanwhile.
+    report_timeout: float = field(default=10.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default: see DrainConfig.
+    drain: DrainConfig = field(default_factory=DrainConfig)
+    # Default: see RendezvousConfig.
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     # Default: tracing off, see TracingConfig.
     tracing: TracingConfig = field(default_factory=TracingConfig)
 

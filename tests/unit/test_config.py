@@ -16,6 +16,7 @@ from llmgw_slurm.config import (
     EngineRuntime,
     HostPort,
     PortRange,
+    RendezvousConfig,
     ServerConfig,
     TracingConfig,
     check_files,
@@ -286,6 +287,36 @@ def test_agent_defaults(tmp_path: Path) -> None:
     assert cfg.heartbeat_interval == 15.0
     assert 20000 in cfg.port_range and 30000 not in cfg.port_range
     assert str(cfg.port_range) == "20000-29999"
+    assert (cfg.weights.verify, cfg.weights.lock_timeout) == ("size", 21600.0)
+    assert (cfg.bind_host, cfg.advertise_host, cfg.report_timeout) == ("0.0.0.0", None, 10.0)
+    d = cfg.drain
+    assert (d.timeout, d.poll_interval, d.grace, d.stop_grace) == (120.0, 2.0, 10.0, 20.0)
+    assert (cfg.rendezvous.dir, cfg.rendezvous.timeout) == (None, 600.0)
+
+
+def test_agent_job_knobs(tmp_path: Path) -> None:
+    text = """\
+    weights: {verify: sha256, lock_timeout: 1h}
+    advertise_host: node1.ib
+    drain: {timeout: 5m, stop_grace: 1m}
+    rendezvous: {dir: rdv, timeout: 90s}
+    """
+    cfg = load_agent_config(write(tmp_path, text, "agent.yaml"))
+    assert (cfg.weights.verify, cfg.weights.lock_timeout) == ("sha256", 3600.0)
+    assert cfg.advertise_host == "node1.ib"
+    assert (cfg.drain.timeout, cfg.drain.stop_grace, cfg.drain.grace) == (300.0, 60.0, 10.0)
+    assert cfg.rendezvous == RendezvousConfig(dir=tmp_path / "rdv", timeout=90.0)
+    text = """\
+    weights: {verify: md5}
+    bind_host: "0.0.0.0; rm -rf /"
+    drain: {stoop_grace: 1s}
+    """
+    assert agent_errors(tmp_path, text) == [
+        "F:1: weights.verify: expected one of: size, sha256; got the string 'md5'",
+        "F:2: bind_host: '0.0.0.0; rm -rf /' is not valid: expected an address or host name",
+        "F:3: drain.stoop_grace: unknown key 'stoop_grace'; did you mean 'stop_grace'? (valid "
+        "keys: grace, poll_interval, stop_grace, timeout)",
+    ]
 
 
 def test_daemon_url_from_environment_wins() -> None:
