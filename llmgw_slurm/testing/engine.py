@@ -11,8 +11,9 @@ assert on exact text and token counts.
 Two test hooks, absent from real engines:
 
 - ``GET /debug/last-headers`` returns the headers of the last ``/v1`` request
-  (so a test can see the ``traceparent`` and the key the gateway sent);
-  ``GET /debug/stats`` returns request counters.
+  (so a test can see the ``traceparent`` and the key the gateway sent),
+  ``GET /debug/last-body`` the last JSON body, ``GET /debug/stats`` request
+  counters.
 - a request body field ``"test_abort_after": N`` makes a streamed answer drop
   the connection after N tokens, to test failures after the first byte.
 
@@ -65,6 +66,7 @@ class _EngineState:
         self.requests = 0
         self.in_flight = 0
         self.last_headers: dict[str, str] = {}
+        self.last_body: Any = None
 
 
 _OPTIONS = web.AppKey("options", EngineOptions)
@@ -154,6 +156,10 @@ async def _debug_headers(request: web.Request) -> web.Response:
     return web.json_response(request.app[_STATE].last_headers)
 
 
+async def _debug_body(request: web.Request) -> web.Response:
+    return web.json_response(request.app[_STATE].last_body)
+
+
 async def _debug_stats(request: web.Request) -> web.Response:
     st = request.app[_STATE]
     return web.json_response({"requests": st.requests, "in_flight": st.in_flight})
@@ -162,6 +168,7 @@ async def _debug_stats(request: web.Request) -> web.Response:
 async def _read_body(request: web.Request) -> dict[str, Any] | web.Response:
     try:
         body = await request.json()
+        request.app[_STATE].last_body = body
     except (json.JSONDecodeError, UnicodeDecodeError):
         return _error(400, "The body is not valid JSON.", "invalid_request_error")
     if not isinstance(body, dict):
@@ -378,6 +385,7 @@ def create_engine_app(options: EngineOptions) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_get("/debug/last-headers", _debug_headers)
+    app.router.add_get("/debug/last-body", _debug_body)
     app.router.add_get("/debug/stats", _debug_stats)
     return app
 

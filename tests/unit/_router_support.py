@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
+import openai
 from aiohttp import web
 
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
@@ -18,11 +21,13 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def serve(app: web.Application, port: int | None = None) -> AsyncIterator[str]:
+async def serve(
+    app: web.Application, port: int | None = None, *, handler_cancellation: bool = True
+) -> AsyncIterator[str]:
     """Serve ``app`` on 127.0.0.1; yields its base URL."""
     # handler_cancellation as the daemon runs it: a client that goes away
     # cancels its handler.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
     await runner.setup()
     port = port or free_port()
     site = web.TCPSite(runner, "127.0.0.1", port)
@@ -48,3 +53,27 @@ async def engine(
     )
     async with serve(app, port) as url:
         yield url
+
+
+async def eventually(cond: Callable[[], bool], what: str) -> None:
+    """Wait until ``cond()`` holds; the limit only stops a hung test, it is not a threshold."""
+    try:
+        async with asyncio.timeout(30):
+            while not cond():  # noqa: ASYNC110 - the conditions are plain attributes
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for: {what}") from None
+
+
+@asynccontextmanager
+async def engine_client(
+    key: str = "engine-key", client_key: str | None = None, **kw: Any
+) -> AsyncIterator[tuple[str, openai.AsyncOpenAI]]:
+    """A test engine and an async OpenAI client for it (closed on exit)."""
+    async with (
+        engine(key=key, **kw) as url,
+        openai.AsyncOpenAI(
+            api_key=client_key or key, base_url=url + "/v1", max_retries=0
+        ) as client,
+    ):
+        yield url, client

@@ -11,31 +11,30 @@ import time
 import aiohttp
 import openai
 import pytest
-from _router_support import engine, free_port
+from _router_support import engine, engine_client, free_port
 
 KEY = "engine-key"
 
 
 async def test_chat_non_stream_sync_client() -> None:
     async with engine() as url:
-        client = openai.OpenAI(api_key=KEY, base_url=url + "/v1", max_retries=0)
+        with openai.OpenAI(api_key=KEY, base_url=url + "/v1", max_retries=0) as client:
 
-        def call() -> openai.types.chat.ChatCompletion:
-            return client.chat.completions.create(
-                model="tiny",
-                messages=[{"role": "user", "content": "hello big world"}],
-                max_tokens=5,
-            )
+            def call() -> openai.types.chat.ChatCompletion:
+                return client.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "hello big world"}],
+                    max_tokens=5,
+                )
 
-        out = await asyncio.to_thread(call)
+            out = await asyncio.to_thread(call)
     assert out.choices[0].message.content == "hello big world hello big"
     assert out.usage is not None
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 5)
 
 
 async def test_completion_stream_one_token_per_chunk_with_usage() -> None:
-    async with engine() as url:
-        client = openai.AsyncOpenAI(api_key=KEY, base_url=url + "/v1", max_retries=0)
+    async with engine_client() as (_url, client):
         stream = await client.completions.create(
             model="tiny",
             prompt="a b",
@@ -75,8 +74,7 @@ async def test_chat_stream_without_usage_ends_with_done() -> None:
 
 
 async def test_embeddings_are_deterministic() -> None:
-    async with engine() as url:
-        client = openai.AsyncOpenAI(api_key=KEY, base_url=url + "/v1", max_retries=0)
+    async with engine_client() as (_url, client):
         a = await client.embeddings.create(model="tiny", input=["one", "two"])
         b = await client.embeddings.create(model="tiny", input="one")
     assert a.data[0].embedding == b.data[0].embedding
@@ -85,23 +83,21 @@ async def test_embeddings_are_deterministic() -> None:
 
 
 async def test_rejects_wrong_key_unknown_model_and_n() -> None:
-    async with engine() as url:
-        bad = openai.AsyncOpenAI(api_key="nope", base_url=url + "/v1", max_retries=0)
+    async with engine_client(client_key="nope") as (url, bad):
         with pytest.raises(openai.AuthenticationError):
             await bad.models.list()
-        good = openai.AsyncOpenAI(api_key=KEY, base_url=url + "/v1", max_retries=0)
-        with pytest.raises(openai.NotFoundError):
-            await good.completions.create(model="other", prompt="x")
-        with pytest.raises(openai.BadRequestError):
-            await good.completions.create(model="tiny", prompt="x", n=2)
-        models = await good.models.list()
+        async with openai.AsyncOpenAI(api_key=KEY, base_url=url + "/v1", max_retries=0) as good:
+            with pytest.raises(openai.NotFoundError):
+                await good.completions.create(model="other", prompt="x")
+            with pytest.raises(openai.BadRequestError):
+                await good.completions.create(model="tiny", prompt="x", n=2)
+            models = await good.models.list()
     assert [m.id for m in models.data] == ["tiny"]
 
 
 async def test_debug_last_headers_shows_traceparent() -> None:
     tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    async with engine() as url:
-        client = openai.AsyncOpenAI(api_key=KEY, base_url=url + "/v1", max_retries=0)
+    async with engine_client() as (url, client):
         await client.completions.create(model="tiny", prompt="x", extra_headers={"traceparent": tp})
         async with aiohttp.ClientSession() as s:
             r = await s.get(url + "/debug/last-headers", headers={"Authorization": f"Bearer {KEY}"})
@@ -110,8 +106,7 @@ async def test_debug_last_headers_shows_traceparent() -> None:
 
 
 async def test_abort_after_drops_the_stream() -> None:
-    async with engine() as url:
-        client = openai.AsyncOpenAI(api_key=KEY, base_url=url + "/v1", max_retries=0)
+    async with engine_client() as (_url, client):
         stream = await client.completions.create(
             model="tiny",
             prompt="a b c",
