@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -455,7 +454,9 @@ class Gateway:
 
         ep = self._pick(model)
         if ep is None:
+            t_hold = time.monotonic()
             held = await self._hold(request, model)
+            trace.get_current_span().set_attribute("llmgw.held_seconds", time.monotonic() - t_hold)
             if isinstance(held, web.Response):
                 return held
             ep = held
@@ -522,6 +523,9 @@ class Gateway:
                         request, upstream, ep, endpoint, model, stream, strip_usage, key, call
                     )
                 finally:
+                    # A no-op after a complete read (the connection is back
+                    # in the pool by then); otherwise it cuts the engine's
+                    # connection, which stops a generation nobody will read.
                     upstream.close()
             finally:
                 self.in_flight[key_] -= 1
@@ -550,36 +554,60 @@ class Gateway:
                 status=200,
                 headers={**out_headers, "Content-Type": ctype, "Cache-Control": "no-cache"},
             )
-            await resp.prepare(request)
             relay = _SseRelay(strip_usage)
+            chunks = upstream.content.iter_any().__aiter__()
             try:
-                async for chunk in upstream.content.iter_any():
+                await resp.prepare(request)
+                while True:
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
+                    except (
+                        aiohttp.ClientPayloadError,
+                        aiohttp.ClientConnectionError,
+                        TimeoutError,
+                    ):
+                        # The engine failed after the answer began: pass that
+                        # on as it is, an answer cut short, instead of
+                        # inventing an ending.
+                        self.metrics.upstream_errors.labels(model, "stream").inc()
+                        call.outcome = 502
+                        rest = relay.rest()
+                        if rest:
+                            await resp.write(rest)
+                        if request.transport is not None:
+                            request.transport.abort()
+                        return resp
                     out = relay.feed(chunk)
                     if out:
                         await resp.write(out)
                         if call.first_byte is None:
                             call.first_byte = time.monotonic()
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError):
-                # The engine failed after the answer began: pass that on as
-                # it is, an answer cut short, instead of inventing an ending.
-                self.metrics.upstream_errors.labels(model, "stream").inc()
                 rest = relay.rest()
-                if rest and not _client_gone(request):
+                if rest:
                     await resp.write(rest)
-                if request.transport is not None:
-                    request.transport.abort()
-                call.outcome = 502
-                return resp
+                await resp.write_eof()
             except ConnectionResetError:
-                call.outcome = 499  # the client went away mid-stream
+                # The client went away (aiohttp raises a subclass of this on
+                # writes to a closed connection); the engine's connection is
+                # cut by the caller, which stops the generation.
+                call.outcome = call.outcome or 499
                 return resp
-            rest = relay.rest()
-            if rest:
-                await resp.write(rest)
-            await resp.write_eof()
             self._record_usage(key, model, endpoint, relay.usage)
             return resp
 
+        if upstream.status in (401, 403):
+            # The engine refused the replica's key: a deployment fault, never
+            # the client's; passing the 401 on would tell the client that
+            # their own key is wrong.
+            self.metrics.upstream_errors.labels(model, "auth").inc()
+            return _error(
+                502,
+                f"The replica of model '{model}' refused the gateway's engine key.",
+                "server_error",
+                "upstream_auth_failed",
+            )
         try:
             data = await upstream.read()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:

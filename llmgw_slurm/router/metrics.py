@@ -77,7 +77,7 @@ class GatewayMetrics:
         )
         self.upstream_errors = Counter(
             "llmgw_upstream_errors",
-            "Failed calls to engines; phase is connect (retried) or stream (passed on).",
+            "Failed calls to engines; phase: connect (retried), stream (passed on), auth.",
             ["model", "phase"],
             registry=registry,
         )

@@ -452,3 +452,32 @@ async def test_two_apps_have_separate_registries() -> None:
     a = create_app(StaticDirectory())
     b = create_app(StaticDirectory())
     assert a[GATEWAY_KEY].metrics.registry is not b[GATEWAY_KEY].metrics.registry
+
+
+async def test_engine_refusing_its_key_is_502_not_401() -> None:
+    async with stack(replicas=0) as st, engine("tiny", key="right") as eurl:
+        st.directory.add_endpoint("tiny", Endpoint("r9", eurl, "wrong"))
+        status, body, _ = await post(st.url + "/v1/completions", {"model": "tiny", "prompt": "a"})
+    assert status == 502 and body["error"]["code"] == "upstream_auth_failed"  # type: ignore[index]
+
+
+async def test_client_leaving_mid_stream_stops_the_engine_request() -> None:
+    async with stack(token_delay=0.05) as st:
+        stream = await st.client().completions.create(
+            model="tiny", prompt="a", max_tokens=10_000, stream=True
+        )
+        await stream.__anext__()
+        assert st.gateway.in_flight == {("tiny", "r0"): 1}
+        await stream.close()
+        await eventually(lambda: not st.gateway.in_flight, "the gateway's request ended")
+
+        async def engine_idle() -> bool:
+            stats = await st.engine_get("r0", "/debug/stats")
+            return stats["in_flight"] == 0  # type: ignore[index, no-any-return]
+
+        for _ in range(3000):
+            if await engine_idle():
+                break
+            await asyncio.sleep(0.01)
+        assert await engine_idle()
+    assert st.directory.in_flight[("tiny", "r0")] == 0
