@@ -30,6 +30,7 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
 from llmgw_slurm.router.keys import KeyRecord, KeyRing
 from llmgw_slurm.router.metrics import GatewayMetrics
@@ -410,8 +411,10 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             return too_large
         try:
-            obj = json.loads(raw)
-        except ValueError as e:
+            # UTF-8 only, as OpenAI's API has it (json.loads would also take
+            # UTF-16, which the splicing below does not handle).
+            obj = json.loads(raw.decode("utf-8"))
+        except ValueError as e:  # UnicodeDecodeError is a ValueError
             return _error(
                 400, f"The body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
             )
@@ -438,9 +441,9 @@ class Gateway:
         call.model = model
         trace.get_current_span().set_attribute("llmgw.model", model)
 
-        changed = name != model
-        if changed:
-            obj["model"] = model
+        fields: dict[str, Any] = {}
+        if name != model:
+            fields["model"] = model
         stream = obj.get("stream") is True
         strip_usage = False
         if stream and endpoint != "embeddings":
@@ -448,9 +451,9 @@ class Gateway:
             if so is None or (isinstance(so, dict) and so.get("include_usage") is not True):
                 # Ask for usage so that it can be counted; the usage-only
                 # chunk the client did not ask for is taken out again.
-                obj["stream_options"] = {**(so or {}), "include_usage": True}
-                strip_usage = changed = True
-        body = json.dumps(obj, ensure_ascii=False).encode() if changed else raw
+                fields["stream_options"] = {**(so or {}), "include_usage": True}
+                strip_usage = True
+        body = with_fields(raw, fields) if fields else raw
 
         ep = self._pick(model)
         if ep is None:
