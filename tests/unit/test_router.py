@@ -481,3 +481,25 @@ async def test_client_leaving_mid_stream_stops_the_engine_request() -> None:
             await asyncio.sleep(0.01)
         assert await engine_idle()
     assert st.directory.in_flight[("tiny", "r0")] == 0
+
+
+async def test_sync_client_completions_stream_and_embeddings() -> None:
+    async with stack() as st:
+        client = st.sync_client()
+
+        def calls() -> tuple[str, list[str], int]:
+            out = client.completions.create(model="small", prompt="u v", max_tokens=2)
+            stream = client.chat.completions.create(
+                model="tiny-chat",
+                messages=[{"role": "user", "content": "s t"}],
+                max_tokens=3,
+                stream=True,
+            )
+            pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+            emb = client.embeddings.create(model="tiny", input="e")
+            return out.choices[0].text, pieces, len(emb.data[0].embedding)
+
+        text, pieces, dim = await asyncio.to_thread(calls)
+    assert text == "u v"
+    assert pieces == ["", "s", " t", " s", ""]
+    assert dim == 8
