@@ -59,7 +59,7 @@ async def eventually(cond: Callable[[], bool], what: str) -> None:
     """Wait until ``cond()`` holds; the limit only stops a hung test, it is not a threshold."""
     try:
         async with asyncio.timeout(30):
-            while not cond():  # noqa: ASYNC110 - the conditions are plain attributes
+            while not cond():
                 await asyncio.sleep(0.01)
     except TimeoutError:
         raise AssertionError(f"timed out waiting for: {what}") from None

@@ -460,7 +460,7 @@ async def test_submit_writes_a_private_script_file_and_removes_it() -> None:
     assert seen["environment"] == {"PATH": "/usr/bin", "LLMGW_REPLICA_SECRET": "s3cret"}
     assert seen["sbatch"] == ["#SBATCH --gres=gpu:a100:1", "#SBATCH --time=01:00:00"]
     assert seen["mode"] == 0o600
-    assert not os.path.exists(seen["script"])  # noqa: ASYNC240 - a test assertion
+    assert not os.path.exists(seen["script"])
     assert b.calls == 1
 
 
