@@ -97,6 +97,8 @@ def settings_from_config(path: Path | None, overrides: dict[str, Any]) -> AgentS
 @click.option("--drain-poll", "drain_poll_s", type=float, default=None)
 @click.option("--drain-grace", "drain_grace_s", type=float, default=None)
 @click.option("--stop-grace", "stop_grace_s", type=float, default=None)
+@click.option("--report-timeout", "report_timeout_s", type=float, default=None,
+              help="Per report, and for the last reports at exit.")
 @click.option("--log-level", default="INFO", show_default=True)
 @click.pass_context
 def main(ctx: click.Context, /, config_path: Path | None, log_level: str, port_range: str | None,

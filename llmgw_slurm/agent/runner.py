@@ -225,9 +225,13 @@ class Agent:
                 finally:
                     self._cleanup()
                     self._outbox.put_nowait(None)
-                    # Final reports get a bounded chance: the job is ending.
+                    # Final reports get a bounded chance: the job is ending, and
+                    # Slurm's KillWait will not wait for an absent daemon.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(sender, self.settings.report_timeout_s * 2)
+                        await asyncio.wait_for(sender, self.settings.report_timeout_s)
+                    if not sender.done():
+                        log.warning("daemon away: %d report(s) not delivered",
+                                    self._outbox.qsize())
                     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
                         loop.remove_signal_handler(sig)
 
@@ -367,9 +371,11 @@ class Agent:
     async def _drain_and_stop(self, session: aiohttp.ClientSession) -> None:
         assert self.engine is not None and self.role is not None
         s = self.settings
+        if self.role.is_head:
+            # First, so that the daemon stops routing here before anything else.
+            self._emit("draining", url=self.url, message=self.drain_reason)
         async with self._step("drain", reason=self.drain_reason) as span:
             if self.role.is_head:
-                self._emit("draining", url=self.url, message=self.drain_reason)
                 waited = await self._wait_in_flight(session)
                 span.set_attribute("llmgw.drain.waited_s", waited)
             else:
