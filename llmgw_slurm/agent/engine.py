@@ -7,7 +7,8 @@ shared node, while ``/proc/PID/environ`` is not. vLLM reads it from
 few lines of Python that append the flag from the environment inside the
 process (``sys.argv`` there is not what ``ps`` shows). A custom command may
 use ``{api_key}``, at its own risk; ``LLMGW_ENGINE_API_KEY`` is in its
-environment too.
+environment too. vLLM run through ``engines.vllm.executable`` (``vllm serve``)
+reads ``VLLM_API_KEY`` as well.
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ import collections
 import contextlib
 import logging
 import os
-import re
 import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO
 
 import aiohttp
 
 from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.agent.settings import EngineRuntime
 from llmgw_slurm.agent.spec import EngineSpec
 
 __all__ = [
@@ -60,7 +61,6 @@ PLACEHOLDERS = (
     "host", "port", "model_path", "api_key", "served_name",
     "nnodes", "node_rank", "master_addr", "master_port",
 )
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,20 @@ class DistInfo:
 
 @dataclass(frozen=True)
 class LaunchParams:
+    """``python``: the agent's interpreter, used when the site names none for the kind.
+    ``binds``: paths the engine must see inside an Apptainer image (the
+    weights); added to the site's ``apptainer_binds``."""
+
     model_path: str
     served_name: str
     host: str
     port: int
     python: str
+    runtime: EngineRuntime = field(default_factory=EngineRuntime)
     dist: DistInfo | None = None
     apptainer: str = "apptainer"
+    apptainer_binds: tuple[str, ...] = ()
+    binds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,10 +97,21 @@ class EngineCommand:
     env: dict[str, str]  # added to the agent's environment
 
 
-def _vllm(spec: EngineSpec, p: LaunchParams, python: str) -> list[str]:
-    argv = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", p.model_path,
+def _program(p: LaunchParams, in_image: bool, module: str) -> list[str]:
+    if p.runtime.executable:
+        return [p.runtime.executable]
+    python = p.runtime.python or ("python3" if in_image else p.python)
+    return [python, "-m", module]
+
+
+def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
+    if p.runtime.executable:
+        # The `vllm` entry point takes the model as an argument of `serve`.
+        argv = [p.runtime.executable, "serve", p.model_path]
+    else:
+        argv = [*_program(p, in_image, "vllm.entrypoints.openai.api_server"),
+                "--model", p.model_path]
+    argv += [
         "--served-model-name", p.served_name,
         "--host", p.host,
         "--port", str(p.port),
@@ -110,7 +128,14 @@ def _vllm(spec: EngineSpec, p: LaunchParams, python: str) -> list[str]:
     return argv + list(spec.args)
 
 
-def _sglang(spec: EngineSpec, p: LaunchParams, python: str) -> list[str]:
+def _sglang(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
+    if p.runtime.executable:
+        raise EngineError(
+            "engines.sglang.executable: SGLang takes its API key only as --api-key, which "
+            "every user of the node could read in its command line; set engines.sglang.python "
+            "so the agent can hand it the key inside the process"
+        )
+    python = p.runtime.python or ("python3" if in_image else p.python)
     argv = [
         python, "-c", _SGLANG_SHIM,
         "--model-path", p.model_path,
@@ -127,7 +152,7 @@ def _sglang(spec: EngineSpec, p: LaunchParams, python: str) -> list[str]:
     return argv + list(spec.args)
 
 
-def _custom(spec: EngineSpec, p: LaunchParams, api_key: str) -> list[str]:
+def _command(spec: EngineSpec, p: LaunchParams, api_key: str) -> list[str]:
     d = p.dist or DistInfo(1, 0, p.host, 0)
     values = {
         "host": p.host,
@@ -140,34 +165,38 @@ def _custom(spec: EngineSpec, p: LaunchParams, api_key: str) -> list[str]:
         "master_addr": d.master_addr,
         "master_port": str(d.master_port),
     }
-
-    def sub(m: re.Match[str]) -> str:
-        name = m.group(1)
-        if name not in values:
+    out = []
+    for arg in (*spec.command, *spec.args):
+        # str.format semantics, as the catalog checks them: {{ and }} are
+        # literal braces, and a substituted value is never scanned again.
+        try:
+            out.append(arg.format_map(values))
+        except KeyError as err:
             raise EngineError(
-                f"engine.command: unknown placeholder {{{name}}}; valid: "
+                f"engine.command: {arg!r}: unknown placeholder {{{err.args[0]}}}; valid: "
                 + ", ".join(f"{{{k}}}" for k in PLACEHOLDERS)
-            )
-        return values[name]
-
-    # One pass per argument: a substituted value is never scanned again, so a
-    # model path holding "{api_key}" stays a path.
-    return [_PLACEHOLDER.sub(sub, a) for a in (*spec.command, *spec.args)]
+            ) from err
+        except (ValueError, IndexError, AttributeError) as err:
+            raise EngineError(
+                f"engine.command: {arg!r}: {err}; write {{{{ and }}}} for literal braces"
+            ) from err
+    return out
 
 
 def build_engine_command(spec: EngineSpec, p: LaunchParams, api_key: str) -> EngineCommand:
     """The engine's argv and the environment it needs on top of the agent's."""
-    python = spec.python or ("python3" if spec.image else p.python)
-    env: dict[str, str] = {API_KEY_ENV: api_key}
-    if spec.type == "vllm":
-        argv = _vllm(spec, p, python)
+    in_image = spec.apptainer_image is not None
+    env: dict[str, str] = dict(p.runtime.env)
+    env[API_KEY_ENV] = api_key
+    if spec.kind == "vllm":
+        argv = _vllm(spec, p, in_image)
         env["VLLM_API_KEY"] = api_key
-    elif spec.type == "sglang":
-        argv = _sglang(spec, p, python)
-    elif spec.type == "custom":
-        argv = _custom(spec, p, api_key)
+    elif spec.kind == "sglang":
+        argv = _sglang(spec, p, in_image)
+    elif spec.kind == "command":
+        argv = _command(spec, p, api_key)
     else:
-        raise EngineError(f"engine.type: {spec.type!r} is not an engine")
+        raise EngineError(f"engine.kind: {spec.kind!r} is not an engine")
     if p.dist:
         env.update(
             MASTER_ADDR=p.dist.master_addr,
@@ -178,11 +207,15 @@ def build_engine_command(spec: EngineSpec, p: LaunchParams, api_key: str) -> Eng
             WORLD_SIZE=str(p.dist.nnodes),
             NNODES=str(p.dist.nnodes),
         )
+    # The model's own env wins over the site's for its kind.
     env.update(spec.env)
-    if spec.image:
+    if spec.apptainer_image:
         # --nv binds the host's NVIDIA driver; the host environment (the key
         # included) passes into the container by Apptainer's default.
-        argv = [p.apptainer, "exec", "--nv", spec.image, *argv]
+        wrap = [p.apptainer, "exec", "--nv"]
+        for b in (*p.apptainer_binds, *p.binds):
+            wrap += ["--bind", b]
+        argv = [*wrap, spec.apptainer_image, *argv]
     return EngineCommand(argv=argv, env=env)
 
 

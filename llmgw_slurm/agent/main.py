@@ -4,12 +4,15 @@
     llmgw-agent --config agent.yaml fetch    # a model job: weights into the cache only
 
 The model spec and secrets come from the job environment (LLMGW_*), set by
-the daemon at submission; the options here override agent.yaml.
+the daemon at submission; the options here override agent.yaml. Without
+--config, --cache-dir is needed and everything else has its default.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib
 import logging
 import os
 import sys
@@ -20,12 +23,12 @@ from typing import Any
 import click
 
 from llmgw_slurm.agent.runner import Agent, job_context_from_env
-from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+from llmgw_slurm.agent.settings import AgentSettings, EngineRuntime, FetchSettings
 from llmgw_slurm.agent.spec import parse_replica_spec
 from llmgw_slurm.agent.weights import ensure_weights
 from llmgw_slurm.errors import LlmgwError
 
-__all__ = ["main"]
+__all__ = ["build_settings", "main", "settings_from_agent_config"]
 
 log = logging.getLogger("llmgw_slurm.agent")
 
@@ -49,43 +52,90 @@ def _port_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def settings_from_config(path: Path | None, overrides: dict[str, Any]) -> AgentSettings:
-    """AgentSettings from agent.yaml, then the command-line overrides.
+def settings_from_agent_config(cfg: Any) -> AgentSettings:
+    """AgentSettings from a loaded ``llmgw_slurm.config.AgentConfig``.
 
-    Loading agent.yaml belongs to llmgw_slurm.config (AgentConfig); until it
-    is wired here, every setting comes from the options.
+    Typed loosely on purpose: this module must import without the config
+    module (the agent runs in minimal environments), and the tests give it
+    the real AgentConfig once both are in one tree.
     """
-    if path is not None:
-        raise click.ClickException(
-            f"--config {path}: reading agent.yaml is not wired into llmgw-agent yet; "
-            "pass --cache-dir and --shared-dir (and other options) instead"
+    engines = {
+        kind: EngineRuntime(
+            python=getattr(cfg.engines, kind).python,
+            executable=getattr(cfg.engines, kind).executable,
+            env=dict(getattr(cfg.engines, kind).env),
         )
-    cache_dir = overrides.pop("cache_dir")
-    shared_dir = overrides.pop("shared_dir")
-    if cache_dir is None or shared_dir is None:
-        raise click.UsageError("--cache-dir and --shared-dir are needed without --config")
+        for kind in ("vllm", "sglang", "command")
+    }
     fetch = FetchSettings(
-        cache_dir=cache_dir,
-        enabled=overrides.pop("fetch"),
-        allow_hf=overrides.pop("allow_hf"),
-        verify=overrides.pop("verify"),
+        cache_dir=Path(cfg.weights.cache_dir),
+        method=cfg.weights.method,
+        allow_hf=bool(cfg.weights.allow_download),
     )
-    kwargs = {k: v for k, v in overrides.items() if v is not None}
-    return AgentSettings(fetch=fetch, shared_dir=shared_dir, **kwargs)
+    rdzv_dir = getattr(cfg, "rendezvous_dir", None)
+    return AgentSettings(
+        fetch=fetch,
+        engines=engines,
+        apptainer=cfg.apptainer.binary,
+        apptainer_binds=tuple(cfg.apptainer.binds),
+        port_range=(cfg.port_range.first, cfg.port_range.last),
+        rendezvous_dir=Path(rdzv_dir) if rdzv_dir else None,
+        ready_timeout_s=float(cfg.readiness.timeout),
+        ready_poll_s=float(cfg.readiness.poll_interval),
+        heartbeat_interval_s=float(cfg.heartbeat_interval),
+        log_dir=Path(cfg.log_dir) if cfg.log_dir else None,
+    )
+
+
+def _load_config(path: Path) -> tuple[AgentSettings, str | None]:
+    try:
+        config = importlib.import_module("llmgw_slurm.config")
+    except ImportError as err:
+        raise click.ClickException(
+            f"--config {path}: llmgw_slurm.config is not installed with this agent ({err})"
+        ) from err
+    try:
+        cfg = config.load_agent_config(path)
+    except LlmgwError as err:
+        raise click.ClickException(str(err)) from err
+    return settings_from_agent_config(cfg), cfg.daemon_url
+
+
+def build_settings(path: Path | None, options: dict[str, Any]) -> tuple[AgentSettings, str | None]:
+    """agent.yaml (if given), then the command-line options that were set."""
+    opts = {k: v for k, v in options.items() if v is not None}
+    if path is not None:
+        settings, daemon_url = _load_config(path)
+    elif "cache_dir" in opts:
+        settings, daemon_url = AgentSettings(fetch=FetchSettings(cache_dir=opts["cache_dir"])), None
+    else:
+        raise click.UsageError("give --config agent.yaml, or at least --cache-dir")
+    fetch_keys = {"cache_dir": "cache_dir", "fetch": "enabled", "allow_hf": "allow_hf",
+                  "verify": "verify", "weights_method": "method"}
+    fetch_over = {fetch_keys[k]: opts.pop(k) for k in list(opts) if k in fetch_keys}
+    if fetch_over:
+        settings = dataclasses.replace(
+            settings, fetch=dataclasses.replace(settings.fetch, **fetch_over)
+        )
+    if opts:
+        settings = dataclasses.replace(settings, **opts)
+    return settings, daemon_url
 
 
 @click.group()
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="agent.yaml")
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="Shared weights cache.")
-@click.option("--shared-dir", type=click.Path(path_type=Path),
-              help="A directory every node of a job sees (rendezvous files).")
-@click.option("--fetch/--no-fetch", default=True, show_default=True,
-              help="Fetch missing weights (off: they must be in the cache).")
-@click.option("--allow-hf/--no-allow-hf", default=False, show_default=True,
-              help="Allow `hf download` from this node.")
-@click.option("--verify", type=click.Choice(["size", "sha256"]), default="size",
-              show_default=True, help="How cached weights are checked at start.")
+@click.option("--rendezvous-dir", type=click.Path(path_type=Path),
+              help="A directory every node of a job sees (multi-node port files).")
+@click.option("--fetch/--no-fetch", default=None,
+              help="Fetch missing weights (off: they must be in the cache). Default on.")
+@click.option("--allow-hf/--no-allow-hf", default=None,
+              help="Allow `hf download` from this node (agent.yaml weights.allow_download).")
+@click.option("--weights-method", type=click.Choice(["auto", "copy", "hf", "none"]),
+              default=None, help="Force a weights method (agent.yaml weights.method).")
+@click.option("--verify", type=click.Choice(["size", "sha256"]), default=None,
+              help="How cached weights are checked at start. Default size.")
 @click.option("--python", default=None, help="Interpreter of the engine (default: this one).")
 @click.option("--bind-host", default=None, help="Address the engine listens on.")
 @click.option("--advertise-host", default=None, help="Host name reported to the daemon.")
@@ -110,20 +160,19 @@ def main(ctx: click.Context, /, config_path: Path | None, log_level: str, port_r
     ctx.obj = (config_path, options)
 
 
-def _settings(ctx: click.Context) -> AgentSettings:
+def _settings(ctx: click.Context) -> tuple[AgentSettings, str | None]:
     config_path, options = ctx.obj
-    try:
-        return settings_from_config(config_path, dict(options))
-    except LlmgwError as err:
-        raise click.ClickException(str(err)) from err
+    return build_settings(config_path, dict(options))
 
 
 @main.command()
 @click.pass_context
 def run(ctx: click.Context) -> None:
     """Run a replica: weights, rendezvous, engine, readiness, serve until drained."""
-    settings = _settings(ctx)
+    settings, daemon_url = _settings(ctx)
     env = dict(os.environ)
+    if daemon_url and not env.get("LLMGW_DAEMON_URL"):
+        env["LLMGW_DAEMON_URL"] = daemon_url
     try:
         job = job_context_from_env(env)
     except LlmgwError as err:
@@ -136,7 +185,7 @@ def run(ctx: click.Context) -> None:
 @click.pass_context
 def fetch(ctx: click.Context) -> None:
     """Fetch the weights of LLMGW_REPLICA_SPEC's model into the cache, and exit."""
-    settings = _settings(ctx)
+    settings, _ = _settings(ctx)
     try:
         spec = parse_replica_spec(os.environ.get("LLMGW_REPLICA_SPEC"))
         t0 = time.monotonic()
@@ -144,7 +193,8 @@ def fetch(ctx: click.Context) -> None:
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
     what = "fetched" if result.fetched else "already there"
-    click.echo(f"{spec.name}: {result.path} ({what}, {time.monotonic() - t0:.1f}s)")
+    where = result.model_path or "(no weights)"
+    click.echo(f"{spec.name}: {where} ({what}, {time.monotonic() - t0:.1f}s)")
 
 
 if __name__ == "__main__":

@@ -4,17 +4,25 @@ The role of a node is a pure function of the job environment (tested with
 fake ``SLURM_*`` dicts); expanding a Slurm hostlist is the one place that asks
 Slurm (``scontrol show hostnames``), hidden behind :func:`expand_hostnames`.
 
-The head's distributed port is chosen on the head and published in a file in
-the job's shared directory; the workers wait for that file. A port derived
-from the job id alone would need no file, but the head cannot then move off a
-port that another job on the same node already holds, and the workers would
-never learn of the move. The file is named by job id and restart count, so a
-requeued job never reads the port of its previous run.
+The head's distributed port, two ways:
+
+- with a rendezvous directory that every node of the job sees (agent
+  setting ``rendezvous_dir``), the head picks any free port of the range and
+  publishes it in a file there; the workers wait for the file. The file is
+  named by job id and restart count, so a requeued job never reads the port
+  of its previous run. Preferred: the head can always find a free port.
+- without one (the default: agent.yaml may sit on a shared filesystem, but
+  nothing promises a writable one), every node derives the same port from
+  the job id and restart count (:func:`derived_port`); the head checks that it
+  is free and fails clearly if another process holds it, since it cannot tell
+  the workers about a move. The daemon then restarts the replica as a new job
+  with another id, hence another port.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -30,7 +38,9 @@ from llmgw_slurm.agent.errors import RendezvousError
 __all__ = [
     "NodeRole",
     "await_published",
+    "check_port_free",
     "compute_role",
+    "derived_port",
     "expand_hostnames",
     "pick_free_port",
     "publish",
@@ -188,6 +198,22 @@ def pick_free_port(
         if port not in skip and _port_free(host, port):
             return port
     raise RendezvousError(f"rendezvous: no free port in {lo}-{hi} on {socket.gethostname()}")
+
+
+def derived_port(port_range: tuple[int, int], role: NodeRole) -> int:
+    """The same port on every node of one job run, spread over the range."""
+    lo, hi = port_range
+    digest = hashlib.sha256(f"{role.job_id}.{role.restart}".encode()).digest()
+    return lo + int.from_bytes(digest[:4], "big") % (hi - lo + 1)
+
+
+def check_port_free(port: int, host: str) -> None:
+    if not _port_free(host, port):
+        raise RendezvousError(
+            f"rendezvous: port {port} (derived from the job id) is taken on "
+            f"{socket.gethostname()}; set a rendezvous directory in agent.yaml to let the "
+            "head choose a free one"
+        )
 
 
 def rendezvous_path(shared_dir: Path, role: NodeRole) -> Path:

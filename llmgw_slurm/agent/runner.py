@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 from opentelemetry import trace
@@ -132,6 +132,7 @@ class Agent:
         self._outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._client: DaemonClient | None = None
         self._published: Path | None = None
+        self._log_files: list[IO[bytes]] = []
         self._metrics_url = ""
 
     # --- drain triggers -------------------------------------------------------
@@ -268,49 +269,47 @@ class Agent:
     async def _startup(self, session: aiohttp.ClientSession) -> None:
         spec = self.job.spec
         s = self.settings
-        async with self._step("weights", method=spec.weights.method) as span:
+        method = spec.weights.method if spec.weights else "none"
+        async with self._step("weights", method=method) as span:
             result = await asyncio.to_thread(ensure_weights, spec.name, spec.weights, s.fetch)
             span.set_attribute("llmgw.weights.fetched", result.fetched)
             span.set_attribute("llmgw.weights.bytes", result.bytes)
-            model_path = str(result.path)
+            model_path = result.model_path
 
         async with self._step("rendezvous") as span:
             role = rdzv.compute_role(self.env, self._expand)
             self.role = role
             span.set_attribute("llmgw.node_rank", role.rank)
             span.set_attribute("llmgw.nnodes", role.nnodes)
+            dist, taken = await self._rendezvous(role)
+            if dist is not None:
+                span.set_attribute("llmgw.master_addr", dist.master_addr)
+                span.set_attribute("llmgw.master_port", dist.master_port)
             seed = int(re.sub(r"\D", "", role.job_id) or "0")
-            port = rdzv.pick_free_port(s.port_range, seed, s.bind_host) if role.is_head else 0
-            dist: DistInfo | None = None
-            if role.multi_node:
-                path = rdzv.rendezvous_path(s.shared_dir, role)
-                if role.is_head:
-                    mport = rdzv.pick_free_port(s.port_range, seed + 1, s.bind_host, {port})
-                    rdzv.publish(path, role, role.head_host, mport)
-                    self._published = path
-                    maddr = role.head_host
-                else:
-                    maddr, mport = await rdzv.await_published(
-                        path, role, s.rendezvous_timeout_s
-                    )
-                dist = DistInfo(role.nnodes, role.rank, maddr, mport)
-                span.set_attribute("llmgw.master_addr", maddr)
-                span.set_attribute("llmgw.master_port", mport)
+            port = (
+                rdzv.pick_free_port(s.port_range, seed, s.bind_host, taken) if role.is_head else 0
+            )
 
-        async with self._step("engine_launch", engine=spec.engine.type):
+        async with self._step("engine_launch", engine=spec.engine.kind):
+            binds = (model_path,) if model_path.startswith("/") else ()
             launch = LaunchParams(
                 model_path=model_path,
                 served_name=spec.served_name,
                 host=s.bind_host,
                 port=port,
                 python=s.python,
+                runtime=s.runtime(spec.engine.kind),
                 dist=dist,
                 apptainer=s.apptainer,
+                apptainer_binds=s.apptainer_binds,
+                binds=binds,
             )
             cmd = build_engine_command(spec.engine, launch, self.job.engine_api_key)
             log.info("engine: %s", _redact(cmd.argv, self.job.engine_api_key))
+            out, err = self._engine_log_files(role)
             self.engine = EngineProcess(
-                cmd.argv, engine_env(self.env, cmd.env), tail_lines=s.log_tail_lines
+                cmd.argv, engine_env(self.env, cmd.env), tail_lines=s.log_tail_lines,
+                stdout=out, stderr=err,
             )
             await self.engine.start()
 
@@ -325,6 +324,36 @@ class Agent:
             )
         self.url = f"http://{s.advertise_host or self.hostname}:{port}"
         self._metrics_url = f"http://{poll_host}:{port}{spec.engine.metrics_path}"
+
+    async def _rendezvous(self, role: rdzv.NodeRole) -> tuple[DistInfo | None, set[int]]:
+        """Where the nodes meet, and ports the engine's API must not take."""
+        s = self.settings
+        if not role.multi_node:
+            return None, set()
+        if s.rendezvous_dir is not None:
+            path = rdzv.rendezvous_path(s.rendezvous_dir, role)
+            if role.is_head:
+                seed = int(re.sub(r"\D", "", role.job_id) or "0")
+                mport = rdzv.pick_free_port(s.port_range, seed + 1, s.bind_host)
+                rdzv.publish(path, role, role.head_host, mport)
+                self._published = path
+            else:
+                _, mport = await rdzv.await_published(path, role, s.rendezvous_timeout_s)
+        else:
+            mport = rdzv.derived_port(s.port_range, role)
+            if role.is_head:
+                rdzv.check_port_free(mport, s.bind_host)
+        return DistInfo(role.nnodes, role.rank, role.head_host, mport), {mport}
+
+    def _engine_log_files(self, role: rdzv.NodeRole) -> tuple[IO[bytes] | None, IO[bytes] | None]:
+        if self.settings.log_dir is None:
+            return None, None
+        self.settings.log_dir.mkdir(parents=True, exist_ok=True)
+        name = f"{self.job.model}.{self.job.replica_id}.{role.job_id}.{self.hostname}.log"
+        f = (self.settings.log_dir / name).open("ab")
+        self._log_files.append(f)
+        log.info("engine output goes to %s", self.settings.log_dir / name)
+        return f, f
 
     async def _serve(self, session: aiohttp.ClientSession) -> int:
         assert self.engine is not None and self.role is not None
@@ -424,6 +453,9 @@ class Agent:
             await self.engine.stop(self.settings.stop_grace_s)
 
     def _cleanup(self) -> None:
+        for f in self._log_files:
+            with contextlib.suppress(OSError):
+                f.close()
         if self._published is not None:
             with contextlib.suppress(OSError):
                 self._published.unlink()

@@ -1,29 +1,25 @@
 """The model spec an agent receives in ``LLMGW_REPLICA_SPEC``.
 
-The daemon serialises the catalog's model entry as JSON into the job's
-environment. The agent reads the parts it acts on (``engine``, ``weights``,
-``resources``) and leaves the rest (scaling, aliases, ...) to the daemon:
-unknown top-level keys are ignored, but unknown keys inside the parts the
-agent acts on are refused, because a misspelt engine option silently ignored
-is a replica that starts wrong.
+The daemon serialises the catalog's model entry (``catalog.Model.to_spec``)
+as JSON into the job's environment. The agent reads the parts it acts on
+(``engine``, ``weights``, ``resources.nodes/gpus``) and leaves the rest
+(scaling, aliases, ...) to the daemon: unknown keys outside ``engine`` and
+``weights`` are ignored, unknown keys inside them are refused, because a
+misspelt engine option silently ignored is a replica that starts wrong.
 
-Shape (every key but ``name`` optional unless said)::
+Shape (as the catalog writes it; absent means default)::
 
     {"name": "llama-8b",
-     "served_name": "llama-8b",                 # default: name
-     "engine": {"type": "vllm"|"sglang"|"custom",
-                "args": ["--dtype", "bfloat16"], # extra engine arguments
-                "command": ["prog", "--port", "{port}"],  # custom only, required there
+     "engine": {"kind": "vllm"|"sglang"|"command",
+                "args": ["--dtype", "bfloat16"],
+                "command": ["prog", "--port", "{port}"],   # kind command only
+                "apptainer_image": "/images/vllm.sif",     # run in `apptainer exec --nv`
                 "env": {"K": "V"},
-                "python": "/opt/engines/vllm-0.6/bin/python",  # default: the agent's
-                "image": "/opt/images/vllm.sif",  # run inside `apptainer exec --nv`
                 "health_path": "/health",
-                "metrics_path": "/metrics",
-                "ready_timeout_s": 1800},
-     "weights": {"method": "path"|"copy"|"hf",   # default: path
-                 "source": "/shared/models/llama-8b" | "org/repo",
-                 "revision": "main"},             # hf only
-     "resources": {"nodes": 1, "gpus": 1}}
+                "ready_timeout": 1800.0},
+     "weights": {"source": "/shared/models/x" | "hf:ORG/NAME[@REV]",
+                 "method": "copy"|"hf"|"none"},   # default: hf for hf:, else none
+     "resources": {"nodes": 1, "gpus": 1, ...}}
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ from typing import Any
 from llmgw_slurm.errors import ConfigError
 
 __all__ = [
-    "ENGINE_TYPES",
+    "ENGINE_KINDS",
     "WEIGHT_METHODS",
     "EngineSpec",
     "ReplicaSpec",
@@ -45,43 +41,62 @@ __all__ = [
     "parse_replica_spec",
 ]
 
-ENGINE_TYPES = ("vllm", "sglang", "custom")
-WEIGHT_METHODS = ("path", "copy", "hf")
+ENGINE_KINDS = ("vllm", "sglang", "command")
+WEIGHT_METHODS = ("copy", "hf", "none")
 _MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,47}$")
-_HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*/[A-Za-z0-9][A-Za-z0-9._\-]*$")
-_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
+_HF_SOURCE = re.compile(
+    r"^hf:(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)"
+    r"(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9._/-]{0,99}))?$"
+)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _WHERE = "LLMGW_REPLICA_SPEC"
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    type: str
+    kind: str
     args: tuple[str, ...] = ()
     command: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
-    python: str | None = None
-    image: str | None = None
+    apptainer_image: str | None = None
     health_path: str = "/health"
-    metrics_path: str = "/metrics"
     ready_timeout_s: float | None = None
+    # Not in the catalog: where vLLM and SGLang report their request gauges.
+    metrics_path: str = "/metrics"
 
 
 @dataclass(frozen=True)
 class WeightsSpec:
-    method: str = "path"
-    source: str = ""
-    revision: str | None = None
+    """``source`` an absolute path or ``hf:ORG/NAME[@REV]``; ``method`` copy, hf or none."""
+
+    source: str
+    method: str = "none"
+
+    @property
+    def hf_repo(self) -> str | None:
+        m = _HF_SOURCE.fullmatch(self.source)
+        return m.group("repo") if m else None
+
+    @property
+    def hf_revision(self) -> str | None:
+        m = _HF_SOURCE.fullmatch(self.source)
+        return m.group("rev") if m else None
 
 
 @dataclass(frozen=True)
 class ReplicaSpec:
+    """``weights`` None: a command engine that brings its own model."""
+
     name: str
-    served_name: str
     engine: EngineSpec
-    weights: WeightsSpec
+    weights: WeightsSpec | None
     nodes: int = 1
     gpus: int = 0
+
+    @property
+    def served_name(self) -> str:
+        # The router resolves aliases to the model name before forwarding.
+        return self.name
 
 
 def _err(field_: str, message: str) -> ConfigError:
@@ -126,18 +141,17 @@ def _path_in_url(value: Any, field_: str) -> str:
 
 def _engine(raw: Any) -> EngineSpec:
     allowed = (
-        "type", "args", "command", "env", "python", "image",
-        "health_path", "metrics_path", "ready_timeout_s", "version",
+        "kind", "args", "command", "env", "apptainer_image", "health_path", "ready_timeout",
     )
     obj = _obj(raw, "engine", allowed)
-    etype = obj.get("type")
-    if etype not in ENGINE_TYPES:
-        raise _err("engine.type", f"{etype!r} is not an engine; valid: {', '.join(ENGINE_TYPES)}")
+    kind = obj.get("kind")
+    if kind not in ENGINE_KINDS:
+        raise _err("engine.kind", f"{kind!r} is not an engine; valid: {', '.join(ENGINE_KINDS)}")
     command = _str_list(obj.get("command", []), "engine.command")
-    if etype == "custom" and not command:
-        raise _err("engine.command", "a custom engine needs a command (a list of arguments)")
-    if etype != "custom" and command:
-        raise _err("engine.command", f"only a custom engine takes a command, not {etype}")
+    if kind == "command" and not command:
+        raise _err("engine.command", "kind command needs a command (a list of arguments)")
+    if kind != "command" and command:
+        raise _err("engine.command", f"only kind command takes a command, not {kind}")
     env_raw = obj.get("env", {})
     if not isinstance(env_raw, dict):
         raise _err("engine.env", "expected an object of NAME: value")
@@ -145,46 +159,50 @@ def _engine(raw: Any) -> EngineSpec:
     for k, v in env_raw.items():
         if not isinstance(k, str) or not _ENV_NAME.fullmatch(k):
             raise _err("engine.env", f"{k!r} is not an environment variable name")
+        if k.startswith("LLMGW_") or k in ("TRACEPARENT", "TRACESTATE"):
+            raise _err(f"engine.env.{k}", "reserved for llmgw (replica identity or trace)")
         env[k] = _str(v, f"engine.env.{k}", empty=True)
-    timeout = obj.get("ready_timeout_s")
+    timeout = obj.get("ready_timeout")
     if timeout is not None and (
         isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
     ):
-        raise _err("engine.ready_timeout_s", f"expected a positive number, got {timeout!r}")
+        raise _err("engine.ready_timeout", f"expected a positive number, got {timeout!r}")
+    image = obj.get("apptainer_image")
     return EngineSpec(
-        type=etype,
+        kind=kind,
         args=_str_list(obj.get("args", []), "engine.args"),
         command=command,
         env=env,
-        python=_str(obj["python"], "engine.python") if obj.get("python") is not None else None,
-        image=_str(obj["image"], "engine.image") if obj.get("image") is not None else None,
+        apptainer_image=_str(image, "engine.apptainer_image") if image is not None else None,
         health_path=_path_in_url(obj.get("health_path", "/health"), "engine.health_path"),
-        metrics_path=_path_in_url(obj.get("metrics_path", "/metrics"), "engine.metrics_path"),
         ready_timeout_s=float(timeout) if timeout is not None else None,
     )
 
 
-def _weights(raw: Any) -> WeightsSpec:
-    obj = _obj(raw, "weights", ("method", "source", "revision"))
-    method = obj.get("method", "path")
+def _weights(raw: Any) -> WeightsSpec | None:
+    if raw is None:
+        return None
+    obj = _obj(raw, "weights", ("source", "method"))
+    source = _str(obj.get("source"), "weights.source")
+    is_hf = source.startswith("hf:")
+    method = obj.get("method", "hf" if is_hf else "none")
     if method not in WEIGHT_METHODS:
         raise _err(
             "weights.method", f"{method!r} is not a method; valid: {', '.join(WEIGHT_METHODS)}"
         )
-    source = _str(obj.get("source"), "weights.source")
-    revision = obj.get("revision")
-    if method in ("path", "copy") and not source.startswith("/"):
-        raise _err("weights.source", f"method {method} needs an absolute path, got {source!r}")
-    if method == "hf" and not _HF_REPO.fullmatch(source):
-        raise _err(
-            "weights.source", f"method hf needs a repository id like org/name, got {source!r}"
-        )
-    if revision is not None:
-        if method != "hf":
-            raise _err("weights.revision", f"only method hf takes a revision, not {method}")
-        if not isinstance(revision, str) or not _REVISION.fullmatch(revision):
-            raise _err("weights.revision", f"expected a branch, tag or commit, got {revision!r}")
-    return WeightsSpec(method=method, source=source, revision=revision)
+    if is_hf:
+        if not _HF_SOURCE.fullmatch(source):
+            raise _err("weights.source", f"{source!r} is not hf:ORG/NAME or hf:ORG/NAME@revision")
+        if method == "copy":
+            raise _err("weights.method", "copy stages a local folder; an hf: source uses hf")
+    else:
+        if not source.startswith("/"):
+            raise _err(
+                "weights.source", f"expected an absolute path or hf:ORG/NAME, got {source!r}"
+            )
+        if method == "hf":
+            raise _err("weights.method", "method hf needs an hf:ORG/NAME source")
+    return WeightsSpec(source=source, method=method)
 
 
 def parse_replica_spec(text: str | None) -> ReplicaSpec:
@@ -204,15 +222,17 @@ def parse_replica_spec(text: str | None) -> ReplicaSpec:
     name = _str(raw.get("name"), "name")
     if not _MODEL_NAME.fullmatch(name):
         raise _err("name", f"{name!r} is not a model name; valid: ^[a-z0-9][a-z0-9._-]{{0,47}}$")
-    served = _str(raw.get("served_name", name), "served_name")
-    resources = _obj(raw.get("resources", {}), "resources", ("nodes", "gpus", "gpu_type",
-                                                             "cpus_per_task", "mem",
-                                                             "constraint", "time"))
+    resources = raw.get("resources", {})
+    if not isinstance(resources, dict):
+        raise _err("resources", "expected an object")
+    engine = _engine(raw.get("engine"))
+    weights = _weights(raw.get("weights"))
+    if weights is None and engine.kind != "command":
+        raise _err("weights", f"a {engine.kind} engine needs weights")
     return ReplicaSpec(
         name=name,
-        served_name=served,
-        engine=_engine(raw.get("engine")),
-        weights=_weights(raw.get("weights")),
+        engine=engine,
+        weights=weights,
         nodes=_int(resources.get("nodes", 1), "resources.nodes", 1),
         gpus=_int(resources.get("gpus", 0), "resources.gpus", 0),
     )

@@ -7,8 +7,8 @@ Layout under ``cache_dir``::
     locks/{key}.lock              one writer per model at a time
     tmp/{key}.{host}.{pid}.{rand}/  a fetch in progress
 
-``key`` is the model name plus a digest of (method, source, revision), so a
-catalog change of source never reuses a stale copy.
+``key`` is the model name plus a digest of the source (revision included),
+so a catalog change of source never reuses a stale copy.
 
 Two jobs fetching the same model, on one node or many, take the lock in turn:
 the second finds the first's complete copy and only verifies it. The lock is
@@ -40,7 +40,14 @@ from llmgw_slurm.agent.errors import WeightsError
 from llmgw_slurm.agent.settings import FetchSettings
 from llmgw_slurm.agent.spec import WeightsSpec
 
-__all__ = ["MANIFEST", "FetchResult", "cache_key", "ensure_weights", "verify_manifest"]
+__all__ = [
+    "MANIFEST",
+    "FetchResult",
+    "cache_key",
+    "effective_method",
+    "ensure_weights",
+    "verify_manifest",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +57,31 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class FetchResult:
-    path: Path
+    """``model_path`` is what the engine is given: a folder, or an ``ORG/NAME``
+    repository id when method none leaves an hf: source to the engine."""
+
+    model_path: str
     fetched: bool  # False: an existing copy was verified (or used in place)
     method: str
     bytes: int
 
 
 def cache_key(model: str, weights: WeightsSpec) -> str:
-    ident = f"{weights.method}\0{weights.source}\0{weights.revision or ''}"
-    return f"{model}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+    # The source (revision included), not the method: a copy and an hf fetch
+    # of different sources must never share a folder.
+    return f"{model}-{hashlib.sha256(weights.source.encode()).hexdigest()[:12]}"
+
+
+def effective_method(weights: WeightsSpec, site_method: str) -> str:
+    """The model's method, or the site's forced one where the source allows it."""
+    if site_method == "auto" or site_method == weights.method:
+        return weights.method
+    is_hf = weights.hf_repo is not None
+    if site_method == "none" or (site_method == "hf") == is_hf:
+        return site_method
+    log.info("weights: site method %s does not fit %s; using %s", site_method,
+             weights.source, weights.method)
+    return weights.method
 
 
 def _sha256(path: Path) -> str:
@@ -171,30 +194,41 @@ def _hf_command(settings: FetchSettings) -> list[str]:
 
 
 def _fetch_hf(weights: WeightsSpec, dest: Path, settings: FetchSettings) -> None:
-    argv = [*_hf_command(settings), "download", weights.source, "--local-dir", str(dest)]
-    if weights.revision:
-        argv += ["--revision", weights.revision]
+    repo = weights.hf_repo
+    assert repo is not None  # method hf only for hf: sources (spec.py)
+    argv = [*_hf_command(settings), "download", repo, "--local-dir", str(dest)]
+    if weights.hf_revision:
+        argv += ["--revision", weights.hf_revision]
     env = dict(os.environ, HF_HUB_DISABLE_TELEMETRY="1")
     log.info("weights: running %s", argv)
     dest.mkdir(parents=True)
     proc = subprocess.run(argv, env=env, check=False, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise WeightsError(
-            f"weights: {argv[0]} download {weights.source} failed (exit {proc.returncode}); "
+            f"weights: {argv[0]} download {repo} failed (exit {proc.returncode}); "
             "its output is above in the job log"
         )
 
 
-def ensure_weights(model: str, weights: WeightsSpec, settings: FetchSettings) -> FetchResult:
+def ensure_weights(
+    model: str, weights: WeightsSpec | None, settings: FetchSettings
+) -> FetchResult:
     """Return a verified local path for the model's weights, fetching if allowed.
 
     Blocking (hashing and copying): call it from a thread in async code.
     """
-    if weights.method == "path":
+    if weights is None:
+        # A command engine that brings its own model.
+        return FetchResult("", fetched=False, method="none", bytes=0)
+    method = effective_method(weights, settings.method)
+    if method == "none":
+        if weights.hf_repo is not None:
+            # Left to the engine, which resolves the repository itself.
+            return FetchResult(weights.hf_repo, fetched=False, method="none", bytes=0)
         src = Path(weights.source)
         if not src.exists():
             raise WeightsError(
-                f"weights for {model}: {src} does not exist (method path uses the weights "
+                f"weights for {model}: {src} does not exist (method none uses the weights "
                 "in place; check the catalog's weights.source and that the filesystem is "
                 "mounted on this node)"
             )
@@ -202,7 +236,7 @@ def ensure_weights(model: str, weights: WeightsSpec, settings: FetchSettings) ->
             problem = verify_manifest(src, settings.verify)
             if problem:
                 raise WeightsError(f"weights for {model}: {problem}")
-        return FetchResult(src, fetched=False, method="path", bytes=0)
+        return FetchResult(str(src), fetched=False, method="none", bytes=0)
 
     key = cache_key(model, weights)
     cache = settings.cache_dir
@@ -210,14 +244,14 @@ def ensure_weights(model: str, weights: WeightsSpec, settings: FetchSettings) ->
 
     problem = verify_manifest(final, settings.verify) if final.exists() else "absent"
     if problem is None:
-        return FetchResult(final, fetched=False, method=weights.method, bytes=0)
+        return FetchResult(str(final), fetched=False, method=method, bytes=0)
     if not settings.enabled:
         raise WeightsError(
             f"weights for {model} are not in the cache ({final}: {problem}) and fetching "
             "is off on this site; run the model's fetch job first (llmgw-agent fetch), or "
             "turn fetching on in agent.yaml"
         )
-    if weights.method == "hf" and not settings.allow_hf:
+    if method == "hf" and not settings.allow_hf:
         raise WeightsError(
             f"weights for {model} are not in the cache ({final}: {problem}) and hub "
             "downloads are not allowed from this node; fetch them with a model job where "
@@ -229,7 +263,7 @@ def ensure_weights(model: str, weights: WeightsSpec, settings: FetchSettings) ->
         problem = verify_manifest(final, settings.verify) if final.exists() else "absent"
         if problem is None:
             log.info("weights: %s completed by another job while waiting", final)
-            return FetchResult(final, fetched=False, method=weights.method, bytes=0)
+            return FetchResult(str(final), fetched=False, method=method, bytes=0)
         tmp_root = cache / "tmp"
         tmp_root.mkdir(parents=True, exist_ok=True)
         # We hold the lock: any leftover temp dir of this key is from a fetch
@@ -239,11 +273,11 @@ def ensure_weights(model: str, weights: WeightsSpec, settings: FetchSettings) ->
         suffix = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
         tmp = tmp_root / f"{key}.{suffix}"
         try:
-            if weights.method == "copy":
+            if method == "copy":
                 _fetch_copy(Path(weights.source), tmp)
             else:
                 _fetch_hf(weights, tmp, settings)
-            total = write_manifest(tmp, f"{weights.method}:{weights.source}")
+            total = write_manifest(tmp, f"{method}:{weights.source}")
             if final.exists():
                 log.warning("weights: replacing bad copy %s (%s)", final, problem)
                 trash = tmp_root / f"{key}.old.{suffix}"
@@ -254,4 +288,4 @@ def ensure_weights(model: str, weights: WeightsSpec, settings: FetchSettings) ->
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return FetchResult(final, fetched=True, method=weights.method, bytes=total)
+    return FetchResult(str(final), fetched=True, method=method, bytes=total)

@@ -104,13 +104,12 @@ def spec_json(weights: Path, *engine_extra: str) -> str:
     return json.dumps(
         {
             "name": "tiny",
-            "served_name": "tiny-chat",
             "engine": {
-                "type": "custom",
+                "kind": "command",
                 "command": [sys.executable, str(FAKE_ENGINE), "--host", "{host}",
                             "--port", "{port}", "--model-path", "{model_path}",
                             "--served-name", "{served_name}", *engine_extra],
-                "ready_timeout_s": 60,
+                "ready_timeout": 60,
             },
             "weights": {"method": "copy", "source": str(weights)},
             "resources": {"nodes": 1, "gpus": 0},
@@ -145,7 +144,7 @@ AGENT_OPTS = [
 
 async def start_agent(tmp_path: Path, env: dict[str, str]) -> asyncio.subprocess.Process:
     argv = [sys.executable, "-m", "llmgw_slurm.agent.main",
-            "--cache-dir", str(tmp_path / "cache"), "--shared-dir", str(tmp_path / "shared"),
+            "--cache-dir", str(tmp_path / "cache"),
             *AGENT_OPTS, "run"]
     out = (tmp_path / "agent.out").open("wb")
     err = (tmp_path / "agent.err").open("wb")
@@ -185,13 +184,13 @@ async def test_ready_serve_and_drain_on_signal(
         async with aiohttp.ClientSession(headers=headers) as s:
             async with s.get(f"{url}/v1/models") as r:
                 assert r.status == 200
-                assert (await r.json())["data"][0]["id"] == "tiny-chat"
+                assert (await r.json())["data"][0]["id"] == "tiny"
             # A request in flight when the signal comes must finish.
-            body = {"model": "tiny-chat", "messages": [], "llmgw_test_delay_s": 1.5}
+            body = {"model": "tiny", "messages": [], "llmgw_test_delay_s": 1.5}
             slow = asyncio.create_task(s.post(f"{url}/v1/chat/completions", json=body))
             while True:
                 async with s.get(f"{url}/metrics") as r:
-                    if 'vllm:num_requests_running{model_name="tiny-chat"} 1.0' in await r.text():
+                    if 'vllm:num_requests_running{model_name="tiny"} 1.0' in await r.text():
                         break
                 await asyncio.sleep(0.05)
             proc.send_signal(sig)
@@ -233,7 +232,7 @@ async def test_engine_crash_before_ready_is_reported(daemon: FakeDaemon, tmp_pat
 async def test_missing_weights_with_fetch_off(daemon: FakeDaemon, tmp_path: Path) -> None:
     env = job_env(daemon.url, spec_json(tmp_path / "no-such-weights"))
     argv = [sys.executable, "-m", "llmgw_slurm.agent.main", "--no-fetch",
-            "--cache-dir", str(tmp_path / "cache"), "--shared-dir", str(tmp_path / "shared"),
+            "--cache-dir", str(tmp_path / "cache"),
             *AGENT_OPTS, "run"]
     proc = await asyncio.create_subprocess_exec(*argv, env=env, stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()
@@ -277,7 +276,7 @@ def test_cli_without_job_env_is_a_clear_error(tmp_path: Path) -> None:
     from llmgw_slurm.agent.main import main
 
     result = CliRunner().invoke(
-        main, ["--cache-dir", str(tmp_path), "--shared-dir", str(tmp_path), "run"], env={
+        main, ["--cache-dir", str(tmp_path), "run"], env={
             "LLMGW_REPLICA_ID": "", "LLMGW_MODEL": "", "LLMGW_DAEMON_URL": "",
             "LLMGW_REPLICA_SECRET": "", "LLMGW_ENGINE_API_KEY": "", "LLMGW_REPLICA_SPEC": "",
         },
@@ -292,7 +291,7 @@ def test_cli_fetch_copies_weights(tmp_path: Path) -> None:
     from llmgw_slurm.agent.main import main
 
     spec = spec_json(make_weights(tmp_path))
-    args = ["--cache-dir", str(tmp_path / "cache"), "--shared-dir", str(tmp_path), "fetch"]
+    args = ["--cache-dir", str(tmp_path / "cache"), "fetch"]
     first = CliRunner().invoke(main, args, env={"LLMGW_REPLICA_SPEC": spec})
     assert first.exit_code == 0, first.output
     assert "(fetched," in first.output
@@ -311,7 +310,6 @@ async def test_drain_asked_by_daemon_and_spans(daemon: FakeDaemon, tmp_path: Pat
     env["TRACEPARENT"] = f"00-{trace_id}-{parent_id}-01"
     settings = AgentSettings(
         fetch=FetchSettings(cache_dir=tmp_path / "cache"),
-        shared_dir=tmp_path / "shared",
         bind_host="127.0.0.1",
         advertise_host="127.0.0.1",
         heartbeat_interval_s=0.2,

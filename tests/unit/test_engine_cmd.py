@@ -18,6 +18,7 @@ from llmgw_slurm.agent.engine import (
     in_flight_from_metrics,
 )
 from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.agent.settings import EngineRuntime
 from llmgw_slurm.agent.spec import EngineSpec
 
 KEY = "sk-engine-0123"
@@ -81,7 +82,7 @@ def test_sglang_shim_hands_the_key_to_the_module(tmp_path: Path) -> None:
 
 def test_custom_placeholders() -> None:
     spec = EngineSpec(
-        "custom",
+        "command",
         command=("serve", "--port={port}", "{model_path}", "--key", "{api_key}"),
         args=("--name", "{served_name}", "{node_rank}/{nnodes}"),
     )
@@ -91,12 +92,12 @@ def test_custom_placeholders() -> None:
 
 def test_custom_unknown_placeholder_is_refused() -> None:
     with pytest.raises(EngineError, match=r"unknown placeholder \{prot\}"):
-        build_engine_command(EngineSpec("custom", command=("x", "{prot}")), P, KEY)
+        build_engine_command(EngineSpec("command", command=("x", "{prot}")), P, KEY)
 
 
 def test_substituted_values_are_not_rescanned() -> None:
     p = LaunchParams(**{**P.__dict__, "model_path": "/m/{api_key}"})
-    cmd = build_engine_command(EngineSpec("custom", command=("x", "{model_path}")), p, KEY)
+    cmd = build_engine_command(EngineSpec("command", command=("x", "{model_path}")), p, KEY)
     assert cmd.argv == ["x", "/m/{api_key}"]
 
 
@@ -106,12 +107,41 @@ def test_hostile_args_stay_single_arguments() -> None:
     assert cmd.argv[-1] == hostile
 
 
-def test_apptainer_wrapping_uses_python_in_image() -> None:
-    spec = EngineSpec("vllm", image="/images/vllm.sif")
-    cmd = build_engine_command(spec, replace(P, apptainer="/usr/bin/apptainer"), KEY)
-    assert cmd.argv[:5] == ["/usr/bin/apptainer", "exec", "--nv", "/images/vllm.sif", "python3"]
-    spec2 = EngineSpec("vllm", image="/images/vllm.sif", python="/opt/py/bin/python")
-    assert build_engine_command(spec2, P, KEY).argv[4] == "/opt/py/bin/python"
+def test_apptainer_wrapping_uses_python_in_image_and_binds() -> None:
+    spec = EngineSpec("vllm", apptainer_image="/images/vllm.sif")
+    p = replace(P, apptainer="/usr/bin/apptainer", apptainer_binds=("/shared:/shared:ro",),
+                binds=("/cache/m",))
+    cmd = build_engine_command(spec, p, KEY)
+    assert cmd.argv[:9] == [
+        "/usr/bin/apptainer", "exec", "--nv", "--bind", "/shared:/shared:ro",
+        "--bind", "/cache/m", "/images/vllm.sif", "python3",
+    ]
+    p2 = replace(P, runtime=EngineRuntime(python="/opt/py/bin/python"))
+    assert build_engine_command(spec, p2, KEY).argv[4] == "/opt/py/bin/python"
+
+
+def test_site_runtime_python_executable_and_env() -> None:
+    rt = EngineRuntime(python="/opt/vllm/bin/python", env={"VLLM_NO_USAGE_STATS": "1", "A": "site"})
+    cmd = build_engine_command(EngineSpec("vllm", env={"A": "model"}), replace(P, runtime=rt), KEY)
+    assert cmd.argv[0] == "/opt/vllm/bin/python"
+    assert cmd.env["VLLM_NO_USAGE_STATS"] == "1" and cmd.env["A"] == "model"
+    exe = replace(P, runtime=EngineRuntime(executable="/opt/vllm/bin/vllm"))
+    argv = build_engine_command(EngineSpec("vllm"), exe, KEY).argv
+    assert argv[:3] == ["/opt/vllm/bin/vllm", "serve", "/cache/m"]
+    assert "--model" not in argv and KEY not in argv
+
+
+def test_sglang_executable_is_refused_to_keep_the_key_off_argv() -> None:
+    exe = replace(P, runtime=EngineRuntime(executable="/opt/sglang/bin/sglang"))
+    with pytest.raises(EngineError, match=r"engines\.sglang\.python"):
+        build_engine_command(EngineSpec("sglang"), exe, KEY)
+
+
+def test_command_literal_braces_and_bad_format() -> None:
+    spec = EngineSpec("command", command=("x", '{{"port": {port}}}'))
+    assert build_engine_command(spec, P, KEY).argv == ["x", '{"port": 23456}']
+    with pytest.raises(EngineError, match="literal braces"):
+        build_engine_command(EngineSpec("command", command=("x", "{port")), P, KEY)
 
 
 def test_spec_env_and_withheld_secret() -> None:

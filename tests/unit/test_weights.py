@@ -15,7 +15,13 @@ import pytest
 from llmgw_slurm.agent.errors import WeightsError
 from llmgw_slurm.agent.settings import FetchSettings
 from llmgw_slurm.agent.spec import WeightsSpec
-from llmgw_slurm.agent.weights import MANIFEST, cache_key, ensure_weights, verify_manifest
+from llmgw_slurm.agent.weights import (
+    MANIFEST,
+    cache_key,
+    effective_method,
+    ensure_weights,
+    verify_manifest,
+)
 
 
 def make_model(root: Path) -> Path:
@@ -30,24 +36,24 @@ def make_model(root: Path) -> Path:
 def test_copy_fetches_once_then_verifies(tmp_path: Path) -> None:
     src = make_model(tmp_path)
     settings = FetchSettings(cache_dir=tmp_path / "cache")
-    w = WeightsSpec("copy", str(src))
+    w = WeightsSpec(str(src), "copy")
     first = ensure_weights("tiny", w, settings)
     assert first.fetched and first.bytes > 200_000
-    assert first.path == tmp_path / "cache" / "models" / cache_key("tiny", w)
-    copied = (first.path / "model.safetensors").read_bytes()
+    assert Path(first.model_path) == tmp_path / "cache" / "models" / cache_key("tiny", w)
+    copied = (Path(first.model_path) / "model.safetensors").read_bytes()
     assert copied == (src / "model.safetensors").read_bytes()
-    manifest = json.loads((first.path / MANIFEST).read_text())
+    manifest = json.loads((Path(first.model_path) / MANIFEST).read_text())
     assert set(manifest["files"]) == {"config.json", "model.safetensors", "sub/tokenizer.json"}
     second = ensure_weights("tiny", w, settings)
-    assert not second.fetched and second.path == first.path
+    assert not second.fetched and Path(second.model_path) == Path(first.model_path)
     assert list((tmp_path / "cache" / "tmp").iterdir()) == []
 
 
 def test_damaged_copy_is_fetched_again(tmp_path: Path) -> None:
     src = make_model(tmp_path)
     settings = FetchSettings(cache_dir=tmp_path / "cache", verify="sha256")
-    w = WeightsSpec("copy", str(src))
-    path = ensure_weights("tiny", w, settings).path
+    w = WeightsSpec(str(src), "copy")
+    path = Path(ensure_weights("tiny", w, settings).model_path)
     data = bytearray((path / "model.safetensors").read_bytes())
     data[10] ^= 0xFF  # same size: only sha256 sees it
     (path / "model.safetensors").write_bytes(bytes(data))
@@ -61,7 +67,7 @@ def test_damaged_copy_is_fetched_again(tmp_path: Path) -> None:
 def test_copy_without_manifest_is_incomplete(tmp_path: Path) -> None:
     src = make_model(tmp_path)
     settings = FetchSettings(cache_dir=tmp_path / "cache", enabled=False)
-    w = WeightsSpec("copy", str(src))
+    w = WeightsSpec(str(src), "copy")
     final = tmp_path / "cache" / "models" / cache_key("tiny", w)
     final.mkdir(parents=True)
     (final / "config.json").write_text("{}")
@@ -74,28 +80,57 @@ def test_copy_without_manifest_is_incomplete(tmp_path: Path) -> None:
 def test_missing_with_fetch_off_says_how_to_fix(tmp_path: Path) -> None:
     settings = FetchSettings(cache_dir=tmp_path / "cache", enabled=False)
     with pytest.raises(WeightsError, match="llmgw-agent fetch"):
-        ensure_weights("tiny", WeightsSpec("copy", str(tmp_path / "src")), settings)
+        ensure_weights("tiny", WeightsSpec(str(tmp_path / "src"), "copy"), settings)
 
 
 def test_hf_not_allowed(tmp_path: Path) -> None:
     settings = FetchSettings(cache_dir=tmp_path / "cache", allow_hf=False)
     with pytest.raises(WeightsError, match="hub downloads are not allowed"):
-        ensure_weights("tiny", WeightsSpec("hf", "org/tiny"), settings)
+        ensure_weights("tiny", WeightsSpec("hf:org/tiny", "hf"), settings)
 
 
-def test_path_method_uses_weights_in_place(tmp_path: Path) -> None:
+def test_method_none_uses_weights_in_place(tmp_path: Path) -> None:
     src = make_model(tmp_path)
     settings = FetchSettings(cache_dir=tmp_path / "cache")
-    got = ensure_weights("tiny", WeightsSpec("path", str(src)), settings)
-    assert got.path == src and not got.fetched
+    got = ensure_weights("tiny", WeightsSpec(str(src), "none"), settings)
+    assert got.model_path == str(src) and not got.fetched
     with pytest.raises(WeightsError, match="does not exist"):
-        ensure_weights("tiny", WeightsSpec("path", str(tmp_path / "nope")), settings)
+        ensure_weights("tiny", WeightsSpec(str(tmp_path / "nope"), "none"), settings)
+    # An hf: source left to the engine: it gets the repository id.
+    hf = ensure_weights("tiny", WeightsSpec("hf:org/tiny", "none"), settings)
+    assert hf.model_path == "org/tiny"
+    assert ensure_weights("tiny", None, settings).model_path == ""
+
+
+@pytest.mark.parametrize(
+    ("source", "model", "site", "expected"),
+    [
+        ("/m", "none", "auto", "none"),
+        ("/m", "none", "copy", "copy"),
+        ("/m", "copy", "none", "none"),
+        ("/m", "copy", "hf", "copy"),  # hf cannot fetch a local folder
+        ("hf:o/n", "hf", "copy", "hf"),  # copy cannot stage a repository
+        ("hf:o/n", "hf", "none", "none"),
+        ("hf:o/n", "none", "hf", "hf"),
+    ],
+)
+def test_site_method_applies_where_the_source_allows(
+    source: str, model: str, site: str, expected: str
+) -> None:
+    assert effective_method(WeightsSpec(source, model), site) == expected
+
+
+def test_site_forced_copy_stages_a_local_source(tmp_path: Path) -> None:
+    src = make_model(tmp_path)
+    settings = FetchSettings(cache_dir=tmp_path / "cache", method="copy")
+    got = ensure_weights("tiny", WeightsSpec(str(src), "none"), settings)
+    assert got.fetched and got.model_path.startswith(str(tmp_path / "cache"))
 
 
 def test_copy_source_missing(tmp_path: Path) -> None:
     settings = FetchSettings(cache_dir=tmp_path / "cache")
     with pytest.raises(WeightsError, match="does not exist"):
-        ensure_weights("tiny", WeightsSpec("copy", str(tmp_path / "nope")), settings)
+        ensure_weights("tiny", WeightsSpec(str(tmp_path / "nope"), "copy"), settings)
     assert list((tmp_path / "cache" / "tmp").iterdir()) == []
 
 
@@ -128,8 +163,8 @@ FETCHER = textwrap.dedent(
     from llmgw_slurm.agent.spec import WeightsSpec
     from llmgw_slurm.agent.weights import ensure_weights
     s = FetchSettings(cache_dir=Path(sys.argv[1]), allow_hf=True)
-    r = ensure_weights("tiny", WeightsSpec("hf", "org/tiny", "v1"), s)
-    print(json.dumps({"path": str(r.path), "fetched": r.fetched}))
+    r = ensure_weights("tiny", WeightsSpec("hf:org/tiny@v1", "hf"), s)
+    print(json.dumps({"path": r.model_path, "fetched": r.fetched}))
     """
 )
 
@@ -191,7 +226,7 @@ def test_hf_failure_leaves_no_partial_copy(tmp_path: Path) -> None:
     settings = FetchSettings(cache_dir=tmp_path / "cache", allow_hf=True,
                              hf_command=(str(bin_dir / "hf"),))
     with pytest.raises(WeightsError, match=r"download org/tiny failed \(exit 3\)"):
-        ensure_weights("tiny", WeightsSpec("hf", "org/tiny"), settings)
+        ensure_weights("tiny", WeightsSpec("hf:org/tiny", "hf"), settings)
     assert not (tmp_path / "cache" / "models").exists() or not any(
         (tmp_path / "cache" / "models").iterdir()
     )
