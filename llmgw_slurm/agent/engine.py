@@ -1,0 +1,398 @@
+"""Engine command lines, the engine process, its readiness and its load.
+
+Commands are argument lists, never a shell line. The engine's API key never
+goes on a command line: ``/proc/PID/cmdline`` is readable by every user of a
+shared node, while ``/proc/PID/environ`` is not. vLLM reads it from
+``VLLM_API_KEY``; SGLang only takes ``--api-key``, so it is started through a
+few lines of Python that append the flag from the environment inside the
+process (``sys.argv`` there is not what ``ps`` shows). A custom command may
+use ``{api_key}``, at its own risk; ``LLMGW_ENGINE_API_KEY`` is in its
+environment too. vLLM run through ``engines.vllm.executable`` (``vllm serve``)
+reads ``VLLM_API_KEY`` as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+import aiohttp
+
+from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.agent.settings import EngineRuntime
+from llmgw_slurm.agent.spec import EngineSpec
+
+__all__ = [
+    "API_KEY_ENV",
+    "DistInfo",
+    "EngineCommand",
+    "EngineProcess",
+    "LaunchParams",
+    "build_engine_command",
+    "engine_env",
+    "in_flight_from_metrics",
+    "wait_ready",
+]
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "LLMGW_ENGINE_API_KEY"
+# The engine never needs these, and a model's code runs inside it: a replica
+# secret leaked there would let it register as the replica.
+_WITHHELD_ENV = ("LLMGW_REPLICA_SECRET",)
+
+_SGLANG_SHIM = (
+    "import os, runpy, sys; "
+    "sys.argv = ['sglang.launch_server', *sys.argv[1:], "
+    f"'--api-key', os.environ['{API_KEY_ENV}']]; "
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
+)
+
+PLACEHOLDERS = (
+    "host", "port", "model_path", "api_key", "served_name",
+    "nnodes", "node_rank", "master_addr", "master_port",
+)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where a multi-node engine's nodes meet (torchrun's vocabulary)."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True)
+class LaunchParams:
+    """``python``: the agent's interpreter, used when the site names none for the kind.
+    ``binds``: paths the engine must see inside an Apptainer image (the
+    weights); added to the site's ``apptainer_binds``."""
+
+    model_path: str
+    served_name: str
+    host: str
+    port: int
+    python: str
+    runtime: EngineRuntime = field(default_factory=EngineRuntime)
+    dist: DistInfo | None = None
+    apptainer: str = "apptainer"
+    apptainer_binds: tuple[str, ...] = ()
+    binds: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    argv: list[str]
+    env: dict[str, str]  # added to the agent's environment
+
+
+def _program(p: LaunchParams, in_image: bool, module: str) -> list[str]:
+    if p.runtime.executable:
+        return [p.runtime.executable]
+    python = p.runtime.python or ("python3" if in_image else p.python)
+    return [python, "-m", module]
+
+
+def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
+    if p.runtime.executable:
+        # The `vllm` entry point takes the model as an argument of `serve`.
+        argv = [p.runtime.executable, "serve", p.model_path]
+    else:
+        argv = [*_program(p, in_image, "vllm.entrypoints.openai.api_server"),
+                "--model", p.model_path]
+    argv += [
+        "--served-model-name", p.served_name,
+        "--host", p.host,
+        "--port", str(p.port),
+    ]
+    if p.dist and p.dist.nnodes > 1:
+        argv += [
+            "--nnodes", str(p.dist.nnodes),
+            "--node-rank", str(p.dist.node_rank),
+            "--master-addr", p.dist.master_addr,
+            "--master-port", str(p.dist.master_port),
+        ]
+        if p.dist.node_rank > 0:
+            argv.append("--headless")
+    return argv + list(spec.args)
+
+
+def _sglang(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
+    if p.runtime.executable:
+        raise EngineError(
+            "engines.sglang.executable: SGLang takes its API key only as --api-key, which "
+            "every user of the node could read in its command line; set engines.sglang.python "
+            "so the agent can hand it the key inside the process"
+        )
+    python = p.runtime.python or ("python3" if in_image else p.python)
+    argv = [
+        python, "-c", _SGLANG_SHIM,
+        "--model-path", p.model_path,
+        "--served-model-name", p.served_name,
+        "--host", p.host,
+        "--port", str(p.port),
+    ]
+    if p.dist and p.dist.nnodes > 1:
+        argv += [
+            "--nnodes", str(p.dist.nnodes),
+            "--node-rank", str(p.dist.node_rank),
+            "--dist-init-addr", f"{p.dist.master_addr}:{p.dist.master_port}",
+        ]
+    return argv + list(spec.args)
+
+
+def _command(spec: EngineSpec, p: LaunchParams, api_key: str) -> list[str]:
+    d = p.dist or DistInfo(1, 0, p.host, 0)
+    values = {
+        "host": p.host,
+        "port": str(p.port),
+        "model_path": p.model_path,
+        "api_key": api_key,
+        "served_name": p.served_name,
+        "nnodes": str(d.nnodes),
+        "node_rank": str(d.node_rank),
+        "master_addr": d.master_addr,
+        "master_port": str(d.master_port),
+    }
+    out = []
+    for arg in (*spec.command, *spec.args):
+        # str.format semantics, as the catalog checks them: {{ and }} are
+        # literal braces, and a substituted value is never scanned again.
+        try:
+            out.append(arg.format_map(values))
+        except KeyError as err:
+            raise EngineError(
+                f"engine.command: {arg!r}: unknown placeholder {{{err.args[0]}}}; valid: "
+                + ", ".join(f"{{{k}}}" for k in PLACEHOLDERS)
+            ) from err
+        except (ValueError, IndexError, AttributeError) as err:
+            raise EngineError(
+                f"engine.command: {arg!r}: {err}; write {{{{ and }}}} for literal braces"
+            ) from err
+    return out
+
+
+def build_engine_command(spec: EngineSpec, p: LaunchParams, api_key: str) -> EngineCommand:
+    """The engine's argv and the environment it needs on top of the agent's."""
+    in_image = spec.apptainer_image is not None
+    env: dict[str, str] = dict(p.runtime.env)
+    env[API_KEY_ENV] = api_key
+    if spec.kind == "vllm":
+        argv = _vllm(spec, p, in_image)
+        env["VLLM_API_KEY"] = api_key
+    elif spec.kind == "sglang":
+        argv = _sglang(spec, p, in_image)
+    elif spec.kind == "command":
+        argv = _command(spec, p, api_key)
+    else:
+        raise EngineError(f"engine.kind: {spec.kind!r} is not an engine")
+    if p.dist:
+        env.update(
+            MASTER_ADDR=p.dist.master_addr,
+            MASTER_PORT=str(p.dist.master_port),
+            NODE_RANK=str(p.dist.node_rank),
+            # One engine process per node is what we start; the engine spawns
+            # its own per-GPU workers.
+            WORLD_SIZE=str(p.dist.nnodes),
+            NNODES=str(p.dist.nnodes),
+        )
+    # The model's own env wins over the site's for its kind.
+    env.update(spec.env)
+    if spec.apptainer_image:
+        # --nv binds the host's NVIDIA driver; the host environment (the key
+        # included) passes into the container by Apptainer's default.
+        wrap = [p.apptainer, "exec", "--nv"]
+        for b in (*p.apptainer_binds, *p.binds):
+            wrap += ["--bind", b]
+        argv = [*wrap, spec.apptainer_image, *argv]
+    return EngineCommand(argv=argv, env=env)
+
+
+def engine_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if k not in _WITHHELD_ENV}
+    env.update(extra)
+    return env
+
+
+class EngineProcess:
+    """The engine, in a session of its own.
+
+    Its own session: the USR1 that Slurm sends ahead of the time limit is for
+    the agent (which drains), and NCCL or the engine may act on it; and a
+    stop can signal every process the engine spawned at once.
+    Its output goes to the agent's stdout/stderr (the job log), line by line,
+    and the last lines are kept for failure reports.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        tail_lines: int = 40,
+        stdout: IO[bytes] | None = None,
+        stderr: IO[bytes] | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.env = dict(env)
+        self._tail: collections.deque[str] = collections.deque(maxlen=max(1, tail_lines))
+        self._out = stdout or sys.stdout.buffer
+        self._err = stderr or sys.stderr.buffer
+        self._proc: asyncio.subprocess.Process | None = None
+        self._pumps: list[asyncio.Task[None]] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc else None
+
+    def tail(self) -> list[str]:
+        return list(self._tail)
+
+    async def start(self) -> None:
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                env=self.env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as err:
+            raise EngineError(f"engine: cannot start {self.argv[0]}: {err}") from err
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self._pumps = [
+            asyncio.create_task(self._pump(self._proc.stdout, self._out)),
+            asyncio.create_task(self._pump(self._proc.stderr, self._err)),
+        ]
+
+    async def _pump(self, reader: asyncio.StreamReader, sink: IO[bytes]) -> None:
+        while True:
+            try:
+                line = await reader.readline()
+            except ValueError:
+                # A line longer than the reader's limit: take what is there.
+                line = await reader.read(1 << 16)
+            if not line:
+                return
+            self._tail.append(line.decode(errors="replace").rstrip("\n"))
+            try:
+                sink.write(line)
+                sink.flush()
+            except (OSError, ValueError):
+                pass
+
+    async def wait(self) -> int:
+        assert self._proc is not None
+        rc = await self._proc.wait()
+        # The pumps end when the pipes close; an orphaned grandchild may hold
+        # them open, so do not wait on them for long.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self._pumps, return_exceptions=True), 2.0)
+        return rc
+
+    def _signal_group(self, sig: int) -> None:
+        assert self._proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    async def stop(self, grace_s: float) -> int:
+        """SIGTERM the engine's process group, SIGKILL it after ``grace_s``."""
+        if self._proc is None:
+            return 0
+        if self._proc.returncode is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self._proc.wait(), grace_s)
+            except TimeoutError:
+                log.warning("engine: still running %.0fs after SIGTERM, sending SIGKILL", grace_s)
+                self._signal_group(signal.SIGKILL)
+        # Workers the engine spawned may outlive it; they share its group.
+        self._signal_group(signal.SIGKILL)
+        return await self.wait()
+
+
+async def wait_ready(
+    session: aiohttp.ClientSession,
+    url: str,
+    engine: EngineProcess,
+    timeout_s: float,
+    poll_s: float,
+    api_key: str | None = None,
+) -> float:
+    """Poll ``url`` until it answers 200; returns the seconds it took.
+
+    The engine exiting first is a failure carrying its exit code and last lines.
+    """
+    start = time.monotonic()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    last = "no answer yet"
+    exited = asyncio.create_task(engine.wait())
+    try:
+        while True:
+            if exited.done():
+                rc = exited.result()
+                tail = "\n".join(engine.tail()[-20:])
+                raise EngineError(
+                    f"engine exited with code {rc} before it was ready; last lines:\n{tail}"
+                )
+            try:
+                async with session.get(
+                    url, headers=headers, timeout=aiohttp.ClientTimeout(total=max(poll_s, 5.0))
+                ) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - start
+                    last = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, TimeoutError) as err:
+                last = type(err).__name__
+            elapsed = time.monotonic() - start
+            if elapsed > timeout_s:
+                tail = "\n".join(engine.tail()[-20:])
+                raise EngineError(
+                    f"engine not ready after {timeout_s:.0f}s ({url}: {last}); last lines:\n{tail}"
+                )
+            # Wakes early if the engine exits while we sleep.
+            await asyncio.wait({exited}, timeout=poll_s)
+    finally:
+        if not exited.done():
+            exited.cancel()
+
+
+_METRICS_IN_FLIGHT = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+)
+
+
+def in_flight_from_metrics(text: str) -> int | None:
+    """Requests running or queued, from Prometheus text; None if not reported."""
+    total = 0.0
+    seen = False
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _METRICS_IN_FLIGHT:
+            rest = line.rsplit("}", 1)[1] if "}" in line else line.split(" ", 1)[-1]
+            try:
+                total += float(rest.split()[0])
+                seen = True
+            except (ValueError, IndexError):
+                continue
+    return round(total) if seen else None

@@ -1,0 +1,201 @@
+"""``llmgw-agent``: runs inside a replica's (or model job's) Slurm job.
+
+    llmgw-agent --config agent.yaml run      # a replica: weights, engine, serve, drain
+    llmgw-agent --config agent.yaml fetch    # a model job: weights into the cache only
+
+The model spec and secrets come from the job environment (LLMGW_*), set by
+the daemon at submission; the options here override agent.yaml. Without
+--config, --cache-dir is needed and everything else has its default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmgw_slurm.agent.runner import Agent, job_context_from_env
+from llmgw_slurm.agent.settings import AgentSettings, EngineRuntime, FetchSettings
+from llmgw_slurm.agent.spec import parse_replica_spec
+from llmgw_slurm.agent.weights import ensure_weights
+from llmgw_slurm.errors import LlmgwError
+
+__all__ = ["build_settings", "main", "settings_from_agent_config"]
+
+log = logging.getLogger("llmgw_slurm.agent")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format="%(asctime)s llmgw-agent %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    try:
+        lo_s, hi_s = text.split("-", 1)
+        lo, hi = int(lo_s), int(hi_s)
+    except ValueError as err:
+        raise click.BadParameter(f"{text!r}: expected LOW-HIGH, e.g. 20000-29999") from err
+    if not 0 < lo <= hi <= 65535:
+        raise click.BadParameter(f"{text!r}: expected 1 <= LOW <= HIGH <= 65535")
+    return lo, hi
+
+
+def settings_from_agent_config(cfg: Any) -> AgentSettings:
+    """AgentSettings from a loaded ``llmgw_slurm.config.AgentConfig``.
+
+    Typed loosely on purpose: this module must import without the config
+    module (the agent runs in minimal environments), and the tests give it
+    the real AgentConfig once both are in one tree.
+    """
+    engines = {
+        kind: EngineRuntime(
+            python=getattr(cfg.engines, kind).python,
+            executable=getattr(cfg.engines, kind).executable,
+            env=dict(getattr(cfg.engines, kind).env),
+        )
+        for kind in ("vllm", "sglang", "command")
+    }
+    fetch = FetchSettings(
+        cache_dir=Path(cfg.weights.cache_dir),
+        method=cfg.weights.method,
+        allow_hf=bool(cfg.weights.allow_download),
+    )
+    rdzv_dir = getattr(cfg, "rendezvous_dir", None)
+    return AgentSettings(
+        fetch=fetch,
+        engines=engines,
+        apptainer=cfg.apptainer.binary,
+        apptainer_binds=tuple(cfg.apptainer.binds),
+        port_range=(cfg.port_range.first, cfg.port_range.last),
+        rendezvous_dir=Path(rdzv_dir) if rdzv_dir else None,
+        ready_timeout_s=float(cfg.readiness.timeout),
+        ready_poll_s=float(cfg.readiness.poll_interval),
+        heartbeat_interval_s=float(cfg.heartbeat_interval),
+        log_dir=Path(cfg.log_dir) if cfg.log_dir else None,
+    )
+
+
+def _load_config(path: Path) -> tuple[AgentSettings, str | None]:
+    try:
+        config = importlib.import_module("llmgw_slurm.config")
+    except ImportError as err:
+        raise click.ClickException(
+            f"--config {path}: llmgw_slurm.config is not installed with this agent ({err})"
+        ) from err
+    try:
+        cfg = config.load_agent_config(path)
+    except LlmgwError as err:
+        raise click.ClickException(str(err)) from err
+    return settings_from_agent_config(cfg), cfg.daemon_url
+
+
+def build_settings(path: Path | None, options: dict[str, Any]) -> tuple[AgentSettings, str | None]:
+    """agent.yaml (if given), then the command-line options that were set."""
+    opts = {k: v for k, v in options.items() if v is not None}
+    if path is not None:
+        settings, daemon_url = _load_config(path)
+    elif "cache_dir" in opts:
+        settings, daemon_url = AgentSettings(fetch=FetchSettings(cache_dir=opts["cache_dir"])), None
+    else:
+        raise click.UsageError("give --config agent.yaml, or at least --cache-dir")
+    fetch_keys = {"cache_dir": "cache_dir", "fetch": "enabled", "allow_hf": "allow_hf",
+                  "verify": "verify", "weights_method": "method"}
+    fetch_over = {fetch_keys[k]: opts.pop(k) for k in list(opts) if k in fetch_keys}
+    if fetch_over:
+        settings = dataclasses.replace(
+            settings, fetch=dataclasses.replace(settings.fetch, **fetch_over)
+        )
+    if opts:
+        settings = dataclasses.replace(settings, **opts)
+    return settings, daemon_url
+
+
+@click.group()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="agent.yaml")
+@click.option("--cache-dir", type=click.Path(path_type=Path), help="Shared weights cache.")
+@click.option("--rendezvous-dir", type=click.Path(path_type=Path),
+              help="A directory every node of a job sees (multi-node port files).")
+@click.option("--fetch/--no-fetch", default=None,
+              help="Fetch missing weights (off: they must be in the cache). Default on.")
+@click.option("--allow-hf/--no-allow-hf", default=None,
+              help="Allow `hf download` from this node (agent.yaml weights.allow_download).")
+@click.option("--weights-method", type=click.Choice(["auto", "copy", "hf", "none"]),
+              default=None, help="Force a weights method (agent.yaml weights.method).")
+@click.option("--verify", type=click.Choice(["size", "sha256"]), default=None,
+              help="How cached weights are checked at start. Default size.")
+@click.option("--python", default=None, help="Interpreter of the engine (default: this one).")
+@click.option("--bind-host", default=None, help="Address the engine listens on.")
+@click.option("--advertise-host", default=None, help="Host name reported to the daemon.")
+@click.option("--port-range", default=None, help="Engine ports, LOW-HIGH.")
+@click.option("--ready-timeout", "ready_timeout_s", type=float, default=None)
+@click.option("--ready-poll", "ready_poll_s", type=float, default=None)
+@click.option("--heartbeat-interval", "heartbeat_interval_s", type=float, default=None)
+@click.option("--drain-timeout", "drain_timeout_s", type=float, default=None)
+@click.option("--drain-poll", "drain_poll_s", type=float, default=None)
+@click.option("--drain-grace", "drain_grace_s", type=float, default=None)
+@click.option("--stop-grace", "stop_grace_s", type=float, default=None)
+@click.option("--report-timeout", "report_timeout_s", type=float, default=None,
+              help="Per report, and for the last reports at exit.")
+@click.option("--log-level", default="INFO", show_default=True)
+@click.pass_context
+def main(ctx: click.Context, /, config_path: Path | None, log_level: str, port_range: str | None,
+         **options: Any) -> None:
+    """The llmgw job agent."""
+    _setup_logging(log_level)
+    if port_range is not None:
+        options["port_range"] = _port_range(port_range)
+    ctx.obj = (config_path, options)
+
+
+def _settings(ctx: click.Context) -> tuple[AgentSettings, str | None]:
+    config_path, options = ctx.obj
+    return build_settings(config_path, dict(options))
+
+
+@main.command()
+@click.pass_context
+def run(ctx: click.Context) -> None:
+    """Run a replica: weights, rendezvous, engine, readiness, serve until drained."""
+    settings, daemon_url = _settings(ctx)
+    env = dict(os.environ)
+    if daemon_url and not env.get("LLMGW_DAEMON_URL"):
+        env["LLMGW_DAEMON_URL"] = daemon_url
+    try:
+        job = job_context_from_env(env)
+    except LlmgwError as err:
+        raise click.ClickException(str(err)) from err
+    code = asyncio.run(Agent(settings, job, env).run())
+    sys.exit(code)
+
+
+@main.command()
+@click.pass_context
+def fetch(ctx: click.Context) -> None:
+    """Fetch the weights of LLMGW_REPLICA_SPEC's model into the cache, and exit."""
+    settings, _ = _settings(ctx)
+    try:
+        spec = parse_replica_spec(os.environ.get("LLMGW_REPLICA_SPEC"))
+        t0 = time.monotonic()
+        result = ensure_weights(spec.name, spec.weights, settings.fetch)
+    except LlmgwError as err:
+        raise click.ClickException(str(err)) from err
+    what = "fetched" if result.fetched else "already there"
+    where = result.model_path or "(no weights)"
+    click.echo(f"{spec.name}: {where} ({what}, {time.monotonic() - t0:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Reports to the daemon: steps, ready, heartbeats, draining, failed, stopped.
+
+``POST {daemon_url}/internal/v1/replicas/{replica_id}/report`` with the
+replica secret as a bearer token. The daemon being away (restarting, or the
+login node rebooting) is normal: a report is retried with backoff, and a
+report that never gets through is logged, never raised. The engine keeps
+serving either way; the daemon adopts the replica when it comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+__all__ = ["EVENTS", "DaemonClient", "ReportAnswer"]
+
+log = logging.getLogger(__name__)
+
+EVENTS = ("step", "ready", "heartbeat", "draining", "failed", "stopped")
+STATUSES = ("started", "done", "failed")
+
+
+@dataclass(frozen=True)
+class ReportAnswer:
+    ok: bool
+    drain: bool
+
+
+class DaemonClient:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        daemon_url: str,
+        replica_id: str,
+        secret: str,
+        node: str,
+        job_id: str,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._session = session
+        self.url = f"{daemon_url.rstrip('/')}/internal/v1/replicas/{replica_id}/report"
+        self._secret = secret
+        self.node = node
+        self.job_id = job_id
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    def body(
+        self,
+        event: str,
+        *,
+        step: str | None = None,
+        status: str | None = None,
+        url: str | None = None,
+        message: str | None = None,
+        elapsed_s: float | None = None,
+    ) -> dict[str, Any]:
+        if event not in EVENTS:
+            raise ValueError(f"unknown report event {event!r}")
+        if status is not None and status not in STATUSES:
+            raise ValueError(f"unknown report status {status!r}")
+        return {
+            "event": event,
+            "step": step,
+            "status": status,
+            "url": url,
+            "node": self.node,
+            "job_id": self.job_id,
+            "message": message[-4000:] if message else message,
+            "elapsed_s": round(elapsed_s, 3) if elapsed_s is not None else None,
+        }
+
+    async def send_once(self, body: dict[str, Any]) -> ReportAnswer | None:
+        """One attempt; None when the daemon did not take it."""
+        headers = {"Authorization": f"Bearer {self._secret}"}
+        try:
+            async with self._session.post(
+                self.url, json=body, headers=headers, timeout=self._timeout
+            ) as resp:
+                if resp.status == 200:
+                    data = await resp.json(content_type=None)
+                    return ReportAnswer(
+                        ok=bool(data.get("ok", True)), drain=bool(data.get("drain", False))
+                    )
+                text = (await resp.text())[:200]
+                if resp.status == 401:
+                    log.error("report %s: daemon refused the replica secret (401)", body["event"])
+                elif resp.status == 404:
+                    log.error("report %s: daemon does not know this replica (404)", body["event"])
+                else:
+                    log.warning("report %s: HTTP %s %s", body["event"], resp.status, text)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            log.warning("report %s: daemon unreachable (%s)", body["event"], type(err).__name__)
+        return None
+
+    async def report(
+        self,
+        event: str,
+        *,
+        attempts: int = 5,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        **fields: Any,
+    ) -> ReportAnswer | None:
+        """Send with retries and jittered exponential backoff; None if it never got through."""
+        body = self.body(event, **fields)
+        delay = backoff_s
+        for attempt in range(attempts):
+            answer = await self.send_once(body)
+            if answer is not None:
+                return answer
+            if attempt + 1 < attempts:
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))  # noqa: S311
+                delay = min(delay * 2, max_backoff_s)
+        log.warning("report %s: gave up after %d attempts", event, attempts)
+        return None

@@ -1,0 +1,465 @@
+"""The agent's run: weights, rendezvous, engine, readiness, serve, drain.
+
+Each step is logged with its duration, reported to the daemon, and wrapped
+in a span that continues the replica's trace from ``TRACEPARENT``.
+
+Drain triggers, whatever the phase: SIGUSR1 (Slurm's warning before the time
+limit), SIGTERM (scancel, preemption), SIGINT, or a heartbeat answer with
+``drain: true``. Before the engine is ready a drain just stops what is under
+way; after, in-flight requests get up to ``drain_timeout_s`` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from opentelemetry.trace import Status, StatusCode
+
+from llmgw_slurm.agent import rendezvous as rdzv
+from llmgw_slurm.agent.engine import (
+    DistInfo,
+    EngineProcess,
+    LaunchParams,
+    build_engine_command,
+    engine_env,
+    in_flight_from_metrics,
+    wait_ready,
+)
+from llmgw_slurm.agent.errors import AgentError
+from llmgw_slurm.agent.report import DaemonClient
+from llmgw_slurm.agent.settings import AgentSettings
+from llmgw_slurm.agent.spec import ReplicaSpec, parse_replica_spec
+from llmgw_slurm.agent.weights import ensure_weights
+from llmgw_slurm.errors import ConfigError
+
+__all__ = ["Agent", "JobContext", "job_context_from_env"]
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What the daemon put in the job's environment."""
+
+    replica_id: str
+    model: str
+    daemon_url: str
+    replica_secret: str
+    engine_api_key: str
+    spec: ReplicaSpec
+
+
+_REPLICA_ID = re.compile(r"^[0-9a-f]{8}$")
+
+
+def job_context_from_env(env: Mapping[str, str]) -> JobContext:
+    """Read the LLMGW_* variables; ConfigError naming the first one missing or wrong."""
+    needed = (
+        "LLMGW_REPLICA_ID", "LLMGW_MODEL", "LLMGW_DAEMON_URL",
+        "LLMGW_REPLICA_SECRET", "LLMGW_ENGINE_API_KEY",
+    )
+    for name in needed:
+        if not env.get(name):
+            raise ConfigError(
+                "not set in the job environment (the daemon sets it when it submits the job)",
+                field=name,
+            )
+    rid = env["LLMGW_REPLICA_ID"]
+    if not _REPLICA_ID.fullmatch(rid):
+        raise ConfigError(f"{rid!r} is not 8 lowercase hex digits", field="LLMGW_REPLICA_ID")
+    url = env["LLMGW_DAEMON_URL"]
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{url!r} is not an http(s) URL", field="LLMGW_DAEMON_URL")
+    spec = parse_replica_spec(env.get("LLMGW_REPLICA_SPEC"))
+    if spec.name != env["LLMGW_MODEL"]:
+        raise ConfigError(
+            f"names model {spec.name!r} but LLMGW_MODEL is {env['LLMGW_MODEL']!r}",
+            field="LLMGW_REPLICA_SPEC",
+        )
+    return JobContext(
+        replica_id=rid,
+        model=spec.name,
+        daemon_url=url,
+        replica_secret=env["LLMGW_REPLICA_SECRET"],
+        engine_api_key=env["LLMGW_ENGINE_API_KEY"],
+        spec=spec,
+    )
+
+
+class _Drain(Exception):
+    """Raised inside the startup when a drain was asked for."""
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        job: JobContext,
+        env: Mapping[str, str],
+        *,
+        tracer: trace.Tracer | None = None,
+        hostname: str | None = None,
+        expand: Callable[[str], list[str]] = rdzv.expand_hostnames,
+    ) -> None:
+        self.settings = settings
+        self.job = job
+        self.env = dict(env)
+        self.tracer = tracer or trace.get_tracer("llmgw_slurm")
+        self.hostname = hostname or socket.gethostname()
+        self._expand = expand
+        self.engine: EngineProcess | None = None
+        self.role: rdzv.NodeRole | None = None
+        self.url: str | None = None
+        self._drain = asyncio.Event()
+        self.drain_reason = ""
+        self._outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._client: DaemonClient | None = None
+        self._published: Path | None = None
+        self._log_files: list[IO[bytes]] = []
+        self._metrics_url = ""
+
+    # --- drain triggers -------------------------------------------------------
+
+    def request_drain(self, reason: str) -> None:
+        if not self._drain.is_set():
+            log.info("drain requested: %s", reason)
+            self.drain_reason = reason
+            self._drain.set()
+
+    def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        names = {signal.SIGUSR1: "SIGUSR1 (time limit near)", signal.SIGTERM: "SIGTERM",
+                 signal.SIGINT: "SIGINT"}
+        for sig, why in names.items():
+            loop.add_signal_handler(sig, self.request_drain, why)
+
+    # --- reporting ------------------------------------------------------------
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        """Queue a report; one sender keeps them in order and retries each."""
+        if self._client is not None:
+            self._outbox.put_nowait(self._client.body(event, **fields))
+
+    async def _sender(self) -> None:
+        assert self._client is not None
+        while True:
+            body = await self._outbox.get()
+            if body is None:
+                return
+            delay = 1.0
+            for attempt in range(5):
+                if await self._client.send_once(body) is not None:
+                    break
+                if attempt < 4:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+
+    @asynccontextmanager
+    async def _step(self, name: str, **attrs: Any) -> AsyncIterator[trace.Span]:
+        log.info("step %s: started", name)
+        self._emit("step", step=name, status="started")
+        t0 = time.monotonic()
+        with self.tracer.start_as_current_span(
+            f"llmgw.agent.{name}", record_exception=False, set_status_on_exception=False
+        ) as span:
+            for k, v in attrs.items():
+                span.set_attribute(f"llmgw.{k}", v)
+            try:
+                yield span
+            except (Exception, asyncio.CancelledError) as err:
+                elapsed = time.monotonic() - t0
+                if isinstance(err, (_Drain, asyncio.CancelledError)):
+                    log.info("step %s: interrupted by drain after %.1fs", name, elapsed)
+                    span.set_attribute("llmgw.interrupted", True)
+                else:
+                    log.error("step %s: failed after %.1fs: %s", name, elapsed, err)
+                    span.record_exception(err)
+                    span.set_status(Status(StatusCode.ERROR, str(err)[:500]))
+                    self._emit(
+                        "step", step=name, status="failed", message=str(err), elapsed_s=elapsed
+                    )
+                raise
+            elapsed = time.monotonic() - t0
+            span.set_attribute("llmgw.elapsed_s", elapsed)
+        log.info("step %s: done in %.1fs", name, elapsed)
+        self._emit("step", step=name, status="done", elapsed_s=elapsed)
+
+    # --- the run --------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._install_signals(loop)
+        carrier = {k.lower(): v for k, v in self.env.items() if k in ("TRACEPARENT", "TRACESTATE")}
+        parent = extract(carrier)
+        attrs = {
+            "llmgw.replica_id": self.job.replica_id,
+            "llmgw.model": self.job.model,
+            "llmgw.node": self.hostname,
+            "llmgw.job_id": self.env.get("SLURM_JOB_ID", ""),
+        }
+        with self.tracer.start_as_current_span("llmgw.agent", context=parent, attributes=attrs):
+            async with aiohttp.ClientSession() as session:
+                self._client = DaemonClient(
+                    session, self.job.daemon_url, self.job.replica_id, self.job.replica_secret,
+                    node=self.hostname, job_id=self.env.get("SLURM_JOB_ID", ""),
+                    timeout_s=self.settings.report_timeout_s,
+                )
+                sender = asyncio.create_task(self._sender())
+                try:
+                    return await self._run(session)
+                finally:
+                    self._cleanup()
+                    self._outbox.put_nowait(None)
+                    # Final reports get a bounded chance: the job is ending, and
+                    # Slurm's KillWait will not wait for an absent daemon.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(sender, self.settings.report_timeout_s)
+                    if not sender.done():
+                        log.warning("daemon away: %d report(s) not delivered",
+                                    self._outbox.qsize())
+                    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+                        loop.remove_signal_handler(sig)
+
+    async def _run(self, session: aiohttp.ClientSession) -> int:
+        t0 = time.monotonic()
+        startup = asyncio.create_task(self._startup(session))
+        drain_wait = asyncio.create_task(self._drain.wait())
+        await asyncio.wait({startup, drain_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if not startup.done():
+            startup.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await startup
+            await self._stop_engine()
+            self._emit("stopped", message=f"stopped before ready: {self.drain_reason}",
+                       elapsed_s=time.monotonic() - t0)
+            return EXIT_OK
+        drain_wait.cancel()
+        try:
+            startup.result()
+        except Exception as err:
+            if isinstance(err, (AgentError, ConfigError)):
+                message = str(err)
+            else:
+                log.exception("startup failed unexpectedly")
+                message = f"{type(err).__name__}: {err}"
+            await self._stop_engine()
+            self._emit("failed", message=message, elapsed_s=time.monotonic() - t0)
+            return EXIT_FAILED
+        try:
+            return await self._serve(session)
+        finally:
+            await self._stop_engine()
+
+    async def _startup(self, session: aiohttp.ClientSession) -> None:
+        spec = self.job.spec
+        s = self.settings
+        method = spec.weights.method if spec.weights else "none"
+        async with self._step("weights", method=method) as span:
+            result = await asyncio.to_thread(ensure_weights, spec.name, spec.weights, s.fetch)
+            span.set_attribute("llmgw.weights.fetched", result.fetched)
+            span.set_attribute("llmgw.weights.bytes", result.bytes)
+            model_path = result.model_path
+
+        async with self._step("rendezvous") as span:
+            role = rdzv.compute_role(self.env, self._expand)
+            self.role = role
+            span.set_attribute("llmgw.node_rank", role.rank)
+            span.set_attribute("llmgw.nnodes", role.nnodes)
+            dist, taken = await self._rendezvous(role)
+            if dist is not None:
+                span.set_attribute("llmgw.master_addr", dist.master_addr)
+                span.set_attribute("llmgw.master_port", dist.master_port)
+            seed = int(re.sub(r"\D", "", role.job_id) or "0")
+            port = (
+                rdzv.pick_free_port(s.port_range, seed, s.bind_host, taken) if role.is_head else 0
+            )
+
+        async with self._step("engine_launch", engine=spec.engine.kind):
+            binds = (model_path,) if model_path.startswith("/") else ()
+            launch = LaunchParams(
+                model_path=model_path,
+                served_name=spec.served_name,
+                host=s.bind_host,
+                port=port,
+                python=s.python,
+                runtime=s.runtime(spec.engine.kind),
+                dist=dist,
+                apptainer=s.apptainer,
+                apptainer_binds=s.apptainer_binds,
+                binds=binds,
+            )
+            cmd = build_engine_command(spec.engine, launch, self.job.engine_api_key)
+            log.info("engine: %s", _redact(cmd.argv, self.job.engine_api_key))
+            out, err = self._engine_log_files(role)
+            self.engine = EngineProcess(
+                cmd.argv, engine_env(self.env, cmd.env), tail_lines=s.log_tail_lines,
+                stdout=out, stderr=err,
+            )
+            await self.engine.start()
+
+        if not role.is_head:
+            return
+        poll_host = "127.0.0.1" if s.bind_host in ("0.0.0.0", "") else s.bind_host  # noqa: S104
+        health = f"http://{poll_host}:{port}{spec.engine.health_path}"
+        timeout = spec.engine.ready_timeout_s or s.ready_timeout_s
+        async with self._step("readiness", timeout_s=timeout):
+            await wait_ready(
+                session, health, self.engine, timeout, s.ready_poll_s, self.job.engine_api_key
+            )
+        self.url = f"http://{s.advertise_host or self.hostname}:{port}"
+        self._metrics_url = f"http://{poll_host}:{port}{spec.engine.metrics_path}"
+
+    async def _rendezvous(self, role: rdzv.NodeRole) -> tuple[DistInfo | None, set[int]]:
+        """Where the nodes meet, and ports the engine's API must not take."""
+        s = self.settings
+        if not role.multi_node:
+            return None, set()
+        if s.rendezvous_dir is not None:
+            path = rdzv.rendezvous_path(s.rendezvous_dir, role)
+            if role.is_head:
+                seed = int(re.sub(r"\D", "", role.job_id) or "0")
+                mport = rdzv.pick_free_port(s.port_range, seed + 1, s.bind_host)
+                rdzv.publish(path, role, role.head_host, mport)
+                self._published = path
+            else:
+                _, mport = await rdzv.await_published(path, role, s.rendezvous_timeout_s)
+        else:
+            mport = rdzv.derived_port(s.port_range, role)
+            if role.is_head:
+                rdzv.check_port_free(mport, s.bind_host)
+        return DistInfo(role.nnodes, role.rank, role.head_host, mport), {mport}
+
+    def _engine_log_files(self, role: rdzv.NodeRole) -> tuple[IO[bytes] | None, IO[bytes] | None]:
+        if self.settings.log_dir is None:
+            return None, None
+        self.settings.log_dir.mkdir(parents=True, exist_ok=True)
+        name = f"{self.job.model}.{self.job.replica_id}.{role.job_id}.{self.hostname}.log"
+        f = (self.settings.log_dir / name).open("ab")
+        self._log_files.append(f)
+        log.info("engine output goes to %s", self.settings.log_dir / name)
+        return f, f
+
+    async def _serve(self, session: aiohttp.ClientSession) -> int:
+        assert self.engine is not None and self.role is not None
+        if self.role.is_head:
+            log.info("ready: %s serves %s", self.url, self.job.spec.served_name)
+            self._emit("ready", url=self.url)
+        t_ready = time.monotonic()
+        exit_task = asyncio.create_task(self.engine.wait())
+        drain_task = asyncio.create_task(self._drain.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait(
+                    {exit_task, drain_task},
+                    timeout=self.settings.heartbeat_interval_s,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if exit_task in done:
+                    rc = exit_task.result()
+                    tail = "\n".join(self.engine.tail()[-20:])
+                    msg = f"engine exited with code {rc} while serving; last lines:\n{tail}"
+                    log.error("%s", msg)
+                    with self.tracer.start_as_current_span("llmgw.agent.engine_exit") as span:
+                        span.set_status(Status(StatusCode.ERROR, f"exit {rc}"))
+                    self._emit("failed", message=msg, elapsed_s=time.monotonic() - t_ready)
+                    return EXIT_FAILED
+                if drain_task in done:
+                    break
+                if self.role.is_head:
+                    await self._heartbeat()
+        finally:
+            drain_task.cancel()
+        exit_task.cancel()
+        await self._drain_and_stop(session)
+        self._emit("stopped", message=f"drained: {self.drain_reason}",
+                   elapsed_s=time.monotonic() - t_ready)
+        return EXIT_OK
+
+    async def _heartbeat(self) -> None:
+        assert self._client is not None
+        answer = await self._client.send_once(self._client.body("heartbeat", url=self.url))
+        if answer is not None and answer.drain:
+            self.request_drain("the daemon asked (drain=true)")
+
+    async def _drain_and_stop(self, session: aiohttp.ClientSession) -> None:
+        assert self.engine is not None and self.role is not None
+        s = self.settings
+        if self.role.is_head:
+            # First, so that the daemon stops routing here before anything else.
+            self._emit("draining", url=self.url, message=self.drain_reason)
+        async with self._step("drain", reason=self.drain_reason) as span:
+            if self.role.is_head:
+                waited = await self._wait_in_flight(session)
+                span.set_attribute("llmgw.drain.waited_s", waited)
+            else:
+                # A worker's engine is part of the head's: it must not go first.
+                # It ends when the head's engine does.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.engine.wait(), s.drain_timeout_s + s.stop_grace_s)
+            rc = await self.engine.stop(s.stop_grace_s)
+            span.set_attribute("llmgw.engine.exit_code", rc)
+
+    async def _wait_in_flight(self, session: aiohttp.ClientSession) -> float:
+        """Until no request is running, or the drain limit; returns seconds waited."""
+        s = self.settings
+        t0 = time.monotonic()
+        headers = {"Authorization": f"Bearer {self.job.engine_api_key}"}
+        while True:
+            elapsed = time.monotonic() - t0
+            if elapsed >= s.drain_timeout_s or self.engine is None or (
+                self.engine.returncode is not None
+            ):
+                return elapsed
+            count: int | None = None
+            try:
+                async with session.get(
+                    self._metrics_url, headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=5.0),
+                ) as resp:
+                    if resp.status == 200:
+                        count = in_flight_from_metrics(await resp.text())
+            except (aiohttp.ClientError, TimeoutError):
+                count = None
+            if count is None:
+                # No request metric: a fixed grace is the best we can do.
+                grace = max(0.0, min(s.drain_grace_s, s.drain_timeout_s - elapsed))
+                log.info("drain: engine reports no request count, waiting %.0fs", grace)
+                await asyncio.sleep(grace)
+                return time.monotonic() - t0
+            if count == 0:
+                log.info("drain: no requests in flight")
+                return time.monotonic() - t0
+            log.info("drain: %d request(s) in flight", count)
+            await asyncio.sleep(s.drain_poll_s)
+
+    async def _stop_engine(self) -> None:
+        if self.engine is not None and self.engine.returncode is None:
+            await self.engine.stop(self.settings.stop_grace_s)
+
+    def _cleanup(self) -> None:
+        for f in self._log_files:
+            with contextlib.suppress(OSError):
+                f.close()
+        if self._published is not None:
+            with contextlib.suppress(OSError):
+                self._published.unlink()
+
+
+def _redact(argv: list[str], secret: str) -> list[str]:
+    return [a.replace(secret, "***") if secret else a for a in argv]

@@ -1,0 +1,131 @@
+"""LLMGW_REPLICA_SPEC parsing and the job environment."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from llmgw_slurm.agent.runner import job_context_from_env
+from llmgw_slurm.agent.spec import parse_replica_spec
+from llmgw_slurm.errors import ConfigError
+
+
+def spec(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "name": "llama-8b",
+        "engine": {"kind": "vllm", "args": ["--dtype", "bfloat16"], "env": {},
+                   "health_path": "/health"},
+        "weights": {"method": "copy", "source": "/shared/models/llama-8b"},
+        "resources": {"nodes": 2, "gpus": 4, "cpus": 4, "time_limit": "1-00:00:00"},
+        "scaling": {"min": 0, "max": 1},  # the daemon's business: ignored here
+        "aliases": ["meta-llama/Llama-3.1-8B-Instruct"],
+        "description": "",
+    }
+    base.update(over)
+    return base
+
+
+def test_full_spec_parses() -> None:
+    s = parse_replica_spec(json.dumps(spec()))
+    assert s.name == "llama-8b" and s.served_name == "llama-8b"
+    assert s.engine.kind == "vllm" and s.engine.args == ("--dtype", "bfloat16")
+    assert s.engine.health_path == "/health"
+    assert s.weights is not None and s.weights.method == "copy"
+    assert s.nodes == 2 and s.gpus == 4
+
+
+def test_method_defaults_follow_the_source() -> None:
+    hf = parse_replica_spec(json.dumps(spec(weights={"source": "hf:org/tiny@v1.2"})))
+    assert hf.weights is not None and hf.weights.method == "hf"
+    assert hf.weights.hf_repo == "org/tiny" and hf.weights.hf_revision == "v1.2"
+    local = parse_replica_spec(json.dumps(spec(weights={"source": "/m/tiny"})))
+    assert local.weights is not None and local.weights.method == "none"
+    assert local.weights.hf_repo is None
+
+
+def test_command_engine_may_bring_its_own_model() -> None:
+    text = json.dumps(spec(engine={"kind": "command", "command": ["serve", "{port}"]},
+                           weights=None))
+    assert parse_replica_spec(text).weights is None
+
+
+def test_catalog_to_spec_shape_without_optional_keys() -> None:
+    # Model.to_spec drops keys whose value is None.
+    text = json.dumps({"name": "tiny", "engine": {"kind": "sglang"},
+                       "weights": {"source": "/m", "method": "none"}})
+    s = parse_replica_spec(text)
+    assert s.engine.apptainer_image is None and s.engine.ready_timeout_s is None
+    assert s.nodes == 1
+
+
+@pytest.mark.parametrize(
+    ("over", "field", "words"),
+    [
+        ({"name": "Llama 8B"}, "name", "not a model name"),
+        ({"engine": {"kind": "tgi"}}, "engine.kind", "valid: vllm, sglang, command"),
+        ({"engine": {"kind": "vllm", "argz": []}}, "engine", "unknown key(s) argz"),
+        ({"engine": {"kind": "command"}}, "engine.command", "needs a command"),
+        ({"engine": {"kind": "vllm", "command": ["x"]}}, "engine.command", "only kind command"),
+        ({"engine": {"kind": "vllm", "args": "--x"}}, "engine.args", "list of strings"),
+        ({"engine": {"kind": "vllm", "env": {"A B": "x"}}}, "engine.env", "not an environment"),
+        ({"engine": {"kind": "vllm", "env": {"LLMGW_REPLICA_SECRET": "x"}}},
+         "engine.env.LLMGW_REPLICA_SECRET", "reserved"),
+        ({"engine": {"kind": "vllm", "health_path": "health"}}, "engine.health_path", "URL path"),
+        ({"engine": {"kind": "vllm", "ready_timeout": 0}}, "engine.ready_timeout", "positive"),
+        ({"weights": None}, "weights", "needs weights"),
+        ({"weights": {"method": "rsync", "source": "/x"}}, "weights.method", "valid: copy"),
+        ({"weights": {"method": "copy", "source": "rel/x"}}, "weights.source", "absolute"),
+        ({"weights": {"method": "hf", "source": "/abs"}}, "weights.method", "hf:ORG/NAME"),
+        ({"weights": {"source": "hf:a/b@x y"}}, "weights.source", "hf:ORG/NAME"),
+        ({"weights": {"source": "hf:a/b", "method": "copy"}}, "weights.method", "local folder"),
+        ({"weights": {"source": "/x", "revision": "v1"}}, "weights", "unknown key(s) revision"),
+        ({"resources": {"nodes": 0}}, "resources.nodes", ">= 1"),
+    ],
+)
+def test_bad_specs_name_the_field(over: dict[str, Any], field: str, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_replica_spec(json.dumps(spec(**over)))
+    assert info.value.field == field
+    assert words in str(info.value)
+    assert str(info.value).startswith("LLMGW_REPLICA_SPEC")
+
+
+@pytest.mark.parametrize("text", [None, "", "{not json", "[1]"])
+def test_missing_or_broken_spec(text: str | None) -> None:
+    with pytest.raises(ConfigError, match="LLMGW_REPLICA_SPEC"):
+        parse_replica_spec(text)
+
+
+def env(**over: str) -> dict[str, str]:
+    base = {
+        "LLMGW_REPLICA_ID": "0123abcd",
+        "LLMGW_MODEL": "llama-8b",
+        "LLMGW_DAEMON_URL": "http://login1:8080",
+        "LLMGW_REPLICA_SECRET": "s3cret",
+        "LLMGW_ENGINE_API_KEY": "k3y",
+        "LLMGW_REPLICA_SPEC": json.dumps(spec()),
+    }
+    base.update(over)
+    return base
+
+
+def test_job_context() -> None:
+    ctx = job_context_from_env(env())
+    assert ctx.replica_id == "0123abcd" and ctx.engine_api_key == "k3y"
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"LLMGW_REPLICA_SECRET": ""}, "LLMGW_REPLICA_SECRET"),
+        ({"LLMGW_REPLICA_ID": "XYZ"}, "LLMGW_REPLICA_ID"),
+        ({"LLMGW_DAEMON_URL": "login1:8080"}, "LLMGW_DAEMON_URL"),
+        ({"LLMGW_MODEL": "other"}, "LLMGW_REPLICA_SPEC"),
+    ],
+)
+def test_bad_job_env(over: dict[str, str], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        job_context_from_env(env(**over))
+    assert info.value.field == field

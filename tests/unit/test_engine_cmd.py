@@ -1,0 +1,163 @@
+"""Engine command lines: argument lists, the key never in argv, multi-node flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from llmgw_slurm.agent.engine import (
+    DistInfo,
+    LaunchParams,
+    build_engine_command,
+    engine_env,
+    in_flight_from_metrics,
+)
+from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.agent.settings import EngineRuntime
+from llmgw_slurm.agent.spec import EngineSpec
+
+KEY = "sk-engine-0123"
+P = LaunchParams(model_path="/cache/m", served_name="llama", host="0.0.0.0", port=23456,
+                 python="/venv/bin/python")
+DIST_HEAD = DistInfo(nnodes=3, node_rank=0, master_addr="gpu01", master_port=29500)
+DIST_W = DistInfo(nnodes=3, node_rank=2, master_addr="gpu01", master_port=29500)
+
+
+def test_vllm_single_node() -> None:
+    cmd = build_engine_command(EngineSpec("vllm", args=("--dtype", "float32")), P, KEY)
+    assert cmd.argv == [
+        "/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", "/cache/m", "--served-model-name", "llama",
+        "--host", "0.0.0.0", "--port", "23456", "--dtype", "float32",
+    ]
+    assert KEY not in cmd.argv
+    assert cmd.env["VLLM_API_KEY"] == KEY
+    assert "MASTER_ADDR" not in cmd.env
+
+
+def test_vllm_multi_node_head_and_worker() -> None:
+    head = build_engine_command(EngineSpec("vllm"), replace(P, dist=DIST_HEAD), KEY)
+    worker = build_engine_command(EngineSpec("vllm"), replace(P, dist=DIST_W), KEY)
+    for cmd, rank in ((head, "0"), (worker, "2")):
+        a = cmd.argv
+        assert a[a.index("--nnodes") + 1] == "3"
+        assert a[a.index("--node-rank") + 1] == rank
+        assert a[a.index("--master-addr") + 1] == "gpu01"
+        assert a[a.index("--master-port") + 1] == "29500"
+        assert cmd.env["MASTER_ADDR"] == "gpu01" and cmd.env["MASTER_PORT"] == "29500"
+        assert cmd.env["NODE_RANK"] == rank and cmd.env["WORLD_SIZE"] == "3"
+    assert "--headless" not in head.argv
+    assert "--headless" in worker.argv
+
+
+def test_sglang_key_is_appended_inside_the_process() -> None:
+    cmd = build_engine_command(EngineSpec("sglang"), replace(P, dist=DIST_W), KEY)
+    assert KEY not in " ".join(cmd.argv)
+    a = cmd.argv
+    assert a[:2] == ["/venv/bin/python", "-c"]
+    assert a[a.index("--model-path") + 1] == "/cache/m"
+    assert a[a.index("--dist-init-addr") + 1] == "gpu01:29500"
+    assert a[a.index("--node-rank") + 1] == "2"
+    assert cmd.env["LLMGW_ENGINE_API_KEY"] == KEY
+
+
+def test_sglang_shim_hands_the_key_to_the_module(tmp_path: Path) -> None:
+    # Run the shim against a stand-in module that prints its argv.
+    d = tmp_path / "sglang"
+    d.mkdir()
+    (d / "__init__.py").write_text("")
+    (d / "launch_server.py").write_text("import sys, json; print(json.dumps(sys.argv[1:]))\n")
+    cmd = build_engine_command(EngineSpec("sglang"), replace(P, python=sys.executable), KEY)
+    out = subprocess.run(cmd.argv, env={**cmd.env, "PYTHONPATH": str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout
+    args = json.loads(out)
+    assert args[-2:] == ["--api-key", KEY]
+    assert args[:2] == ["--model-path", "/cache/m"]
+
+
+def test_custom_placeholders() -> None:
+    spec = EngineSpec(
+        "command",
+        command=("serve", "--port={port}", "{model_path}", "--key", "{api_key}"),
+        args=("--name", "{served_name}", "{node_rank}/{nnodes}"),
+    )
+    cmd = build_engine_command(spec, P, KEY)
+    assert cmd.argv == ["serve", "--port=23456", "/cache/m", "--key", KEY, "--name", "llama", "0/1"]
+
+
+def test_custom_unknown_placeholder_is_refused() -> None:
+    with pytest.raises(EngineError, match=r"unknown placeholder \{prot\}"):
+        build_engine_command(EngineSpec("command", command=("x", "{prot}")), P, KEY)
+
+
+def test_substituted_values_are_not_rescanned() -> None:
+    p = LaunchParams(**{**P.__dict__, "model_path": "/m/{api_key}"})
+    cmd = build_engine_command(EngineSpec("command", command=("x", "{model_path}")), p, KEY)
+    assert cmd.argv == ["x", "/m/{api_key}"]
+
+
+def test_hostile_args_stay_single_arguments() -> None:
+    hostile = "'; rm -rf / #$(id)`id`\n"
+    cmd = build_engine_command(EngineSpec("vllm", args=("--x", hostile)), P, KEY)
+    assert cmd.argv[-1] == hostile
+
+
+def test_apptainer_wrapping_uses_python_in_image_and_binds() -> None:
+    spec = EngineSpec("vllm", apptainer_image="/images/vllm.sif")
+    p = replace(P, apptainer="/usr/bin/apptainer", apptainer_binds=("/shared:/shared:ro",),
+                binds=("/cache/m",))
+    cmd = build_engine_command(spec, p, KEY)
+    assert cmd.argv[:9] == [
+        "/usr/bin/apptainer", "exec", "--nv", "--bind", "/shared:/shared:ro",
+        "--bind", "/cache/m", "/images/vllm.sif", "python3",
+    ]
+    p2 = replace(P, runtime=EngineRuntime(python="/opt/py/bin/python"))
+    assert build_engine_command(spec, p2, KEY).argv[4] == "/opt/py/bin/python"
+
+
+def test_site_runtime_python_executable_and_env() -> None:
+    rt = EngineRuntime(python="/opt/vllm/bin/python", env={"VLLM_NO_USAGE_STATS": "1", "A": "site"})
+    cmd = build_engine_command(EngineSpec("vllm", env={"A": "model"}), replace(P, runtime=rt), KEY)
+    assert cmd.argv[0] == "/opt/vllm/bin/python"
+    assert cmd.env["VLLM_NO_USAGE_STATS"] == "1" and cmd.env["A"] == "model"
+    exe = replace(P, runtime=EngineRuntime(executable="/opt/vllm/bin/vllm"))
+    argv = build_engine_command(EngineSpec("vllm"), exe, KEY).argv
+    assert argv[:3] == ["/opt/vllm/bin/vllm", "serve", "/cache/m"]
+    assert "--model" not in argv and KEY not in argv
+
+
+def test_sglang_executable_is_refused_to_keep_the_key_off_argv() -> None:
+    exe = replace(P, runtime=EngineRuntime(executable="/opt/sglang/bin/sglang"))
+    with pytest.raises(EngineError, match=r"engines\.sglang\.python"):
+        build_engine_command(EngineSpec("sglang"), exe, KEY)
+
+
+def test_command_literal_braces_and_bad_format() -> None:
+    spec = EngineSpec("command", command=("x", '{{"port": {port}}}'))
+    assert build_engine_command(spec, P, KEY).argv == ["x", '{"port": 23456}']
+    with pytest.raises(EngineError, match="literal braces"):
+        build_engine_command(EngineSpec("command", command=("x", "{port")), P, KEY)
+
+
+def test_spec_env_and_withheld_secret() -> None:
+    cmd = build_engine_command(EngineSpec("vllm", env={"HF_HUB_OFFLINE": "1"}), P, KEY)
+    env = engine_env({"PATH": "/bin", "LLMGW_REPLICA_SECRET": "s", "HOME": "/h"}, cmd.env)
+    assert env["HF_HUB_OFFLINE"] == "1" and env["PATH"] == "/bin"
+    assert "LLMGW_REPLICA_SECRET" not in env
+
+
+def test_in_flight_from_metrics() -> None:
+    text = """# HELP vllm:num_requests_running Number of requests running.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="llama"} 3.0
+vllm:num_requests_waiting{model_name="llama"} 1.0
+vllm:gpu_cache_usage_perc{model_name="llama"} 0.5
+"""
+    assert in_flight_from_metrics(text) == 4
+    assert in_flight_from_metrics('sglang:num_running_reqs{a="b"} 2 1700000000\n') == 2
+    assert in_flight_from_metrics("process_cpu_seconds_total 12\n") is None

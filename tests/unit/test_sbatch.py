@@ -1,0 +1,359 @@
+"""The batch scripts: recorded output, strict #SBATCH values, hostile values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from llmgw_slurm.errors import TemplateError
+from llmgw_slurm.sbatch import (
+    EngineInstallParams,
+    HetComponent,
+    HetReplicaParams,
+    JobOptions,
+    ModelJobParams,
+    ReplicaParams,
+    Resources,
+    render_engine_install,
+    render_model_job,
+    render_replica,
+    render_replica_hetjob,
+)
+
+EXPECTED = Path(__file__).parent / "expected"
+
+JOB = JobOptions(
+    job_name="llmgw.llama-8b.0123abcd",
+    time="1-00:00:00",
+    output="/var/log/llmgw/%x-%j.out",
+    python="/opt/llmgw/bin/python",
+    partition="gpu",
+    account="ai",
+    qos="service",
+)
+AGENT_CONFIG = "/etc/llmgw/agent.yaml"
+
+
+def assert_matches_record(name: str, text: str) -> None:
+    path = EXPECTED / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        pytest.fail(f"{path} was missing and has been recorded: check it, commit it, rerun")
+    assert text == path.read_text(), (
+        f"rendered script differs from {path}; delete the record if this change is intended "
+        "(the next run records the new text)"
+    )
+
+
+def bash_n(text: str, tmp_path: Path) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text(text)
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- recorded output ------------------------------------------------------------------
+
+
+def test_replica_matches_record(tmp_path: Path) -> None:
+    params = ReplicaParams(
+        JOB,
+        Resources(gpus=2, gpu_type="a100", cpus_per_task=8, mem="64G", constraint="ib&a100"),
+        AGENT_CONFIG,
+        signal_before_s=300,
+    )
+    text = render_replica(params)
+    assert_matches_record("replica.sbatch", text)
+    bash_n(text, tmp_path)
+
+
+def test_replica_minimal_matches_record(tmp_path: Path) -> None:
+    job = JobOptions(job_name="llmgw.tiny.00000001", time="30", output="/tmp/o.out",
+                     python="python3", error="/tmp/e.err")
+    text = render_replica(ReplicaParams(job, Resources(), "/etc/a.yaml", requeue=False))
+    assert_matches_record("replica-minimal.sbatch", text)
+    bash_n(text, tmp_path)
+
+
+def test_hetjob_matches_record(tmp_path: Path) -> None:
+    params = HetReplicaParams(
+        JOB,
+        [
+            HetComponent(1, Resources(gpus=4, cpus_per_task=16)),
+            HetComponent(2, Resources(gpus=4, cpus_per_task=16), partition="gpu2"),
+        ],
+        AGENT_CONFIG,
+    )
+    text = render_replica_hetjob(params)
+    assert_matches_record("replica-hetjob.sbatch", text)
+    bash_n(text, tmp_path)
+
+
+def test_model_job_matches_record(tmp_path: Path) -> None:
+    text = render_model_job(ModelJobParams(JOB, AGENT_CONFIG, Resources(cpus_per_task=4)))
+    assert_matches_record("model-job.sbatch", text)
+    bash_n(text, tmp_path)
+
+
+def test_engine_install_matches_records(tmp_path: Path) -> None:
+    venv = EngineInstallParams(
+        JOB, "venv", "/opt/engines/vllm-0.6.3", packages=["vllm==0.6.3"],
+        pip_args=["--index-url", "https://pypi.example.invalid/simple"],
+    )
+    image = EngineInstallParams(
+        JOB, "apptainer", "/opt/engines/vllm-0.6.3.sif",
+        image_uri="docker://vllm/vllm-openai:v0.6.3",
+    )
+    for name, params in (("engine-install-venv.sbatch", venv),
+                         ("engine-install-apptainer.sbatch", image)):
+        text = render_engine_install(params)
+        assert_matches_record(name, text)
+        bash_n(text, tmp_path)
+
+
+def test_hetjob_has_one_srun_over_every_component() -> None:
+    comps = [HetComponent(1, Resources(gpus=1))] + [HetComponent(1, Resources(gpus=1))] * 3
+    text = render_replica_hetjob(HetReplicaParams(JOB, comps, AGENT_CONFIG))
+    assert text.count("#SBATCH hetjob") == 3
+    sruns = [line for line in text.splitlines() if "srun" in line and not line.startswith("#")]
+    assert len(sruns) == 1 and "--het-group=0-3" in sruns[0]
+    # Job-wide options appear once, in component 0, before the first separator.
+    head = text.split("#SBATCH hetjob")[0]
+    for opt in ("--signal=B:USR1@300", "--requeue", "--output=", "--open-mode=append"):
+        assert opt in head
+        assert text.count(opt) == 1
+
+
+# --- refusals ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("job_name", "llmgw.x y"),
+        ("job_name", "llmgw.x\n#SBATCH --uid=0"),
+        ("job_name", "llmgw.'x'"),
+        ("time", "1 day"),
+        ("time", "01:00:00\n"),
+        ("partition", "gpu --uid=0"),
+        ("partition", "gpu\n#SBATCH --x"),
+        ("account", "a$(id)"),
+        ("qos", "q`id`"),
+        ("output", "/var/log/my logs/x.out"),
+        ("output", "relative/x.out"),
+        ("output", "/var/log/x'.out"),
+        ("error", "/tmp/$(id)"),
+        ("workdir", "/tmp/a;b"),
+        ("python", "/opt/py\nthon"),
+    ],
+)
+def test_bad_job_values_are_refused(field: str, value: str) -> None:
+    job = replace(JOB, **{field: value})
+    with pytest.raises(TemplateError, match=field):
+        render_replica(ReplicaParams(job, Resources(), AGENT_CONFIG))
+
+
+@pytest.mark.parametrize(
+    ("resources", "field"),
+    [
+        (Resources(gpus=-1), "gpus"),
+        (Resources(gpus=1, gpu_type="a100 x"), "gpu_type"),
+        (Resources(gpus=1, gpu_type="a100:2"), "gpu_type"),
+        (Resources(mem="64 G"), "mem"),
+        (Resources(mem="lots"), "mem"),
+        (Resources(cpus_per_task=0), "cpus_per_task"),
+        (Resources(constraint="a100 ib"), "constraint"),
+        (Resources(constraint="a$(id)"), "constraint"),
+    ],
+)
+def test_bad_resources_are_refused(resources: Resources, field: str) -> None:
+    with pytest.raises(TemplateError, match=field):
+        render_replica(ReplicaParams(JOB, resources, AGENT_CONFIG))
+
+
+@pytest.mark.parametrize("path", ["etc/agent.yaml", "/etc/a b.yaml", "/etc/'a'.yaml", "/e/$(x)"])
+def test_bad_agent_config_is_refused(path: str) -> None:
+    with pytest.raises(TemplateError, match="agent_config"):
+        render_replica(ReplicaParams(JOB, Resources(), path))
+
+
+def test_signal_lead_must_fit_slurm() -> None:
+    with pytest.raises(TemplateError, match="signal_before_s"):
+        render_replica(ReplicaParams(JOB, Resources(), AGENT_CONFIG, signal_before_s=0))
+    with pytest.raises(TemplateError, match="signal_before_s"):
+        render_replica(ReplicaParams(JOB, Resources(), AGENT_CONFIG, signal_before_s=70000))
+
+
+def test_hetjob_needs_two_components_and_one_cpu_count() -> None:
+    with pytest.raises(TemplateError, match="components"):
+        render_replica_hetjob(HetReplicaParams(JOB, [HetComponent(2)], AGENT_CONFIG))
+    mixed = [HetComponent(1, Resources(cpus_per_task=4)), HetComponent(1, Resources())]
+    with pytest.raises(TemplateError, match="cpus_per_task"):
+        render_replica_hetjob(HetReplicaParams(JOB, mixed, AGENT_CONFIG))
+
+
+@pytest.mark.parametrize("req", ["vllm; rm -rf /", "vllm==0.6 $(id)", "-e .", "`id`"])
+def test_bad_packages_are_refused(req: str) -> None:
+    with pytest.raises(TemplateError, match="packages"):
+        render_engine_install(EngineInstallParams(JOB, "venv", "/opt/e", packages=[req]))
+
+
+def test_bad_image_uri_and_kind_are_refused() -> None:
+    with pytest.raises(TemplateError, match="image_uri"):
+        render_engine_install(
+            EngineInstallParams(JOB, "apptainer", "/opt/e.sif", image_uri="docker://x;id")
+        )
+    with pytest.raises(TemplateError, match="kind"):
+        render_engine_install(EngineInstallParams(JOB, "conda", "/opt/e"))
+
+
+# --- site templates ---------------------------------------------------------------
+
+
+def test_site_dir_overrides_one_template(tmp_path: Path) -> None:
+    (tmp_path / "replica.sbatch.j2").write_text(
+        "#!/bin/bash\n#SBATCH --job-name={{ job.job_name | sb }}\n"
+        "exec site-runner {{ job.python | q }}\n"
+    )
+    text = render_replica(ReplicaParams(JOB, Resources(), AGENT_CONFIG), template_dir=tmp_path)
+    assert "exec site-runner /opt/llmgw/bin/python" in text
+    # The others still come from the defaults.
+    model = render_model_job(ModelJobParams(JOB, AGENT_CONFIG), template_dir=tmp_path)
+    assert "fetch" in model
+
+
+def test_site_template_cannot_put_unchecked_value_on_sbatch_line(tmp_path: Path) -> None:
+    (tmp_path / "replica.sbatch.j2").write_text(
+        "#!/bin/bash\n#SBATCH --comment={{ job.python | sb }}\n"
+    )
+    job = replace(JOB, python="/opt/my python/bin/python")
+    with pytest.raises(TemplateError, match="#SBATCH"):
+        render_replica(ReplicaParams(job, Resources(), AGENT_CONFIG), template_dir=tmp_path)
+
+
+def test_site_template_with_undefined_name_fails_clearly(tmp_path: Path) -> None:
+    (tmp_path / "replica.sbatch.j2").write_text("#!/bin/bash\necho {{ job.no_such_thing | q }}\n")
+    with pytest.raises(TemplateError, match="no_such_thing"):
+        render_replica(ReplicaParams(JOB, Resources(), AGENT_CONFIG), template_dir=tmp_path)
+
+
+# --- hostile values that are quoted, not refused -------------------------------------
+
+HOSTILE = [
+    "/opt/x'; touch PWNED; echo '/python",
+    '/opt/"$(touch PWNED)"/python',
+    "/opt/`touch PWNED`/python",
+    "/opt/a\nb; touch PWNED/python",
+    "/opt/$HOME;touch PWNED &/python",
+    "/opt/\\'\\\"/python",
+]
+
+_STUB = """#!{python}
+import json, os, sys
+with open(os.environ["STUB_LOG"], "a") as f:
+    f.write(json.dumps([os.path.basename(sys.argv[0]), *sys.argv[1:]]) + "\\n")
+args = sys.argv[1:]
+if args[:2] == ["-m", "venv"]:
+    target = args[-1]
+    os.makedirs(os.path.join(target, "bin"))
+    os.symlink(os.path.abspath(sys.argv[0]), os.path.join(target, "bin", "python"))
+"""
+
+
+def _run_with_stubs(text: str, tmp_path: Path, stubs: list[str]) -> list[list[str]]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in stubs:
+        stub = bin_dir / name
+        stub.write_text(_STUB.format(python=sys.executable))
+        stub.chmod(0o755)
+    script = tmp_path / "job.sh"
+    script.write_text(text)
+    log = tmp_path / "argv.jsonl"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", STUB_LOG=str(log))
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "PWNED").exists(), "a hostile value was executed"
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_hostile_python_path_is_one_literal_argument(hostile: str, tmp_path: Path) -> None:
+    # The stub stands in for the hostile path: the script must hand the whole
+    # string to srun as one argument, never run it through a shell.
+    job = replace(JOB, python=hostile)
+    if "\n" in hostile:
+        # A newline in an interpreter path is refused rather than quoted.
+        with pytest.raises(TemplateError, match="python"):
+            render_replica(ReplicaParams(job, Resources(), AGENT_CONFIG))
+        return
+    text = render_replica(ReplicaParams(job, Resources(cpus_per_task=2), AGENT_CONFIG))
+    bash_n(text, tmp_path)
+    calls = _run_with_stubs(text, tmp_path, ["srun"])
+    assert len(calls) == 1
+    argv = calls[0]
+    assert argv[0] == "srun"
+    i = argv.index(hostile)
+    assert argv[i + 1 :] == ["-m", "llmgw_slurm.agent.main", "--config", AGENT_CONFIG, "run"]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_hostile_values_in_hetjob_and_model_job(hostile: str, tmp_path: Path) -> None:
+    job = replace(JOB, python=hostile)
+    if "\n" in hostile:
+        with pytest.raises(TemplateError, match="python"):
+            render_model_job(ModelJobParams(job, AGENT_CONFIG))
+        return
+    het = render_replica_hetjob(
+        HetReplicaParams(job, [HetComponent(1), HetComponent(1)], AGENT_CONFIG)
+    )
+    calls = _run_with_stubs(het, tmp_path, ["srun"])
+    assert hostile in calls[0] and calls[0][-1] == "run"
+    model = render_model_job(ModelJobParams(job, AGENT_CONFIG))
+    bash_n(model, tmp_path)
+    # exec of the hostile path itself: it does not exist, so bash fails to
+    # exec it; what matters is that nothing in it ran.
+    script = tmp_path / "model.sh"
+    script.write_text(model)
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_hostile_pip_args_and_target_are_literal(hostile: str, tmp_path: Path) -> None:
+    target = tmp_path / "venv"
+    params = EngineInstallParams(
+        replace(JOB, python="python"), "venv", str(target),
+        packages=["vllm==0.6.3"], pip_args=["--index-url", hostile.replace("\n", " ")],
+    )
+    text = render_engine_install(params)
+    bash_n(text, tmp_path)
+    calls = _run_with_stubs(text, tmp_path, ["python"])
+    install = [c for c in calls if c[1:4] == ["-m", "pip", "install"] and "vllm==0.6.3" in c]
+    assert install == [
+        ["python", "-m", "pip", "install", "--index-url", hostile.replace("\n", " "), "--",
+         "vllm==0.6.3"]
+    ]
+    assert (target / ".llmgw-installed").exists()
+
+
+def test_engine_install_twice_installs_once(tmp_path: Path) -> None:
+    target = tmp_path / "venv"
+    params = EngineInstallParams(replace(JOB, python="python"), "venv", str(target),
+                                 packages=["vllm==0.6.3"])
+    text = render_engine_install(params)
+    first = _run_with_stubs(text, tmp_path, ["python"])
+    (tmp_path / "argv.jsonl").unlink()
+    (tmp_path / "argv.jsonl").touch()
+    second = _run_with_stubs(text, tmp_path, ["python"])
+    assert any(c[1:3] == ["-m", "venv"] for c in first)
+    assert second == []
