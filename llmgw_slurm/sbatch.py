@@ -223,9 +223,7 @@ class ReplicaParams:
         _check_int(self.signal_before_s, "signal_before_s", 1)
         if self.signal_before_s > 65535:
             # Slurm stores the warning time in 16 bits.
-            raise TemplateError(
-                f"signal_before_s: {self.signal_before_s} refused; valid: 1..65535"
-            )
+            raise TemplateError(f"signal_before_s: {self.signal_before_s} refused; valid: 1..65535")
         _check_agent_config(self.agent_config)
 
 
@@ -369,9 +367,11 @@ def _render(name: str, template_dir: Path | str | None, context: Mapping[str, An
         where = template_dir or DEFAULT_TEMPLATE_DIR
         raise TemplateError(f"template {name} not found in {where}") from err
     except jinja2.TemplateError as err:
-        where = f"{err.filename or name}:{err.lineno}" if isinstance(
-            err, jinja2.TemplateSyntaxError
-        ) else name
+        where = (
+            f"{err.filename or name}:{err.lineno}"
+            if isinstance(err, jinja2.TemplateSyntaxError)
+            else name
+        )
         raise TemplateError(f"rendering {where}: {err}") from err
     if "\r" in text:
         raise TemplateError(f"rendering {name}: carriage return in the script")
