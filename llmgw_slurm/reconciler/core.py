@@ -479,6 +479,70 @@ class Reconciler:
                 self._fail(a.model, f"submit failed: {exc}")
             self._record("error", a.model, a.replica_id, f"{a.kind.value}: {exc}", pass_id)
 
+    # ---- admin requests (llmgw-admin drain / stop) ------------------------------------
+
+    def find_replicas(self, target: str = "", node: str = "") -> list[Replica]:
+        """The replicas ``target`` names (a replica id, a model or an alias), or those on ``node``.
+
+        Raises LookupError naming what exists when the target or node is unknown.
+        A known model or node with no replica is an empty list, not an error.
+        """
+        if node:
+            known = sorted(
+                {n.name for n in self.nodes} | {n for r in self.replicas.values() for n in r.nodes}
+            )
+            if node not in known:
+                raise LookupError(f"no node {node!r}; nodes: {', '.join(known) or 'none seen yet'}")
+            return [r for r in self.replicas.values() if node in r.nodes]
+        if target in self.replicas:
+            return [self.replicas[target]]
+        model = self.resolve(target)
+        if model is not None:
+            return [r for r in self.replicas.values() if r.model == model]
+        models = ", ".join(m.name for m in self.catalog.models) or "none"
+        reps = ", ".join(sorted(self.replicas)) or "none"
+        raise LookupError(f"no replica or model {target!r}; models: {models}; replicas: {reps}")
+
+    def request_drain(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
+        """Stop routing to the named replicas; the plan cancels each once its requests finish.
+
+        A model whose ``min`` is above what is left gets replacements on the next
+        pass: a drain moves replicas, it does not take a model down.
+        """
+        reps = self.find_replicas(target, node)
+        why = reason or "drained by an admin"
+        now = self.clock()
+        out = []
+        for r in reps:
+            if r.stop_reason or r.draining_since is not None:
+                continue
+            r.draining_since = now
+            r.drain_reason = why
+            self._record("drain", r.model, r.replica_id, why)
+            out.append(r.replica_id)
+        self._wake.set()
+        return out
+
+    async def request_stop(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
+        """Cancel the named replicas now, in-flight requests or not. Raises SlurmError."""
+        reps = self.find_replicas(target, node)
+        why = reason or "stopped by an admin"
+        out = []
+        for r in reps:
+            if r.stop_reason:
+                continue
+            url, r.stop_reason, r.base_url = r.base_url, why, ""
+            try:
+                await self.backend.cancel(r.job_id)
+            except SlurmError:
+                # Not stopping after all: the next pass must still see it as it was.
+                r.stop_reason, r.base_url = "", url
+                raise
+            self._record("stop", r.model, r.replica_id, why)
+            out.append(r.replica_id)
+        self._wake.set()
+        return out
+
     # ---- status --------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
