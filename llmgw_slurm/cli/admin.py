@@ -295,21 +295,11 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
     if ds:
         now = float(st.get("now") or time.time())
         click.echo("\nrecent decisions (newest last):")
-        click.echo(
-            table(
-                ("AGO", "ACTION", "MODEL", "REPLICA", "REASON"),
-                [
-                    (
-                        fmt_age(now - float(d.get("at") or now)),
-                        d.get("action"),
-                        d.get("model"),
-                        d.get("replica"),
-                        d.get("reason"),
-                    )
-                    for d in ds
-                ],
-            )
-        )
+        # Lines, not a table: a reason quotes Slurm and is worth reading whole.
+        for d in ds:
+            ago = fmt_age(now - float(d.get("at") or now))
+            rid = f" {d['replica']}" if d.get("replica") else ""
+            click.echo(f"{ago:>7} ago  {d.get('action')} {d.get('model')}{rid}: {d.get('reason')}")
 
 
 def _target_body(target: str | None, node: str | None, reason: str | None) -> dict[str, str]:

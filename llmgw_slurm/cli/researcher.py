@@ -235,12 +235,11 @@ def _phase(model: dict[str, Any]) -> str:
 
 
 async def _wait_up(s: Settings, name: str, timeout: float, live: bool) -> dict[str, Any]:
-    reply = await call_daemon("POST", s.url, f"/api/v1/models/{name}/up")
-    if reply.status == 404:
-        raise click.ClickException(reply.error_message())
+    # Aliases may hold a "/", which a URL path cannot carry: ask by the canonical name.
+    canonical = str(_find_model(await _status(s), name)["name"])
+    reply = await call_daemon("POST", s.url, f"/api/v1/models/{canonical}/up")
     if not reply.ok:
         raise click.ClickException(f"the daemon refused the start: {reply.error_message()}")
-    canonical = str(reply.data.get("model", name)) if isinstance(reply.data, dict) else name
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     last_phase = ""
