@@ -85,6 +85,10 @@ class ReplicaView:
     agent_failed: str = ""  # the agent's failure message, if it reported one
     replaces: str = ""  # the replica this one renews
     stop_reason: str = ""  # why it is stopping (for STOPPING)
+    # The agent drains on its own (SIGTERM from a cancel or a preemption, SIGUSR1 before
+    # the time limit): the job ends by itself, and a preempted one comes back, so the
+    # daemon must not cancel it.
+    self_draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -311,7 +315,7 @@ def plan(
                 r, f"pending for {_fmt_s(now - r.submitted_at)} ({r.reason or 'no reason given'})"
             )
             continue
-        if r.state is ReplicaState.DRAINING:
+        if r.state is ReplicaState.DRAINING and not r.self_draining:
             since = r.draining_since if r.draining_since is not None else now
             if r.in_flight == 0:
                 cancel(r, f"drained ({r.drain_reason or 'drain'})")
