@@ -758,6 +758,7 @@ _scalars = st.one_of(
             "20000-20010",
             "grpc",
             "a" * 49,
+            "~nobody-x/y",
         ]
     ),
 )
