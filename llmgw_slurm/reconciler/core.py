@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from llmgw_slurm.catalog import Catalog, Model
@@ -328,7 +329,7 @@ class Reconciler:
         now = self.clock()
         self.last_observed = now
         self.nodes = nodes
-        self._observe(jobs, now, pass_id)
+        await self._reap(self._observe(jobs, now, pass_id), now, pass_id)
         views = [self._view(r, now) for r in self.replicas.values()]
         wanted = {k: d.wanted_at for k, d in self._demand.items() if d.wanted_at is not None}
         result = planmod.plan(
@@ -346,7 +347,7 @@ class Reconciler:
             await self._execute(action, pass_id)
         return result.actions
 
-    def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> None:
+    def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> list[Replica]:
         seen: set[str] = set()
         for job in jobs:
             ident = parse_job_name(self.prefix, job.name)
@@ -402,25 +403,50 @@ class Reconciler:
             if early is not None:
                 self._apply_report(r, early)
         # Reap: a replica whose job is no longer listed (or listed as finished) is gone.
+        gone = []
         for rid, r in list(self.replicas.items()):
-            finished = r.job_state.is_finished
-            if rid in seen and not finished:
+            if rid in seen and not r.job_state.is_finished:
                 continue
             del self.replicas[rid]
             if r.stop_reason:
                 self._record("gone", r.model, rid, r.stop_reason, pass_id)
-                continue
-            cause = (
-                f"job {r.job_id} ended ({r.job_state.value})"
-                if finished
-                else f"job {r.job_id} left the queue (last seen {r.job_state.value})"
-            )
+            else:
+                gone.append(r)
+        return gone
+
+    async def _reap(self, gone: Sequence[Replica], now: float, pass_id: str) -> None:
+        """Record why replicas ended that the daemon did not stop, and count failed starts.
+
+        squeue keeps a finished job (with its final state) for MinJobAge; one that
+        has already left it is looked up in accounting, in one call for all of them,
+        and only in a pass that has such a job.
+        """
+        final: dict[str, str] = {}
+        vanished = [r for r in gone if not r.job_state.is_finished]
+        if vanished:
+            since = datetime.fromtimestamp(min(r.submitted_at for r in vanished) - 60)
+            try:
+                for rec in await self.backend.accounting(since, name_prefix=self.prefix):
+                    final[rec.job_id] = rec.state.value + (
+                        f" exit {rec.exit_code}" if rec.exit_code not in ("", "0:0") else ""
+                    )
+            except SlurmError as exc:
+                log.warning("pass %s: accounting unreachable, causes unknown: %s", pass_id, exc)
+        for r in gone:
+            if r.job_state.is_finished:
+                cause = f"job {r.job_id} ended: {r.job_state.value}"
+            elif r.job_id in final:
+                cause = f"job {r.job_id} ended: {final[r.job_id]}"
+            else:
+                cause = f"job {r.job_id} left the queue (last seen {r.job_state.value})"
+            if r.agent_failed:
+                cause += f"; agent: {r.agent_failed}"
             lived = now - r.ready_at if r.ready_at is not None else None
             # A replica that never served, or died soon after it began to, is a failed
             # start: it feeds the restart backoff so a crash loop slows down.
             if lived is None or lived < self.plan_cfg.min_lifetime:
                 self._fail(r.model, cause)
-            self._record("reap", r.model, rid, cause, pass_id)
+            self._record("reap", r.model, r.replica_id, cause, pass_id)
 
     def _fail(self, model: str, cause: str) -> None:
         prev = self.failures.get(model)
@@ -620,6 +646,10 @@ class Reconciler:
             "step": r.step,
             "url": r.base_url,
             "in_flight": r.in_flight,
+            "gpus": r.gpus_per_node * r.node_count,
+            "submitted_at": r.submitted_at,
+            "ready_since": r.ready_at,
+            "last_used": r.last_used,
             "idle_s": None if r.last_used is None else round(now - r.last_used, 1),
             "time_left_s": r.time_left_s,
             "adopted": r.adopted,
