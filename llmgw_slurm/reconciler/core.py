@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import aiohttp
+
 from llmgw_slurm.catalog import Catalog, Model
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.errors import LlmgwError, SlurmError
@@ -155,6 +157,9 @@ class Reconciler:
         self.last_pass_error = ""
         self.last_observed: float | None = None
         self._consecutive_errors = 0
+        self._http: aiohttp.ClientSession | None = None
+        self._probing: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- catalog -----------------------------------------------------------------
 
@@ -271,13 +276,14 @@ class Reconciler:
             r.agent_draining = ""
         url = body.get("url")
         if event in ("ready", "heartbeat") and isinstance(url, str) and url:
-            if not r.base_url:
-                r.ready_at = r.ready_at or now
-                self._record("ready", r.model, r.replica_id, f"serving at {url}")
-                self.failures.pop(r.model, None)
-            r.base_url = url
-            r.step = "ready"
-            self._signal_ready(r.model)
+            if r.base_url != url and url not in self._probing:
+                # Route only to what the daemon itself has reached, with the engine's key:
+                # an agent's word that the engine is up is not proof the login node can
+                # reach it (firewalls, a wrong advertised name).
+                self._probing.add(url)
+                task = asyncio.get_running_loop().create_task(self._probe(r, url))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         elif event == "failed":
             r.agent_failed = str(body.get("message") or step or "agent reported failure")
             self._wake.set()
@@ -288,6 +294,40 @@ class Reconciler:
             self._record("agent-drain", r.model, r.replica_id, r.agent_draining)
         elif event == "stopped":
             r.base_url = ""
+
+    async def _probe(self, r: Replica, url: str) -> None:
+        try:
+            if self._http is None or self._http.closed:
+                self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            key = engine_api_key(self.server_key, r.replica_id)
+            async with self._http.get(
+                url.rstrip("/") + "/v1/models", headers={"Authorization": f"Bearer {key}"}
+            ) as resp:
+                ok = resp.status == 200
+                why = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        finally:
+            self._probing.discard(url)
+        if self.replicas.get(r.replica_id) is not r or r.stop_reason:
+            return
+        if not ok:
+            # The next heartbeat tries again.
+            self._record("probe-failed", r.model, r.replica_id, f"{url}: {why}")
+            return
+        if not r.base_url:
+            r.ready_at = r.ready_at or self.clock()
+            self._record("ready", r.model, r.replica_id, f"serving at {url}")
+            self.failures.pop(r.model, None)
+        r.base_url = url
+        r.step = "ready"
+        self._signal_ready(r.model)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._http is not None:
+            await self._http.close()
 
     # ---- the pass ----------------------------------------------------------------
 
