@@ -70,7 +70,10 @@ class Replica:
     agent_failed: str = ""
     replaces: str = ""
     step: str = ""
+    # Seconds each agent step took, as the agent reported them (for status and cold-start figures).
+    step_seconds: dict[str, float] = field(default_factory=dict)
     last_report: float | None = None
+    first_report_at: float | None = None
     adopted: bool = False
 
     def state(self) -> ReplicaState:
@@ -266,14 +269,24 @@ class Reconciler:
     def _apply_report(self, r: Replica, body: Mapping[str, Any]) -> None:
         now = self.clock()
         r.last_report = now
+        if r.first_report_at is None:
+            r.first_report_at = now
         event = str(body.get("event") or "")
         step = body.get("step")
         status = body.get("status")
         if step:
             r.step = f"{step} {status}" if status else str(step)
+            elapsed = body.get("elapsed_s")
+            if status == "done" and isinstance(elapsed, int | float):
+                r.step_seconds[str(step)] = float(elapsed)
         if event == "step":
             # A new run of the agent (after a requeue) is not the one that drained.
             r.agent_draining = ""
+        if event in ("step", "ready", "heartbeat") and r.job_state is JobState.PENDING:
+            # The agent runs, so the job does: do not wait for the next listing to say so
+            # (a held request would wait a whole pass interval). The listing corrects it.
+            r.job_state = JobState.RUNNING
+            r.started_at = r.started_at or now
         url = body.get("url")
         if event in ("ready", "heartbeat") and isinstance(url, str) and url:
             if r.base_url != url and url not in self._probing:
@@ -684,6 +697,8 @@ class Reconciler:
             "reason": r.reason,
             "nodes": list(r.nodes),
             "step": r.step,
+            "step_seconds": dict(r.step_seconds),
+            "started_at": r.started_at,
             "url": r.base_url,
             "in_flight": r.in_flight,
             "gpus": r.gpus_per_node * r.node_count,
