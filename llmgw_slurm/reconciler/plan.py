@@ -432,6 +432,11 @@ def plan(
         counted = count_once(mine)
 
         fl = failures.get(name)
+        failed_now = [a for a in out.actions if a.failure and a.model == name]
+        if failed_now:
+            # A start that failed in this very pass counts before any replacement is
+            # planned; otherwise the first restart of every crash loop skips the backoff.
+            fl = Failures((fl.count if fl else 0) + len(failed_now), now, failed_now[-1].reason)
         left = backoff_left(fl, cfg, now)
         if len(counted) < desired:
             if left > 0 and fl is not None:
