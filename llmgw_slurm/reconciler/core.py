@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import trace
+
 from llmgw_slurm.catalog import Catalog, Model
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.errors import LlmgwError, SlurmError
@@ -33,6 +35,7 @@ from llmgw_slurm.reconciler.plan import (
     ReplicaState,
     ReplicaView,
 )
+from llmgw_slurm.reconciler.spans import ReconcileTracing
 from llmgw_slurm.router.directory import Endpoint, ModelInfo
 from llmgw_slurm.secrets import constant_time_equal, engine_api_key, replica_secret
 from llmgw_slurm.slurm.types import Job, JobState, NodeInfo, SlurmBackend
@@ -109,6 +112,7 @@ class Reconciler:
         clock: Callable[[], float] = time.time,
         hold_timeout: float | None = None,
         agent_ready_timeout: float = 900.0,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.catalog = catalog
         self.server = server
@@ -146,6 +150,8 @@ class Reconciler:
         self.last_pass_error = ""
         self.last_observed: float | None = None
         self._consecutive_errors = 0
+        # Spans of passes and replica starts; no-ops (and no TRACEPARENT for jobs) when off.
+        self.tracing = ReconcileTracing(tracer, server.tracing.enabled)
 
     # ---- catalog -----------------------------------------------------------------
 
@@ -252,6 +258,7 @@ class Reconciler:
     def _apply_report(self, r: Replica, body: Mapping[str, Any]) -> None:
         now = self.clock()
         r.last_report = now
+        self.tracing.agent_report(r.replica_id, body)
         event = str(body.get("event") or "")
         step = body.get("step")
         status = body.get("status")
@@ -260,6 +267,11 @@ class Reconciler:
         url = body.get("url")
         if event in ("ready", "heartbeat") and isinstance(url, str) and url:
             if not r.base_url:
+                self.tracing.end_start(
+                    r.replica_id,
+                    "ready" if event == "ready" or not r.adopted else "already serving",
+                    url=url,
+                )
                 r.ready_at = r.ready_at or now
                 self._record("ready", r.model, r.replica_id, f"serving at {url}")
                 self.failures.pop(r.model, None)
@@ -268,6 +280,7 @@ class Reconciler:
             self._signal_ready(r.model)
         elif event == "failed":
             r.agent_failed = str(body.get("message") or step or "agent reported failure")
+            self.tracing.end_start(r.replica_id, "failed", error=r.agent_failed)
             self._wake.set()
         elif event == "draining" and r.draining_since is None:
             r.draining_since = now
@@ -280,6 +293,7 @@ class Reconciler:
 
     def _record(self, action: str, model: str, rid: str, reason: str, pass_id: str = "") -> None:
         self.decisions.append(Decision(self.clock(), action, model, rid, reason, pass_id))
+        self.tracing.record(action, model, rid, reason, pass_id)
         log.info("%s model=%s replica=%s: %s", action, model, rid, reason)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -300,6 +314,7 @@ class Reconciler:
 
     async def pass_once(self) -> list[Action]:
         pass_id = uuid.uuid4().hex[:8]
+        self.tracing.begin_pass()
         try:
             jobs, nodes = await asyncio.gather(
                 self.backend.list_jobs(self.prefix), self.backend.list_nodes()
@@ -310,6 +325,7 @@ class Reconciler:
             # Status may be stale; acting on a stale view could cancel what is running.
             log.warning("pass %s: Slurm did not answer, nothing done: %s", pass_id, exc)
             return []
+        self.tracing.observed()
         self._consecutive_errors = 0
         self.last_pass_error = ""
         self.passes += 1
@@ -330,8 +346,11 @@ class Reconciler:
             new_replica_id,
         )
         self.notes = result.notes
-        for action in result.actions:
-            await self._execute(action, pass_id)
+        self.tracing.notes(result.notes)
+        with self.tracing.pass_span(pass_id, result.actions, jobs=len(jobs), nodes=len(nodes)):
+            for action in result.actions:
+                with self.tracing.action(action, self.failures):
+                    await self._execute(action, pass_id)
         return result.actions
 
     def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> None:
@@ -353,6 +372,7 @@ class Reconciler:
                     adopted=True,
                 )
                 self.replicas[rid] = r
+                self.tracing.adopt(rid, model, job)
                 self._record("adopt", model, rid, f"job {job.job_id} {job.state.value}", pass_id)
             seen.add(rid)
             if job.restarts > r.restarts or (
@@ -372,6 +392,7 @@ class Reconciler:
                 r.ready_at = None
                 r.draining_since = None
                 r.step = ""
+            self.tracing.job_seen(rid, job)
             r.restarts = job.restarts
             r.job_state = job.state
             r.reason = job.reason
@@ -411,7 +432,9 @@ class Reconciler:
 
     def _fail(self, model: str, cause: str) -> None:
         prev = self.failures.get(model)
-        self.failures[model] = Failures((prev.count if prev else 0) + 1, self.clock(), cause)
+        f = self.failures[model] = Failures((prev.count if prev else 0) + 1, self.clock(), cause)
+        backoff = planmod.backoff_left(f, self.plan_cfg, f.last_at)
+        self.tracing.failure(model, f, backoff, self.plan_cfg.give_up_after)
 
     def _view(self, r: Replica, now: float) -> ReplicaView:
         return ReplicaView(
@@ -440,8 +463,10 @@ class Reconciler:
         try:
             if a.kind is ActionKind.SUBMIT:
                 m = models[a.model]
-                spec = self.jobs.spec(m, a.replica_id)
+                env, traceparent = self.tracing.open_start(a.replica_id, a.model)
+                spec = self.jobs.spec(m, a.replica_id, env, traceparent=traceparent)
                 job_id = await self.backend.submit(spec)
+                self.tracing.submitted(a.replica_id, job_id)
                 self.replicas[a.replica_id] = Replica(
                     replica_id=a.replica_id,
                     model=a.model,
