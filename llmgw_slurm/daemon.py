@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
 
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import ServerConfig, load_agent_config
@@ -29,6 +30,7 @@ from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.secrets import load_or_create_server_key
 from llmgw_slurm.slurm import make_backend
+from llmgw_slurm.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,8 @@ class Daemon:
     reconciler: Reconciler
     gateway: web.Application
     internal: web.Application
+    # None when tracing is off (no exporter thread exists then).
+    tracer_provider: TracerProvider | None = None
 
     def reload(self) -> None:
         """Re-read the catalog; a bad one is refused and the last good one kept."""
@@ -110,6 +114,8 @@ class Daemon:
 
 def build(server: ServerConfig, server_path: Path) -> Daemon:
     catalog = load_catalog(server.models)
+    # Before anything makes a tracer: the global provider is set once per process.
+    provider = setup_tracing(server.tracing, "llmgw-daemon")
     agent_timeout = 900.0
     try:
         agent_timeout = load_agent_config(server.agent_config).readiness.timeout
@@ -142,7 +148,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     gateway = create_app(rec, rc, keys=keys, usage=usage)
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec)
-    return Daemon(server, server_path, catalog, rec, gateway, internal_app(rec))
+    return Daemon(server, server_path, catalog, rec, gateway, internal_app(rec), provider)
 
 
 async def serve(d: Daemon) -> None:
@@ -174,6 +180,12 @@ async def serve(d: Daemon) -> None:
     finally:
         for r in runners:
             await r.cleanup()
+        # Open replica starts are ended as such ("daemon stopped"): the next
+        # daemon adopts the jobs and continues their traces from the job comment.
+        d.reconciler.tracing.close()
+        if d.tracer_provider is not None:
+            # Blocking (the last export, bounded by the exporter's timeout).
+            await asyncio.to_thread(d.tracer_provider.shutdown)
 
 
 def status_summary(d: Daemon) -> dict[str, Any]:

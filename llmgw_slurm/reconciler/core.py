@@ -229,6 +229,10 @@ class Reconciler:
             d.event.clear()
             await d.event.wait()
 
+    def start_span_context(self, model: str) -> trace.SpanContext | None:
+        """The start span of a starting replica of ``model`` (held requests link to it)."""
+        return self.tracing.start_context(model)
+
     def _has_ready(self, model: str) -> bool:
         return any(
             r.model == model and r.state() is ReplicaState.READY for r in self.replicas.values()
