@@ -66,6 +66,7 @@ class Replica:
     draining_since: float | None = None
     drain_reason: str = ""
     stop_reason: str = ""
+    agent_draining: str = ""
     agent_failed: str = ""
     replaces: str = ""
     step: str = ""
@@ -73,11 +74,18 @@ class Replica:
     adopted: bool = False
 
     def state(self) -> ReplicaState:
-        if self.stop_reason or self.job_state is JobState.COMPLETING:
+        if self.stop_reason:
             return ReplicaState.STOPPING
+        if self.job_state is JobState.COMPLETING:
+            # Ending without being asked: a crash (reaped next pass) or a preemption on
+            # its way back to the queue. Counted as pending so that a requeue is not
+            # taken for a loss and replaced by a second job.
+            return ReplicaState.PENDING
         if self.draining_since is not None:
             return ReplicaState.DRAINING
         if self.job_state in (JobState.RUNNING, JobState.CONFIGURING):
+            if self.agent_draining:
+                return ReplicaState.DRAINING
             return ReplicaState.READY if self.base_url else ReplicaState.STARTING
         return ReplicaState.PENDING
 
@@ -268,6 +276,9 @@ class Reconciler:
         status = body.get("status")
         if step:
             r.step = f"{step} {status}" if status else str(step)
+        if event == "step":
+            # A new run of the agent (after a requeue) is not the one that drained.
+            r.agent_draining = ""
         url = body.get("url")
         if event in ("ready", "heartbeat") and isinstance(url, str) and url:
             if not r.base_url:
@@ -286,10 +297,11 @@ class Reconciler:
             r.agent_failed = str(body.get("message") or step or "agent reported failure")
             self.tracing.end_start(r.replica_id, "failed", error=r.agent_failed)
             self._wake.set()
-        elif event == "draining" and r.draining_since is None:
-            r.draining_since = now
-            r.drain_reason = str(body.get("message") or "the agent is draining")
-            self._record("drain", r.model, r.replica_id, r.drain_reason)
+        elif event == "draining" and not r.agent_draining:
+            # The agent was signalled (cancel, preemption, time limit): no new requests,
+            # but the job ends by itself; a preempted one is requeued and comes back.
+            r.agent_draining = str(body.get("message") or "the agent is draining")
+            self._record("agent-drain", r.model, r.replica_id, r.agent_draining)
         elif event == "stopped":
             r.base_url = ""
 
@@ -395,6 +407,7 @@ class Reconciler:
                 r.started_at = None
                 r.ready_at = None
                 r.draining_since = None
+                r.agent_draining = ""
                 r.step = ""
             self.tracing.job_seen(rid, job)
             r.restarts = job.restarts
@@ -455,7 +468,8 @@ class Reconciler:
             last_used=r.last_used,
             in_flight=r.in_flight,
             draining_since=r.draining_since,
-            drain_reason=r.drain_reason,
+            drain_reason=r.drain_reason or r.agent_draining,
+            self_draining=bool(r.agent_draining) and r.draining_since is None,
             time_left_s=r.time_left_s,
             agent_failed=r.agent_failed,
             replaces=r.replaces,
