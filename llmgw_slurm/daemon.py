@@ -136,6 +136,9 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         daemon_url,
         hold_timeout=server.router.hold_timeout,
         agent_ready_timeout=agent_timeout,
+        # The provider's own tracer, not the global one: only the first global
+        # provider of a process counts (a second daemon in one test process).
+        tracer=provider.get_tracer("llmgw_slurm") if provider is not None else None,
     )
     rc = RouterConfig(
         max_body_bytes=server.router.max_body_bytes,
