@@ -41,6 +41,8 @@ class Span:
     attrs: dict[str, Any]
     links: list[tuple[str, str]]
     resource: dict[str, Any]
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 @dataclass
@@ -86,6 +88,8 @@ async def collector() -> AsyncIterator[Collector]:
                             attrs={a.key: _value(a.value) for a in sp.attributes},
                             links=[(lk.trace_id.hex(), lk.span_id.hex()) for lk in sp.links],
                             resource=res,
+                            start_ns=sp.start_time_unix_nano,
+                            end_ns=sp.end_time_unix_nano,
                         )
                     )
         # An empty ExportTraceServiceResponse.
@@ -100,6 +104,24 @@ async def collector() -> AsyncIterator[Collector]:
         yield got
     finally:
         await runner.cleanup()
+
+
+def render(spans: list[Span], trace_id: str) -> str:
+    """The trace as an indented tree: offset from its start, duration, service, name."""
+    mine = sorted((s for s in spans if s.trace_id == trace_id), key=lambda s: s.start_ns)
+    ids = {s.span_id for s in mine}
+    t0 = min(s.start_ns for s in mine)
+    lines: list[str] = []
+
+    def walk(parent: str, depth: int) -> None:
+        for s in mine:
+            if s.parent_id == parent or (depth == 0 and parent == "" and s.parent_id not in ids):
+                off, dur = (s.start_ns - t0) / 1e9, (s.end_ns - s.start_ns) / 1e9
+                lines.append(f"{off:7.3f}s {dur:7.3f}s  {'  ' * depth}{s.name}  [{s.service}]")
+                walk(s.span_id, depth + 1)
+
+    walk("", 0)
+    return "\n".join(lines)
 
 
 def enable_tracing(h: Harness, endpoint: str) -> None:
@@ -124,11 +146,14 @@ async def test_one_trace_from_placement_to_the_agent_steps_in_the_job(
         await h.start()
         try:
             assert h.d is not None and h.d.tracer_provider is not None
-            async with aiohttp.ClientSession() as s, s.post(
-                f"{h.url}/v1/chat/completions",
-                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
-                timeout=aiohttp.ClientTimeout(total=120),
-            ) as resp:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    f"{h.url}/v1/chat/completions",
+                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+                    timeout=aiohttp.ClientTimeout(total=120),
+                ) as resp,
+            ):
                 assert resp.status == 200, await resp.text()
             provider = h.d.tracer_provider
             names = ("llmgw.agent.weights", "llmgw.agent.engine_launch", "llmgw.agent.readiness")
@@ -187,6 +212,8 @@ async def test_one_trace_from_placement_to_the_agent_steps_in_the_job(
         assert step.parent_id == agent.span_id, name
         assert step.service == "llmgw-agent"
         assert step.resource["test"] == "slurm"  # agent.yaml's resource_attributes
+
+    print(render(col.spans, trace_id))
 
     # The request that waited for the cold start links to the start span.
     (req,) = col.named("llmgw.router.request")
