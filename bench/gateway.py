@@ -84,10 +84,22 @@ def serve_gateway(port: int, engine_url: str, collector: str | None = None) -> N
     from llmgw_slurm.router import Endpoint, ModelInfo, StaticDirectory, create_app
 
     if collector:
+        from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
         from llmgw_slurm.config import TracingConfig
         from llmgw_slurm.tracing import setup_tracing
 
-        setup_tracing(TracingConfig(enabled=True, endpoint=collector), "llmgw-bench")
+        class _Drop(SpanExporter):
+            def export(self, spans: Any) -> SpanExportResult:
+                return SpanExportResult.SUCCESS
+
+        # "drop": spans made and batched, never encoded or sent (what the spans
+        # themselves cost, apart from the export).
+        setup_tracing(
+            TracingConfig(enabled=True, endpoint=None if collector == "drop" else collector),
+            "llmgw-bench",
+            exporter=_Drop() if collector == "drop" else None,
+        )
 
     directory = StaticDirectory([ModelInfo(MODEL)])
     directory.add_endpoint(MODEL, Endpoint("bench0001", engine_url, ENGINE_KEY))
@@ -350,6 +362,22 @@ def main() -> int:
                 _wait_http(sink + "/health")
                 _wait_http(f"http://127.0.0.1:{t_port}/health")
                 targets["gateway-traced"] = f"http://127.0.0.1:{t_port}/v1/chat/completions"
+                d_port = _free_port()
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--serve-gateway-traced",
+                            str(d_port),
+                            engine_url,
+                            "drop",
+                        ],
+                        env=env,
+                    )
+                )
+                _wait_http(f"http://127.0.0.1:{d_port}/health")
+                targets["gateway-spans-only"] = f"http://127.0.0.1:{d_port}/v1/chat/completions"
             ng = None if args.no_nginx else start_nginx(Path(tmpd), n_port, e_port)
             if ng is not None:
                 procs.append(ng)

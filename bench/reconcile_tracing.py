@@ -4,8 +4,8 @@ The Slurm side is an in-memory listing (no squeue), so the figure is the
 reconciler's own work, where tracing's share is largest; with a real squeue
 (10-40 ms a call, see docs/performance.md) the share is smaller still.
 
-Two kinds of pass, timed alternately off/on so that machine noise spreads
-over both:
+Two kinds of pass, off and on alternating pass by pass so that machine
+noise spreads over both:
 - idle: 100 ready replicas, nothing to do (the common pass; makes no trace);
 - acting: one model is asked for and a replica is submitted (a trace with
   observe, plan, place and an open start span; the job script is rendered
@@ -98,6 +98,10 @@ def _job(jid: str, name: str, state: JobState) -> Job:
     )  # fmt: skip
 
 
+_PROVIDER = TracerProvider()
+_PROVIDER.add_span_processor(BatchSpanProcessor(Drop()))
+
+
 def _write_config(folder: Path, tracing: bool) -> Path:
     models = "\n".join(
         f"  - name: m{i}\n    engine: {{kind: command, command: [x, '{{port}}']}}\n"
@@ -116,11 +120,9 @@ def _write_config(folder: Path, tracing: bool) -> Path:
 
 def _reconciler(folder: Path, tracing: bool) -> tuple[Reconciler, Listing]:
     server = load_server_config(_write_config(folder, tracing))
-    tracer = None
-    if tracing:
-        provider = TracerProvider()
-        provider.add_span_processor(BatchSpanProcessor(Drop()))
-        tracer = provider.get_tracer("llmgw_slurm")
+    # One provider for every reconciler of the run (as in the daemon): each
+    # provider starts an exporter thread.
+    tracer = _PROVIDER.get_tracer("llmgw_slurm") if tracing else None
     listing = Listing()
     rec = Reconciler(load_catalog(server.models), server, listing, KEY, "http://x:1", tracer=tracer)
     return rec, listing
@@ -145,40 +147,29 @@ async def _idle_world(folder: Path, tracing: bool) -> Reconciler:
     return rec
 
 
-async def _time_idle(rec: Reconciler, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        acted = await rec.pass_once()
-        out.append(time.perf_counter() - t0)
-        assert not acted
-    return out
-
-
-async def _time_acting(folder: Path, tracing: bool, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        rec, listing = _reconciler(folder, tracing)
-        rec.want(f"m{N_MODELS}")
-        t0 = time.perf_counter()
-        acted = await rec.pass_once()
-        out.append(time.perf_counter() - t0)
-        assert len(acted) == 1 and len(listing.jobs) == 1
-    return out
+async def _time_pass(rec: Reconciler) -> float:
+    t0 = time.perf_counter()
+    await rec.pass_once()
+    return time.perf_counter() - t0
 
 
 async def run(passes: int) -> list[dict[str, object]]:
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmpd:
         folder = Path(tmpd)
-        off = await _idle_world(folder, False)
-        on = await _idle_world(folder, True)
+        worlds = {t: await _idle_world(folder, t) for t in (False, True)}
         idle: dict[bool, list[float]] = {False: [], True: []}
         acting: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(10):  # rounds, alternating
-            idle[False] += await _time_idle(off, passes // 10)
-            idle[True] += await _time_idle(on, passes // 10)
-            acting[False] += await _time_acting(folder, False, passes // 30 or 1)
-            acting[True] += await _time_acting(folder, True, passes // 30 or 1)
+        # Off and on alternate pass by pass, so that noise from elsewhere on the
+        # machine lands on both alike.
+        for i in range(passes):
+            order = (False, True) if i % 2 else (True, False)
+            for t in order:
+                idle[t].append(await _time_pass(worlds[t]))
+            for t in order:
+                rec, listing = _reconciler(folder, t)
+                rec.want(f"m{N_MODELS}")
+                acting[t].append(await _time_pass(rec))
+                assert len(listing.jobs) == 1
     med = {k: {t: common.median(v[t]) * 1000 for t in (False, True)} for k, v in
            (("idle", idle), ("acting", acting))}  # fmt: skip
     return [
