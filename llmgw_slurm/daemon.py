@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
+from llmgw_slurm import api
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
@@ -28,7 +29,7 @@ from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router import RouterConfig, create_app
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.usage import UsageStore
-from llmgw_slurm.secrets import load_or_create_server_key
+from llmgw_slurm.secrets import admin_token, load_or_create_server_key
 from llmgw_slurm.slurm import make_backend
 from llmgw_slurm.tracing import setup_tracing
 
@@ -67,7 +68,7 @@ def internal_app(rec: Reconciler) -> web.Application:
 
 def add_status_routes(app: web.Application, rec: Reconciler) -> None:
     async def status(_: web.Request) -> web.Response:
-        return web.json_response(rec.status())
+        return web.json_response(api.status_json(rec))
 
     async def want(request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -100,16 +101,17 @@ class Daemon:
     # None when tracing is off (no exporter thread exists then).
     tracer_provider: TracerProvider | None = None
 
-    def reload(self) -> None:
-        """Re-read the catalog; a bad one is refused and the last good one kept."""
+    def reload(self) -> str | None:
+        """Re-read the catalog; a bad one is refused (its errors returned), the last good kept."""
         try:
             catalog = load_catalog(self.server.models)
         except LlmgwError as exc:
             log.error("catalog reload refused, keeping the last good one:\n%s", exc)
-            return
+            return f"catalog reload refused, keeping the last good one:\n{exc}"
         self.catalog = catalog
         self.reconciler.set_catalog(catalog)
         log.info("catalog reloaded: %d models", len(catalog.models))
+        return None
 
 
 def build(server: ServerConfig, server_path: Path) -> Daemon:
@@ -151,7 +153,10 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     gateway = create_app(rec, rc, keys=keys, usage=usage)
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec)
-    return Daemon(server, server_path, catalog, rec, gateway, internal_app(rec), provider)
+    api.add_cli_routes(gateway, rec)
+    d = Daemon(server, server_path, catalog, rec, gateway, internal_app(rec), provider)
+    api.add_admin_routes(d.internal, rec, admin_token(key), d.reload)
+    return d
 
 
 async def serve(d: Daemon) -> None:
@@ -181,6 +186,7 @@ async def serve(d: Daemon) -> None:
         )
         await d.reconciler.run(stop)
     finally:
+        await d.reconciler.close()
         for r in runners:
             await r.cleanup()
         # Open replica starts are ended as such ("daemon stopped"): the next

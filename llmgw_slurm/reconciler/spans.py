@@ -414,7 +414,7 @@ class ReconcileTracing:
             st.span.set_attribute("url.full", url)
         if error:
             st.span.set_status(Status(StatusCode.ERROR, error[:500]))
-        elif outcome in ("ready", "already serving"):
+        elif outcome in ("ready", "serving (adopted)"):
             st.span.set_status(Status(StatusCode.OK))
         st.span.end()
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,9 @@ from llmgw_slurm.reconciler.spans import decision_of, traceparent_from_comment
 from llmgw_slurm.router import ModelInfo, RouterConfig, StaticDirectory, create_app
 from llmgw_slurm.router import gateway as gateway_mod
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
-from llmgw_slurm.secrets import replica_secret
+from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.types import GpuCount, Job, JobComponent, JobSpec, JobState, NodeInfo
+from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from llmgw_slurm.tracing import (
     RateLimitedExporter,
     context_from_traceparent,
@@ -140,6 +142,15 @@ class World:
     def report(self, rid: str, **body: Any) -> None:
         self.rec.report(rid, replica_secret(KEY, rid), body)
 
+    async def ready(self, rid: str, event: str = "ready") -> str:
+        """The agent reports ready; the daemon probes a real engine with the replica's key."""
+        opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="x")
+        async with serve(create_engine_app(opts)) as url:
+            self.report(rid, event=event, url=url)
+            await asyncio.wait_for(asyncio.gather(*self.rec._tasks), 10)
+        assert self.rec.replicas[rid].base_url == url
+        return url
+
 
 def server_config(tmp_path: Path, tracing: bool) -> ServerConfig:
     (tmp_path / "models.yaml").write_text(MODELS)
@@ -153,8 +164,10 @@ def server_config(tmp_path: Path, tracing: bool) -> ServerConfig:
 
 
 @pytest.fixture
-def w(tmp_path: Path) -> Iterator[World]:
-    yield make_world(tmp_path, tracing=True)
+async def w(tmp_path: Path) -> AsyncIterator[World]:
+    world = make_world(tmp_path, tracing=True)
+    yield world
+    await world.rec.close()
 
 
 def make_world(tmp_path: Path, tracing: bool) -> World:
@@ -224,7 +237,7 @@ async def test_pass_that_places_is_one_trace_with_start_span_into_the_job(w: Wor
     w.slurm.run(jid)
     await w.rec.pass_once()
     w.report(rid, event="step", step="weights", status="done", elapsed_s=1.5)
-    w.report(rid, event="ready", url="http://n1:21000")
+    await w.ready(rid)
     start = only(w.named("replica.start"))
     assert start.context.span_id == sc.span_id
     assert start.parent is not None and start.parent.span_id == place.context.span_id
@@ -245,7 +258,7 @@ async def test_pass_with_nothing_to_do_makes_no_trace(w: World) -> None:
     rid, jid = await start_alpha(w)
     n = len(w.spans())
     w.slurm.run(jid)
-    w.report(rid, event="ready", url="http://n1:21000")
+    await w.ready(rid)
     n += 1  # the start span ended
     await w.rec.pass_once()
     await w.rec.pass_once()
@@ -258,7 +271,7 @@ async def test_eviction_span_has_the_reference_attributes_and_placement_follows(
 ) -> None:
     rid, jid = await start_alpha(w)
     w.slurm.run(jid)
-    w.report(rid, event="ready", url="http://n1:21000")
+    await w.ready(rid)
     w.rec.request_started("alpha", rid)
     w.rec.request_finished("alpha", rid)
     w.clock.t += 60
@@ -319,13 +332,13 @@ async def test_adopted_replica_continues_the_start_trace_from_the_comment(w: Wor
     w.rec.want("beta")  # or the pass cancels it: pending, and nobody waits for it
     await w.rec.pass_once()
     assert len(w.named("replica.adopt")) == 2
-    w.report("0a1b2c3d", event="heartbeat", url="http://n1:21000")
+    await w.ready("0a1b2c3d", event="heartbeat")
     cont = only(w.named("replica.start (adopted)"))
     assert cont.context.trace_id == 0x4BF92F3577B34DA6A3CE929D0E0E4736
     assert cont.parent is not None and cont.parent.span_id == 0x00F067AA0BA902B7
     assert cont.attributes is not None
     assert cont.attributes["llmgw.start.recovered"] is True
-    assert cont.attributes["llmgw.start.outcome"] == "already serving"
+    assert cont.attributes["llmgw.start.outcome"] == "serving (adopted)"
     # The other one has no trace in its comment: a new trace that says so, closed
     # honestly when the daemon stops.
     w.rec.tracing.close()
@@ -344,7 +357,7 @@ async def test_model_job_trace_in_a_weights_report_links_the_start(w: World) -> 
     rid, _ = await start_alpha(w)
     tp = "00-11111111111111111111111111111111-2222222222222222-01"
     w.report(rid, event="step", step="weights", status="done", message=f"model job; trace={tp}")
-    w.report(rid, event="ready", url="http://n1:21000")
+    await w.ready(rid)
     start = only(w.named("replica.start"))
     (link,) = start.links
     assert link.context.trace_id == 0x11111111111111111111111111111111
@@ -355,7 +368,7 @@ async def test_tracing_off_no_spans_and_no_trace_context_in_the_job(tmp_path: Pa
     w = make_world(tmp_path, tracing=False)
     rid, jid = await start_alpha(w)
     w.slurm.run(jid)
-    w.report(rid, event="ready", url="http://n1:21000")
+    await w.ready(rid)
     await w.rec.pass_once()
     assert w.spans() == []
     spec = w.slurm.specs[jid]
