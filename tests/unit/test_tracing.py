@@ -546,3 +546,38 @@ async def test_held_request_links_to_the_replica_start(monkeypatch: pytest.Monke
     assert req.context.trace_id == 0xABCD  # the client's trace is honoured
     assert [(lk.context.trace_id, lk.context.span_id) for lk in req.links] == [(0xABC, 0xDEF)]
     assert req.attributes is not None and "llmgw.held_seconds" in req.attributes
+
+
+# ---- model jobs: the replica's weights step links to the job that fetched them ------
+
+
+def test_weights_from_a_model_job_link_the_replica_weights_span(tmp_path: Path) -> None:
+    from test_agent_run import job_env, make_weights, spec_json
+
+    from llmgw_slurm.agent.runner import Agent, job_context_from_env
+    from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+    from llmgw_slurm.agent.weights import trace_marker_path
+
+    env = job_env("http://127.0.0.1:1", spec_json(make_weights(tmp_path)))
+    job_ctx = job_context_from_env(env)
+    settings = AgentSettings(fetch=FetchSettings(cache_dir=tmp_path / "cache"))
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    agent = Agent(settings, job_ctx, env, tracer=provider.get_tracer("t"), hostname="n1")
+    path = trace_marker_path(settings.fetch.cache_dir, job_ctx.model, job_ctx.spec.weights)
+    assert path is not None
+    # No marker (weights fetched by the replica itself, or tracing was off): no link.
+    with provider.get_tracer("t").start_as_current_span("w") as span:
+        agent._link_model_job(span)
+    model_job = SpanContext(0x77, 0x88, is_remote=False, trace_flags=TraceFlags(1))
+    write_trace_marker(path, model_job)
+    with provider.get_tracer("t").start_as_current_span("w2") as span:
+        agent._link_model_job(span)
+    plain, linked = exporter.get_finished_spans()
+    assert plain.links == ()
+    (link,) = linked.links
+    assert (link.context.trace_id, link.context.span_id) == (0x77, 0x88)
+    # And the daemon hears of it in the weights step's report (see the start-span test).
+    assert agent._step_message is not None
+    assert traceparent_from_comment(agent._step_message) == traceparent_of(model_job)
