@@ -254,6 +254,20 @@ class Gateway:
                 return m.hold_timeout_s
         return self.config.hold_timeout_s
 
+    def _link_cold_start(self, model: str, linked: set[int]) -> None:
+        # A held request links to the start span of the replica it waits for, so
+        # that a slow request leads to the trace that says where the time went.
+        # The directory may not offer it (the method is optional), and the start
+        # span exists only once the reconciler's pass has placed the replica.
+        get = getattr(self.directory, "start_span_context", None)
+        if get is None:
+            return
+        sc = get(model)
+        if not isinstance(sc, trace.SpanContext) or not sc.is_valid or sc.span_id in linked:
+            return
+        linked.add(sc.span_id)
+        trace.get_current_span().add_link(sc, {"llmgw.link": "replica.start"})
+
     async def _hold(self, request: web.Request, model: str) -> Endpoint | web.Response:
         cfg = self.config
         if (
@@ -275,8 +289,10 @@ class Gateway:
         self._cold_since.setdefault(model, time.monotonic())
         self.directory.want(model)
         waiter: asyncio.Future[None] = asyncio.ensure_future(self.directory.wait_ready(model))
+        linked: set[int] = set()
         try:
             while True:
+                self._link_cold_start(model, linked)
                 ep = self._pick(model)
                 if ep is not None:
                     began = self._cold_since.pop(model, None)
