@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw_slurm import api
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
@@ -27,7 +28,7 @@ from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router import RouterConfig, create_app
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.usage import UsageStore
-from llmgw_slurm.secrets import load_or_create_server_key
+from llmgw_slurm.secrets import admin_token, load_or_create_server_key
 from llmgw_slurm.slurm import make_backend
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def internal_app(rec: Reconciler) -> web.Application:
 
 def add_status_routes(app: web.Application, rec: Reconciler) -> None:
     async def status(_: web.Request) -> web.Response:
-        return web.json_response(rec.status())
+        return web.json_response(api.status_json(rec))
 
     async def want(request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -96,16 +97,17 @@ class Daemon:
     gateway: web.Application
     internal: web.Application
 
-    def reload(self) -> None:
-        """Re-read the catalog; a bad one is refused and the last good one kept."""
+    def reload(self) -> str | None:
+        """Re-read the catalog; a bad one is refused (its errors returned), the last good kept."""
         try:
             catalog = load_catalog(self.server.models)
         except LlmgwError as exc:
             log.error("catalog reload refused, keeping the last good one:\n%s", exc)
-            return
+            return f"catalog reload refused, keeping the last good one:\n{exc}"
         self.catalog = catalog
         self.reconciler.set_catalog(catalog)
         log.info("catalog reloaded: %d models", len(catalog.models))
+        return None
 
 
 def build(server: ServerConfig, server_path: Path) -> Daemon:
@@ -142,7 +144,10 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     gateway = create_app(rec, rc, keys=keys, usage=usage)
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec)
-    return Daemon(server, server_path, catalog, rec, gateway, internal_app(rec))
+    api.add_cli_routes(gateway, rec)
+    d = Daemon(server, server_path, catalog, rec, gateway, internal_app(rec))
+    api.add_admin_routes(d.internal, rec, admin_token(key), d.reload)
+    return d
 
 
 async def serve(d: Daemon) -> None:

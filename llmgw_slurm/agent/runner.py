@@ -501,4 +501,3 @@ def node_hostname() -> str:
         except OSError:
             pass
     return socket.gethostname()
-

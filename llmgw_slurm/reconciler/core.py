@@ -63,6 +63,7 @@ class Replica:
     draining_since: float | None = None
     drain_reason: str = ""
     stop_reason: str = ""
+    agent_draining: str = ""
     agent_failed: str = ""
     replaces: str = ""
     step: str = ""
@@ -70,11 +71,18 @@ class Replica:
     adopted: bool = False
 
     def state(self) -> ReplicaState:
-        if self.stop_reason or self.job_state is JobState.COMPLETING:
+        if self.stop_reason:
             return ReplicaState.STOPPING
+        if self.job_state is JobState.COMPLETING:
+            # Ending without being asked: a crash (reaped next pass) or a preemption on
+            # its way back to the queue. Counted as pending so that a requeue is not
+            # taken for a loss and replaced by a second job.
+            return ReplicaState.PENDING
         if self.draining_since is not None:
             return ReplicaState.DRAINING
         if self.job_state in (JobState.RUNNING, JobState.CONFIGURING):
+            if self.agent_draining:
+                return ReplicaState.DRAINING
             return ReplicaState.READY if self.base_url else ReplicaState.STARTING
         return ReplicaState.PENDING
 
@@ -257,6 +265,9 @@ class Reconciler:
         status = body.get("status")
         if step:
             r.step = f"{step} {status}" if status else str(step)
+        if event == "step":
+            # A new run of the agent (after a requeue) is not the one that drained.
+            r.agent_draining = ""
         url = body.get("url")
         if event in ("ready", "heartbeat") and isinstance(url, str) and url:
             if not r.base_url:
@@ -269,10 +280,11 @@ class Reconciler:
         elif event == "failed":
             r.agent_failed = str(body.get("message") or step or "agent reported failure")
             self._wake.set()
-        elif event == "draining" and r.draining_since is None:
-            r.draining_since = now
-            r.drain_reason = str(body.get("message") or "the agent is draining")
-            self._record("drain", r.model, r.replica_id, r.drain_reason)
+        elif event == "draining" and not r.agent_draining:
+            # The agent was signalled (cancel, preemption, time limit): no new requests,
+            # but the job ends by itself; a preempted one is requeued and comes back.
+            r.agent_draining = str(body.get("message") or "the agent is draining")
+            self._record("agent-drain", r.model, r.replica_id, r.agent_draining)
         elif event == "stopped":
             r.base_url = ""
 
@@ -371,6 +383,7 @@ class Reconciler:
                 r.started_at = None
                 r.ready_at = None
                 r.draining_since = None
+                r.agent_draining = ""
                 r.step = ""
             r.restarts = job.restarts
             r.job_state = job.state
@@ -428,7 +441,8 @@ class Reconciler:
             last_used=r.last_used,
             in_flight=r.in_flight,
             draining_since=r.draining_since,
-            drain_reason=r.drain_reason,
+            drain_reason=r.drain_reason or r.agent_draining,
+            self_draining=bool(r.agent_draining) and r.draining_since is None,
             time_left_s=r.time_left_s,
             agent_failed=r.agent_failed,
             replaces=r.replaces,
@@ -478,6 +492,70 @@ class Reconciler:
             if a.kind is ActionKind.SUBMIT:
                 self._fail(a.model, f"submit failed: {exc}")
             self._record("error", a.model, a.replica_id, f"{a.kind.value}: {exc}", pass_id)
+
+    # ---- admin requests (llmgw-admin drain / stop) ------------------------------------
+
+    def find_replicas(self, target: str = "", node: str = "") -> list[Replica]:
+        """The replicas ``target`` names (a replica id, a model or an alias), or those on ``node``.
+
+        Raises LookupError naming what exists when the target or node is unknown.
+        A known model or node with no replica is an empty list, not an error.
+        """
+        if node:
+            known = sorted(
+                {n.name for n in self.nodes} | {n for r in self.replicas.values() for n in r.nodes}
+            )
+            if node not in known:
+                raise LookupError(f"no node {node!r}; nodes: {', '.join(known) or 'none seen yet'}")
+            return [r for r in self.replicas.values() if node in r.nodes]
+        if target in self.replicas:
+            return [self.replicas[target]]
+        model = self.resolve(target)
+        if model is not None:
+            return [r for r in self.replicas.values() if r.model == model]
+        models = ", ".join(m.name for m in self.catalog.models) or "none"
+        reps = ", ".join(sorted(self.replicas)) or "none"
+        raise LookupError(f"no replica or model {target!r}; models: {models}; replicas: {reps}")
+
+    def request_drain(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
+        """Stop routing to the named replicas; the plan cancels each once its requests finish.
+
+        A model whose ``min`` is above what is left gets replacements on the next
+        pass: a drain moves replicas, it does not take a model down.
+        """
+        reps = self.find_replicas(target, node)
+        why = reason or "drained by an admin"
+        now = self.clock()
+        out = []
+        for r in reps:
+            if r.stop_reason or r.draining_since is not None:
+                continue
+            r.draining_since = now
+            r.drain_reason = why
+            self._record("drain", r.model, r.replica_id, why)
+            out.append(r.replica_id)
+        self._wake.set()
+        return out
+
+    async def request_stop(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
+        """Cancel the named replicas now, in-flight requests or not. Raises SlurmError."""
+        reps = self.find_replicas(target, node)
+        why = reason or "stopped by an admin"
+        out = []
+        for r in reps:
+            if r.stop_reason:
+                continue
+            url, r.stop_reason, r.base_url = r.base_url, why, ""
+            try:
+                await self.backend.cancel(r.job_id)
+            except SlurmError:
+                # Not stopping after all: the next pass must still see it as it was.
+                r.stop_reason, r.base_url = "", url
+                raise
+            self._record("stop", r.model, r.replica_id, why)
+            out.append(r.replica_id)
+        self._wake.set()
+        return out
 
     # ---- status --------------------------------------------------------------------
 

@@ -66,8 +66,10 @@ class FakeDaemon:
         return web.json_response({"ok": True, "drain": self.drain_after_ready and ready_seen})
 
     def events(self) -> list[str]:
-        return [r["event"] if r["event"] != "step" else f"{r['step']}:{r['status']}"
-                for r in self.reports]
+        return [
+            r["event"] if r["event"] != "step" else f"{r['step']}:{r['status']}"
+            for r in self.reports
+        ]
 
     async def wait_for(self, pred: Callable[[], bool], limit_s: float = 60) -> None:
         deadline = time.monotonic() + limit_s
@@ -106,9 +108,19 @@ def spec_json(weights: Path, *engine_extra: str) -> str:
             "name": "tiny",
             "engine": {
                 "kind": "command",
-                "command": [sys.executable, str(FAKE_ENGINE), "--host", "{host}",
-                            "--port", "{port}", "--model-path", "{model_path}",
-                            "--served-name", "{served_name}", *engine_extra],
+                "command": [
+                    sys.executable,
+                    str(FAKE_ENGINE),
+                    "--host",
+                    "{host}",
+                    "--port",
+                    "{port}",
+                    "--model-path",
+                    "{model_path}",
+                    "--served-name",
+                    "{served_name}",
+                    *engine_extra,
+                ],
                 "ready_timeout": 60,
             },
             "weights": {"method": "copy", "source": str(weights)},
@@ -136,16 +148,35 @@ def job_env(daemon_url: str, spec: str) -> dict[str, str]:
 
 
 AGENT_OPTS = [
-    "--bind-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
-    "--heartbeat-interval", "0.2", "--ready-poll", "0.1", "--drain-poll", "0.1",
-    "--drain-timeout", "30", "--stop-grace", "5", "--report-timeout", "2",
+    "--bind-host",
+    "127.0.0.1",
+    "--advertise-host",
+    "127.0.0.1",
+    "--heartbeat-interval",
+    "0.2",
+    "--ready-poll",
+    "0.1",
+    "--drain-poll",
+    "0.1",
+    "--drain-timeout",
+    "30",
+    "--stop-grace",
+    "5",
+    "--report-timeout",
+    "2",
 ]
 
 
 async def start_agent(tmp_path: Path, env: dict[str, str]) -> asyncio.subprocess.Process:
-    argv = [sys.executable, "-m", "llmgw_slurm.agent.main",
-            "--cache-dir", str(tmp_path / "cache"),
-            *AGENT_OPTS, "run"]
+    argv = [
+        sys.executable,
+        "-m",
+        "llmgw_slurm.agent.main",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        *AGENT_OPTS,
+        "run",
+    ]
     out = (tmp_path / "agent.out").open("wb")
     err = (tmp_path / "agent.err").open("wb")
     return await asyncio.create_subprocess_exec(*argv, env=env, stdout=out, stderr=err)
@@ -203,10 +234,16 @@ async def test_ready_serve_and_drain_on_signal(
             proc.kill()
     ev = daemon.events()
     assert ev[: ev.index("ready")] == [
-        "weights:started", "weights:done", "rendezvous:started", "rendezvous:done",
-        "engine_launch:started", "engine_launch:done", "readiness:started", "readiness:done",
+        "weights:started",
+        "weights:done",
+        "rendezvous:started",
+        "rendezvous:done",
+        "engine_launch:started",
+        "engine_launch:done",
+        "readiness:started",
+        "readiness:done",
     ]
-    after = [e for e in ev[ev.index("ready"):] if e != "heartbeat"]
+    after = [e for e in ev[ev.index("ready") :] if e != "heartbeat"]
     assert after == ["ready", "draining", "drain:started", "drain:done", "stopped"]
     stopped = daemon.reports[-1]
     assert sig.name in stopped["message"]
@@ -231,9 +268,16 @@ async def test_engine_crash_before_ready_is_reported(daemon: FakeDaemon, tmp_pat
 
 async def test_missing_weights_with_fetch_off(daemon: FakeDaemon, tmp_path: Path) -> None:
     env = job_env(daemon.url, spec_json(tmp_path / "no-such-weights"))
-    argv = [sys.executable, "-m", "llmgw_slurm.agent.main", "--no-fetch",
-            "--cache-dir", str(tmp_path / "cache"),
-            *AGENT_OPTS, "run"]
+    argv = [
+        sys.executable,
+        "-m",
+        "llmgw_slurm.agent.main",
+        "--no-fetch",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        *AGENT_OPTS,
+        "run",
+    ]
     proc = await asyncio.create_subprocess_exec(*argv, env=env, stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()
     assert proc.returncode == 1
@@ -258,9 +302,10 @@ async def test_daemon_away_never_stops_the_engine(tmp_path: Path) -> None:
             await asyncio.sleep(0.1)
         line = next(x for x in err_path.read_text().splitlines() if "ready: http" in x)
         url = line.split("ready: ", 1)[1].split()[0]
-        async with aiohttp.ClientSession() as s, s.get(
-            f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as r,
+        ):
             assert r.status == 200
         assert proc.returncode is None
         proc.send_signal(signal.SIGTERM)
@@ -276,9 +321,15 @@ def test_cli_without_job_env_is_a_clear_error(tmp_path: Path) -> None:
     from llmgw_slurm.agent.main import main
 
     result = CliRunner().invoke(
-        main, ["--cache-dir", str(tmp_path), "run"], env={
-            "LLMGW_REPLICA_ID": "", "LLMGW_MODEL": "", "LLMGW_DAEMON_URL": "",
-            "LLMGW_REPLICA_SECRET": "", "LLMGW_ENGINE_API_KEY": "", "LLMGW_REPLICA_SPEC": "",
+        main,
+        ["--cache-dir", str(tmp_path), "run"],
+        env={
+            "LLMGW_REPLICA_ID": "",
+            "LLMGW_MODEL": "",
+            "LLMGW_DAEMON_URL": "",
+            "LLMGW_REPLICA_SECRET": "",
+            "LLMGW_ENGINE_API_KEY": "",
+            "LLMGW_REPLICA_SPEC": "",
         },
     )
     assert result.exit_code == 1
@@ -317,14 +368,21 @@ async def test_drain_asked_by_daemon_and_spans(daemon: FakeDaemon, tmp_path: Pat
         drain_poll_s=0.1,
         stop_grace_s=5,
     )
-    agent = Agent(settings, job_context_from_env(env), env,
-                  tracer=provider.get_tracer("llmgw_slurm"))
+    agent = Agent(
+        settings, job_context_from_env(env), env, tracer=provider.get_tracer("llmgw_slurm")
+    )
     assert await asyncio.wait_for(agent.run(), 60) == 0
     assert "daemon asked" in agent.drain_reason
     assert daemon.events()[-1] == "stopped"
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    for name in ("llmgw.agent", "llmgw.agent.weights", "llmgw.agent.rendezvous",
-                 "llmgw.agent.engine_launch", "llmgw.agent.readiness", "llmgw.agent.drain"):
+    for name in (
+        "llmgw.agent",
+        "llmgw.agent.weights",
+        "llmgw.agent.rendezvous",
+        "llmgw.agent.engine_launch",
+        "llmgw.agent.readiness",
+        "llmgw.agent.drain",
+    ):
         assert name in spans, sorted(spans)
         assert spans[name].context.trace_id == int(trace_id, 16)
     root = spans["llmgw.agent"]

@@ -75,8 +75,13 @@ def test_replica_matches_record(tmp_path: Path) -> None:
 
 
 def test_replica_minimal_matches_record(tmp_path: Path) -> None:
-    job = JobOptions(job_name="llmgw.tiny.00000001", time="30", output="/tmp/o.out",
-                     python="python3", error="/tmp/e.err")
+    job = JobOptions(
+        job_name="llmgw.tiny.00000001",
+        time="30",
+        output="/tmp/o.out",
+        python="python3",
+        error="/tmp/e.err",
+    )
     text = render_replica(ReplicaParams(job, Resources(), "/etc/a.yaml", requeue=False))
     assert_matches_record("replica-minimal.sbatch", text)
     bash_n(text, tmp_path)
@@ -104,15 +109,22 @@ def test_model_job_matches_record(tmp_path: Path) -> None:
 
 def test_engine_install_matches_records(tmp_path: Path) -> None:
     venv = EngineInstallParams(
-        JOB, "venv", "/opt/engines/vllm-0.6.3", packages=["vllm==0.6.3"],
+        JOB,
+        "venv",
+        "/opt/engines/vllm-0.6.3",
+        packages=["vllm==0.6.3"],
         pip_args=["--index-url", "https://pypi.example.invalid/simple"],
     )
     image = EngineInstallParams(
-        JOB, "apptainer", "/opt/engines/vllm-0.6.3.sif",
+        JOB,
+        "apptainer",
+        "/opt/engines/vllm-0.6.3.sif",
         image_uri="docker://vllm/vllm-openai:v0.6.3",
     )
-    for name, params in (("engine-install-venv.sbatch", venv),
-                         ("engine-install-apptainer.sbatch", image)):
+    for name, params in (
+        ("engine-install-venv.sbatch", venv),
+        ("engine-install-apptainer.sbatch", image),
+    ):
         text = render_engine_install(params)
         assert_matches_record(name, text)
         bash_n(text, tmp_path)
@@ -278,8 +290,9 @@ def _run_with_stubs(text: str, tmp_path: Path, stubs: list[str]) -> list[list[st
     script.write_text(text)
     log = tmp_path / "argv.jsonl"
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", STUB_LOG=str(log))
-    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "PWNED").exists(), "a hostile value was executed"
     return [json.loads(line) for line in log.read_text().splitlines()]
@@ -332,24 +345,36 @@ def test_hostile_values_in_hetjob_and_model_job(hostile: str, tmp_path: Path) ->
 def test_hostile_pip_args_and_target_are_literal(hostile: str, tmp_path: Path) -> None:
     target = tmp_path / "venv"
     params = EngineInstallParams(
-        replace(JOB, python="python"), "venv", str(target),
-        packages=["vllm==0.6.3"], pip_args=["--index-url", hostile.replace("\n", " ")],
+        replace(JOB, python="python"),
+        "venv",
+        str(target),
+        packages=["vllm==0.6.3"],
+        pip_args=["--index-url", hostile.replace("\n", " ")],
     )
     text = render_engine_install(params)
     bash_n(text, tmp_path)
     calls = _run_with_stubs(text, tmp_path, ["python"])
     install = [c for c in calls if c[1:4] == ["-m", "pip", "install"] and "vllm==0.6.3" in c]
     assert install == [
-        ["python", "-m", "pip", "install", "--index-url", hostile.replace("\n", " "), "--",
-         "vllm==0.6.3"]
+        [
+            "python",
+            "-m",
+            "pip",
+            "install",
+            "--index-url",
+            hostile.replace("\n", " "),
+            "--",
+            "vllm==0.6.3",
+        ]
     ]
     assert (target / ".llmgw-installed").exists()
 
 
 def test_engine_install_twice_installs_once(tmp_path: Path) -> None:
     target = tmp_path / "venv"
-    params = EngineInstallParams(replace(JOB, python="python"), "venv", str(target),
-                                 packages=["vllm==0.6.3"])
+    params = EngineInstallParams(
+        replace(JOB, python="python"), "venv", str(target), packages=["vllm==0.6.3"]
+    )
     text = render_engine_install(params)
     first = _run_with_stubs(text, tmp_path, ["python"])
     (tmp_path / "argv.jsonl").unlink()
