@@ -16,12 +16,13 @@ import pytest
 
 from tests.slurm.conftest import slurm_conf
 
-__all__ = ["TIMINGS", "slurm_conf"]
+__all__ = ["FIGURES", "slurm_conf"]
 
 TOP = Path(__file__).resolve().parents[2]
 
-# Filled by the tests, printed at the end of the run: how long the real thing takes.
-TIMINGS: dict[str, float] = {}
+# Filled by the tests, printed at the end of the run: how long the real thing
+# takes, and how big it is. Values are shown as given, units included.
+FIGURES: dict[str, str] = {}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -31,10 +32,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if TIMINGS:
-        terminalreporter.section("engine timings")
-        for name, secs in TIMINGS.items():
-            terminalreporter.write_line(f"{name}: {secs:.2f}s")
+    if FIGURES:
+        terminalreporter.section("engine figures")
+        for name, value in FIGURES.items():
+            terminalreporter.write_line(f"{name}: {value}")
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ import pytest
 
 from llmgw_slurm.secrets import engine_api_key, load_or_create_server_key
 from llmgw_slurm.slurm.cli import CliBackend
-from tests.engine.conftest import TIMINGS, TOP
+from tests.engine.conftest import FIGURES, TOP
 from tests.slurm.conftest import eventually
 
 MODEL = "tiny-vllm"
@@ -277,7 +277,9 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
                 chat = first.result()
             except openai.APIError as err:
                 pytest.fail(f"the first request failed: {err!r}\n{diagnose()}")
-            TIMINGS["cold request (job submit + engine start + answer)"] = time.monotonic() - t0
+            FIGURES["cold request (job submit + engine start + answer)"] = (
+                f"{time.monotonic() - t0:.2f}s"
+            )
 
             assert isinstance(chat.choices[0].message.content, str)
             assert chat.choices[0].finish_reason in ("length", "stop")
@@ -312,8 +314,8 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
                         pieces.append(c.delta.content)
                     if c.finish_reason:
                         finish.append(c.finish_reason)
-            TIMINGS["stream: first token through the gateway (warm)"] = first_token or -1.0
-            TIMINGS["stream: whole answer, 8 tokens (warm)"] = time.monotonic() - t1
+            FIGURES["stream: first token through the gateway (warm)"] = f"{first_token or -1:.2f}s"
+            FIGURES["stream: whole answer, 8 tokens (warm)"] = f"{time.monotonic() - t1:.2f}s"
             assert chunks >= 2 and first_token is not None
             assert finish and finish[-1] in ("length", "stop")
             assert usage_tokens == chat.usage.completion_tokens
@@ -345,7 +347,7 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
                 assert secs is not None, (
                     f"no 'step {step}: done' in the job log:\n{job_logs(state)}"
                 )
-                TIMINGS[f"agent step {step}"] = secs
+                FIGURES[f"agent step {step}"] = f"{secs:.1f}s"
 
             # 5. The engine refuses whoever does not hold its key: nobody on a
             # node can go around the gateway. Its key is the one the daemon
@@ -374,12 +376,22 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
             assert not any(e.startswith(b"LLMGW_REPLICA_SECRET=") for e in environ)
 
             # 6. Cancelling the job stops the engine: nothing outlives it.
+            rss_kb = int(
+                next(
+                    line.split()[1]
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("VmRSS:")
+                )
+            )
+            FIGURES["engine RSS"] = f"{rss_kb / 1024:.0f} MB"
+            t_cancel = time.monotonic()
             subprocess.run(["scancel", job_id], check=True, timeout=30)
 
             async def engine_gone() -> bool:
                 return engine_process(port) is None
 
             await eventually(engine_gone, "the engine to exit after scancel", timeout=90)
+            FIGURES["scancel to engine gone"] = f"{time.monotonic() - t_cancel:.2f}s"
     finally:
         leftover = await backend.list_jobs(prefix)
         if leftover:
