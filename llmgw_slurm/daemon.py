@@ -147,6 +147,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         hold_timeout_s=server.router.hold_timeout,
         max_held_per_model=server.router.max_held,
         max_held_total=max(server.router.max_held, 1024),
+        trace_requests=server.router.trace_requests,
     )
     keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
     usage = UsageStore(state / "usage.sqlite3")

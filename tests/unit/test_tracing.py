@@ -548,6 +548,64 @@ async def test_held_request_links_to_the_replica_start(monkeypatch: pytest.Monke
     assert req.attributes is not None and "llmgw.held_seconds" in req.attributes
 
 
+async def _gateway_spans(
+    monkeypatch: pytest.MonkeyPatch, trace_requests: str, headers: dict[str, str], held: bool
+) -> tuple[list[ReadableSpan], dict[str, str]]:
+    """Send one chat request; return the gateway's finished spans and the headers the engine got."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(gateway_mod, "_tracer", provider.get_tracer("llmgw_slurm"))
+    start = SpanContext(0xABC, 0xDEF, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    async with engine() as eng:
+        directory = StartingDirectory(start, eng)
+        if not held:
+            directory.add_endpoint("tiny", Endpoint("0a1b2c3d", eng, "engine-key"))
+        app = create_app(directory, RouterConfig(hold_timeout_s=30, trace_requests=trace_requests))
+        async with serve(app) as url, aiohttp.ClientSession() as s:
+            async with s.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+                headers=headers,
+            ) as resp:
+                assert resp.status == 200
+            async with s.get(
+                f"{eng}/debug/last-headers", headers={"Authorization": "Bearer engine-key"}
+            ) as r:
+                assert r.status == 200
+                seen = await r.json()
+    return list(exporter.get_finished_spans()), seen
+
+
+async def test_untraced_request_makes_no_span_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    spans, seen = await _gateway_spans(monkeypatch, "sampled", {}, held=False)
+    assert spans == []
+    assert "traceparent" not in {k.lower() for k in seen}
+
+
+async def test_unsampled_client_context_is_forwarded_untouched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tp = "00-0000000000000000000000000000abcd-0000000000001234-00"
+    spans, seen = await _gateway_spans(monkeypatch, "sampled", {"traceparent": tp}, held=False)
+    assert spans == []
+    assert {k.lower(): v for k, v in seen.items()}.get("traceparent") == tp, seen
+
+
+async def test_all_gives_every_request_a_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    spans, _ = await _gateway_spans(monkeypatch, "all", {}, held=False)
+    assert [sp.name for sp in spans] == ["llmgw.router.request"]
+
+
+async def test_untraced_held_request_gets_a_held_span_linked_to_the_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spans, _ = await _gateway_spans(monkeypatch, "sampled", {}, held=True)
+    (held,) = spans
+    assert held.name == "llmgw.router.held"
+    assert [(lk.context.trace_id, lk.context.span_id) for lk in held.links] == [(0xABC, 0xDEF)]
+
+
 # ---- model jobs: the replica's weights step links to the job that fetched them ------
 
 
