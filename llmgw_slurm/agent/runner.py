@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+_HEAD_EVENTS = frozenset({"ready", "heartbeat", "draining", "stopped"})
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,13 @@ class Agent:
     # --- reporting ------------------------------------------------------------
 
     def _emit(self, event: str, **fields: Any) -> None:
-        """Queue a report; one sender keeps them in order and retries each."""
+        """Queue a report; one sender keeps them in order and retries each.
+
+        A worker node reports its steps and its failure, never the replica's
+        life cycle (ready, draining, stopped): that is the head's to tell.
+        """
+        if self.role is not None and not self.role.is_head and event in _HEAD_EVENTS:
+            return
         if self._client is not None:
             self._outbox.put_nowait(self._client.body(event, **fields))
 

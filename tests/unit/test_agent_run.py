@@ -142,21 +142,23 @@ AGENT_OPTS = [
 ]
 
 
-async def start_agent(tmp_path: Path, env: dict[str, str]) -> asyncio.subprocess.Process:
+async def start_agent(
+    tmp_path: Path, env: dict[str, str], name: str = "agent", extra: tuple[str, ...] = ()
+) -> asyncio.subprocess.Process:
     argv = [sys.executable, "-m", "llmgw_slurm.agent.main",
             "--cache-dir", str(tmp_path / "cache"),
-            *AGENT_OPTS, "run"]
-    out = (tmp_path / "agent.out").open("wb")
-    err = (tmp_path / "agent.err").open("wb")
+            *AGENT_OPTS, *extra, "run"]
+    out = (tmp_path / f"{name}.out").open("wb")
+    err = (tmp_path / f"{name}.err").open("wb")
     return await asyncio.create_subprocess_exec(*argv, env=env, stdout=out, stderr=err)
 
 
-async def wait_exit(proc: asyncio.subprocess.Process, tmp_path: Path) -> int:
+async def wait_exit(proc: asyncio.subprocess.Process, tmp_path: Path, name: str = "agent") -> int:
     try:
         return await asyncio.wait_for(proc.wait(), 60)
     except TimeoutError:
         proc.kill()
-        pytest.fail("agent did not exit; stderr:\n" + (tmp_path / "agent.err").read_text())
+        pytest.fail(f"{name} did not exit; stderr:\n" + (tmp_path / f"{name}.err").read_text())
 
 
 def engine_answers(url: str) -> bool:
@@ -331,3 +333,49 @@ async def test_drain_asked_by_daemon_and_spans(daemon: FakeDaemon, tmp_path: Pat
     assert root.parent is not None and root.parent.span_id == int(parent_id, 16)
     assert spans["llmgw.agent.weights"].parent.span_id == root.context.span_id  # type: ignore[union-attr]
     assert spans["llmgw.agent"].attributes["llmgw.replica_id"] == RID  # type: ignore[index]
+
+
+@pytest.mark.parametrize("rendezvous_dir", [False, True], ids=["derived-port", "port-file"])
+async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_dir: bool) -> None:
+    spec = json.loads(spec_json(make_weights(tmp_path)))
+    spec["resources"]["nodes"] = 2
+    base = job_env(daemon.url, json.dumps(spec))
+    for k in ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES"):
+        del base[k]
+    # What srun gives each task of `srun --het-group=0-1` over a 1 + 1 node het job.
+    base.update(
+        SLURM_HET_JOB_ID="777", SLURM_HET_SIZE="2",
+        SLURM_JOB_NUM_NODES_HET_GROUP_0="1", SLURM_JOB_NUM_NODES_HET_GROUP_1="1",
+        SLURM_JOB_NODELIST_HET_GROUP_0="localhost", SLURM_JOB_NODELIST_HET_GROUP_1="localhost",
+    )
+    head_env = {**base, "SLURM_JOB_ID": "777", "SLURM_PROCID": "0", "SLURM_HET_JOB_OFFSET": "0"}
+    worker_env = {**base, "SLURM_JOB_ID": "778", "SLURM_PROCID": "1",
+                  "SLURM_HET_JOB_OFFSET": "1"}
+    extra = ("--rendezvous-dir", str(tmp_path / "rdzv")) if rendezvous_dir else ()
+    worker = await start_agent(tmp_path, worker_env, "worker", extra)
+    head = await start_agent(tmp_path, head_env, "head", extra)
+    try:
+        await daemon.wait_for(lambda: "ready" in daemon.events())
+        url = next(r["url"] for r in daemon.reports if r["event"] == "ready")
+        async with aiohttp.ClientSession() as s, s.get(
+            f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+        ) as r:
+            assert r.status == 200
+        # The fake head is healthy only once the worker joined its master port.
+        assert "rank 1 joined localhost:" in (tmp_path / "worker.out").read_text()
+        for proc in (head, worker):  # srun forwards the signal to every task
+            proc.send_signal(signal.SIGTERM)
+        assert await wait_exit(head, tmp_path, "head") == 0
+        assert await wait_exit(worker, tmp_path, "worker") == 0
+    finally:
+        for proc in (head, worker):
+            if proc.returncode is None:
+                proc.kill()
+    ev = daemon.events()
+    # Only the head tells the replica's life cycle; the worker only its steps.
+    assert ev.count("ready") == 1 and ev.count("stopped") == 1
+    assert ev.count("rendezvous:done") == 2 and ev.count("engine_launch:done") == 2
+    assert all(r["job_id"] in ("777", "778") for r in daemon.reports)
+    assert "master gone, worker exits" in (tmp_path / "worker.out").read_text()
+    if rendezvous_dir:
+        assert list((tmp_path / "rdzv" / "rendezvous").iterdir()) == []  # the head cleaned up
