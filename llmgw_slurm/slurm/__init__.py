@@ -1,6 +1,8 @@
 """The one place that talks to Slurm. Everything else uses :class:`SlurmBackend`."""
 
-from llmgw_slurm.errors import SlurmError, SlurmParseError, SlurmUnavailable
+from typing import Any
+
+from llmgw_slurm.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm.types import (
     AccountingRecord,
     GpuCount,
@@ -12,7 +14,38 @@ from llmgw_slurm.slurm.types import (
     SlurmBackend,
 )
 
+BACKENDS = ("cli", "pyslurm")
+
+
+def make_backend(kind: str, **opts: Any) -> SlurmBackend:
+    """The backend named by ``slurm.backend``: ``"cli"`` (default) or ``"pyslurm"``.
+
+    Imports are deferred so that choosing ``cli`` never loads pyslurm. A
+    ``pyslurm`` backend whose module is missing raises SlurmUnavailable.
+    """
+    name = kind.strip().lower()
+    if name not in BACKENDS:
+        raise ConfigError(
+            f"unknown Slurm backend {kind!r}; valid: {', '.join(BACKENDS)}", field="slurm.backend"
+        )
+    if name == "cli":
+        from llmgw_slurm.slurm.cli import CliBackend
+
+        factory: Any = CliBackend
+    else:
+        from llmgw_slurm.slurm.pyslurm_backend import PyslurmBackend
+
+        factory = PyslurmBackend
+    try:
+        backend: SlurmBackend = factory(**opts)
+    except TypeError as exc:
+        # An option the backend does not take: a config mistake, not a crash.
+        raise ConfigError(f"{name} backend: {exc}", field="slurm") from exc
+    return backend
+
+
 __all__ = [
+    "BACKENDS",
     "AccountingRecord",
     "GpuCount",
     "Job",
@@ -24,4 +57,5 @@ __all__ = [
     "SlurmError",
     "SlurmParseError",
     "SlurmUnavailable",
+    "make_backend",
 ]

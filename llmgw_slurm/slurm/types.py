@@ -298,14 +298,19 @@ class SlurmBackend(Protocol):
     async def list_nodes(self) -> list[NodeInfo]:
         """Every node with total and used GPUs per type, in one call."""
 
-    async def cancel(self, job_id: str, *, signal: str | None = None, batch_only: bool = False) -> None:
+    async def cancel(
+        self, job_id: str, *, signal: str | None = None, batch_only: bool = False
+    ) -> None:
         """Cancel (or, with ``signal``, only signal) a job. A job already gone is not an error."""
 
     async def requeue(self, job_id: str) -> None:
         """Put a running job back in the queue."""
 
     async def accounting(
-        self, start: datetime, end: datetime | None = None, name_prefix: str = "",
+        self,
+        start: datetime,
+        end: datetime | None = None,
+        name_prefix: str = "",
         all_users: bool = False,
     ) -> list[AccountingRecord]:
         """Finished and running jobs from the accounting database."""

@@ -1,0 +1,74 @@
+"""Shared pieces of the benchmarks: the machine's description and the results file."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_kb = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    slurm = subprocess.run(
+        ["sinfo", "-V"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_kb / 1024 / 1024, 1),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "slurm": slurm,
+    }
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def result(
+    name: str, value: float, unit: str, reference: str, reference_value: float
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "value": round(value, 6),
+        "unit": unit,
+        "reference": reference,
+        "reference_value": round(reference_value, 6),
+        "ratio": round(value / reference_value, 3) if reference_value else None,
+    }
+
+
+def write(name: str, results: list[dict[str, Any]]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    doc = {"machine": machine(), "when": datetime.now(UTC).isoformat(), "results": results}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print(f"{'benchmark':44} {'value':>10} {'reference':>24} {'ref value':>10} {'ratio':>7}")
+    for r in results:
+        print(
+            f"{r['name']:44} {r['value']:>10.4f} {r['reference']:>24} "
+            f"{r['reference_value']:>10.4f} {r['ratio'] if r['ratio'] is not None else '-':>7}"
+        )

@@ -1,0 +1,100 @@
+"""Cost of the adapter's one-call job listing against a bare ``squeue``.
+
+With 0, 500 and 2,000 of the service's jobs queued (held, so they cost the
+cluster nothing), times ``CliBackend.list_jobs(prefix)`` and a bare
+``squeue -u USER`` in the same run, alternating, and prints medians and the
+ratio. Needs the dev cluster: ``eval "$(scripts/dev-cluster env)"``.
+
+    python3 bench/slurm_listing.py [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import median, print_table, result, write
+from llmgw_slurm.slurm import JobSpec
+from llmgw_slurm.slurm.cli import CliBackend
+
+PREFIX = "llmgwbench."
+
+
+async def fill(backend: CliBackend, have: int, want: int) -> list[str]:
+    sem = asyncio.Semaphore(8)
+
+    async def one(i: int) -> str:
+        async with sem:
+            return await backend.submit(
+                JobSpec(
+                    name=f"{PREFIX}bench.{i:08x}",
+                    script="#!/bin/bash\n#SBATCH --partition=llm\n#SBATCH --hold\ntrue\n",
+                )
+            )
+
+    return list(await asyncio.gather(*(one(i) for i in range(have, want))))
+
+
+async def bare_squeue() -> float:
+    t0 = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        "squeue", "-u", getpass.getuser(), stdout=asyncio.subprocess.DEVNULL
+    )
+    await proc.wait()
+    return time.perf_counter() - t0
+
+
+async def adapter(backend: CliBackend, expect: int) -> float:
+    t0 = time.perf_counter()
+    jobs = await backend.list_jobs(PREFIX)
+    dt = time.perf_counter() - t0
+    assert len(jobs) == expect, (len(jobs), expect)
+    return dt
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    backend = CliBackend(timeout=120)
+    stale = [j.job_id for j in await backend.list_jobs(PREFIX)]
+    if stale:
+        subprocess.run(["scancel", *stale], check=False)
+        await asyncio.sleep(1)
+    ids: list[str] = []
+    results = []
+    try:
+        for n in (0, 500, 2000):
+            ids += await fill(backend, len(ids), n)
+            ours, bare = [], []
+            for _ in range(args.repeats):
+                ours.append(await adapter(backend, n))
+                bare.append(await bare_squeue())
+            results.append(
+                result(
+                    f"list_jobs, {n} service jobs queued",
+                    median(ours),
+                    "s",
+                    "bare squeue -u",
+                    median(bare),
+                )
+            )
+    finally:
+        for i in range(0, len(ids), 500):
+            subprocess.run(["scancel", *ids[i : i + 500]], check=False)
+    print_table(results)
+    path = write("slurm_listing", results)
+    print(f"\nwritten {path}")
+    print(json.dumps([r["ratio"] for r in results]))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

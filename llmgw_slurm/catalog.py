@@ -1,0 +1,732 @@
+"""The model catalog (``models.yaml``): what models exist and how to run them.
+
+Shape of the file::
+
+    defaults:            # optional; merged under every model (the model wins per key)
+      resources: {partition: gpu, time_limit: 4:00:00}
+      scaling: {idle_timeout: 30m}
+    models:
+      - name: llama-8b
+        aliases: [meta-llama/Llama-3.1-8B-Instruct]
+        engine: {kind: vllm, args: [--max-model-len, "8192"]}
+        weights: {source: hf:meta-llama/Llama-3.1-8B-Instruct}
+        resources: {gpus: 1, gpu_type: a100}
+        scaling: {min: 0, max: 2}
+
+Every field, with its default and the reason for it, is documented on the
+dataclasses below and in ``docs/configuration.md``. :func:`load_catalog`
+reports every problem of the file at once, each with file, line and field
+path (``models[2].resources.gpus``).
+
+The daemon hands each replica job its model entry as JSON
+(:meth:`Model.to_spec`, ``LLMGW_REPLICA_SPEC``); the agent reads it back with
+:func:`model_from_spec`, which validates exactly as the file loader does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import string
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from llmgw_slurm import _schema
+from llmgw_slurm._schema import Ctx, FrozenMap, Invalid, rule
+from llmgw_slurm.errors import ConfigError, ConfigErrors
+from llmgw_slurm.yamlsrc import (
+    YEntry,
+    YMap,
+    YNode,
+    YScalar,
+    YSeq,
+    describe,
+    from_plain,
+    load_yaml,
+)
+
+__all__ = [
+    "MODEL_NAME_RE",
+    "PLACEHOLDERS",
+    "Catalog",
+    "EngineSpec",
+    "Model",
+    "Resources",
+    "Scaling",
+    "TimeLimit",
+    "WeightsSpec",
+    "load_catalog",
+    "model_from_spec",
+    "parse_catalog",
+]
+
+MODEL_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,47}")
+_NAME_HELP = (
+    "1-48 characters: lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
+)
+# Aliases are what clients send as "model": HF ids ("org/Name") included, but
+# nothing a log line, a header or a shell could trip on.
+_ALIAS_RE = r"[^\s\x00-\x1f\x7f]{1,200}"
+_ALIAS_HELP = "1-200 characters without whitespace or control characters"
+_ENV_NAME_RE = r"[A-Za-z_][A-Za-z0-9_]*"
+_ENV_HELP = "an environment variable name (letters, digits, '_', not starting with a digit)"
+# Slurm names (partition, account, qos, gres type) stay within this set on
+# every site we know; anything else is more likely a typo or an injection.
+_SLURM_NAME_RE = r"[A-Za-z0-9_.+-]{1,64}"
+_SLURM_NAME_HELP = "a Slurm name: letters, digits, '_', '.', '+', '-'"
+_PARTITION_RE = r"[A-Za-z0-9_.+-]{1,64}(,[A-Za-z0-9_.+-]{1,64})*"
+# Constraint expressions: features joined by & | , with [ ] ( ) and *counts.
+_CONSTRAINT_RE = r"[A-Za-z0-9_.:&|,\[\]()*!-]{1,200}"
+_HF_RE = re.compile(
+    r"hf:(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)"
+    r"(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9._/-]{0,99}))?"
+)
+
+PLACEHOLDERS = ("host", "port", "model_path", "api_key", "served_name")
+"""Placeholders a ``command`` engine may use in ``command`` and ``args``."""
+
+EngineKind = Literal["vllm", "sglang", "command"]
+WeightsMethod = Literal["copy", "hf", "none"]
+
+
+def _reserved_env(name: str) -> bool:
+    # The daemon's own variables carry the replica's secrets and identity; a
+    # catalog entry must not be able to overwrite them.
+    return name.startswith("LLMGW_") or name in ("TRACEPARENT", "TRACESTATE")
+
+
+def _placeholder_problems(argv: tuple[str, ...], what: str) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    valid = ", ".join("{" + p + "}" for p in PLACEHOLDERS)
+    for i, arg in enumerate(argv):
+        try:
+            parts = list(string.Formatter().parse(arg))
+        except ValueError as err:
+            problems.append(
+                (f"{what}[{i}]", f"{arg!r}: {err}; write {{{{ and }}}} for literal braces")
+            )
+            continue
+        for _lit, name, spec, conv in parts:
+            if name is None:
+                continue
+            if name not in PLACEHOLDERS:
+                problems.append(
+                    (
+                        f"{what}[{i}]",
+                        f"{arg!r}: unknown placeholder {{{name}}}; valid: {valid}"
+                        " (write {{ and }} for literal braces)",
+                    )
+                )
+            elif spec or conv:
+                problems.append(
+                    (
+                        f"{what}[{i}]",
+                        f"{arg!r}: placeholder {{{name}}} takes no format or conversion",
+                    )
+                )
+    return problems
+
+
+@dataclass(frozen=True)
+class TimeLimit:
+    """A Slurm time limit, as whole seconds and as the string sbatch gets."""
+
+    seconds: int
+    slurm: str
+
+    @classmethod
+    def from_seconds(cls, seconds: int) -> TimeLimit:
+        days, rest = divmod(seconds, 86400)
+        h, rest = divmod(rest, 3600)
+        m, s = divmod(rest, 60)
+        text = f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h}:{m:02d}:{s:02d}"
+        return cls(seconds, text)
+
+    def __str__(self) -> str:
+        return self.slurm
+
+
+_TL_HELP = "a Slurm time limit like 4:00:00, 1-00:00:00, 90m, 4h or 1d"
+
+
+def _parse_time_limit(node: YNode, ctx: Ctx) -> TimeLimit:
+    if not isinstance(node, YScalar) or isinstance(node.value, bool) or node.value is None:
+        raise Invalid(f"expected {_TL_HELP}; got {describe(node)}")
+    text = node.text.strip()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        # Slurm reads a bare number as minutes, every other duration here as
+        # seconds: refuse to guess.
+        raise Invalid(
+            f"{text!r} is ambiguous (Slurm reads minutes, other durations here read "
+            f"seconds); write {text}m or {text}s, or H:MM:SS"
+        )
+    try:
+        secs = _schema.parse_duration(node, ctx)
+    except Invalid:
+        raise Invalid(f"cannot read {text!r}; expected {_TL_HELP}") from None
+    if secs < 60:
+        raise Invalid(f"{text!r} is under a minute; Slurm's time limits count whole minutes")
+    return TimeLimit.from_seconds(math.ceil(secs))
+
+
+_MEM_RE = re.compile(r"(\d+)([KMGT]?)B?", re.IGNORECASE)
+_MEM_HELP = "Slurm memory like 64G, 512M, 1T or a number of megabytes (0 = all of the node)"
+
+
+def _parse_memory(node: YNode, ctx: Ctx) -> str:
+    if not isinstance(node, YScalar) or isinstance(node.value, bool) or node.value is None:
+        raise Invalid(f"expected {_MEM_HELP}; got {describe(node)}")
+    m = _MEM_RE.fullmatch(node.text.strip())
+    if not m:
+        raise Invalid(f"cannot read {node.text!r}; expected {_MEM_HELP}")
+    return m.group(1) + m.group(2).upper()
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start the engine that serves the model."""
+
+    # Required. vllm and sglang are started by the agent with the right host,
+    # port, API key and model path; `command` runs `command` as given.
+    kind: EngineKind
+    # Default (): extra arguments for the engine, passed as separate argv items
+    # (never through a shell). For vllm/sglang they are verbatim (JSON with
+    # braces is fine); for `command` they may use the placeholders.
+    args: tuple[str, ...] = ()
+    # Default (): required for kind `command`, refused otherwise. Placeholders
+    # {host} {port} {model_path} {api_key} {served_name} are filled in by the
+    # agent; any other {name} is an error, caught here rather than in a job.
+    command: tuple[str, ...] = ()
+    # Default None (run on the node directly): an Apptainer image (a .sif path
+    # or docker://...) to run the engine in.
+    apptainer_image: str | None = field(
+        default=None, metadata=rule(pattern=r"\S{1,500}", pattern_help="an image path or URI")
+    )
+    # Default {}: extra environment for the engine. Names starting with LLMGW_
+    # and TRACEPARENT/TRACESTATE are refused: they carry the replica's identity.
+    env: Mapping[str, str] = field(
+        default_factory=FrozenMap, metadata=rule(key_pattern=_ENV_NAME_RE, key_help=_ENV_HELP)
+    )
+    # Default /health: what vLLM and SGLang answer on once the model is loaded.
+    health_path: str = field(
+        default="/health",
+        metadata=rule(pattern=r"/[^\s\x00-\x1f]*", pattern_help="a path starting with '/'"),
+    )
+    # Default None: use the agent's readiness.timeout (site-wide, 15m).
+    # Set it for models that load slowly (large weights on a shared FS).
+    ready_timeout: float | None = field(
+        default=None, metadata=rule(gt=0, parse=_schema.parse_duration)
+    )
+
+    def _problems(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if self.kind == "command":
+            if not self.command:
+                out.append(
+                    (
+                        "command",
+                        "kind 'command' needs a command list, e.g. [python, "
+                        "-m, my.server, --port, '{port}']",
+                    )
+                )
+            out += _placeholder_problems(self.command, "command")
+            out += _placeholder_problems(self.args, "args")
+        elif self.command:
+            out.append(
+                (
+                    "command",
+                    f"only kind 'command' takes a command; kind {self.kind!r} "
+                    "is started by the agent (use args for extra flags)",
+                )
+            )
+        for name in self.env:
+            if _reserved_env(name):
+                out.append(
+                    (
+                        f"env.{name}",
+                        f"{name} is reserved for llmgw (it carries the replica's "
+                        "identity or trace); choose another name",
+                    )
+                )
+        return out
+
+    def command_argv(
+        self, *, host: str, port: int, model_path: str, api_key: str, served_name: str
+    ) -> list[str]:
+        """The argv of a ``command`` engine (command then args), placeholders filled in.
+
+        Hazard: ``{api_key}`` on a command line is readable by every user of the
+        node (``ps``); prefer engines that take the key from their environment.
+        """
+        if self.kind != "command":
+            raise ValueError(f"a {self.kind} engine is started by the agent, not from a command")
+        values = {
+            "host": host,
+            "port": str(port),
+            "model_path": model_path,
+            "api_key": api_key,
+            "served_name": served_name,
+        }
+        return [arg.format_map(values) for arg in (*self.command, *self.args)]
+
+
+@dataclass(frozen=True)
+class WeightsSpec:
+    """Where the weights come from and how the agent gets them onto the node."""
+
+    # Required: an absolute local path (a folder on a shared filesystem), or
+    # hf:ORG/NAME[@revision] for a Hugging Face repository.
+    source: str = field(
+        metadata=rule(
+            pattern=r"(/[^\x00-\x1f]*)|(hf:.*)",
+            pattern_help="an absolute path, or hf:ORG/NAME[@revision]",
+        )
+    )
+    # Default: hf for hf: sources, none for local paths. copy = stage a local
+    # folder into the node's cache (costs a copy, saves the shared FS from
+    # every engine reading it at once); hf = fetch the repo into the cache;
+    # none = use the source in place.
+    method: WeightsMethod = "none"
+
+    @classmethod
+    def _fill_defaults(cls, values: dict[str, Any]) -> None:
+        if "method" not in values:
+            values["method"] = "hf" if str(values.get("source", "")).startswith("hf:") else "none"
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.source.startswith("hf:"):
+            if not _HF_RE.fullmatch(self.source):
+                return [("source", f"{self.source!r} is not hf:ORG/NAME or hf:ORG/NAME@revision")]
+            if self.method == "copy":
+                return [
+                    (
+                        "method",
+                        "copy stages a local folder; an hf: source uses method hf "
+                        "(or none to let the engine resolve it)",
+                    )
+                ]
+        elif self.method == "hf":
+            return [
+                ("method", "method hf needs an hf:ORG/NAME source; a local path uses copy or none")
+            ]
+        return []
+
+    @property
+    def is_hf(self) -> bool:
+        return self.source.startswith("hf:")
+
+    @property
+    def hf_repo(self) -> str | None:
+        """``ORG/NAME`` of an hf: source, else None."""
+        m = _HF_RE.fullmatch(self.source)
+        return m.group("repo") if m else None
+
+    @property
+    def hf_revision(self) -> str | None:
+        """The ``@revision`` of an hf: source, None when absent (the default branch)."""
+        m = _HF_RE.fullmatch(self.source)
+        return m.group("rev") if m else None
+
+    @property
+    def local_path(self) -> Path | None:
+        return None if self.is_hf else Path(self.source)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one replica asks Slurm for. Per node: a multi-node replica asks for
+    ``nodes`` components of this size (a heterogeneous job)."""
+
+    # Default 1: an LLM engine needs a GPU; the CPU test engine says 0.
+    gpus: int = field(default=1, metadata=rule(ge=0, le=64))
+    # Default None (any GPU): a gres type, as in --gres=gpu:TYPE:N.
+    gpu_type: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+    # Default 1. More than 1 makes a heterogeneous job, one component per node.
+    nodes: int = field(default=1, metadata=rule(ge=1, le=256))
+    # Default 4 per node: the engine's tokenizer, scheduler and HTTP threads;
+    # Slurm's own default of 1 CPU starves them.
+    cpus: int = field(default=4, metadata=rule(ge=1, le=4096))
+    # Default None (the partition's DefMemPerCPU/DefMemPerNode): Slurm syntax
+    # (64G, 512M; a bare number is megabytes; 0 means all of the node's memory).
+    memory: str | None = field(default=None, metadata=rule(parse=_parse_memory))
+    # Default None: the server's slurm.partition, else Slurm's default partition.
+    # A comma list lets Slurm pick the first partition that fits.
+    partition: str | None = field(
+        default=None, metadata=rule(pattern=_PARTITION_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+    # Default None: the server's slurm.account, else the user's default account.
+    account: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+    # Default None: the server's slurm.qos, else the association's default QOS.
+    qos: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+    # Default None (the partition's DefaultTime; the daemon reads the real limit
+    # from squeue for renewal). Slurm syntax (4:00:00, 1-00:00:00) or 90m/4h/1d.
+    time_limit: TimeLimit | None = field(default=None, metadata=rule(parse=_parse_time_limit))
+    # Default None: a Slurm --constraint expression over node features.
+    constraint: str | None = field(
+        default=None,
+        metadata=rule(
+            pattern=_CONSTRAINT_RE,
+            pattern_help="a Slurm constraint: feature names joined by & | , with [] () *N",
+        ),
+    )
+
+    @property
+    def memory_mb(self) -> int | None:
+        """``memory`` in megabytes (0 = all of the node), None when unset."""
+        if self.memory is None:
+            return None
+        m = _MEM_RE.fullmatch(self.memory)
+        assert m is not None  # validated on load
+        factor = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2)]
+        return math.ceil(int(m.group(1)) * factor)
+
+    @property
+    def gres(self) -> str | None:
+        """The ``--gres`` value for one node (``gpu:a100:2``), None when no GPUs."""
+        if self.gpus == 0:
+            return None
+        return f"gpu:{self.gpu_type}:{self.gpus}" if self.gpu_type else f"gpu:{self.gpus}"
+
+    def with_slurm_defaults(
+        self, *, partition: str | None, account: str | None, qos: str | None
+    ) -> Resources:
+        """These resources with the server's slurm defaults filled in where unset."""
+        return replace(
+            self,
+            partition=self.partition or partition,
+            account=self.account or account,
+            qos=self.qos or qos,
+        )
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How many replicas, and when to add or remove them."""
+
+    # Default 0 (on demand): a model nobody uses gives its GPUs back. min >= 1
+    # is a promise: those replicas stay up and are never evicted.
+    min: int = field(default=0, metadata=rule(ge=0, le=1000))
+    # Default 1: more replicas cost GPUs; raise it for busy models.
+    max: int = field(default=1, metadata=rule(ge=1, le=1000))
+    # Default 30m: a replica idle this long is stopped (down to min). Shorter
+    # frees GPUs sooner but makes users wait for cold starts more often.
+    idle_timeout: float = field(default=1800.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 16: in-flight requests per replica above which another replica is
+    # started (up to max). Engines batch well, so one replica takes many.
+    target_inflight: int = field(default=16, metadata=rule(ge=1))
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.min > self.max:
+            return [("min", f"min ({self.min}) is more than max ({self.max})")]
+        return []
+
+    @property
+    def on_demand(self) -> bool:
+        """True when the model starts on request and may be evicted (min 0)."""
+        return self.min == 0
+
+
+@dataclass(frozen=True)
+class Model:
+    """One catalog entry."""
+
+    # Required: the name clients use and the job name carries (llmgw.NAME.ID).
+    name: str = field(metadata=rule(pattern=MODEL_NAME_RE.pattern, pattern_help=_NAME_HELP))
+    # Required: how to run it.
+    engine: EngineSpec
+    # Default (): other names clients may use (e.g. the HF id). Unique across
+    # the catalog and distinct from every model name.
+    aliases: tuple[str, ...] = field(
+        default=(), metadata=rule(pattern=_ALIAS_RE, pattern_help=_ALIAS_HELP)
+    )
+    # Default "": shown by `llmgw models`.
+    description: str = ""
+    # Default None: required for vllm/sglang (they need a model to load); a
+    # command engine may bring its own.
+    weights: WeightsSpec | None = None
+    # Default: see Resources (1 GPU, 1 node, 4 CPUs, partition defaults).
+    resources: Resources = field(default_factory=Resources)
+    # Default: see Scaling (on demand, at most 1 replica, 30m idle timeout).
+    scaling: Scaling = field(default_factory=Scaling)
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.engine.kind != "command" and self.weights is None:
+            return [
+                (
+                    "weights",
+                    f"a {self.engine.kind} engine needs weights: "
+                    "{source: /path/to/model} or {source: hf:ORG/NAME}",
+                )
+            ]
+        return []
+
+    @property
+    def multi_node(self) -> bool:
+        return self.resources.nodes > 1
+
+    def to_spec(self) -> dict[str, Any]:
+        """Plain JSON-able data of this entry (the LLMGW_REPLICA_SPEC payload).
+
+        Read back with :func:`model_from_spec`; durations are seconds and the
+        time limit its Slurm string.
+        """
+        data = asdict(self)
+        tl = self.resources.time_limit
+        data["resources"]["time_limit"] = tl.slurm if tl is not None else None
+        return _drop_none(data)
+
+    def to_spec_json(self) -> str:
+        return json.dumps(self.to_spec(), sort_keys=True, separators=(",", ":"))
+
+
+def _drop_none(data: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: _drop_none(v) if isinstance(v, dict) and k != "env" else v
+        for k, v in data.items()
+        if v is not None
+    }
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """All models of a catalog file, in file order."""
+
+    models: tuple[Model, ...]
+    # The file it was loaded from (None when built in code).
+    file: str | None = None
+
+    def resolve(self, name_or_alias: str) -> Model | None:
+        """The model with this name or alias; None when there is none.
+
+        Names win over aliases (the loader refuses an alias equal to a name, so
+        this only matters for catalogs built in code).
+        """
+        for m in self.models:
+            if m.name == name_or_alias:
+                return m
+        for m in self.models:
+            if name_or_alias in m.aliases:
+                return m
+        return None
+
+    def get(self, name: str) -> Model | None:
+        """The model with exactly this name (aliases not considered)."""
+        for m in self.models:
+            if m.name == name:
+                return m
+        return None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.models)
+
+    @property
+    def aliases(self) -> Mapping[str, str]:
+        """Alias -> model name."""
+        return {a: m.name for m in self.models for a in m.aliases}
+
+    def __iter__(self) -> Iterator[Model]:
+        return iter(self.models)
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def __contains__(self, name_or_alias: object) -> bool:
+        return isinstance(name_or_alias, str) and self.resolve(name_or_alias) is not None
+
+
+_MERGEABLE = ("engine", "weights", "resources", "scaling")
+_TOP_KEYS = ("defaults", "models")
+
+
+def _merge(base: YMap, over: YMap, base_path: str) -> YMap:
+    """``over`` with ``base``'s keys added where ``over`` lacks them; nested
+    mappings merge key by key, lists and scalars are replaced whole."""
+    entries = list(over.entries)
+    index = {e.key: i for i, e in enumerate(entries)}
+    for b in base.entries:
+        origin = b.origin or base_path
+        if b.key not in index:
+            entries.append(YEntry(b.key, b.key_line, b.value, origin=origin))
+            continue
+        mine = entries[index[b.key]]
+        if isinstance(mine.value, YMap) and isinstance(b.value, YMap):
+            sub = _merge(b.value, mine.value, _schema.join(origin, b.key))
+            entries[index[b.key]] = YEntry(mine.key, mine.key_line, sub, mine.origin)
+    return YMap(tuple(entries), over.line)
+
+
+def _build_catalog(root: YNode, ctx: Ctx) -> Catalog | None:
+    if not isinstance(root, YMap):
+        ctx.add(
+            f"expected a mapping with keys defaults, models; got {describe(root)}", root.line, ""
+        )
+        return None
+    for e in root.entries:
+        if e.key not in _TOP_KEYS:
+            ctx.add(_schema.unknown_key_message(e.key, list(_TOP_KEYS)), e.key_line, e.key)
+    defaults = YMap((), None)
+    d_entry = root.get("defaults")
+    if d_entry is not None and not _schema.is_null(d_entry.value):
+        if not isinstance(d_entry.value, YMap):
+            ctx.add(
+                f"expected a mapping with keys {', '.join((*_MERGEABLE, 'description'))}; "
+                f"got {describe(d_entry.value)}",
+                d_entry.value.line,
+                "defaults",
+            )
+        else:
+            defaults = d_entry.value
+            for e in defaults.entries:
+                allowed = (*_MERGEABLE, "description")
+                if e.key not in allowed:
+                    ctx.add(
+                        _schema.unknown_key_message(e.key, list(allowed))
+                        + "; name and aliases belong to each model",
+                        e.key_line,
+                        f"defaults.{e.key}",
+                    )
+                elif e.key in _MERGEABLE and not (
+                    isinstance(e.value, YMap) or _schema.is_null(e.value)
+                ):
+                    ctx.add(
+                        f"expected a mapping; got {describe(e.value)}",
+                        e.value.line,
+                        f"defaults.{e.key}",
+                    )
+            defaults = YMap(
+                tuple(
+                    e
+                    for e in defaults.entries
+                    if e.key in (*_MERGEABLE, "description") and not _schema.is_null(e.value)
+                ),
+                defaults.line,
+            )
+    m_entry = root.get("models")
+    if m_entry is None:
+        ctx.add("missing required key 'models' (a list of model entries)", root.line, "models")
+        return None
+    items = m_entry.value
+    if _schema.is_null(items):
+        return Catalog((), ctx.file)
+    if not isinstance(items, YSeq):
+        ctx.add(
+            f"expected a list of model entries (each starting with '- name: ...'); "
+            f"got {describe(items)}",
+            items.line,
+            "models",
+        )
+        return None
+    models: list[Model] = []
+    seen: dict[str, tuple[str, int | None]] = {}  # name or alias -> (what, line)
+    for i, item in enumerate(items.items):
+        path = f"models[{i}]"
+        if isinstance(item, YMap) and defaults.entries:
+            item = _merge(defaults, item, "defaults")
+        model = _schema.build(Model, item, path, ctx, line=items.line)
+        # Uniqueness is checked on the names as written, so a clash is reported
+        # even when something else in the same entry is wrong.
+        if isinstance(item, YMap) and not _unique(item, i, path, seen, ctx):
+            continue
+        if isinstance(model, Model):
+            models.append(model)
+    return Catalog(tuple(models), ctx.file)
+
+
+def _text_of(node: YNode | None) -> str | None:
+    if isinstance(node, YScalar) and isinstance(node.value, str):
+        return node.value
+    return None
+
+
+def _unique(
+    item: YMap, i: int, path: str, seen: dict[str, tuple[str, int | None]], ctx: Ctx
+) -> bool:
+    """Record this entry's name and aliases in ``seen``; False (errors added) on a clash."""
+    ok = True
+    name_entry = item.get("name")
+    name = _text_of(name_entry.value) if name_entry else None
+    if name_entry is not None and name is not None:
+        if name in seen:
+            what, line = seen[name]
+            ctx.add(
+                f"{name!r} is already used as {what} (line {line}); "
+                "names and aliases must be unique",
+                name_entry.key_line,
+                f"{path}.name",
+            )
+            ok = False
+        else:
+            seen[name] = (f"the name of {path}", name_entry.key_line)
+    alias_entry = item.get("aliases")
+    if alias_entry is None or not isinstance(alias_entry.value, YSeq):
+        return ok
+    for j, node in enumerate(alias_entry.value.items):
+        alias = _text_of(node)
+        if alias is None:
+            continue
+        if alias in seen:
+            what, line = seen[alias]
+            ctx.add(
+                f"alias {alias!r} is already used as {what} (line {line}); "
+                "names and aliases must be unique",
+                node.line,
+                f"{path}.aliases[{j}]",
+            )
+            ok = False
+        else:
+            seen[alias] = (f"an alias of {path} ({name or '?'})", node.line)
+    return ok
+
+
+def parse_catalog(root: YNode | None, file: str | None = None) -> Catalog:
+    """Build a Catalog from a parsed tree; raises ConfigErrors with every problem."""
+    ctx = Ctx(file)
+    if root is None:
+        raise ConfigErrors(
+            [
+                ConfigError(
+                    "file is empty; a catalog is a mapping with 'models:' (a list of models) "
+                    "and optional 'defaults:'",
+                    file=file,
+                )
+            ]
+        )
+    catalog = _build_catalog(root, ctx)
+    ctx.raise_if_errors()
+    assert catalog is not None
+    return catalog
+
+
+def load_catalog(path: str | Path) -> Catalog:
+    """Load ``models.yaml``; raises ConfigError(s) naming every problem with file:line:field."""
+    return parse_catalog(load_yaml(path), str(path))
+
+
+def model_from_spec(data: str | Mapping[str, Any], source: str = "LLMGW_REPLICA_SPEC") -> Model:
+    """Read back :meth:`Model.to_spec` (a dict or its JSON text), validated as the loader does."""
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except ValueError as err:
+            raise ConfigError(f"not valid JSON: {err}", file=source) from None
+    if not isinstance(data, Mapping):
+        raise ConfigError("expected a JSON object (a model entry)", file=source)
+    try:
+        tree = from_plain(data)
+    except TypeError as err:
+        raise ConfigError(str(err), file=source) from None
+    ctx = Ctx(source)
+    model = _schema.build(Model, tree, "", ctx, line=None)
+    ctx.raise_if_errors()
+    assert isinstance(model, Model)
+    return model

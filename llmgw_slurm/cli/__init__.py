@@ -1,0 +1,1 @@
+"""Command-line entry points: ``llmgw`` (researchers) and ``llmgw-admin`` (admins)."""

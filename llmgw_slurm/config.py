@@ -1,0 +1,606 @@
+"""The daemon's ``server.yaml``, the agent's ``agent.yaml`` and their shared ``tracing:`` block.
+
+Each file maps onto one frozen dataclass tree; a field's name is its YAML
+key, its default is the default (with the reason in the comment above it),
+and its ``rule(...)`` the validation. :func:`load_server_config` and
+:func:`load_agent_config` report every problem of a file at once
+(:class:`~llmgw_slurm.errors.ConfigErrors`), each naming file, line and
+dotted field path. :func:`check_files` validates any subset of the three
+files (catalog included) without touching Slurm; ``llmgw-admin config
+check`` uses it.
+
+Relative paths in a file are relative to that file's folder, and ``~`` is
+expanded, so a config works the same whatever folder the daemon starts in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from llmgw_slurm import _schema
+from llmgw_slurm._schema import Ctx, FrozenMap, Invalid, rule
+from llmgw_slurm.catalog import load_catalog
+from llmgw_slurm.errors import ConfigError, ConfigErrors
+from llmgw_slurm.yamlsrc import YNode, YScalar, YSeq, describe
+
+__all__ = [
+    "AgentConfig",
+    "AgentWeightsConfig",
+    "ApptainerConfig",
+    "DrainConfig",
+    "EngineRuntime",
+    "EnginesConfig",
+    "HostPort",
+    "ListenConfig",
+    "PortRange",
+    "ReadinessConfig",
+    "ReconcileConfig",
+    "RendezvousConfig",
+    "RestartConfig",
+    "RouterConfig",
+    "ServerConfig",
+    "SlurmConfig",
+    "TracingConfig",
+    "check_files",
+    "load_agent_config",
+    "load_server_config",
+]
+
+_ENV_NAME_RE = r"[A-Za-z_][A-Za-z0-9_]*"
+_ENV_HELP = "an environment variable name (letters, digits, '_', not starting with a digit)"
+_SLURM_NAME_RE = r"[A-Za-z0-9_.+-]{1,64}"
+_SLURM_NAME_HELP = "a Slurm name: letters, digits, '_', '.', '+', '-'"
+_URL_HELP = "an http:// or https:// URL, e.g. http://login1:8001"
+
+
+def _parse_url(node: YNode, ctx: Ctx) -> str:
+    text = _schema.scalar_text(node).strip()
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as err:
+        raise Invalid(f"{text!r} is not a valid URL ({err}); expected {_URL_HELP}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or " " in text:
+        raise Invalid(f"{text!r} is not valid: expected {_URL_HELP}")
+    return text
+
+
+_URL = rule(parse=_parse_url)
+
+
+# --------------------------------------------------------------------- tracing
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry export; the same block in server.yaml and agent.yaml."""
+
+    # Default false: no exporter, no-op spans, and jobs get no TRACEPARENT.
+    # Tracing is opt-in because it needs a collector to send to.
+    enabled: bool = False
+    # Default None: each process names itself (the daemon "llmgw-daemon", the
+    # agent "llmgw-agent"), so one trace shows which side did what.
+    service_name: str | None = field(
+        default=None, metadata=rule(pattern=r"\S{1,200}", pattern_help="a name without spaces")
+    )
+    # Default None: the exporter's own default (OTEL_EXPORTER_OTLP_ENDPOINT,
+    # else localhost). Set it when the collector is elsewhere.
+    endpoint: str | None = field(default=None, metadata=_URL)
+    # Default http/protobuf: the exporter installed with llmgw-slurm. grpc
+    # needs opentelemetry-exporter-otlp-proto-grpc installed as well.
+    protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    # Default {}: sent with every export (e.g. an API key for a hosted backend).
+    headers: Mapping[str, str] = field(
+        default_factory=FrozenMap,
+        metadata=rule(key_pattern=r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,200}", key_help="a header name"),
+    )
+    # Default 1.0 (every trace): the daemon makes few traces (one per reconcile
+    # pass that acts, one per replica start); lower it on very busy gateways.
+    sampling_ratio: float = field(default=1.0, metadata=rule(ge=0, le=1))
+    # Default {}: extra resource attributes (deployment.environment, cluster name...).
+    resource_attributes: Mapping[str, str] = field(
+        default_factory=FrozenMap,
+        metadata=rule(key_pattern=r"[^\s\x00-\x1f]{1,200}", key_help="a name without spaces"),
+    )
+
+
+# ---------------------------------------------------------------------- server
+
+
+@dataclass(frozen=True)
+class HostPort:
+    """An address to listen on."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+_HOSTPORT_HELP = "HOST:PORT, e.g. 127.0.0.1:8000, 0.0.0.0:8001 or [::1]:8000"
+
+
+def _parse_hostport(node: YNode, ctx: Ctx) -> HostPort:
+    if not isinstance(node, YScalar) or not isinstance(node.value, str):
+        raise Invalid(f"expected {_HOSTPORT_HELP}; got {describe(node)}")
+    text = node.value.strip()
+    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})", text) or re.fullmatch(
+        r"([A-Za-z0-9.-]+):(\d{1,5})", text
+    )
+    if not m:
+        raise Invalid(f"cannot read {text!r}; expected {_HOSTPORT_HELP}")
+    port = int(m.group(2))
+    if port > 65535:
+        raise Invalid(f"port {port} is out of range 0-65535")
+    return HostPort(m.group(1), port)
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """How the daemon talks to Slurm, and site defaults for job requests."""
+
+    # Default cli: sbatch/squeue/scancel work on every Slurm from 22.05 on;
+    # pyslurm builds against one Slurm release only and cannot submit hetjobs.
+    backend: Literal["cli", "pyslurm"] = "cli"
+    # Default None (Slurm's default partition): used for models that do not
+    # set resources.partition.
+    partition: str | None = field(
+        default=None,
+        metadata=rule(
+            pattern=r"[A-Za-z0-9_.+-]{1,64}(,[A-Za-z0-9_.+-]{1,64})*", pattern_help=_SLURM_NAME_HELP
+        ),
+    )
+    # Default None (the submitting user's default account).
+    account: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+    # Default None (the association's default QOS).
+    qos: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+    # Default "llmgw.": job names are PREFIX + model + "." + replica id; the
+    # daemon adopts every job of its user with this prefix, so two daemons
+    # under one user need different prefixes.
+    job_prefix: str = field(
+        default="llmgw.",
+        metadata=rule(
+            pattern=r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}",
+            pattern_help="1-32 characters: letters, digits, '.', '_', '-'",
+        ),
+    )
+    # Default 30s: slurmctld under load can take many seconds to answer; past
+    # this a command counts as failed (Slurm unavailable) and is retried.
+    command_timeout: float = field(default=30.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 5s: one squeue for all of the daemon's jobs per poll; cheap, but
+    # every user's squeue shares slurmctld.
+    poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    """Where the daemon listens, and how agents reach it."""
+
+    # Default 127.0.0.1:8000: the OpenAI-compatible gateway. Only this host by
+    # default; open it (0.0.0.0:8000) deliberately, with keys_file set.
+    gateway: HostPort = field(
+        default=HostPort("127.0.0.1", 8000),
+        metadata=rule(parse=_parse_hostport),
+    )
+    # Default 0.0.0.0:8001: the internal API (agent registration, CLI status).
+    # Agents run on compute nodes, so it must be reachable from them; every
+    # agent call is authenticated with its replica's secret.
+    internal: HostPort = field(
+        default=HostPort("0.0.0.0", 8001),  # noqa: S104 - compute nodes must reach it
+        metadata=rule(parse=_parse_hostport),
+    )
+    # Default None: http://<this host's FQDN>:<internal port>. Set it when
+    # agents must use another name or a proxy to reach the daemon.
+    daemon_url: str | None = field(default=None, metadata=_URL)
+
+    def _problems(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if self.gateway.port != 0 and self.gateway.port == self.internal.port:
+            out.append(("internal", f"the gateway already uses port {self.gateway.port}"))
+        return out
+
+    def advertised_daemon_url(self, hostname: str) -> str:
+        """``daemon_url`` if set, else ``http://HOSTNAME:<internal port>``."""
+        if self.daemon_url:
+            return self.daemon_url.rstrip("/")
+        return f"http://{hostname}:{self.internal.port}"
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    """Backoff for replicas that failed, were preempted or lost their node."""
+
+    # Default 30s: long enough for a transient node problem to clear, short
+    # enough that a preempted replica comes back quickly.
+    initial_backoff: float = field(default=30.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 30m: the backoff doubles per failure up to this.
+    max_backoff: float = field(default=1800.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 5: after this many failed starts in a row the model is marked
+    # failed and not retried until its config changes or an admin resets it;
+    # a broken model must not keep a queue slot and GPUs busy.
+    give_up_after_failures: int = field(default=5, metadata=rule(ge=1))
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.initial_backoff > self.max_backoff:
+            return [
+                (
+                    "initial_backoff",
+                    f"initial_backoff ({self.initial_backoff:g}s) is more than max_backoff "
+                    f"({self.max_backoff:g}s)",
+                )
+            ]
+        return []
+
+
+@dataclass(frozen=True)
+class ReconcileConfig:
+    """The reconcile loop's timing and its eviction/renewal rules."""
+
+    # Default 10s: how often a pass runs (also after any agent report).
+    interval: float = field(default=10.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 5m: a replica idle less than this is never evicted for another
+    # model; a pause in a user's work must not cost them a cold start.
+    eviction_grace: float = field(default=300.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 10m: no eviction before a replica has served this long after
+    # becoming ready, so two models that fit one at a time cannot evict each
+    # other in turn.
+    min_lifetime: float = field(default=600.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 30m: a replacement is started this long before a replica's time
+    # limit; it must cover queue wait plus engine start.
+    renewal_margin: float = field(default=1800.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 2m: how long a draining replica may finish in-flight requests
+    # before it is cancelled; long generations are cut after this.
+    drain_timeout: float = field(default=120.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 1h: a job pending longer is cancelled and counted as a failed
+    # start (with Slurm's reason); null waits forever.
+    max_pending_time: float | None = field(
+        default=3600.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+    )
+    # Default: see RestartConfig.
+    restart: RestartConfig = field(default_factory=RestartConfig)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The OpenAI-compatible front end."""
+
+    # Default 5m: how long a request waits for its model to start before a 503
+    # with Retry-After. Shorter than the OpenAI client's 10 min timeout, so the
+    # client sees our answer, not its own timeout.
+    hold_timeout: float = field(default=300.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 256: held requests beyond this get 429; each holds a connection.
+    max_held: int = field(default=256, metadata=rule(ge=0))
+    # Default 16M: request bodies beyond this get 413; long prompts fit, and a
+    # runaway client cannot fill the login node's memory.
+    max_body_bytes: int = field(
+        default=16 * 1024 * 1024, metadata=rule(ge=1024, parse=_schema.parse_size)
+    )
+    # Default None: no API keys, anyone who can reach the gateway may use it.
+    # A file with one key per line (see docs/configuration.md).
+    keys_file: Path | None = None
+    # Default true: a request whose replica fails before sending anything is
+    # retried once on another replica; never after a byte was streamed.
+    retry_once: bool = True
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``server.yaml``: the daemon's settings."""
+
+    # Default: see SlurmConfig.
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    # Default: see ListenConfig.
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    # Default ~/.local/state/llmgw-slurm: the daemon's own small state (last
+    # use per model, failure counts); Slurm keeps the rest.
+    state_dir: Path = Path("~/.local/state/llmgw-slurm")
+    # Default models.yaml next to server.yaml.
+    models: Path = Path("models.yaml")
+    # Default agent.yaml next to server.yaml: the path handed to every job, so
+    # it must be readable on the compute nodes (a shared filesystem).
+    agent_config: Path = Path("agent.yaml")
+    # Default None: the sbatch templates shipped with llmgw-slurm. A folder
+    # with templates of the same names overrides them (site-specific modules).
+    templates_dir: Path | None = None
+    # Default: see ReconcileConfig.
+    reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
+    # Default: see RouterConfig.
+    router: RouterConfig = field(default_factory=RouterConfig)
+    # Default: tracing off, see TracingConfig.
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+
+
+# ----------------------------------------------------------------------- agent
+
+
+@dataclass(frozen=True)
+class PortRange:
+    """Ports the agent may give the engine (inclusive)."""
+
+    first: int
+    last: int
+
+    def __str__(self) -> str:
+        return f"{self.first}-{self.last}"
+
+    def __contains__(self, port: object) -> bool:
+        return isinstance(port, int) and self.first <= port <= self.last
+
+
+_PORTS_HELP = "a port range like 20000-29999 (or [20000, 29999]) within 1024-65535"
+
+
+def _parse_port_range(node: YNode, ctx: Ctx) -> PortRange:
+    first: int | None = None
+    last: int | None = None
+    if isinstance(node, YScalar) and isinstance(node.value, str):
+        m = re.fullmatch(r"\s*(\d{1,5})\s*-\s*(\d{1,5})\s*", node.value)
+        if m:
+            first, last = int(m.group(1)), int(m.group(2))
+    elif isinstance(node, YSeq) and len(node.items) == 2:
+        a, b = (i.value if isinstance(i, YScalar) else None for i in node.items)
+        if type(a) is int and type(b) is int:
+            first, last = a, b
+    if first is None or last is None:
+        raise Invalid(f"expected {_PORTS_HELP}; got {describe(node)}")
+    if not 1024 <= first <= last <= 65535:
+        raise Invalid(f"{first}-{last} is not valid: expected {_PORTS_HELP}, first <= last")
+    return PortRange(first, last)
+
+
+@dataclass(frozen=True)
+class AgentWeightsConfig:
+    """Where and how the agent stages weights on the node."""
+
+    # Default /tmp/llmgw-weights: node-local disk, so engines read weights
+    # locally instead of all at once from the shared FS. Point it at a larger
+    # local scratch where /tmp is small.
+    cache_dir: Path = Path("/tmp/llmgw-weights")  # noqa: S108 - node-local cache, by design
+    # Default auto: each model's weights.method from the catalog. copy/hf/none
+    # force one method site-wide (none: the shared FS is fast enough).
+    method: Literal["auto", "copy", "hf", "none"] = "auto"
+    # Default false: compute nodes often have no internet, and a hundred jobs
+    # downloading at once hit rate limits; hf sources are then taken from the
+    # cache only (pre-fetch them with a model job).
+    allow_download: bool = False
+    # Default size: cached weights are checked by file sizes at every start
+    # (cheap); sha256 reads every byte, minutes for a large model.
+    verify: Literal["size", "sha256"] = "size"
+    # Default 6h: another job may be fetching the same model into the cache;
+    # wait this long for its lock before failing the start.
+    lock_timeout: float = field(
+        default=6 * 3600.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+    )
+
+
+@dataclass(frozen=True)
+class EngineRuntime:
+    """How to run one engine kind on this site."""
+
+    # Default None: the agent's own interpreter. A Python interpreter whose
+    # environment has the engine (the agent runs `PYTHON -m <engine server>`).
+    python: str | None = field(
+        default=None, metadata=rule(pattern=r"[^\s\x00-\x1f]+", pattern_help="a path")
+    )
+    # Default None: an executable to run instead (e.g. /opt/vllm/bin/vllm);
+    # exclusive with python.
+    executable: str | None = field(
+        default=None, metadata=rule(pattern=r"[^\s\x00-\x1f]+", pattern_help="a path")
+    )
+    # Default {}: extra environment for every engine of this kind (a model's
+    # engine.env wins on a clash).
+    env: Mapping[str, str] = field(
+        default_factory=FrozenMap, metadata=rule(key_pattern=_ENV_NAME_RE, key_help=_ENV_HELP)
+    )
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.python and self.executable:
+            return [("executable", "set python or executable, not both")]
+        return []
+
+
+@dataclass(frozen=True)
+class EnginesConfig:
+    """Per engine kind runtime settings."""
+
+    vllm: EngineRuntime = field(default_factory=EngineRuntime)
+    sglang: EngineRuntime = field(default_factory=EngineRuntime)
+    # For kind command only env applies (the catalog gives the command).
+    command: EngineRuntime = field(default_factory=EngineRuntime)
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.command.python or self.command.executable:
+            return [
+                (
+                    "command",
+                    "a command engine's program comes from the catalog; only env applies here",
+                )
+            ]
+        return []
+
+
+_BIND_RE = r"/[^,\s\x00-\x1f:]*(:/[^,\s\x00-\x1f:]*)?(:(ro|rw))?"
+
+
+@dataclass(frozen=True)
+class ApptainerConfig:
+    """How to run engines of models that set engine.apptainer_image."""
+
+    # Default "apptainer" (found on PATH); older sites may need "singularity".
+    binary: str = field(
+        default="apptainer", metadata=rule(pattern=r"[^\s\x00-\x1f]+", pattern_help="a path")
+    )
+    # Default (): extra --bind mounts (SRC[:DST][:ro|rw]); the weights cache
+    # and model path are bound by the agent itself.
+    binds: tuple[str, ...] = field(
+        default=(),
+        metadata=rule(
+            pattern=_BIND_RE, pattern_help="SRC[:DST][:ro|rw] with absolute paths, no commas"
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class ReadinessConfig:
+    """How the agent waits for the engine to answer."""
+
+    # Default 2s: the health check is cheap, and a ready replica should serve
+    # as soon as possible.
+    poll_interval: float = field(default=2.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 15m: the deadline for models without engine.ready_timeout. Large
+    # weights from a shared FS take minutes; past this the start has failed.
+    timeout: float = field(default=900.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+
+
+@dataclass(frozen=True)
+class DrainConfig:
+    """How the agent stops its engine (on --signal before the time limit, or SIGTERM)."""
+
+    # Default 2m: in-flight requests may finish for this long; it fits within
+    # the --signal lead the sbatch templates ask for.
+    timeout: float = field(default=120.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 2s: how often the engine's in-flight count is read while draining.
+    poll_interval: float = field(default=2.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 10s: waited instead when the engine exposes no request metric.
+    grace: float = field(default=10.0, metadata=rule(parse=_schema.parse_duration))
+    # Default 20s: between SIGTERM and SIGKILL of the engine; vLLM stops in a
+    # few seconds.
+    stop_grace: float = field(default=20.0, metadata=rule(parse=_schema.parse_duration))
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """How the nodes of a multi-node replica find their head."""
+
+    # Default None: the head's port is derived from the job id. A folder every
+    # node of a job sees lets the head pick any free port and publish it there.
+    dir: Path | None = None
+    # Default 10m: workers wait this long for the head.
+    timeout: float = field(default=600.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """``agent.yaml``: settings of the agent that runs inside every replica job."""
+
+    # Default None: LLMGW_DAEMON_URL from the job environment, which wins over
+    # this anyway (the daemon knows where it listens).
+    daemon_url: str | None = field(default=None, metadata=_URL)
+    # Default: see AgentWeightsConfig.
+    weights: AgentWeightsConfig = field(default_factory=AgentWeightsConfig)
+    # Default: every engine run with the agent's own interpreter.
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    # Default: see ApptainerConfig.
+    apptainer: ApptainerConfig = field(default_factory=ApptainerConfig)
+    # Default: see ReadinessConfig.
+    readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
+    # Default 15s: how often a ready replica reports. The daemon treats a
+    # replica silent for several intervals as lost.
+    heartbeat_interval: float = field(
+        default=15.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+    )
+    # Default 20000-29999: engines bind a free port from this range; it keeps
+    # clear of the well-known ports and of the OS's ephemeral range.
+    port_range: PortRange = field(
+        default=PortRange(20000, 29999), metadata=rule(parse=_parse_port_range)
+    )
+    # Default None: engine output goes to the job's output file. A folder here
+    # gets one log file per replica and node.
+    log_dir: Path | None = None
+    # Default 0.0.0.0: the engine listens on every interface, because the
+    # daemon reaches it across the network (its API key keeps others out).
+    bind_host: str = field(
+        default="0.0.0.0",  # noqa: S104 - the daemon calls the engine from the login node
+        metadata=rule(pattern=r"[A-Za-z0-9.:-]{1,255}", pattern_help="an address or host name"),
+    )
+    # Default None: the node's host name as Slurm knows it; set it when the
+    # login node reaches compute nodes under another name.
+    advertise_host: str | None = field(
+        default=None,
+        metadata=rule(pattern=r"[A-Za-z0-9.:-]{1,255}", pattern_help="an address or host name"),
+    )
+    # Default 10s: a report to the daemon that takes longer counts as failed
+    # (and is retried); the engine keeps serving meanwhile.
+    report_timeout: float = field(default=10.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default: see DrainConfig.
+    drain: DrainConfig = field(default_factory=DrainConfig)
+    # Default: see RendezvousConfig.
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    # Default: tracing off, see TracingConfig.
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+
+    def effective_daemon_url(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """LLMGW_DAEMON_URL from the environment if set, else ``daemon_url``."""
+        env = os.environ if environ is None else environ
+        return env.get("LLMGW_DAEMON_URL") or self.daemon_url
+
+
+# --------------------------------------------------------------------- loading
+
+
+def _absolute(value: Path, base: Path) -> Path:
+    # Given values were made absolute while reading; defaults are made
+    # absolute here, against the file's folder.
+    p = value.expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def load_server_config(path: str | Path) -> ServerConfig:
+    """Load ``server.yaml``; raises ConfigError(s) naming every problem with file:line:field."""
+    cfg = _schema.load_file(ServerConfig, path, "server config")
+    assert isinstance(cfg, ServerConfig)
+    base = Path(path).absolute().parent
+    return dataclasses.replace(
+        cfg,
+        state_dir=_absolute(cfg.state_dir, base),
+        models=_absolute(cfg.models, base),
+        agent_config=_absolute(cfg.agent_config, base),
+    )
+
+
+def load_agent_config(path: str | Path) -> AgentConfig:
+    """Load ``agent.yaml``; raises ConfigError(s) naming every problem with file:line:field."""
+    cfg = _schema.load_file(AgentConfig, path, "agent config")
+    assert isinstance(cfg, AgentConfig)
+    return cfg
+
+
+def check_files(
+    *,
+    models: str | Path | None = None,
+    server: str | Path | None = None,
+    agent: str | Path | None = None,
+) -> list[ConfigError]:
+    """Every problem in the given files (any subset), without touching Slurm.
+
+    An empty list means they all load. Each error names its file; the list
+    is in the order models, server, agent.
+    """
+    loaders: list[tuple[str | Path | None, Any]] = [
+        (models, load_catalog),
+        (server, load_server_config),
+        (agent, load_agent_config),
+    ]
+    errors: list[ConfigError] = []
+    for path, loader in loaders:
+        if path is None:
+            continue
+        try:
+            loader(path)
+        except ConfigErrors as err:
+            errors.extend(err.errors)
+        except ConfigError as err:
+            errors.append(err)
+    return errors

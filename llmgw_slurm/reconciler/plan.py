@@ -1,0 +1,480 @@
+"""The reconcile plan: a pure function from what is observed now to what to do.
+
+No I/O and no clock of its own: everything comes in as arguments (``now``
+included), so every rule below is unit-tested with a fake clock. The
+reconciler observes (one squeue, one sinfo, agent reports, router counters),
+calls :func:`plan`, and executes the actions idempotently.
+
+Rules, in the order they are applied each pass:
+
+1. Per replica: an agent that reported failure, a start that outlived its
+   deadline, a job pending past ``max_pending_time``, and a drain that is done
+   (nothing in flight) or timed out, each end in a cancel with its reason.
+2. Per model: the desired count is ``max(min, ceil(in_flight / target), 1 if a
+   request is waiting)`` capped at ``max``. Below it, replicas are submitted
+   (unless the model is in restart backoff); above ``max``, or with pending
+   replicas nobody waits for, the surplus is cancelled; a ready replica idle
+   past ``idle_timeout`` is drained while the model is above ``min``.
+3. Renewal: a ready replica whose time limit is within ``renewal_margin`` gets
+   a replacement; once the replacement is ready, the old one is drained.
+4. Placement: a new replica that fits nowhere (free GPUs of its type on enough
+   usable nodes of its partition) may evict one idle replica (rules in
+   :func:`evictable`), at most one per pass, and never while an earlier
+   eviction's job is still being killed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from llmgw_slurm.catalog import Model
+from llmgw_slurm.slurm.types import NodeInfo
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Failures",
+    "PlanConfig",
+    "PlanResult",
+    "ReplicaState",
+    "ReplicaView",
+    "evictable",
+    "fits",
+    "plan",
+]
+
+
+class ReplicaState(enum.Enum):
+    PENDING = "pending"  # job queued
+    STARTING = "starting"  # job running, agent steps under way
+    READY = "ready"  # engine answers; the router sends traffic
+    DRAINING = "draining"  # no new traffic; in-flight requests finish
+    STOPPING = "stopping"  # cancel sent; the job is still listed
+
+    @property
+    def counts(self) -> bool:
+        """Counts toward the model's replicas (will serve, or serves)."""
+        return self in (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY)
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One replica as this pass sees it.
+
+    Slurm's listing joined with what the agents and the router reported.
+    """
+
+    replica_id: str
+    model: str
+    job_id: str
+    state: ReplicaState
+    submitted_at: float
+    gpus_per_node: int = 0
+    nodes: int = 1
+    reason: str = ""  # Slurm's pending reason
+    started_at: float | None = None  # first seen running
+    ready_at: float | None = None  # first seen ready (after a restart: when adopted as ready)
+    last_used: float | None = None  # None: nobody has reported a use (unknown is not idle)
+    in_flight: int = 0
+    draining_since: float | None = None
+    drain_reason: str = ""
+    time_left_s: float | None = None  # until Slurm's time limit, None when unlimited
+    agent_failed: str = ""  # the agent's failure message, if it reported one
+    replaces: str = ""  # the replica this one renews
+    stop_reason: str = ""  # why it is stopping (for STOPPING)
+
+
+@dataclass(frozen=True)
+class Failures:
+    """Consecutive failed starts of a model (reset when a replica becomes ready)."""
+
+    count: int
+    last_at: float
+    cause: str
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    eviction_grace: float = 300.0
+    min_lifetime: float = 600.0
+    renewal_margin: float = 1800.0
+    drain_timeout: float = 120.0
+    max_pending_time: float | None = None
+    start_timeout: float = 1020.0  # agent readiness timeout plus a margin for the weights
+    want_window: float = 300.0  # a request asked for the model this recently: someone waits
+    backoff_initial: float = 30.0
+    backoff_max: float = 1800.0
+    give_up_after: int = 5
+    default_partition: str | None = None
+
+
+class ActionKind(enum.Enum):
+    SUBMIT = "submit"
+    DRAIN = "drain"
+    CANCEL = "cancel"
+    EVICT = "evict"
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    model: str
+    reason: str
+    replica_id: str = ""  # for SUBMIT: the new replica's id
+    job_id: str = ""
+    replaces: str = ""  # SUBMIT for a renewal
+    failure: bool = False  # CANCEL that counts as a failed start
+    placement: str = ""  # SUBMIT: where it fits, or why it does not
+    attrs: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class PlanResult:
+    actions: list[Action] = field(default_factory=list)
+    # Per model, a short human status note for `llmgw models` and the status page
+    # ("queued: Resources; nothing idle enough to stop", "backoff 2m: engine exited 1").
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def of(self, kind: ActionKind) -> list[Action]:
+        return [a for a in self.actions if a.kind is kind]
+
+
+def _partition(model: Model, cfg: PlanConfig) -> str | None:
+    return model.resources.partition or cfg.default_partition
+
+
+def fits(
+    model: Model, nodes: Sequence[NodeInfo], cfg: PlanConfig, taken: Mapping[str, int]
+) -> tuple[bool, str]:
+    """Can a replica of ``model`` start now? Returns (fits, where or why not).
+
+    ``taken`` holds GPUs this pass already promised to earlier submissions, so
+    two new replicas do not both count the same free GPUs.
+    """
+    res = model.resources
+    part = _partition(model, cfg)
+    gpu_type = res.gpu_type or ""
+    good: list[str] = []
+    refused: list[str] = []
+    for n in nodes:
+        if part and not any(p in n.partitions for p in part.split(",")):
+            continue
+        if not n.usable:
+            refused.append(f"{n.name}: {n.state}")
+            continue
+        free = n.gpus_free(gpu_type) - taken.get(n.name, 0)
+        if free < res.gpus:
+            what = f"gpu:{gpu_type}" if gpu_type else "gpu"
+            refused.append(f"{n.name}: {max(free, 0)} {what} free")
+            continue
+        if n.cpus_total - n.cpus_alloc < res.cpus:
+            refused.append(f"{n.name}: {n.cpus_total - n.cpus_alloc} cpus free")
+            continue
+        good.append(n.name)
+    if len(good) >= res.nodes:
+        return True, ",".join(good[: res.nodes])
+    if not refused:
+        return False, f"no node in partition {part or '(default)'}"
+    need = f"needs {res.nodes} node(s) with {res.gpus} free gpu{':' + gpu_type if gpu_type else ''}"
+    return False, f"{need}; " + "; ".join(refused[:8]) + ("; ..." if len(refused) > 8 else "")
+
+
+def evictable(
+    wanted_by: str,
+    replicas: Sequence[ReplicaView],
+    models: Mapping[str, Model],
+    cfg: PlanConfig,
+    now: float,
+) -> list[ReplicaView]:
+    """Replicas that could be stopped to make room for ``wanted_by``, longest idle first.
+
+    Only ready replicas of on-demand models (``min: 0``; ``min >= 1`` is a promise
+    that the model stays up). Only single-node replicas (a multi-node one frees
+    many nodes and takes long to rebuild: a deliberate decision, not a side
+    effect of one request). Unknown is not idle: a replica nobody has reported
+    a use of (all of them, right after a daemon restart) is never a candidate.
+    Idle less than the eviction grace, or ready for less than the minimum
+    lifetime, is not a candidate either: two on-demand models that fit only one
+    at a time must not take turns evicting each other, paying a load each time.
+    """
+    out: list[tuple[float, ReplicaView]] = []
+    for r in replicas:
+        if r.model == wanted_by or r.state is not ReplicaState.READY or r.in_flight:
+            continue
+        m = models.get(r.model)
+        if m is None or not m.scaling.on_demand:
+            continue
+        if r.last_used is None:
+            continue
+        idle = now - r.last_used
+        if idle < cfg.eviction_grace:
+            continue
+        if r.ready_at is not None and now - r.ready_at < cfg.min_lifetime:
+            continue
+        if r.nodes > 1:
+            continue
+        out.append((idle, r))
+    out.sort(key=lambda t: t[0], reverse=True)
+    return [r for _, r in out]
+
+
+def backoff_left(f: Failures | None, cfg: PlanConfig, now: float) -> float:
+    if f is None or f.count == 0:
+        return 0.0
+    if f.count >= cfg.give_up_after:
+        wait = cfg.backoff_max
+    else:
+        wait = min(cfg.backoff_initial * 2 ** (f.count - 1), cfg.backoff_max)
+    return max(0.0, f.last_at + wait - now)
+
+
+def _fmt_s(s: float) -> str:
+    s = int(s)
+    if s >= 3600:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def plan(
+    models: Mapping[str, Model],
+    replicas: Sequence[ReplicaView],
+    nodes: Sequence[NodeInfo],
+    wanted_at: Mapping[str, float],
+    failures: Mapping[str, Failures],
+    cfg: PlanConfig,
+    now: float,
+    new_id: Callable[[], str],
+) -> PlanResult:
+    out = PlanResult()
+    stopping: set[str] = set()
+
+    def cancel(r: ReplicaView, reason: str, *, failure: bool = False, **attrs: object) -> None:
+        stopping.add(r.replica_id)
+        out.actions.append(
+            Action(
+                ActionKind.CANCEL,
+                r.model,
+                reason,
+                replica_id=r.replica_id,
+                job_id=r.job_id,
+                failure=failure,
+                attrs=attrs,
+            )
+        )
+
+    def drain(r: ReplicaView, reason: str, **attrs: object) -> None:
+        stopping.add(r.replica_id)
+        out.actions.append(
+            Action(
+                ActionKind.DRAIN,
+                r.model,
+                reason,
+                replica_id=r.replica_id,
+                job_id=r.job_id,
+                attrs=attrs,
+            )
+        )
+
+    # 1. Per replica.
+    for r in replicas:
+        m = models.get(r.model)
+        if r.state is ReplicaState.STOPPING:
+            continue
+        if m is None:
+            if r.state is ReplicaState.READY:
+                drain(r, "model removed from the catalog")
+            elif r.state is not ReplicaState.DRAINING:
+                cancel(r, "model removed from the catalog")
+        if r.agent_failed and r.state is not ReplicaState.DRAINING:
+            cancel(r, f"start failed: {r.agent_failed}", failure=True)
+            continue
+        if r.state is ReplicaState.STARTING and r.started_at is not None:
+            limit = cfg.start_timeout
+            if m is not None and m.engine.ready_timeout:
+                limit = m.engine.ready_timeout + 120.0
+            if now - r.started_at > limit:
+                cancel(
+                    r, f"not ready {_fmt_s(now - r.started_at)} after the job started", failure=True
+                )
+                continue
+        if (
+            r.state is ReplicaState.PENDING
+            and cfg.max_pending_time is not None
+            and now - r.submitted_at > cfg.max_pending_time
+        ):
+            cancel(
+                r, f"pending for {_fmt_s(now - r.submitted_at)} ({r.reason or 'no reason given'})"
+            )
+            continue
+        if r.state is ReplicaState.DRAINING:
+            since = r.draining_since if r.draining_since is not None else now
+            if r.in_flight == 0:
+                cancel(r, f"drained ({r.drain_reason or 'drain'})")
+            elif now - since > cfg.drain_timeout:
+                cancel(
+                    r,
+                    f"drain timed out with {r.in_flight} request(s) in flight ({r.drain_reason})",
+                    in_flight=r.in_flight,
+                )
+
+    live = [r for r in replicas if r.state.counts and r.replica_id not in stopping]
+    by_model: dict[str, list[ReplicaView]] = {}
+    for r in live:
+        by_model.setdefault(r.model, []).append(r)
+
+    taken: dict[str, int] = {}
+    evicted_this_pass = False
+    eviction_in_progress = any(
+        r.state is ReplicaState.STOPPING and r.stop_reason.startswith("evicted") for r in replicas
+    )
+
+    def try_evict(m: Model, why: str) -> str:
+        nonlocal evicted_this_pass
+        if evicted_this_pass or eviction_in_progress:
+            return "waiting for an evicted replica to give its GPUs back"
+        candidates = [
+            c for c in evictable(m.name, live, models, cfg, now) if c.replica_id not in stopping
+        ]
+        if not candidates:
+            return "nothing idle enough to stop"
+        best = candidates[0]
+        evicted_this_pass = True
+        stopping.add(best.replica_id)
+        idle = now - (best.last_used or now)
+        out.actions.append(
+            Action(
+                ActionKind.EVICT,
+                best.model,
+                f"evicted, idle {_fmt_s(idle)}, to make room for {m.name}",
+                replica_id=best.replica_id,
+                job_id=best.job_id,
+                attrs={
+                    "for": m.name,
+                    "idle_seconds": idle,
+                    "gpus": best.gpus_per_node * best.nodes,
+                    "candidates": len(candidates),
+                    "why": why,
+                },
+            )
+        )
+        return f"evicting {best.model} replica {best.replica_id} (idle {_fmt_s(idle)})"
+
+    def submit(m: Model, reason: str, replaces: str = "") -> None:
+        ok, where = fits(m, nodes, cfg, taken)
+        note = ""
+        if ok:
+            for n in where.split(","):
+                taken[n] = taken.get(n, 0) + m.resources.gpus
+        else:
+            note = try_evict(m, where)
+        out.actions.append(
+            Action(
+                ActionKind.SUBMIT,
+                m.name,
+                reason,
+                replica_id=new_id(),
+                replaces=replaces,
+                placement=where if ok else f"no room now: {where}; {note}",
+            )
+        )
+        if not ok:
+            out.notes[m.name] = f"no room: {where}; {note}"
+
+    # 2. and 3. Per model.
+    for name, m in models.items():
+        mine = by_model.get(name, [])
+        renewing = {r.replaces for r in mine if r.replaces}
+        # A replica and its renewal count once.
+        counted = [
+            r for r in mine if not r.replaces or r.replaces not in {x.replica_id for x in mine}
+        ]
+        ready = [r for r in mine if r.state is ReplicaState.READY]
+        in_flight = sum(r.in_flight for r in mine)
+        w = wanted_at.get(name)
+        waiting = w is not None and now - w < cfg.want_window and not ready
+        target = math.ceil(in_flight / m.scaling.target_inflight) if in_flight else 0
+        desired = min(m.scaling.max, max(m.scaling.min, target, 1 if waiting else 0))
+
+        # Renewal first: hand over before the time limit.
+        for r in ready:
+            if r.time_left_s is None or r.replica_id in renewing:
+                continue
+            if r.time_left_s < cfg.renewal_margin and len(counted) <= m.scaling.max:
+                submit(
+                    m,
+                    f"renewal: {r.replica_id} has {_fmt_s(r.time_left_s)} left",
+                    replaces=r.replica_id,
+                )
+        for r in ready:
+            if r.replaces and any(
+                o.replica_id == r.replaces and o.state is ReplicaState.READY for o in mine
+            ):
+                old = next(o for o in mine if o.replica_id == r.replaces)
+                drain(old, f"renewed by {r.replica_id}")
+
+        fl = failures.get(name)
+        left = backoff_left(fl, cfg, now)
+        if len(counted) < desired:
+            if left > 0 and fl is not None:
+                state = "failing" if fl.count >= cfg.give_up_after else "backoff"
+                out.notes[name] = (
+                    f"{state}: {fl.count} failed start(s), next try in {_fmt_s(left)}; "
+                    f"last: {fl.cause}"
+                )
+            else:
+                why = (
+                    f"below min {m.scaling.min}"
+                    if len(counted) < m.scaling.min
+                    else "a request is waiting"
+                    if waiting and not target
+                    else f"{in_flight} in flight, target {m.scaling.target_inflight} per replica"
+                )
+                for _ in range(desired - len(counted)):
+                    submit(m, f"scale up to {desired}: {why}")
+        elif len(counted) > desired:
+            surplus = len(counted) - desired
+            # Pending ones nobody waits for go first (newest first), then idle ready ones.
+            for r in sorted(
+                (r for r in counted if r.state is ReplicaState.PENDING),
+                key=lambda r: r.submitted_at,
+                reverse=True,
+            ):
+                if surplus == 0:
+                    break
+                cancel(
+                    r, "scale down: not needed (nobody waiting)" if not waiting else "scale down"
+                )
+                surplus -= 1
+            idle = sorted(
+                (r for r in counted if r.state is ReplicaState.READY and r.in_flight == 0),
+                key=lambda r: r.last_used if r.last_used is not None else (r.ready_at or now),
+            )
+            for r in idle:
+                if surplus == 0:
+                    break
+                since = r.last_used if r.last_used is not None else (r.ready_at or now)
+                if len(counted) > m.scaling.max or now - since >= m.scaling.idle_timeout:
+                    drain(r, f"scale down: idle {_fmt_s(now - since)}", idle_seconds=now - since)
+                    surplus -= 1
+                    # One idle scale-down per model per pass: the next pass sees the result.
+                    break
+
+        # Pending replicas that Slurm cannot start: say why and try to make room.
+        for r in mine:
+            if (
+                r.state is ReplicaState.PENDING
+                and r.reason in ("Resources", "Priority")
+                and name not in out.notes
+            ):
+                ok, where = fits(m, nodes, cfg, taken)
+                if not ok:
+                    out.notes[name] = f"queued ({r.reason}): {where}; {try_evict(m, where)}"
+                else:
+                    out.notes[name] = f"queued ({r.reason})"
+
+    return out

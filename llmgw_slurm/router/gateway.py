@@ -1,0 +1,696 @@
+"""The OpenAI-compatible gateway: an aiohttp app that routes requests to replicas.
+
+What it does per request, in order: check the gateway key (401), read the
+body within the size limit (413), parse it (400), resolve the model or alias
+(404), pick the ready replica with the fewest requests in flight or hold the
+request until the model has one (429 past the cap, 503 past the deadline),
+send the body on with the replica's own engine key, and pass the answer back
+chunk by chunk. Token usage from the engine's ``usage`` fields is recorded per
+key.
+
+Run it with ``handler_cancellation=True`` on the ``AppRunner`` (or
+``web.run_app``): then a client that goes away cancels its handler at once,
+which closes the engine connection and stops the generation. Without it,
+held requests still notice within ``disconnect_poll_s`` and streams at their
+next write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import propagate, trace
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from llmgw_slurm.router._body import with_fields
+from llmgw_slurm.router.directory import Endpoint, ModelDirectory
+from llmgw_slurm.router.keys import KeyRecord, KeyRing
+from llmgw_slurm.router.metrics import GatewayMetrics
+from llmgw_slurm.router.usage import UsageRecord, UsageStore
+
+__all__ = ["GATEWAY_KEY", "Gateway", "RouterConfig", "create_app"]
+
+_tracer = trace.get_tracer("llmgw_slurm")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """The gateway's settings; every default is usable as is."""
+
+    # 10 MiB: a 128k-token prompt is about 0.5 MiB of text; a few base64
+    # images fit too. Larger bodies are refused before they are read.
+    max_body_bytes: int = 10 * 1024 * 1024
+    # How long a request waits for a model with no ready replica, unless the
+    # model sets its own: a cold start is a Slurm queue wait plus loading
+    # the weights, minutes for a large model.
+    hold_timeout_s: float = 300.0
+    # Held requests are cheap (a coroutine each) but unbounded holding lets
+    # one runaway client fill memory: past either cap, 429.
+    max_held_per_model: int = 256
+    max_held_total: int = 1024
+    # Retry-After on a 503 after the hold deadline.
+    retry_after_s: int = 30
+    # Connecting to an engine on the cluster network takes milliseconds; a
+    # node that does not answer in 5 s is treated as down and the request
+    # retried on another replica.
+    connect_timeout_s: float = 5.0
+    # Longest silence between two chunks from an engine (a long prompt's
+    # prefill on a busy engine can take minutes before the first token).
+    read_timeout_s: float = 600.0
+    # How often a held request checks whether its client went away, when the
+    # runner does not cancel handlers itself.
+    disconnect_poll_s: float = 0.5
+
+
+@dataclass(slots=True)
+class _Call:
+    t0: float
+    model: str | None = None
+    status: int = 500
+    # Set when the status sent is not what the client saw in the end (a
+    # stream cut short: 502; a client gone: 499).
+    outcome: int | None = None
+    first_byte: float | None = None
+
+
+def _error(
+    status: int,
+    message: str,
+    type_: str,
+    code: str,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+_USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
+
+
+class _SseRelay:
+    """Splits an SSE byte stream into events, reads usage, drops unasked usage chunks.
+
+    Events go out as soon as they are complete; the only bytes held back are
+    an event's incomplete tail, which the client could not use anyway.
+    """
+
+    def __init__(self, strip_usage_chunk: bool) -> None:
+        self.strip = strip_usage_chunk
+        self.usage: dict[str, Any] | None = None
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        buf = self._buf + chunk if self._buf else chunk
+        out: list[bytes] = []
+        start = 0
+        while True:
+            i = buf.find(b"\n\n", start)
+            j = buf.find(b"\r\n\r\n", start)
+            if i < 0 and j < 0:
+                break
+            end = i + 2 if j < 0 or (0 <= i < j) else j + 4
+            event = buf[start:end]
+            if self._keep(event):
+                out.append(event)
+            start = end
+        self._buf = buf[start:]
+        return b"".join(out)
+
+    def rest(self) -> bytes:
+        rest, self._buf = self._buf, b""
+        return rest
+
+    def _keep(self, event: bytes) -> bool:
+        # Parsing every chunk's JSON would cost more than relaying it; only
+        # events that carry a usage object are read.
+        if b'"usage"' not in event or _USAGE_NULL.search(event):
+            return True
+        for line in event.splitlines():
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                obj = json.loads(line[5:])
+            except ValueError:
+                return True
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+                if self.strip and obj.get("choices") == []:
+                    return False
+        return True
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+class Gateway:
+    """The state of one gateway app: in-flight counts, held requests, the HTTP client."""
+
+    def __init__(
+        self,
+        directory: ModelDirectory,
+        config: RouterConfig,
+        *,
+        keys: KeyRing | None,
+        usage: UsageStore | None,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.directory = directory
+        self.config = config
+        self.keys = keys
+        self.usage = usage
+        self.metrics = GatewayMetrics(directory, registry)
+        self.in_flight: dict[tuple[str, str], int] = {}
+        self.held: dict[str, int] = {}
+        self.held_total = 0
+        self._cold_since: dict[str, float] = {}
+        self._rr = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    # lifecycle
+
+    async def _startup(self, app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(
+            # No pool limit: the engines' own queues are where requests
+            # should wait, not a connection pool in front of them.
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=self.config.connect_timeout_s,
+                sock_read=self.config.read_timeout_s,
+            ),
+            auto_decompress=False,
+        )
+        if self.usage is not None:
+            self.usage.start()
+
+    async def _cleanup(self, app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+        if self.usage is not None:
+            await self.usage.close()
+
+    # helpers
+
+    def _authenticate(self, request: web.Request) -> tuple[KeyRecord | None, web.Response | None]:
+        if self.keys is None:
+            return None, None
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None, _error(
+                401,
+                "No API key: send 'Authorization: Bearer <key>' (ask the admin for a key).",
+                "authentication_error",
+                "missing_api_key",
+            )
+        rec = self.keys.lookup(token.strip())
+        if rec is None:
+            return None, _error(
+                401,
+                "The API key is not valid or was revoked.",
+                "authentication_error",
+                "invalid_api_key",
+            )
+        return rec, None
+
+    def _known_names(self) -> str:
+        parts = []
+        for m in self.directory.models():
+            parts.append(m.name + (f" (aliases: {', '.join(m.aliases)})" if m.aliases else ""))
+        return "; ".join(parts) or "none"
+
+    def _pick(self, model: str, exclude: frozenset[str] = frozenset()) -> Endpoint | None:
+        eps = [
+            e
+            for e in self.directory.endpoints(model)
+            if not e.draining and e.replica_id not in exclude
+        ]
+        if not eps:
+            return None
+        counts = [self.in_flight.get((model, e.replica_id), 0) for e in eps]
+        least = min(counts)
+        ties = [e for e, c in zip(eps, counts, strict=True) if c == least]
+        # Rotate among ties so that an idle model's replicas share the load.
+        self._rr += 1
+        return ties[self._rr % len(ties)]
+
+    def _hold_timeout(self, model: str) -> float:
+        for m in self.directory.models():
+            if m.name == model and m.hold_timeout_s is not None:
+                return m.hold_timeout_s
+        return self.config.hold_timeout_s
+
+    async def _hold(self, request: web.Request, model: str) -> Endpoint | web.Response:
+        cfg = self.config
+        if (
+            self.held.get(model, 0) >= cfg.max_held_per_model
+            or self.held_total >= cfg.max_held_total
+        ):
+            return _error(
+                429,
+                f"Too many requests are waiting for model '{model}' to start; try again later.",
+                "rate_limit_error",
+                "too_many_held_requests",
+            )
+        loop = asyncio.get_running_loop()
+        timeout = self._hold_timeout(model)
+        deadline = loop.time() + timeout
+        self.held[model] = self.held.get(model, 0) + 1
+        self.held_total += 1
+        self.metrics.held.labels(model).inc()
+        self._cold_since.setdefault(model, time.monotonic())
+        self.directory.want(model)
+        waiter: asyncio.Future[None] = asyncio.ensure_future(self.directory.wait_ready(model))
+        try:
+            while True:
+                ep = self._pick(model)
+                if ep is not None:
+                    began = self._cold_since.pop(model, None)
+                    if began is not None:
+                        self.metrics.cold_start.labels(model).observe(time.monotonic() - began)
+                    return ep
+                if _client_gone(request):
+                    return _error(
+                        499, "Client closed the request.", "client_closed", "client_closed"
+                    )
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return _error(
+                        503,
+                        f"Model '{model}' has no ready replica after waiting {timeout:g} s; "
+                        "it is starting, try again later.",
+                        "server_error",
+                        "model_not_ready",
+                        headers={"Retry-After": str(cfg.retry_after_s)},
+                    )
+                step = min(remaining, cfg.disconnect_poll_s)
+                if waiter.done():
+                    waiter.result()  # a broken directory raises here
+                    # Ready was signalled, yet nothing can be picked (the
+                    # replica drained since): wait for the next change,
+                    # without spinning.
+                    await asyncio.sleep(step)
+                    waiter = asyncio.ensure_future(self.directory.wait_ready(model))
+                else:
+                    await asyncio.wait({waiter}, timeout=step)
+        finally:
+            waiter.cancel()
+            self.held[model] -= 1
+            self.held_total -= 1
+            self.metrics.held.labels(model).dec()
+            if self.held[model] == 0:
+                # Nobody is waiting any more: a later start is a new cold start.
+                self._cold_since.pop(model, None)
+
+    def _record_usage(
+        self, key: KeyRecord | None, model: str, endpoint: str, usage: dict[str, Any] | None
+    ) -> None:
+        if usage is None:
+            return
+        prompt = _int(usage.get("prompt_tokens"))
+        completion = _int(usage.get("completion_tokens"))
+        total = _int(usage.get("total_tokens")) or prompt + completion
+        self.metrics.tokens.labels(model, "prompt").inc(prompt)
+        self.metrics.tokens.labels(model, "completion").inc(completion)
+        if self.usage is None:
+            return
+        self.usage.record(
+            UsageRecord(
+                ts=time.time(),
+                key_id=key.key_id if key else "",
+                user=key.user if key else "",
+                project=key.project if key else "",
+                model=model,
+                endpoint=endpoint,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                total_tokens=total,
+            )
+        )
+
+    # handlers
+
+    async def models(self, request: web.Request) -> web.Response:
+        _, denied = self._authenticate(request)
+        if denied is not None:
+            return denied
+        data: list[dict[str, Any]] = []
+        for m in self.directory.models():
+            base = {"object": "model", "created": 0, "owned_by": "llmgw", "ready": m.ready}
+            data.append({"id": m.name, **base, "aliases": list(m.aliases)})
+            data.extend({"id": a, **base, "alias_for": m.name} for a in m.aliases)
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    def proxy(self, endpoint: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._proxy(request, endpoint)
+
+        return handler
+
+    async def _proxy(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        call = _Call(t0=time.monotonic())
+        ctx = propagate.extract(request.headers)
+        with _tracer.start_as_current_span(
+            "llmgw.router.request",
+            context=ctx,
+            kind=trace.SpanKind.SERVER,
+            attributes={"llmgw.endpoint": endpoint},
+        ) as span:
+            try:
+                resp = await self._proxy_inner(request, endpoint, call)
+                call.status = call.outcome or resp.status
+                return resp
+            except asyncio.CancelledError:
+                call.status = 499
+                raise
+            finally:
+                label = call.model or "_unknown"
+                span.set_attribute("http.response.status_code", call.status)
+                self.metrics.requests.labels(label, str(call.status)).inc()
+                now = time.monotonic()
+                self.metrics.latency.labels(label).observe(now - call.t0)
+                if call.first_byte is not None:
+                    self.metrics.ttfb.labels(label).observe(call.first_byte - call.t0)
+
+    async def _proxy_inner(
+        self, request: web.Request, endpoint: str, call: _Call
+    ) -> web.StreamResponse:
+        key, denied = self._authenticate(request)
+        if denied is not None:
+            return denied
+        too_large = _error(
+            413,
+            f"The request body is larger than {self.config.max_body_bytes} bytes.",
+            "invalid_request_error",
+            "request_too_large",
+        )
+        if (request.content_length or 0) > self.config.max_body_bytes:
+            return too_large
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return too_large
+        try:
+            # UTF-8 only, as OpenAI's API has it (json.loads would also take
+            # UTF-16, which the splicing below does not handle).
+            obj = json.loads(raw.decode("utf-8"))
+        except ValueError as e:  # UnicodeDecodeError is a ValueError
+            return _error(
+                400, f"The body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
+            )
+        if not isinstance(obj, dict):
+            return _error(
+                400, "The body must be a JSON object.", "invalid_request_error", "invalid_body"
+            )
+        name = obj.get("model")
+        if not isinstance(name, str) or not name:
+            return _error(
+                400,
+                "The 'model' field is missing; GET /v1/models lists the models.",
+                "invalid_request_error",
+                "missing_model",
+            )
+        model = self.directory.resolve(name)
+        if model is None:
+            return _error(
+                404,
+                f"The model '{name}' does not exist. Known models: {self._known_names()}.",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        call.model = model
+        trace.get_current_span().set_attribute("llmgw.model", model)
+
+        fields: dict[str, Any] = {}
+        if name != model:
+            fields["model"] = model
+        stream = obj.get("stream") is True
+        strip_usage = False
+        if stream and endpoint != "embeddings":
+            so = obj.get("stream_options")
+            if so is None or (isinstance(so, dict) and so.get("include_usage") is not True):
+                # Ask for usage so that it can be counted; the usage-only
+                # chunk the client did not ask for is taken out again.
+                fields["stream_options"] = {**(so or {}), "include_usage": True}
+                strip_usage = True
+        body = with_fields(raw, fields) if fields else raw
+
+        ep = self._pick(model)
+        if ep is None:
+            t_hold = time.monotonic()
+            held = await self._hold(request, model)
+            trace.get_current_span().set_attribute("llmgw.held_seconds", time.monotonic() - t_hold)
+            if isinstance(held, web.Response):
+                return held
+            ep = held
+        return await self._forward(
+            request, endpoint, model, ep, body, stream, strip_usage, key, call
+        )
+
+    async def _forward(
+        self,
+        request: web.Request,
+        endpoint: str,
+        model: str,
+        ep: Endpoint,
+        body: bytes,
+        stream: bool,
+        strip_usage: bool,
+        key: KeyRecord | None,
+        call: _Call,
+    ) -> web.StreamResponse:
+        assert self._session is not None, "the gateway app was not started"
+        tried: set[str] = set()
+        while True:
+            tried.add(ep.replica_id)
+            headers = {
+                # The replica's engine key, never the client's gateway key.
+                "Authorization": f"Bearer {ep.api_key}",
+                "Content-Type": "application/json",
+                "Accept": request.headers.get("Accept", "*/*"),
+                "Accept-Encoding": "identity",
+            }
+            if "X-Request-Id" in request.headers:
+                headers["X-Request-Id"] = request.headers["X-Request-Id"]
+            propagate.inject(headers)
+            span = trace.get_current_span()
+            span.set_attribute("llmgw.replica_id", ep.replica_id)
+            key_ = (model, ep.replica_id)
+            self.in_flight[key_] = self.in_flight.get(key_, 0) + 1
+            self.directory.request_started(model, ep.replica_id)
+            try:
+                try:
+                    upstream = await self._session.post(
+                        f"{ep.base_url.rstrip('/')}/v1/{endpoint}", data=body, headers=headers
+                    )
+                except (aiohttp.ClientConnectionError, TimeoutError) as e:
+                    # Nothing was received: the engine did not see the
+                    # request, or died before answering; one retry elsewhere.
+                    self.metrics.upstream_errors.labels(model, "connect").inc()
+                    span.add_event(
+                        "llmgw.upstream_connect_failed",
+                        {"llmgw.replica_id": ep.replica_id, "error": repr(e)},
+                    )
+                    nxt = self._pick(model, frozenset(tried)) if len(tried) < 2 else None
+                    if nxt is None:
+                        return _error(
+                            502,
+                            f"Could not reach a replica of model '{model}' ({type(e).__name__}).",
+                            "server_error",
+                            "upstream_unavailable",
+                        )
+                    ep = nxt
+                    continue
+                try:
+                    return await self._relay(
+                        request, upstream, ep, endpoint, model, stream, strip_usage, key, call
+                    )
+                finally:
+                    # A no-op after a complete read (the connection is back
+                    # in the pool by then); otherwise it cuts the engine's
+                    # connection, which stops a generation nobody will read.
+                    upstream.close()
+            finally:
+                self.in_flight[key_] -= 1
+                if not self.in_flight[key_]:
+                    del self.in_flight[key_]
+                self.directory.request_finished(*key_)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        ep: Endpoint,
+        endpoint: str,
+        model: str,
+        stream: bool,
+        strip_usage: bool,
+        key: KeyRecord | None,
+        call: _Call,
+    ) -> web.StreamResponse:
+        ctype = upstream.headers.get("Content-Type", "")
+        out_headers = {"X-Llmgw-Replica": ep.replica_id}
+        if "X-Request-Id" in upstream.headers:
+            out_headers["X-Request-Id"] = upstream.headers["X-Request-Id"]
+        if upstream.status == 200 and ctype.startswith("text/event-stream"):
+            resp = web.StreamResponse(
+                status=200,
+                headers={**out_headers, "Content-Type": ctype, "Cache-Control": "no-cache"},
+            )
+            relay = _SseRelay(strip_usage)
+            chunks = upstream.content.iter_any().__aiter__()
+            try:
+                await resp.prepare(request)
+                while True:
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
+                    except (
+                        aiohttp.ClientPayloadError,
+                        aiohttp.ClientConnectionError,
+                        TimeoutError,
+                    ):
+                        # The engine failed after the answer began: pass that
+                        # on as it is, an answer cut short, instead of
+                        # inventing an ending.
+                        self.metrics.upstream_errors.labels(model, "stream").inc()
+                        call.outcome = 502
+                        rest = relay.rest()
+                        if rest:
+                            await resp.write(rest)
+                        if request.transport is not None:
+                            request.transport.abort()
+                        return resp
+                    out = relay.feed(chunk)
+                    if out:
+                        await resp.write(out)
+                        if call.first_byte is None:
+                            call.first_byte = time.monotonic()
+                rest = relay.rest()
+                if rest:
+                    await resp.write(rest)
+                await resp.write_eof()
+            except ConnectionResetError:
+                # The client went away (aiohttp raises a subclass of this on
+                # writes to a closed connection); the engine's connection is
+                # cut by the caller, which stops the generation.
+                call.outcome = call.outcome or 499
+                return resp
+            self._record_usage(key, model, endpoint, relay.usage)
+            return resp
+
+        if upstream.status in (401, 403):
+            # The engine refused the replica's key: a deployment fault, never
+            # the client's; passing the 401 on would tell the client that
+            # their own key is wrong.
+            self.metrics.upstream_errors.labels(model, "auth").inc()
+            return _error(
+                502,
+                f"The replica of model '{model}' refused the gateway's engine key.",
+                "server_error",
+                "upstream_auth_failed",
+            )
+        try:
+            data = await upstream.read()
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+            self.metrics.upstream_errors.labels(model, "stream").inc()
+            return _error(
+                502,
+                f"The replica of model '{model}' failed while answering ({type(e).__name__}).",
+                "server_error",
+                "upstream_failed",
+            )
+        if upstream.status == 200 and ctype.startswith("application/json"):
+            try:
+                parsed = json.loads(data)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
+                self._record_usage(key, model, endpoint, parsed["usage"])
+        if ctype:
+            out_headers["Content-Type"] = ctype
+        call.first_byte = time.monotonic()
+        return web.Response(status=upstream.status, body=data, headers=out_headers)
+
+
+@web.middleware
+async def _openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Routing errors (unknown path, wrong method) in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400 or not request.path.startswith("/v1/"):
+            raise
+        return _error(
+            e.status,
+            f"{e.reason}: {request.method} {request.path}",
+            "invalid_request_error",
+            "not_found" if e.status == 404 else "bad_request",
+        )
+
+
+GATEWAY_KEY = web.AppKey("llmgw.gateway", Gateway)
+
+
+def create_app(
+    directory: ModelDirectory,
+    config: RouterConfig | None = None,
+    *,
+    keys: KeyRing | None = None,
+    usage: UsageStore | None = None,
+    registry: CollectorRegistry | None = None,
+) -> web.Application:
+    """The gateway as an aiohttp app.
+
+    ``keys``: None serves without keys (anyone who can reach the port may use
+    it); otherwise every ``/v1`` request needs a key from the ring. ``usage``:
+    where per-key token usage goes (started and closed with the app).
+    ``registry``: the Prometheus registry for ``/metrics``; a new one when None.
+    The daemon may add its own routes to the returned app before starting it;
+    ``app[GATEWAY_KEY]`` is the :class:`Gateway` state.
+    """
+    config = config or RouterConfig()
+    gw = Gateway(
+        directory,
+        config,
+        keys=keys,
+        usage=usage,
+        registry=registry if registry is not None else CollectorRegistry(),
+    )
+    # aiohttp's own limit refuses larger bodies while reading; the
+    # Content-Length check in the handler refuses most before reading.
+    app = web.Application(
+        client_max_size=max(config.max_body_bytes, 1), middlewares=[_openai_errors]
+    )
+    app[GATEWAY_KEY] = gw
+    app.on_startup.append(gw._startup)
+    app.on_cleanup.append(gw._cleanup)
+    app.router.add_get("/v1/models", gw.models)
+    app.router.add_post("/v1/chat/completions", gw.proxy("chat/completions"))
+    app.router.add_post("/v1/completions", gw.proxy("completions"))
+    app.router.add_post("/v1/embeddings", gw.proxy("embeddings"))
+    app.router.add_get("/metrics", gw.metrics_handler)
+    return app

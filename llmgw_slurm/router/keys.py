@@ -1,0 +1,225 @@
+"""Gateway API keys: a JSON file the admin manages, hashed at rest.
+
+A key looks like ``llmgw-<id>-<secret>``: ``id`` is 8 hex characters that name
+the key in listings, usage records and revocations (it is not secret), and
+``secret`` is 32 random bytes (URL-safe base64). The file keeps only
+``sha256(key)``.
+
+Why a plain sha256 and not a slow password hash (scrypt, argon2): the key
+has 256 bits of entropy from ``secrets``, so a stolen file cannot be brute-forced
+whatever the hash costs; slow hashing protects low-entropy passwords, and here
+it would only add its cost to every request.
+
+Checking is constant time in the secret: the id picks the record, and the
+hash of the presented key is compared with ``hmac.compare_digest``. An unknown
+id is compared against a dummy hash so that it takes the same path.
+
+The file (mode 0600) is rewritten atomically under an exclusive lock, so that
+two admin commands at once do not lose a key; the gateway rereads it when its
+modification time or size changes, so a revocation takes effect on the next
+request without a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from llmgw_slurm.errors import ConfigError, LlmgwError
+
+__all__ = ["KeyRecord", "KeyRing", "NewKey", "add_key", "list_keys", "revoke_key"]
+
+_KEY_RE = re.compile(r"^llmgw-([0-9a-f]{8})-([A-Za-z0-9_-]{43})$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
+_DUMMY_HASH = hashlib.sha256(b"llmgw-no-such-key").hexdigest()
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """One key as stored: never the key itself."""
+
+    key_id: str
+    user: str
+    project: str
+    sha256: str
+    created: float
+    revoked: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked is None
+
+
+@dataclass(frozen=True, slots=True)
+class NewKey:
+    """A freshly made key: ``key`` is shown to the admin once and stored nowhere."""
+
+    record: KeyRecord
+    key: str
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _load(path: Path) -> dict[str, KeyRecord]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"not valid JSON ({e.msg})", file=str(path), line=e.lineno) from None
+    if not isinstance(data, dict) or data.get("version") != _FORMAT_VERSION:
+        raise ConfigError(
+            f'expected a JSON object with "version": {_FORMAT_VERSION} and "keys"',
+            file=str(path),
+        )
+    keys = data.get("keys")
+    if not isinstance(keys, list):
+        raise ConfigError('"keys" must be a list', file=str(path), field="keys")
+    out: dict[str, KeyRecord] = {}
+    for i, raw in enumerate(keys):
+        try:
+            rec = KeyRecord(
+                key_id=str(raw["key_id"]),
+                user=str(raw["user"]),
+                project=str(raw.get("project", "")),
+                sha256=str(raw["sha256"]),
+                created=float(raw["created"]),
+                revoked=None if raw.get("revoked") is None else float(raw["revoked"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"a key record needs key_id, user, sha256 and created ({e})",
+                file=str(path),
+                field=f"keys[{i}]",
+            ) from None
+        if not re.fullmatch(r"[0-9a-f]{64}", rec.sha256):
+            raise ConfigError(
+                "sha256 must be 64 lowercase hex characters", file=str(path), field=f"keys[{i}]"
+            )
+        out[rec.key_id] = rec
+    return out
+
+
+def _write(path: Path, records: dict[str, KeyRecord]) -> None:
+    data: dict[str, Any] = {
+        "version": _FORMAT_VERSION,
+        "keys": [asdict(r) for r in records.values()],
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.with_name(path.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def add_key(path: Path, user: str, project: str = "") -> NewKey:
+    """Make a key for ``user`` (and ``project``), store its hash, return the key once."""
+    for what, value in (("user", user), ("project", project)):
+        if (value or what == "user") and not _NAME_RE.match(value):
+            raise LlmgwError(
+                f"{what} name {value!r} is not valid: use 1-64 letters, digits, '.', '_', "
+                "'@' or '-', starting with a letter or digit"
+            )
+    with _locked(path):
+        records = _load(path)
+        key_id = secrets.token_hex(4)
+        while key_id in records:
+            key_id = secrets.token_hex(4)
+        key = f"llmgw-{key_id}-{secrets.token_urlsafe(32)}"
+        rec = KeyRecord(key_id, user, project, _hash(key), time.time())
+        records[key_id] = rec
+        _write(path, records)
+    return NewKey(rec, key)
+
+
+def list_keys(path: Path) -> list[KeyRecord]:
+    """Every key in the file, revoked ones included, oldest first."""
+    return sorted(_load(path).values(), key=lambda r: r.created)
+
+
+def revoke_key(path: Path, key_id: str) -> KeyRecord:
+    """Revoke a key by its id; revoking a revoked key is not an error."""
+    with _locked(path):
+        records = _load(path)
+        rec = records.get(key_id)
+        if rec is None:
+            known = ", ".join(sorted(records)) or "none"
+            raise LlmgwError(f"no key with id {key_id!r} in {path} (known ids: {known})")
+        if rec.revoked is None:
+            rec = KeyRecord(rec.key_id, rec.user, rec.project, rec.sha256, rec.created, time.time())
+            records[key_id] = rec
+            _write(path, records)
+    return rec
+
+
+class KeyRing:
+    """The gateway's view of the key file, reread when the file changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._records: dict[str, KeyRecord] = {}
+        self._reload()
+
+    def _reload(self) -> None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            # No file yet: no key is valid. Keys are on, so nobody gets in
+            # until the admin adds a key, which is the safe reading.
+            self._stamp, self._records = None, {}
+            return
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp != self._stamp:
+            # A broken file raises ConfigError at start-up; once running,
+            # the keys already loaded stay in force rather than locking
+            # everyone out (the admin CLI never writes a broken file).
+            try:
+                records = _load(self.path)
+            except ConfigError:
+                if self._stamp is None and not self._records:
+                    raise
+                return
+            self._records, self._stamp = records, stamp
+
+    def lookup(self, key: str) -> KeyRecord | None:
+        """The active record for a presented key, or None."""
+        self._reload()
+        m = _KEY_RE.match(key)
+        rec = self._records.get(m.group(1)) if m else None
+        expected = rec.sha256 if rec is not None else _DUMMY_HASH
+        ok = hmac.compare_digest(_hash(key), expected)
+        if not ok or rec is None or not rec.active:
+            return None
+        return rec

@@ -1,0 +1,90 @@
+"""The gateway's Prometheus metrics, in a registry of its own.
+
+Each app gets its own ``CollectorRegistry``: the default global one would make
+two gateways in one process (tests, benchmarks) collide on metric names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from llmgw_slurm.router.directory import ModelDirectory
+
+__all__ = ["GatewayMetrics"]
+
+# From 5 ms (a warm short answer) to 10 min (a long generation or a held
+# request that waited for a cold start).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Cold starts: queueing in Slurm plus loading weights, seconds to an hour.
+_COLD_START_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+
+
+class _ReplicaCollector(Collector):
+    """Replicas by model and state, read from the directory at scrape time."""
+
+    def __init__(self, directory: ModelDirectory) -> None:
+        self._directory = directory
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "llmgw_replicas", "Replicas by model and state.", labels=["model", "state"]
+        )
+        for m in self._directory.models():
+            for state, n in sorted(m.replicas.items()):
+                g.add_metric([m.name, state], n)
+        yield g
+
+
+class GatewayMetrics:
+    def __init__(self, directory: ModelDirectory, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "llmgw_requests",
+            "Requests answered, by model and HTTP status.",
+            ["model", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "llmgw_request_duration_seconds",
+            "Time from request to the end of the answer, held time included.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttfb = Histogram(
+            "llmgw_time_to_first_byte_seconds",
+            "Time from request to the first byte of the answer sent to the client.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.held = Gauge(
+            "llmgw_held_requests",
+            "Requests waiting for a model to have a ready replica.",
+            ["model"],
+            registry=registry,
+        )
+        self.cold_start = Histogram(
+            "llmgw_cold_start_duration_seconds",
+            "Time from the first request held for a model until it had a ready replica.",
+            ["model"],
+            buckets=_COLD_START_BUCKETS,
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "llmgw_upstream_errors",
+            "Failed calls to engines; phase: connect (retried), stream (passed on), auth.",
+            ["model", "phase"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "llmgw_tokens",
+            "Tokens reported by engines, by model and kind (prompt, completion).",
+            ["model", "kind"],
+            registry=registry,
+        )
+        registry.register(_ReplicaCollector(directory))

@@ -1,0 +1,172 @@
+"""Per-key token usage, stored in SQLite in the daemon's state directory.
+
+Why SQLite rather than an append-only JSONL file: the questions asked of this
+data are aggregates ("tokens by key since Monday", "which model does project
+X use"), and SQLite answers them with an index instead of a scan of every line
+ever written; it is in the standard library; and its WAL journal keeps the
+file consistent across a crash, where a JSONL file can end in a torn line.
+
+Writes are batched: the request path only appends to a list, and a background
+task commits the batch about once a second in a worker thread, so a slow disk
+never stalls the event loop. The cost: a crash loses at most the last second
+of records (a clean shutdown flushes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["UsageRecord", "UsageStore", "UsageSummary", "query_usage"]
+
+_log = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage (
+    ts REAL NOT NULL,
+    key_id TEXT NOT NULL,
+    user TEXT NOT NULL,
+    project TEXT NOT NULL,
+    model TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    total_tokens INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key_id, ts);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """One request's tokens. ``key_id`` is "" when the gateway runs without keys."""
+
+    ts: float
+    key_id: str
+    user: str
+    project: str
+    model: str
+    endpoint: str
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class UsageSummary:
+    key_id: str
+    user: str
+    project: str
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path, check_same_thread=False, timeout=10)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.executescript(_SCHEMA)
+    return conn
+
+
+def query_usage(
+    path: Path, *, key_id: str | None = None, since: float | None = None
+) -> list[UsageSummary]:
+    """Usage summed by key and model, optionally for one key and since a time (epoch s)."""
+    if not path.exists():
+        return []
+    sql = (
+        "SELECT key_id, user, project, model, COUNT(*), SUM(prompt_tokens),"
+        " SUM(completion_tokens), SUM(total_tokens) FROM usage WHERE 1=1"
+    )
+    args: list[object] = []
+    if key_id is not None:
+        sql += " AND key_id = ?"
+        args.append(key_id)
+    if since is not None:
+        sql += " AND ts >= ?"
+        args.append(since)
+    sql += " GROUP BY key_id, user, project, model ORDER BY key_id, model"
+    with contextlib.closing(_connect(path)) as conn:
+        rows = conn.execute(sql, args).fetchall()
+    return [UsageSummary(*row) for row in rows]
+
+
+class UsageStore:
+    """Collects usage records on the event loop and commits them in batches."""
+
+    def __init__(self, path: Path, *, flush_interval_s: float = 1.0) -> None:
+        self.path = path
+        self.flush_interval_s = flush_interval_s
+        self._pending: list[UsageRecord] = []
+        self._conn = _connect(path)
+        # One connection, used by one worker thread at a time.
+        self._lock = threading.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    def record(self, rec: UsageRecord) -> None:
+        self._pending.append(rec)
+
+    def _write(self, batch: list[UsageRecord]) -> None:
+        with self._lock, self._conn:
+            self._conn.executemany(
+                "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        r.ts,
+                        r.key_id,
+                        r.user,
+                        r.project,
+                        r.model,
+                        r.endpoint,
+                        r.prompt_tokens,
+                        r.completion_tokens,
+                        r.total_tokens,
+                    )
+                    for r in batch
+                ],
+            )
+
+    async def flush(self) -> None:
+        """Commit everything recorded so far."""
+        batch, self._pending = self._pending, []
+        if batch:
+            await asyncio.to_thread(self._write, batch)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_interval_s)
+            try:
+                await self.flush()
+            except sqlite3.Error as e:
+                # Usage accounting must not take the gateway down; the batch
+                # is lost and the next one is tried.
+                _log.warning("usage: could not write to %s: %s", self.path, e)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.flush()
+        with self._lock:
+            self._conn.close()
+
+    def summary(
+        self, *, key_id: str | None = None, since: float | None = None
+    ) -> list[UsageSummary]:
+        """What is committed (call :meth:`flush` first for the latest)."""
+        return query_usage(self.path, key_id=key_id, since=since)

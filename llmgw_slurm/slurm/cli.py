@@ -1,0 +1,187 @@
+"""The default backend: Slurm's command-line tools, run as argument lists.
+
+Works on every Slurm from 22.05 on. Costs to keep in mind:
+- ``squeue -u USER`` is the cheap listing (slurmctld filters by user); any other
+  filter is applied client-side after loading every job, and asking per job is
+  a call per replica per pass, so the daemon lists once and filters here.
+- ``squeue --json`` ignores filters in 22.05: not used.
+- Each call forks a process (tens of milliseconds); the reconciler makes two per
+  pass (squeue, sinfo) however many replicas it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import getpass
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+
+from llmgw_slurm.errors import SlurmError, SlurmUnavailable
+from llmgw_slurm.slurm import parse
+from llmgw_slurm.slurm.types import AccountingRecord, Job, JobSpec, NodeInfo
+
+log = logging.getLogger(__name__)
+
+# What scancel and scontrol say about a job that has already ended or never was;
+# for an idempotent executor that is success, not failure.
+_GONE = re.compile(
+    r"Invalid job id|already completing or completed|Job/step already|does not exist",
+    re.IGNORECASE,
+)
+
+
+class CliBackend:
+    """Talks to Slurm through sbatch, squeue, sinfo, scancel, scontrol and sacct."""
+
+    def __init__(
+        self,
+        *,
+        user: str | None = None,
+        timeout: float = 30.0,
+        bin_dir: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.user = user or getpass.getuser()
+        self.timeout = timeout
+        self._bin_dir = bin_dir
+        self._env = dict(env) if env is not None else None
+        self.call_counts: collections.Counter[str] = collections.Counter()
+
+    @property
+    def calls(self) -> int:
+        return sum(self.call_counts.values())
+
+    def _exe(self, name: str) -> str:
+        return os.path.join(self._bin_dir, name) if self._bin_dir else name
+
+    async def _run(
+        self,
+        args: Sequence[str],
+        *,
+        stdin: str | None = None,
+        extra_env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        argv = [self._exe(args[0]), *args[1:]]
+        env = dict(self._env if self._env is not None else os.environ)
+        if extra_env:
+            env.update(extra_env)
+        self.call_counts[args[0]] += 1
+        limit = self.timeout if timeout is None else timeout
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+            )
+        except FileNotFoundError as exc:
+            raise SlurmUnavailable(
+                "command not found; is Slurm's client installed and on PATH?", command=argv
+            ) from exc
+        except PermissionError as exc:
+            raise SlurmUnavailable(f"cannot run: {exc}", command=argv) from exc
+        try:
+            out, err = await asyncio.wait_for(
+                proc.communicate(stdin.encode() if stdin is not None else None), limit
+            )
+        except TimeoutError as exc:
+            proc.kill()
+            await proc.wait()
+            raise SlurmUnavailable(
+                f"no answer within {limit:g}s (is slurmctld up?)", command=argv
+            ) from exc
+        except asyncio.CancelledError:
+            # The caller gave up; do not leave the child behind.
+            if proc.returncode is None:
+                proc.kill()
+            raise
+        stdout = out.decode(errors="replace")
+        stderr = err.decode(errors="replace")
+        if proc.returncode != 0:
+            raise SlurmError("failed", command=argv, returncode=proc.returncode, stderr=stderr)
+        return stdout
+
+    async def submit(self, spec: JobSpec) -> str:
+        args = ["sbatch", "--parsable", f"--job-name={spec.name}"]
+        if spec.comment:
+            args.append(f"--comment={spec.comment}")
+        if spec.workdir:
+            args.append(f"--chdir={spec.workdir}")
+        # The script goes on stdin: no temporary file, and nothing of it on argv.
+        out = await self._run(args, stdin=spec.script, extra_env=spec.env)
+        try:
+            return parse.parse_sbatch(out)
+        except SlurmError as exc:
+            exc.command = args
+            raise
+
+    async def list_jobs(self, name_prefix: str = "") -> list[Job]:
+        out = await self._run(
+            [
+                "squeue",
+                "--noheader",
+                f"--user={self.user}",
+                "--Format=" + parse.format_arg(parse.SQUEUE_FIELDS),
+            ]
+        )
+        return parse.parse_squeue(out, name_prefix)
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        out = await self._run(
+            ["sinfo", "--noheader", "--Node", "--Format=" + parse.format_arg(parse.SINFO_FIELDS)]
+        )
+        return parse.parse_sinfo(out)
+
+    async def cancel(
+        self, job_id: str, *, signal: str | None = None, batch_only: bool = False
+    ) -> None:
+        args = ["scancel"]
+        if signal:
+            args.append(f"--signal={signal}")
+        if batch_only:
+            args.append("--batch")
+        args.append(job_id)
+        try:
+            await self._run(args)
+        except SlurmUnavailable:
+            raise
+        except SlurmError as exc:
+            if _GONE.search(exc.stderr):
+                log.info("scancel %s: already gone", job_id)
+                return
+            raise
+
+    async def requeue(self, job_id: str) -> None:
+        await self._run(["scontrol", "requeue", job_id])
+
+    async def accounting(
+        self,
+        start: datetime,
+        end: datetime | None = None,
+        name_prefix: str = "",
+        all_users: bool = False,
+    ) -> list[AccountingRecord]:
+        args = [
+            "sacct",
+            "--allocations",
+            "--parsable2",
+            "--noheader",
+            f"--delimiter={parse.SEP}",
+            "--format=" + ",".join(parse.SACCT_FIELDS),
+            f"--starttime={start.strftime('%Y-%m-%dT%H:%M:%S')}",
+            f"--endtime={(end or datetime.now()).strftime('%Y-%m-%dT%H:%M:%S')}",
+        ]
+        args.append("--allusers" if all_users else f"--user={self.user}")
+        # --parsable2 with a custom delimiter leaves no trailing one; add it so the
+        # shared splitter sees the same shape as squeue's.
+        out = await self._run(args)
+        recs = parse.parse_sacct("\n".join(ln + parse.SEP for ln in out.splitlines() if ln))
+        if name_prefix:
+            recs = [r for r in recs if r.name.startswith(name_prefix)]
+        return recs

@@ -1,0 +1,378 @@
+"""Pure parsers for what Slurm's command-line tools print.
+
+Kept apart from the code that runs the commands so that recorded outputs can be
+tested without a cluster. Every parser either returns typed values or raises
+SlurmParseError naming the command and the offending text; a single bad line in
+a listing is skipped with a warning rather than hiding every other job.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from datetime import datetime
+
+from llmgw_slurm.errors import SlurmParseError
+from llmgw_slurm.slurm.hostlist import expand
+from llmgw_slurm.slurm.types import (
+    AccountingRecord,
+    GpuCount,
+    Job,
+    JobComponent,
+    JobState,
+    NodeInfo,
+)
+
+log = logging.getLogger(__name__)
+
+# Field separator for every listing: ASCII unit separator. Job names and comments are
+# free text ("|" is common in comments); this byte is not something anyone types.
+SEP = "\x1f"
+
+# squeue --Format fields, in order. Comment is last: it is the field most likely to
+# hold surprises, and a surplus separator there is folded back into it.
+SQUEUE_FIELDS = (
+    "JobID",
+    "HetJobID",
+    "HetJobOffset",
+    "Name",
+    "State",
+    "Reason",
+    "NodeList",
+    "NumNodes",
+    "Partition",
+    "tres-per-node",
+    "TimeLimit",
+    "TimeLeft",
+    "StartTime",
+    "SubmitTime",
+    "RestartCnt",
+    "UserName",
+    "Comment",
+)
+
+SINFO_FIELDS = (
+    "NodeList",
+    "StateLong",
+    "Partition",
+    "CPUsState",
+    "Memory",
+    "Gres",
+    "GresUsed",
+    "NodeAddr",
+    "Reason",
+)
+
+SACCT_FIELDS = (
+    "JobID",
+    "JobIDRaw",
+    "JobName",
+    "User",
+    "Account",
+    "Partition",
+    "State",
+    "ExitCode",
+    "Submit",
+    "Start",
+    "End",
+    "ElapsedRaw",
+    "NNodes",
+    "AllocTRES",
+    "Comment",
+)
+
+
+def format_arg(fields: Iterable[str]) -> str:
+    """``--Format`` value: each field with no width (no truncation) and SEP after it."""
+    return ",".join(f"{f}:{SEP}" for f in fields)
+
+
+def _none(text: str) -> bool:
+    return text in ("", "N/A", "(null)", "None", "none", "Unknown", "NONE", "n/a")
+
+
+def parse_time(text: str) -> datetime | None:
+    text = text.strip()
+    if _none(text):
+        return None
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise SlurmParseError(f"unexpected timestamp {text!r}") from exc
+
+
+_DURATION = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+)(?::(\d+))?$")
+
+
+def parse_duration(text: str) -> int | None:
+    """Slurm's ``[D-]HH:MM:SS`` / ``MM:SS`` / ``D-HH`` forms to seconds.
+
+    UNLIMITED, INFINITE, NOT_SET and N/A are None (no limit, or not known).
+    """
+    text = text.strip()
+    if _none(text) or text.upper() in ("UNLIMITED", "INFINITE", "NOT_SET", "INVALID"):
+        return None
+    days = 0
+    if "-" in text:
+        d, _, text = text.partition("-")
+        if not d.isdigit():
+            raise SlurmParseError(f"unexpected duration {d}-{text!r}")
+        days = int(d)
+        parts = text.split(":")
+        # "D-HH", "D-HH:MM", "D-HH:MM:SS"
+        nums = [int(p) for p in parts if p.isdigit()]
+        if len(nums) != len(parts) or not 1 <= len(nums) <= 3:
+            raise SlurmParseError(f"unexpected duration {text!r}")
+        nums += [0] * (3 - len(nums))
+        return days * 86400 + nums[0] * 3600 + nums[1] * 60 + nums[2]
+    parts = text.split(":")
+    if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 3:
+        raise SlurmParseError(f"unexpected duration {text!r}")
+    nums = [int(p) for p in parts]
+    if len(nums) == 1:  # minutes
+        return nums[0] * 60
+    if len(nums) == 2:  # MM:SS
+        return nums[0] * 60 + nums[1]
+    return nums[0] * 3600 + nums[1] * 60 + nums[2]
+
+
+def _split(line: str, n: int, command: str) -> list[str] | None:
+    # Every field ends with SEP, so a clean line splits into n fields and one empty tail.
+    parts = line.split(SEP)
+    if parts and parts[-1] == "":
+        parts.pop()
+    if len(parts) > n:
+        # Only the last field (comment) may hold a stray SEP: fold it back.
+        parts = [*parts[:n - 1], SEP.join(parts[n - 1:])]
+    if len(parts) != n:
+        log.warning(
+            "%s: skipping a line with %d fields, expected %d: %r",
+            command,
+            len(parts),
+            n,
+            line[:200],
+        )
+        return None
+    return parts
+
+
+def _int(text: str, default: int = 0) -> int:
+    text = text.strip()
+    return int(text) if text.isdigit() else default
+
+
+def parse_squeue(stdout: str, name_prefix: str = "") -> list[Job]:
+    """Fold squeue rows (one per heterogeneous component) into jobs.
+
+    With ``name_prefix``, other jobs are dropped before they are parsed: a user
+    who is also the service account may have thousands of unrelated jobs.
+    """
+    rows: dict[str, list[list[str]]] = {}
+    order: list[str] = []
+    for line in stdout.splitlines():
+        if not line.strip():
+            continue
+        # The name is the 4th field: a cheap check before the whole line is parsed.
+        if name_prefix:
+            head = line.split(SEP, 4)
+            if len(head) > 3 and not head[3].startswith(name_prefix):
+                continue
+        f = _split(line, len(SQUEUE_FIELDS), "squeue")
+        if f is None:
+            continue
+        het = f[1].strip()
+        key = het if not _none(het) and het != "0" else f[0].strip()
+        if key not in rows:
+            rows[key] = []
+            order.append(key)
+        rows[key].append(f)
+    jobs: list[Job] = []
+    for key in order:
+        try:
+            jobs.append(_job_from_rows(key, rows[key]))
+        except SlurmParseError as exc:
+            log.warning("squeue: skipping job %s: %s", key, exc)
+    return jobs
+
+
+def _job_from_rows(key: str, rows: list[list[str]]) -> Job:
+    comps = []
+    for f in rows:
+        offset = _int(f[2], 0)
+        comps.append(
+            JobComponent(
+                offset=offset,
+                job_id=f[0].strip(),
+                state=JobState.parse(f[4]),
+                nodes=expand(f[6]),
+                node_count=_int(f[7], 0),
+                tres_per_node="" if _none(f[9].strip()) else f[9].strip(),
+            )
+        )
+    comps.sort(key=lambda c: c.offset)
+    head = next(f for f in rows if _int(f[2], 0) == comps[0].offset)
+    nodes: list[str] = []
+    for c in comps:
+        nodes.extend(n for n in c.nodes if n not in nodes)
+    # A het job's state is its head's; Slurm moves components together.
+    return Job(
+        job_id=key,
+        name=head[3],
+        state=comps[0].state,
+        reason="" if _none(head[5].strip()) else head[5].strip(),
+        partition=head[8].strip(),
+        user=head[15].strip(),
+        comment="" if head[16] == "(null)" else head[16],
+        nodes=tuple(nodes),
+        submit_time=parse_time(head[13]),
+        start_time=parse_time(head[12]) if comps[0].state is not JobState.PENDING else None,
+        time_limit_s=parse_duration(head[10]),
+        time_left_s=parse_duration(head[11]),
+        restarts=_int(head[14], 0),
+        components=tuple(comps),
+    )
+
+
+_GRES_ITEM = re.compile(r"^gpu(?::([^:(]+))?:(\d+)(?:\(.*\))?$")
+
+
+def parse_gres(text: str) -> dict[str, int]:
+    """``gpu:a100:4(S:0-1),gpu:v100:2`` -> ``{"a100": 4, "v100": 2}``; non-GPU gres ignored."""
+    out: dict[str, int] = {}
+    text = text.strip()
+    if _none(text):
+        return out
+    # Split on commas outside parentheses: "(IDX:0,2)" holds commas.
+    depth = 0
+    cur = ""
+    items: list[str] = []
+    for ch in text:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    items.append(cur)
+    for item in items:
+        item = item.strip()
+        if not item.startswith("gpu"):
+            continue
+        m = _GRES_ITEM.match(item)
+        if not m:
+            raise SlurmParseError(f"unexpected gres {item!r}")
+        typ = m.group(1) or ""
+        if typ.isdigit() and m.group(2) is None:  # pragma: no cover - regex needs count
+            typ = ""
+        out[typ] = out.get(typ, 0) + int(m.group(2))
+    return out
+
+
+def parse_sinfo(stdout: str) -> list[NodeInfo]:
+    """sinfo -N prints a row per node and partition; fold partitions into one node."""
+    nodes: dict[str, NodeInfo] = {}
+    for line in stdout.splitlines():
+        if not line.strip():
+            continue
+        f = _split(line, len(SINFO_FIELDS), "sinfo")
+        if f is None:
+            continue
+        name = f[0].strip()
+        part = f[2].strip().rstrip("*")
+        if name in nodes:
+            old = nodes[name]
+            if part and part not in old.partitions:
+                nodes[name] = _replace_partitions(old, (*old.partitions, part))
+            continue
+        try:
+            total = parse_gres(f[5])
+            used = parse_gres(f[6])
+            cpu = f[3].split("/")  # allocated/idle/other/total
+            alloc, total_cpus = (int(cpu[0]), int(cpu[3])) if len(cpu) == 4 else (0, 0)
+        except (SlurmParseError, ValueError) as exc:
+            log.warning("sinfo: skipping node %s: %s", name, exc)
+            continue
+        gpus = tuple(
+            GpuCount(type=t, total=n, used=used.get(t, 0)) for t, n in sorted(total.items())
+        )
+        nodes[name] = NodeInfo(
+            name=name,
+            state=f[1].strip(),
+            partitions=(part,) if part else (),
+            cpus_total=total_cpus,
+            cpus_alloc=alloc,
+            memory_mb=_int(f[4], 0),
+            gpus=gpus,
+            address=f[7].strip(),
+            reason="" if _none(f[8].strip()) else f[8].strip(),
+        )
+    return list(nodes.values())
+
+
+def _replace_partitions(n: NodeInfo, parts: tuple[str, ...]) -> NodeInfo:
+    from dataclasses import replace
+
+    return replace(n, partitions=parts)
+
+
+_TRES_GPU = re.compile(r"(?:^|,)gres/gpu(?::[^=,]+)?=(\d+)")
+
+
+def gpus_in_tres(tres: str) -> int:
+    """GPUs in an AllocTRES string. Typed entries repeat the untyped total, so use that."""
+    untyped = re.search(r"(?:^|,)gres/gpu=(\d+)", tres)
+    if untyped:
+        return int(untyped.group(1))
+    return sum(int(m) for m in _TRES_GPU.findall(tres))
+
+
+def parse_sacct(stdout: str) -> list[AccountingRecord]:
+    out: list[AccountingRecord] = []
+    for line in stdout.splitlines():
+        if not line.strip():
+            continue
+        f = _split(line, len(SACCT_FIELDS), "sacct")
+        if f is None:
+            continue
+        try:
+            out.append(
+                AccountingRecord(
+                    job_id=f[0].strip(),
+                    name=f[2],
+                    user=f[3].strip(),
+                    account=f[4].strip(),
+                    partition=f[5].strip(),
+                    state=JobState.parse(f[6]),
+                    exit_code=f[7].strip(),
+                    submit=parse_time(f[8]),
+                    start=parse_time(f[9]),
+                    end=parse_time(f[10]),
+                    elapsed_s=_int(f[11], 0),
+                    nodes=_int(f[12], 0),
+                    alloc_tres=f[13].strip(),
+                    gpus=gpus_in_tres(f[13]),
+                    comment="" if f[14] == "(null)" else f[14],
+                )
+            )
+        except SlurmParseError as exc:
+            log.warning("sacct: skipping a record: %s", exc)
+    return out
+
+
+_SBATCH_ID = re.compile(r"^(\d+)(?:;\S+)?$")
+
+
+def parse_sbatch(stdout: str) -> str:
+    """``sbatch --parsable`` prints ``JOBID`` or ``JOBID;CLUSTER``."""
+    lines = [ln.strip() for ln in stdout.splitlines() if ln.strip()]
+    if lines:
+        m = _SBATCH_ID.match(lines[-1])
+        if m:
+            return m.group(1)
+    raise SlurmParseError(
+        f"expected a job id, got {stdout.strip()[:200]!r}", command=["sbatch", "--parsable"]
+    )

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: a deterministic OpenAI-compatible engine."""

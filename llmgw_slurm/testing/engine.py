@@ -1,0 +1,426 @@
+"""A small OpenAI-compatible engine for tests and benchmarks.
+
+It answers like vLLM's OpenAI server does, in the parts the gateway and the
+agent rely on: ``/health``, ``/v1/models``, ``/v1/chat/completions`` and
+``/v1/completions`` (plain and streamed as server-sent events ending with
+``data: [DONE]``, with ``stream_options.include_usage``), ``/v1/embeddings``,
+and the ``Authorization: Bearer KEY`` check. Its output is deterministic: the
+completion repeats the words of the prompt, one word per token, so tests can
+assert on exact text and token counts.
+
+Two test hooks, absent from real engines:
+
+- ``GET /debug/last-headers`` returns the headers of the last ``/v1`` request
+  (so a test can see the ``traceparent`` and the key the gateway sent),
+  ``GET /debug/last-body`` the last JSON body, ``GET /debug/stats`` request
+  counters.
+- a request body field ``"test_abort_after": N`` makes a streamed answer drop
+  the connection after N tokens, to test failures after the first byte.
+
+Like a real engine, it rejects what it does not know: another model name is a
+404, ``n`` other than 1 is a 400, a body that is not a JSON object is a 400.
+
+Run: ``python -m llmgw_slurm.testing.engine --port 8001 --api-key K --served-name tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["EngineOptions", "create_engine_app", "main"]
+
+_DEFAULT_MAX_TOKENS = 8
+_EMBEDDING_DIM = 8
+
+
+class EngineOptions:
+    """What one test engine serves and how slowly."""
+
+    def __init__(
+        self,
+        *,
+        api_key: str,
+        served_name: str,
+        token_delay: float = 0.0,
+        ready_after: float = 0.0,
+    ) -> None:
+        self.api_key = api_key
+        self.served_name = served_name
+        self.token_delay = token_delay
+        self.ready_after = ready_after
+
+
+class _EngineState:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.requests = 0
+        self.in_flight = 0
+        self.last_headers: dict[str, str] = {}
+        self.last_body: Any = None
+
+
+_OPTIONS = web.AppKey("options", EngineOptions)
+_STATE = web.AppKey("state", _EngineState)
+
+
+def _error(status: int, message: str, type_: str, code: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _words(text: str) -> list[str]:
+    return text.split() or ["ok"]
+
+
+def _prompt_text_chat(messages: Any) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return None
+    parts: list[str] = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return None
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for piece in content:
+                if isinstance(piece, dict) and isinstance(piece.get("text"), str):
+                    parts.append(piece["text"])
+        elif content is not None:
+            return None
+    return " ".join(parts)
+
+
+def _prompt_text_completion(prompt: Any) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    return None
+
+
+def _tokens(prompt: str, max_tokens: int) -> list[str]:
+    words = _words(prompt)
+    out = [words[i % len(words)] for i in range(max_tokens)]
+    # A leading space on every token but the first makes the joined text read
+    # as the prompt's words, as a real tokenizer's detokenized output would.
+    return [w if i == 0 else " " + w for i, w in enumerate(out)]
+
+
+def _embedding(text: str) -> list[float]:
+    digest = hashlib.sha256(text.encode()).digest()
+    return [round((b - 128) / 128.0, 6) for b in digest[:_EMBEDDING_DIM]]
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    opts = request.app[_OPTIONS]
+    if request.path == "/health":
+        return await handler(request)  # type: ignore[no-any-return]
+    if request.path.startswith("/v1/"):
+        request.app[_STATE].last_headers = {k.lower(): v for k, v in request.headers.items()}
+    if request.headers.get("Authorization", "") != f"Bearer {opts.api_key}":
+        return _error(401, "Invalid or missing API key.", "authentication_error", "invalid_api_key")
+    return await handler(request)  # type: ignore[no-any-return]
+
+
+async def _health(request: web.Request) -> web.Response:
+    opts = request.app[_OPTIONS]
+    started = request.app[_STATE].started
+    if time.monotonic() - started < opts.ready_after:
+        return web.Response(status=503, text="starting")
+    return web.Response(status=200, text="")
+
+
+async def _models(request: web.Request) -> web.Response:
+    name = request.app[_OPTIONS].served_name
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llmgw-test"}],
+        }
+    )
+
+
+async def _debug_headers(request: web.Request) -> web.Response:
+    return web.json_response(request.app[_STATE].last_headers)
+
+
+async def _debug_body(request: web.Request) -> web.Response:
+    return web.json_response(request.app[_STATE].last_body)
+
+
+async def _debug_stats(request: web.Request) -> web.Response:
+    st = request.app[_STATE]
+    return web.json_response({"requests": st.requests, "in_flight": st.in_flight})
+
+
+async def _read_body(request: web.Request) -> dict[str, Any] | web.Response:
+    try:
+        body = await request.json()
+        request.app[_STATE].last_body = body
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _error(400, "The body is not valid JSON.", "invalid_request_error")
+    if not isinstance(body, dict):
+        return _error(400, "The body must be a JSON object.", "invalid_request_error")
+    name = request.app[_OPTIONS].served_name
+    if body.get("model") != name:
+        return _error(
+            404,
+            f"The model `{body.get('model')}` does not exist.",
+            "NotFoundError",
+            "model_not_found",
+        )
+    if body.get("n", 1) != 1:
+        return _error(400, "Only n=1 is supported.", "invalid_request_error")
+    return body
+
+
+def _max_tokens(body: dict[str, Any]) -> int | web.Response:
+    value = body.get("max_completion_tokens", body.get("max_tokens", _DEFAULT_MAX_TOKENS))
+    if value is None:
+        return _DEFAULT_MAX_TOKENS
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        return _error(400, "max_tokens must be a positive integer.", "invalid_request_error")
+    return value
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, web.Response | None]:
+    so = body.get("stream_options")
+    if so is None:
+        return False, None
+    if not body.get("stream"):
+        return False, _error(
+            400, "stream_options is only allowed when stream is true.", "invalid_request_error"
+        )
+    if not isinstance(so, dict):
+        return False, _error(400, "stream_options must be an object.", "invalid_request_error")
+    return bool(so.get("include_usage")), None
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    opts = request.app[_OPTIONS]
+    st = request.app[_STATE]
+    st.requests += 1
+    st.in_flight += 1
+    try:
+        return await _generate_inner(request, kind, opts)
+    finally:
+        st.in_flight -= 1
+
+
+async def _generate_inner(
+    request: web.Request, kind: str, opts: EngineOptions
+) -> web.StreamResponse:
+    body = await _read_body(request)
+    if isinstance(body, web.Response):
+        return body
+    if kind == "chat":
+        prompt = _prompt_text_chat(body.get("messages"))
+        if prompt is None:
+            return _error(
+                400, "messages must be a non-empty list of messages.", "invalid_request_error"
+            )
+    else:
+        prompt = _prompt_text_completion(body.get("prompt"))
+        if prompt is None:
+            return _error(400, "prompt must be a string.", "invalid_request_error")
+    max_tokens = _max_tokens(body)
+    if isinstance(max_tokens, web.Response):
+        return max_tokens
+    include_usage, err = _stream_options(body)
+    if err is not None:
+        return err
+    abort_after = body.get("test_abort_after")
+    tokens = _tokens(prompt, max_tokens)
+    usage = {
+        "prompt_tokens": len(_words(prompt)),
+        "completion_tokens": len(tokens),
+        "total_tokens": len(_words(prompt)) + len(tokens),
+    }
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:16]
+    created = int(time.time())
+    obj_kind = "chat.completion" if kind == "chat" else "text_completion"
+    name = opts.served_name
+
+    if not body.get("stream"):
+        if opts.token_delay:
+            await asyncio.sleep(opts.token_delay * len(tokens))
+        text = "".join(tokens)
+        choice: dict[str, Any]
+        if kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "length",
+                "logprobs": None,
+            }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+        return web.json_response(
+            {
+                "id": rid,
+                "object": obj_kind,
+                "created": created,
+                "model": name,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
+
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    chunk_kind = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(delta_or_text: Any, finish: str | None) -> dict[str, Any]:
+        if kind == "chat":
+            c: dict[str, Any] = {
+                "index": 0,
+                "delta": delta_or_text,
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+        else:
+            c = {"index": 0, "text": delta_or_text, "finish_reason": finish, "logprobs": None}
+        out: dict[str, Any] = {
+            "id": rid,
+            "object": chunk_kind,
+            "created": created,
+            "model": name,
+            "choices": [c],
+        }
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    if kind == "chat":
+        await resp.write(_sse(chunk({"role": "assistant", "content": ""}, None)))
+    for i, tok in enumerate(tokens):
+        if abort_after is not None and i >= abort_after:
+            # Drop the connection mid-stream, the way a crashed engine does.
+            if request.transport is not None:
+                request.transport.abort()
+            return resp
+        if opts.token_delay:
+            await asyncio.sleep(opts.token_delay)
+        await resp.write(_sse(chunk({"content": tok} if kind == "chat" else tok, None)))
+    await resp.write(_sse(chunk({} if kind == "chat" else "", "length")))
+    if include_usage:
+        await resp.write(
+            _sse(
+                {
+                    "id": rid,
+                    "object": chunk_kind,
+                    "created": created,
+                    "model": name,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
+        )
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _embeddings(request: web.Request) -> web.Response:
+    request.app[_STATE].requests += 1
+    body = await _read_body(request)
+    if isinstance(body, web.Response):
+        return body
+    inp = body.get("input")
+    if isinstance(inp, str):
+        inputs = [inp]
+    elif isinstance(inp, list) and inp and all(isinstance(x, str) for x in inp):
+        inputs = list(inp)
+    else:
+        return _error(
+            400, "input must be a string or a non-empty list of strings.", "invalid_request_error"
+        )
+    n_tokens = sum(len(_words(x)) for x in inputs)
+    return web.json_response(
+        {
+            "object": "list",
+            "model": request.app[_OPTIONS].served_name,
+            "data": [
+                {"object": "embedding", "index": i, "embedding": _embedding(x)}
+                for i, x in enumerate(inputs)
+            ],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+    )
+
+
+def create_engine_app(options: EngineOptions) -> web.Application:
+    app = web.Application(middlewares=[_auth_middleware])
+    app[_OPTIONS] = options
+    app[_STATE] = _EngineState()
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/embeddings", _embeddings)
+    app.router.add_get("/debug/last-headers", _debug_headers)
+    app.router.add_get("/debug/last-body", _debug_body)
+    app.router.add_get("/debug/stats", _debug_stats)
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m llmgw_slurm.testing.engine",
+        description="A deterministic OpenAI-compatible engine for tests.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--api-key", required=True)
+    parser.add_argument("--served-name", required=True)
+    parser.add_argument(
+        "--token-delay", type=float, default=0.0, help="seconds between streamed tokens (default 0)"
+    )
+    parser.add_argument(
+        "--ready-after",
+        type=float,
+        default=0.0,
+        help="seconds /health answers 503 before 200 (default 0)",
+    )
+    args = parser.parse_args(argv)
+    app = create_engine_app(
+        EngineOptions(
+            api_key=args.api_key,
+            served_name=args.served_name,
+            token_delay=args.token_delay,
+            ready_after=args.ready_after,
+        )
+    )
+    # run_app turns SIGTERM and SIGINT into a graceful exit.
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

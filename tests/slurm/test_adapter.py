@@ -1,0 +1,278 @@
+"""The command-line Slurm adapter against the real one-machine cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from llmgw_slurm.slurm import Job, JobSpec, JobState
+from llmgw_slurm.slurm.cli import CliBackend
+from tests.slurm.conftest import eventually
+
+
+def script(*lines: str, directives: tuple[str, ...] = ()) -> str:
+    return "\n".join(["#!/bin/bash", *[f"#SBATCH {d}" for d in directives], *lines]) + "\n"
+
+
+async def finished(backend: CliBackend, job_id: str, prefix: str) -> bool:
+    return all(j.job_id != job_id for j in await backend.list_jobs(prefix)) or any(
+        j.job_id == job_id and j.state.is_finished for j in await backend.list_jobs(prefix)
+    )
+
+
+async def wait_state(backend: CliBackend, prefix: str, job_id: str, *states: JobState) -> Job:
+    async def probe() -> Job | None:
+        for j in await backend.list_jobs(prefix):
+            if j.job_id == job_id and j.state in states:
+                return j
+        return None
+
+    return await eventually(probe, f"job {job_id} in {states}")
+
+
+async def test_gpu_job_sees_its_gpus_and_env_not_argv(
+    backend: CliBackend, prefix: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.txt"
+    job_id = await backend.submit(
+        JobSpec(
+            name=prefix + "gpu.00000001",
+            script=script(
+                'echo "CVD=$CUDA_VISIBLE_DEVICES"',
+                'echo "SECRET=$LLMGW_REPLICA_SECRET"',
+                directives=("--partition=llm", "--gres=gpu:a100:2", f"--output={out}"),
+            ),
+            env={"LLMGW_REPLICA_SECRET": "not-on-argv-123"},
+        )
+    )
+    assert job_id.isdigit()
+    await eventually(lambda: finished(backend, job_id, prefix), "the GPU job to end")
+    await eventually(
+        lambda: asyncio.sleep(0, result=out.exists() and "SECRET" in out.read_text()), "output"
+    )
+    text = out.read_text()
+    cvd = text.split("CVD=")[1].split()[0]
+    assert len(cvd.split(",")) == 2, text
+    assert "SECRET=not-on-argv-123" in text
+    shown = subprocess.run(
+        ["scontrol", "show", "job", job_id], capture_output=True, text=True, check=False
+    ).stdout
+    assert "not-on-argv-123" not in shown
+
+
+async def test_heterogeneous_job_is_one_job_with_components_on_two_nodes(
+    backend: CliBackend, prefix: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "het.txt"
+    job_id = await backend.submit(
+        JobSpec(
+            name=prefix + "het.00000002",
+            script=script(
+                "srun --het-group=0,1 bash -c 'echo node=$(hostname -s) $SLURMD_NODENAME'",
+                "sleep 30",
+                directives=(
+                    "--partition=llm",
+                    "--nodes=1",
+                    "--gres=gpu:a100:1",
+                    f"--output={out}",
+                    "hetjob",
+                    "--partition=llm",
+                    "--nodes=1",
+                    "--gres=gpu:a100:1",
+                ),
+            ),
+        )
+    )
+    job = await wait_state(backend, prefix, job_id, JobState.RUNNING)
+    assert job.heterogeneous
+    assert len(job.components) == 2
+    assert job.components[0].job_id == job_id
+    assert len(set(job.nodes)) == 2
+    assert all(c.nodes for c in job.components)
+
+    async def both_reported() -> str | None:
+        text = out.read_text() if out.exists() else ""
+        return text if text.count("node=") == 2 else None
+
+    text = await eventually(both_reported, "both components to run srun")
+    names = {line.split()[-1] for line in text.splitlines() if line.startswith("node=")}
+    assert names == set(job.nodes)
+
+
+async def test_cancel_is_idempotent(backend: CliBackend, prefix: str) -> None:
+    job_id = await backend.submit(
+        JobSpec(
+            name=prefix + "cancel.00000003",
+            script=script("sleep 300", directives=("--partition=llm",)),
+        )
+    )
+    await wait_state(backend, prefix, job_id, JobState.RUNNING)
+    await backend.cancel(job_id)
+
+    async def gone() -> bool:
+        return all(
+            j.job_id != job_id or j.state in (JobState.CANCELLED, JobState.COMPLETING)
+            for j in await backend.list_jobs(prefix)
+        )
+
+    await eventually(gone, "the job to be cancelled")
+    await backend.cancel(job_id)  # already gone: no error
+    await backend.cancel("999999")  # never existed: no error
+
+
+async def test_signal_reaches_the_batch_shell(
+    backend: CliBackend, prefix: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "sig.txt"
+    job_id = await backend.submit(
+        JobSpec(
+            name=prefix + "sig.00000004",
+            script=script(
+                "trap 'echo got-usr1; exit 0' USR1",
+                "echo started",
+                "for i in $(seq 600); do sleep 0.1; done",
+                directives=("--partition=llm", f"--output={out}"),
+            ),
+        )
+    )
+    await wait_state(backend, prefix, job_id, JobState.RUNNING)
+    await eventually(
+        lambda: asyncio.sleep(0, result=out.exists() and "started" in out.read_text()), "the trap"
+    )
+    await backend.cancel(job_id, signal="USR1", batch_only=True)
+    await eventually(
+        lambda: asyncio.sleep(0, result=out.exists() and "got-usr1" in out.read_text()),
+        "the batch shell to get USR1",
+    )
+
+
+async def test_research_job_preempts_a_service_job_which_is_requeued(
+    backend: CliBackend, prefix: str
+) -> None:
+    # Pin both to one node and ask for all its GPUs so that only preemption can start the second.
+    node = "gpunode4"
+    svc = await backend.submit(
+        JobSpec(
+            name=prefix + "svc.00000005",
+            script=script(
+                "sleep 600",
+                directives=(
+                    "--partition=llm",
+                    f"--nodelist={node}",
+                    "--gres=gpu:a100:4",
+                    "--requeue",
+                ),
+            ),
+        )
+    )
+    await wait_state(backend, prefix, svc, JobState.RUNNING)
+    research = await backend.submit(
+        JobSpec(
+            name=prefix + "research.00000006",
+            script=script(
+                "sleep 600",
+                directives=("--partition=research", f"--nodelist={node}", "--gres=gpu:a100:4"),
+            ),
+        )
+    )
+    await wait_state(backend, prefix, research, JobState.RUNNING)
+
+    async def requeued() -> Job | None:
+        for j in await backend.list_jobs(prefix):
+            if j.job_id == svc and j.state is JobState.PENDING and j.restarts >= 1:
+                return j
+        return None
+
+    job = await eventually(requeued, "the service job to be requeued")
+    assert job.restarts == 1
+
+    # sacct lists the latest attempt; ask for duplicates to see the preempted one.
+    out = subprocess.run(
+        ["sacct", "-X", "--duplicates", "-n", "-P", "-j", svc, "--format=JobID,State"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+    async def preempted_dup() -> bool:
+        o = subprocess.run(
+            ["sacct", "-X", "--duplicates", "-n", "-P", "-j", svc, "--format=JobID,State"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        return "PREEMPTED" in o
+
+    await eventually(preempted_dup, "sacct to record PREEMPTED: " + out.stdout)
+
+
+async def test_accounting_keeps_the_comment(backend: CliBackend, prefix: str) -> None:
+    comment = "model=m1 replica=0000abcd|with pipe"
+    job_id = await backend.submit(
+        JobSpec(
+            name=prefix + "acct.00000007",
+            script=script("true", directives=("--partition=llm", "--gres=gpu:a100:1")),
+            comment=comment,
+        )
+    )
+
+    async def recorded() -> list[object] | None:
+        recs = await backend.accounting(datetime.now() - timedelta(hours=1), name_prefix=prefix)
+        hits = [r for r in recs if r.job_id == job_id and r.state is JobState.COMPLETED]
+        return hits or None  # type: ignore[return-value]
+
+    (rec,) = await eventually(recorded, "sacct to record the job")
+    assert rec.comment == comment  # type: ignore[attr-defined]
+    assert rec.gpus == 1  # type: ignore[attr-defined]
+    assert rec.partition == "llm"  # type: ignore[attr-defined]
+
+
+async def test_hostile_name_and_comment_are_passed_literally(
+    backend: CliBackend, prefix: str
+) -> None:
+    name = prefix + "it's $(touch /tmp/llmgw-pwned) `id`;x"
+    comment = "\"quoted\" 'single' $(whoami) ; rm -rf /"
+    job_id = await backend.submit(
+        JobSpec(
+            name=name, script=script("sleep 60", directives=("--partition=llm",)), comment=comment
+        )
+    )
+    (job,) = [j for j in await backend.list_jobs(prefix) if j.job_id == job_id]
+    assert job.name == name
+    assert job.comment == comment
+    assert not Path("/tmp/llmgw-pwned").exists()
+
+
+async def test_nodes_show_free_and_total_gpus(backend: CliBackend) -> None:
+    nodes = await backend.list_nodes()
+    assert len(nodes) >= 4
+    for n in nodes:
+        assert n.gpus_total("a100") == 4
+        assert 0 <= n.gpus_free("a100") <= 4
+        assert {"llm", "research"} <= set(n.partitions)
+    assert backend.call_counts["sinfo"] == 1
+
+
+async def test_listing_500_jobs_is_one_call(backend: CliBackend, prefix: str) -> None:
+    sem = asyncio.Semaphore(8)
+
+    async def one(i: int) -> str:
+        async with sem:
+            return await backend.submit(
+                JobSpec(
+                    name=f"{prefix}many.{i:08x}",
+                    # Held: they never run, so 500 of them cost the cluster nothing.
+                    script=script("true", directives=("--partition=llm", "--hold")),
+                )
+            )
+
+    ids = await asyncio.gather(*(one(i) for i in range(500)))
+    assert len(set(ids)) == 500
+    before = backend.call_counts["squeue"]
+    jobs = await backend.list_jobs(prefix)
+    assert backend.call_counts["squeue"] == before + 1
+    assert {j.job_id for j in jobs} >= set(ids)
+    assert all(j.state is JobState.PENDING for j in jobs if j.job_id in set(ids))
+    subprocess.run(["scancel", *ids], check=True)

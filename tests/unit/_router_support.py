@@ -1,0 +1,79 @@
+"""Real servers on localhost ports for the engine and gateway tests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import openai
+from aiohttp import web
+
+from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def serve(
+    app: web.Application, port: int | None = None, *, handler_cancellation: bool = True
+) -> AsyncIterator[str]:
+    """Serve ``app`` on 127.0.0.1; yields its base URL."""
+    # handler_cancellation as the daemon runs it: a client that goes away
+    # cancels its handler.
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    await runner.setup()
+    port = port or free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def engine(
+    name: str = "tiny",
+    key: str = "engine-key",
+    token_delay: float = 0.0,
+    ready_after: float = 0.0,
+    port: int | None = None,
+) -> AsyncIterator[str]:
+    app = create_engine_app(
+        EngineOptions(
+            api_key=key, served_name=name, token_delay=token_delay, ready_after=ready_after
+        )
+    )
+    async with serve(app, port) as url:
+        yield url
+
+
+async def eventually(cond: Callable[[], bool], what: str) -> None:
+    """Wait until ``cond()`` holds; the limit only stops a hung test, it is not a threshold."""
+    try:
+        async with asyncio.timeout(30):
+            while not cond():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for: {what}") from None
+
+
+@asynccontextmanager
+async def engine_client(
+    key: str = "engine-key", client_key: str | None = None, **kw: Any
+) -> AsyncIterator[tuple[str, openai.AsyncOpenAI]]:
+    """A test engine and an async OpenAI client for it (closed on exit)."""
+    async with (
+        engine(key=key, **kw) as url,
+        openai.AsyncOpenAI(
+            api_key=client_key or key, base_url=url + "/v1", max_retries=0
+        ) as client,
+    ):
+        yield url, client

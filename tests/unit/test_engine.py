@@ -1,0 +1,168 @@
+"""The test engine answers like an OpenAI server, deterministically."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import aiohttp
+import openai
+import pytest
+from _router_support import engine, engine_client, free_port
+
+KEY = "engine-key"
+
+
+async def test_chat_non_stream_sync_client() -> None:
+    async with engine() as url:
+        with openai.OpenAI(api_key=KEY, base_url=url + "/v1", max_retries=0) as client:
+
+            def call() -> openai.types.chat.ChatCompletion:
+                return client.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "hello big world"}],
+                    max_tokens=5,
+                )
+
+            out = await asyncio.to_thread(call)
+    assert out.choices[0].message.content == "hello big world hello big"
+    assert out.usage is not None
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 5)
+
+
+async def test_completion_stream_one_token_per_chunk_with_usage() -> None:
+    async with engine_client() as (_url, client):
+        stream = await client.completions.create(
+            model="tiny",
+            prompt="a b",
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        texts = []
+        usage = None
+        async for chunk in stream:
+            if chunk.choices:
+                texts.append(chunk.choices[0].text)
+            if chunk.usage is not None:
+                usage = chunk.usage
+    assert texts == ["a", " b", " a", ""]
+    assert usage is not None and usage.completion_tokens == 3
+
+
+async def test_chat_stream_without_usage_ends_with_done() -> None:
+    async with engine() as url, aiohttp.ClientSession() as s:
+        r = await s.post(
+            url + "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": True,
+                "max_tokens": 2,
+            },
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
+        raw = (await r.read()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert '"usage"' not in raw
+    # role chunk, two tokens, finish chunk, [DONE]
+    assert len(events) == 5
+
+
+async def test_embeddings_are_deterministic() -> None:
+    async with engine_client() as (_url, client):
+        a = await client.embeddings.create(model="tiny", input=["one", "two"])
+        b = await client.embeddings.create(model="tiny", input="one")
+    assert a.data[0].embedding == b.data[0].embedding
+    assert a.data[0].embedding != a.data[1].embedding
+    assert a.usage.prompt_tokens == 2
+
+
+async def test_rejects_wrong_key_unknown_model_and_n() -> None:
+    async with engine_client(client_key="nope") as (url, bad):
+        with pytest.raises(openai.AuthenticationError):
+            await bad.models.list()
+        async with openai.AsyncOpenAI(api_key=KEY, base_url=url + "/v1", max_retries=0) as good:
+            with pytest.raises(openai.NotFoundError):
+                await good.completions.create(model="other", prompt="x")
+            with pytest.raises(openai.BadRequestError):
+                await good.completions.create(model="tiny", prompt="x", n=2)
+            models = await good.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+async def test_debug_last_headers_shows_traceparent() -> None:
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    async with engine_client() as (url, client):
+        await client.completions.create(model="tiny", prompt="x", extra_headers={"traceparent": tp})
+        async with aiohttp.ClientSession() as s:
+            r = await s.get(url + "/debug/last-headers", headers={"Authorization": f"Bearer {KEY}"})
+            headers = await r.json()
+    assert headers["traceparent"] == tp
+
+
+async def test_abort_after_drops_the_stream() -> None:
+    async with engine_client() as (_url, client):
+        stream = await client.completions.create(
+            model="tiny",
+            prompt="a b c",
+            max_tokens=5,
+            stream=True,
+            extra_body={"test_abort_after": 1},
+        )
+        got = []
+        with pytest.raises(Exception):  # noqa: B017 - the transport's own error type
+            async for chunk in stream:
+                got.append(chunk.choices[0].text)
+    assert got == ["a"]
+
+
+async def test_health_waits_for_ready_after() -> None:
+    async with engine(ready_after=3600) as url, aiohttp.ClientSession() as s:
+        r = await s.get(url + "/health")
+        assert r.status == 503
+    async with engine(ready_after=0) as url, aiohttp.ClientSession() as s:
+        r = await s.get(url + "/health")
+        assert r.status == 200
+
+
+def test_command_line_serves_until_sigterm() -> None:
+    port = free_port()
+    env = dict(os.environ)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmgw_slurm.testing.engine",
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--served-name",
+            "tiny",
+            "--ready-after",
+            "0",
+        ],
+        env=env,
+    )
+    try:
+        import urllib.request
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()

@@ -1,0 +1,88 @@
+"""Gateway API keys: the admin's add/list/revoke, hashing at rest, and lookups."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from llmgw_slurm.errors import ConfigError, LlmgwError
+from llmgw_slurm.router.keys import KeyRing, add_key, list_keys, revoke_key
+
+
+def test_add_stores_only_a_hash_in_a_private_file(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    new = add_key(path, "alice", "proj")
+    text = path.read_text()
+    assert new.key not in text
+    secret = new.key.rsplit("-", 1)[1]
+    assert secret not in text
+    assert new.record.sha256 in text
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert new.key.startswith(f"llmgw-{new.record.key_id}-")
+
+
+def test_list_and_revoke(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    a = add_key(path, "alice")
+    b = add_key(path, "bob", "p")
+    assert [r.user for r in list_keys(path)] == ["alice", "bob"]
+    revoked = revoke_key(path, a.record.key_id)
+    assert revoked.revoked is not None and not revoked.active
+    # Revoking twice is not an error and keeps the first time.
+    assert revoke_key(path, a.record.key_id).revoked == revoked.revoked
+    by_user = {r.user: r for r in list_keys(path)}
+    assert not by_user["alice"].active and by_user["bob"].active
+    with pytest.raises(LlmgwError, match=b.record.key_id):
+        revoke_key(path, "ffffffff")
+
+
+def test_bad_names_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(LlmgwError, match="user name"):
+        add_key(tmp_path / "k.json", "alice; rm -rf /")
+    with pytest.raises(LlmgwError, match="project name"):
+        add_key(tmp_path / "k.json", "alice", "a b")
+
+
+def test_lookup_accepts_only_active_exact_keys(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    a = add_key(path, "alice")
+    ring = KeyRing(path)
+    rec = ring.lookup(a.key)
+    assert rec is not None and rec.user == "alice"
+    # Right id, wrong secret; a malformed key; an unknown id.
+    forged = a.key[:-1] + ("A" if a.key[-1] != "A" else "B")
+    assert ring.lookup(forged) is None
+    assert ring.lookup("sk-whatever") is None
+    assert ring.lookup("llmgw-00000000-" + "x" * 43) is None
+    # A revocation by the admin CLI is seen without a restart.
+    revoke_key(path, a.record.key_id)
+    assert ring.lookup(a.key) is None
+    b = add_key(path, "bob")
+    assert ring.lookup(b.key) is not None
+
+
+def test_missing_file_means_no_valid_key(tmp_path: Path) -> None:
+    ring = KeyRing(tmp_path / "absent.json")
+    assert ring.lookup("llmgw-00000000-" + "x" * 43) is None
+
+
+def test_broken_file_is_a_config_error_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text('{"version": 1, "keys": [{"user": "x"}]}')
+    with pytest.raises(ConfigError, match=r"keys\[0\]"):
+        KeyRing(path)
+    path.write_text("{nope")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        list_keys(path)
+
+
+def test_broken_file_later_keeps_the_loaded_keys(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    a = add_key(path, "alice")
+    ring = KeyRing(path)
+    path.write_text(json.dumps({"version": 1, "keys": "oops"}) + "   ")
+    assert ring.lookup(a.key) is not None

@@ -1,0 +1,66 @@
+"""The stream relay: events pass whole and in order, whatever the chunking."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw_slurm.router.gateway import _SseRelay
+
+
+def _events(n: int, with_usage: bool, sep: bytes) -> list[bytes]:
+    out = []
+    for i in range(n):
+        chunk = {"id": "x", "choices": [{"index": 0, "text": f"t{i}"}]}
+        if with_usage:
+            chunk["usage"] = None
+        out.append(b"data: " + json.dumps(chunk).encode() + sep)
+    if with_usage:
+        usage = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": n}}
+        out.append(b"data: " + json.dumps(usage).encode() + sep)
+    out.append(b"data: [DONE]" + sep)
+    return out
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    pieces, last = [], 0
+    for p in points:
+        pieces.append(data[last:p])
+        last = p
+    pieces.append(data[last:])
+    return pieces
+
+
+@given(
+    n=st.integers(0, 6),
+    cuts=st.lists(st.integers(0, 10_000), max_size=20),
+    strip=st.booleans(),
+    sep=st.sampled_from([b"\n\n", b"\r\n\r\n"]),
+)
+def test_any_chunking_gives_the_same_events(
+    n: int, cuts: list[int], strip: bool, sep: bytes
+) -> None:
+    events = _events(n, True, sep)
+    relay = _SseRelay(strip)
+    out = b"".join(relay.feed(p) for p in _split(b"".join(events), cuts)) + relay.rest()
+    expected = [e for e in events if not (strip and b'"choices": []' in e)]
+    assert out == b"".join(expected)
+    assert relay.usage == {"prompt_tokens": 2, "completion_tokens": n}
+
+
+def test_usage_text_inside_content_is_not_taken_for_usage() -> None:
+    chunk = {"choices": [{"text": 'say "usage": {"prompt_tokens": 9}'}]}
+    relay = _SseRelay(True)
+    data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    assert relay.feed(data) == data
+    assert relay.usage is None
+
+
+def test_incomplete_tail_is_kept_until_complete() -> None:
+    relay = _SseRelay(False)
+    assert relay.feed(b"data: {}\n\ndata: {") == b"data: {}\n\n"
+    assert relay.feed(b"}\n\n") == b"data: {}\n\n"
+    assert relay.rest() == b""

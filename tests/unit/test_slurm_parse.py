@@ -1,0 +1,190 @@
+"""Parsers against outputs recorded from the dev cluster's Slurm 22.05."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from llmgw_slurm.errors import SlurmParseError
+from llmgw_slurm.slurm import JobState, parse
+from llmgw_slurm.slurm.hostlist import expand
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_squeue_folds_het_components_and_keeps_comment_with_separators() -> None:
+    jobs = {j.name: j for j in parse.parse_squeue((DATA / "squeue.txt").read_text())}
+    assert set(jobs) == {"llmgw.pend.55667788", "llmgw.m1.0a0b0c0d", "llmgw.big.11223344"}
+
+    single = jobs["llmgw.m1.0a0b0c0d"]
+    assert single.job_id == "9"
+    assert single.state is JobState.RUNNING
+    assert single.nodes == ("gpunode1",)
+    assert single.comment == "model=m1|x\x1fy"
+    assert single.time_limit_s == 365 * 86400
+    assert single.components[0].tres_per_node == "gres:gpu:a100:2"
+    assert not single.heterogeneous
+
+    het = jobs["llmgw.big.11223344"]
+    assert het.job_id == "10"
+    assert het.heterogeneous
+    assert [c.offset for c in het.components] == [0, 1]
+    assert [c.job_id for c in het.components] == ["10", "11"]
+    assert het.nodes == ("gpunode1", "gpunode2")
+    assert het.time_limit_s is None
+
+    pending = jobs["llmgw.pend.55667788"]
+    assert pending.state is JobState.PENDING
+    assert pending.reason == "Resources"
+    assert pending.nodes == ()
+    # squeue prints an estimated start for pending jobs; it is not a start.
+    assert pending.start_time is None
+
+
+def test_squeue_skips_a_malformed_line_and_keeps_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    good = (DATA / "squeue.txt").read_text()
+    with caplog.at_level(logging.WARNING):
+        jobs = parse.parse_squeue("garbage without separators\n" + good)
+    assert len(jobs) == 3
+    assert "skipping a line" in caplog.text
+
+
+def test_sinfo_folds_partitions_and_counts_gpus() -> None:
+    nodes = {n.name: n for n in parse.parse_sinfo((DATA / "sinfo.txt").read_text())}
+    assert sorted(nodes) == ["gpunode1", "gpunode2", "gpunode3", "gpunode4"]
+    n1 = nodes["gpunode1"]
+    assert set(n1.partitions) == {"research", "llm"}
+    assert n1.gpus_total("a100") == 4
+    assert n1.gpus_free() == 4 - sum(g.used for g in n1.gpus)
+    assert n1.address == "127.0.10.1"
+    assert n1.usable
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("gpu:a100:4", {"a100": 4}),
+        ("gpu:a100:4(S:0-1)", {"a100": 4}),
+        ("gpu:a100:1(IDX:0,2),gpu:v100:2(IDX:0-1)", {"a100": 1, "v100": 2}),
+        ("gpu:2", {"": 2}),
+        ("(null)", {}),
+        ("mps:100,gpu:h100:8", {"h100": 8}),
+    ],
+)
+def test_parse_gres(text: str, want: dict[str, int]) -> None:
+    assert parse.parse_gres(text) == want
+
+
+def test_parse_gres_rejects_nonsense() -> None:
+    with pytest.raises(SlurmParseError):
+        parse.parse_gres("gpu:a100:lots")
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("1:00:00", 3600),
+        ("30:00", 1800),
+        ("5", 300),
+        ("2-00:00:00", 172800),
+        ("1-12", 129600),
+        ("UNLIMITED", None),
+        ("N/A", None),
+        ("INVALID", None),
+    ],
+)
+def test_parse_duration(text: str, want: int | None) -> None:
+    assert parse.parse_duration(text) == want
+
+
+def test_parse_duration_rejects_nonsense() -> None:
+    with pytest.raises(SlurmParseError):
+        parse.parse_duration("soon")
+
+
+def test_state_codes() -> None:
+    assert JobState.parse("CANCELLED by 0") is JobState.CANCELLED
+    assert JobState.parse("PD") is JobState.PENDING
+    assert JobState.parse("REQUEUED") is JobState.PENDING
+    assert JobState.parse("PREEMPTED") is JobState.PREEMPTED
+    assert JobState.parse("TO") is JobState.TIMEOUT
+    assert JobState.RUNNING.is_active and not JobState.RUNNING.is_finished
+    assert JobState.NODE_FAIL.is_finished
+
+
+def test_unknown_state_is_unknown_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert JobState.parse("HOVERING") is JobState.UNKNOWN
+    assert "HOVERING" in caplog.text
+
+
+def test_sbatch_output() -> None:
+    assert parse.parse_sbatch("123\n") == "123"
+    assert parse.parse_sbatch("123;cluster\n") == "123"
+    with pytest.raises(SlurmParseError, match="expected a job id"):
+        parse.parse_sbatch("sbatch: error: something\n")
+
+
+def test_gpus_in_tres() -> None:
+    assert parse.gpus_in_tres("billing=1,cpu=1,gres/gpu:a100=2,gres/gpu=2,mem=500M") == 2
+    assert parse.gpus_in_tres("billing=1,cpu=1,gres/gpu=3,mem=500M,node=1") == 3
+    assert parse.gpus_in_tres("cpu=1") == 0
+
+
+def test_sacct_keeps_comment_with_separators() -> None:
+    sep = parse.SEP
+    line = (
+        sep.join(
+            [
+                "7",
+                "7",
+                "llmgw.m.00000000",
+                "root",
+                "root",
+                "llm",
+                "CANCELLED by 0",
+                "0:0",
+                "2026-12-02T16:46:29",
+                "2026-12-02T16:46:29",
+                "2026-12-02T16:46:43",
+                "14",
+                "1",
+                "billing=1,cpu=1,gres/gpu=2,mem=500M,node=1",
+                "a|b" + sep + "c",
+            ]
+        )
+        + sep
+    )
+    (rec,) = parse.parse_sacct(line)
+    assert rec.state is JobState.CANCELLED
+    assert rec.comment == "a|b" + sep + "c"
+    assert rec.gpus == 2
+    assert rec.gpu_hours == pytest.approx(2 * 14 / 3600)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("gpunode[1-3]", ("gpunode1", "gpunode2", "gpunode3")),
+        ("gpu[01-02,7],login1", ("gpu01", "gpu02", "gpu7", "login1")),
+        ("rack[1-2]-n[1-2]", ("rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2")),
+        ("(null)", ()),
+        ("", ()),
+    ],
+)
+def test_hostlist_expand(text: str, want: tuple[str, ...]) -> None:
+    assert expand(text) == want
+
+
+def test_hostlist_rejects_unbalanced() -> None:
+    with pytest.raises(SlurmParseError):
+        expand("gpu[1-2")
+
+
+def test_squeue_prefix_drops_other_jobs_before_parsing() -> None:
+    text = (DATA / "squeue.txt").read_text()
+    jobs = parse.parse_squeue("not even a valid line but named otherwise\n" + text, "llmgw.big.")
+    assert [j.name for j in jobs] == ["llmgw.big.11223344"]
+    assert len(jobs[0].components) == 2
