@@ -446,7 +446,7 @@ class Agent:
             if count is None:
                 # No request metric: a fixed grace is the best we can do.
                 grace = max(0.0, min(s.drain_grace_s, s.drain_timeout_s - elapsed))
-                log.info("drain: engine reports no request count, waiting %.0fs", grace)
+                log.info("drain: engine reports no request count, waiting %.1fs", grace)
                 await asyncio.sleep(grace)
                 return time.monotonic() - t0
             if count == 0:

@@ -379,3 +379,35 @@ async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_d
     assert "master gone, worker exits" in (tmp_path / "worker.out").read_text()
     if rendezvous_dir:
         assert list((tmp_path / "rdzv" / "rendezvous").iterdir()) == []  # the head cleaned up
+
+
+async def test_shared_test_engine_without_metrics_drains_on_a_fixed_grace(
+    daemon: FakeDaemon, tmp_path: Path
+) -> None:
+    # llmgw_slurm.testing.engine has no /metrics: the drain waits drain_grace.
+    spec = {
+        "name": "tiny",
+        "engine": {"kind": "command",
+                   "command": [sys.executable, "-m", "llmgw_slurm.testing.engine",
+                               "--host", "{host}", "--port", "{port}", "--api-key", "{api_key}",
+                               "--served-name", "{served_name}", "--ready-after", "0.5"]},
+        "resources": {"gpus": 0},
+    }
+    env = job_env(daemon.url, json.dumps(spec))
+    proc = await start_agent(tmp_path, env, extra=("--drain-grace", "0.5"))
+    try:
+        await daemon.wait_for(lambda: "ready" in daemon.events())
+        url = next(r["url"] for r in daemon.reports if r["event"] == "ready")
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "a b c"}]}
+        async with aiohttp.ClientSession() as s, s.post(
+            f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+        ) as r:
+            assert r.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await wait_exit(proc, tmp_path) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    assert "engine reports no request count, waiting 0.5s" in (tmp_path / "agent.err").read_text()
+    assert daemon.events()[-1] == "stopped"
+    assert "weights:done" in daemon.events()  # no weights: the step passes at once
