@@ -48,6 +48,7 @@ __all__ = [
     "render_model_job",
     "render_replica",
     "render_replica_hetjob",
+    "time_limit_seconds",
 ]
 
 REPLICA_TEMPLATE = "replica.sbatch.j2"
@@ -227,6 +228,7 @@ class ReplicaParams:
                 f"signal_before_s: {self.signal_before_s} refused; valid: 1..65535"
             )
         _check_agent_config(self.agent_config)
+        _check_signal_lead(self.signal_before_s, self.job.time)
 
 
 @dataclass(frozen=True)
@@ -330,6 +332,37 @@ class EngineInstallParams:
                 raise TemplateError(f"apptainer: {self.apptainer!r} refused")
         else:
             raise TemplateError(f"kind: {self.kind!r} refused; valid: venv, apptainer")
+
+
+def time_limit_seconds(time: str) -> int:
+    """Slurm's time syntax in seconds (``minutes``, ``M:S``, ``H:M:S``, ``D-H[:M[:S]]``)."""
+    days = 0
+    rest = time
+    if "-" in time:
+        d, rest = time.split("-", 1)
+        days = int(d)
+        parts = [int(x) for x in rest.split(":")]
+        h, m, s = [*parts, 0, 0][:3]
+    else:
+        parts = [int(x) for x in rest.split(":")]
+        if len(parts) == 1:
+            h, m, s = 0, parts[0], 0
+        elif len(parts) == 2:
+            h, m, s = 0, parts[0], parts[1]
+        else:
+            h, m, s = parts
+    return ((days * 24 + h) * 60 + m) * 60 + s
+
+
+def _check_signal_lead(signal_before_s: int, time: str) -> None:
+    limit = time_limit_seconds(time)
+    if limit and signal_before_s >= limit:
+        # Slurm would send the warning at once, and the replica would drain
+        # as soon as it started.
+        raise TemplateError(
+            f"signal_before_s: {signal_before_s}s is not less than the time limit "
+            f"{time} ({limit}s); give the job more time or warn it later"
+        )
 
 
 def _check_agent_config(path: str) -> None:

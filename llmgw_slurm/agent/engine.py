@@ -228,9 +228,12 @@ def engine_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, s
 class EngineProcess:
     """The engine, in a session of its own.
 
-    Its own session: the USR1 that Slurm sends ahead of the time limit is for
-    the agent (which drains), and NCCL or the engine may act on it; and a
-    stop can signal every process the engine spawned at once.
+    Its own session: slurmstepd delivers a signal to the task's whole process
+    group (checked on Slurm 22.05: a child `sleep` of the task died of the
+    USR1 that --signal sends), and USR1's default action is to terminate, so
+    an engine in the agent's group would die at the time-limit warning
+    instead of being drained. It also lets a stop signal every process the
+    engine spawned at once.
     Its output goes to the agent's stdout/stderr (the job log), line by line,
     and the last lines are kept for failure reports.
     """

@@ -123,7 +123,9 @@ class Agent:
         self.job = job
         self.env = dict(env)
         self.tracer = tracer or trace.get_tracer("llmgw_slurm")
-        self.hostname = hostname or socket.gethostname()
+        # Slurm's name for the node: what the daemon sees in squeue, and
+        # distinct per node even where several slurmd share one machine.
+        self.hostname = hostname or env.get("SLURMD_NODENAME") or socket.gethostname()
         self._expand = expand
         self.engine: EngineProcess | None = None
         self.role: rdzv.NodeRole | None = None

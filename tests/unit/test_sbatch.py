@@ -24,6 +24,7 @@ from llmgw_slurm.sbatch import (
     render_model_job,
     render_replica,
     render_replica_hetjob,
+    time_limit_seconds,
 )
 
 EXPECTED = Path(__file__).parent / "expected"
@@ -357,3 +358,21 @@ def test_engine_install_twice_installs_once(tmp_path: Path) -> None:
     second = _run_with_stubs(text, tmp_path, ["python"])
     assert any(c[1:3] == ["-m", "venv"] for c in first)
     assert second == []
+
+
+@pytest.mark.parametrize(
+    ("time", "seconds"),
+    [("30", 1800), ("1:30", 90), ("01:00:00", 3600), ("2-0", 172800), ("1-02:03:04", 93784),
+     ("1-2:30", 95400)],
+)
+def test_time_limit_seconds(time: str, seconds: int) -> None:
+    assert time_limit_seconds(time) == seconds
+
+
+def test_signal_lead_must_be_less_than_the_time_limit() -> None:
+    # A 5-minute job warned 300 s ahead would be told to drain as it starts.
+    with pytest.raises(TemplateError, match="not less than the time limit"):
+        render_replica(ReplicaParams(replace(JOB, time="5"), Resources(), AGENT_CONFIG,
+                                     signal_before_s=300))
+    render_replica(ReplicaParams(replace(JOB, time="6"), Resources(), AGENT_CONFIG,
+                                 signal_before_s=300))
