@@ -431,9 +431,13 @@ class Agent:
         headers = {"Authorization": f"Bearer {self.job.engine_api_key}"}
         while True:
             elapsed = time.monotonic() - t0
-            if elapsed >= s.drain_timeout_s or self.engine is None or (
-                self.engine.returncode is not None
-            ):
+            if self.engine is None or self.engine.returncode is not None:
+                log.info("drain: engine exited by itself (code %s)",
+                         self.engine.returncode if self.engine else None)
+                return elapsed
+            if elapsed >= s.drain_timeout_s:
+                log.warning("drain: limit of %.0fs reached with requests in flight",
+                            s.drain_timeout_s)
                 return elapsed
             count: int | None = None
             try:
@@ -446,11 +450,17 @@ class Agent:
             except (aiohttp.ClientError, TimeoutError):
                 count = None
             if count is None:
-                # No request metric: a fixed grace is the best we can do.
+                # No request metric (or the engine is already shutting down,
+                # as it does on a SIGTERM from slurmstepd): a fixed grace, cut
+                # short if the engine exits by itself.
                 grace = max(0.0, min(s.drain_grace_s, s.drain_timeout_s - elapsed))
                 log.info("drain: engine reports no request count, waiting %.1fs", grace)
-                await asyncio.sleep(grace)
-                return time.monotonic() - t0
+                exited = asyncio.create_task(self.engine.wait())
+                done, _ = await asyncio.wait({exited}, timeout=grace)
+                if not done:
+                    exited.cancel()
+                    return time.monotonic() - t0
+                continue
             if count == 0:
                 log.info("drain: no requests in flight")
                 return time.monotonic() - t0

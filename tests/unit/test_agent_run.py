@@ -9,87 +9,27 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from llmgw_slurm.agent.runner import Agent, job_context_from_env
 from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+from tests.agent_support import KEY, RID, SECRET, FakeDaemon, fake_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
-FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
-RID = "0123abcd"
-SECRET = "replica-secret-xyz"
-KEY = "engine-key-abc"
-BODY_KEYS = {"event", "step", "status", "url", "node", "job_id", "message", "elapsed_s"}
-EVENTS = {"step", "ready", "heartbeat", "draining", "failed", "stopped"}
-
-
-class FakeDaemon:
-    """Records reports; refuses what the protocol does not allow."""
-
-    def __init__(self) -> None:
-        self.reports: list[dict[str, Any]] = []
-        self.refused: list[str] = []
-        self.drain_after_ready = False
-        self.url = ""
-
-    async def handle(self, request: web.Request) -> web.Response:
-        if request.headers.get("Authorization") != f"Bearer {SECRET}":
-            self.refused.append("bad secret")
-            return web.json_response({"ok": False}, status=401)
-        if request.match_info["rid"] != RID:
-            self.refused.append("unknown replica")
-            return web.json_response({"ok": False}, status=404)
-        body = await request.json()
-        problems = []
-        if set(body) != BODY_KEYS:
-            problems.append(f"keys {sorted(set(body) ^ BODY_KEYS)}")
-        if body.get("event") not in EVENTS:
-            problems.append(f"event {body.get('event')!r}")
-        if body.get("status") not in (None, "started", "done", "failed"):
-            problems.append(f"status {body.get('status')!r}")
-        if body.get("event") in ("ready", "heartbeat") and not body.get("url"):
-            problems.append("ready/heartbeat without url")
-        if problems:
-            self.refused.append("; ".join(problems))
-            return web.json_response({"ok": False}, status=400)
-        self.reports.append(body)
-        ready_seen = any(r["event"] == "ready" for r in self.reports)
-        return web.json_response({"ok": True, "drain": self.drain_after_ready and ready_seen})
-
-    def events(self) -> list[str]:
-        return [r["event"] if r["event"] != "step" else f"{r['step']}:{r['status']}"
-                for r in self.reports]
-
-    async def wait_for(self, pred: Callable[[], bool], limit_s: float = 60) -> None:
-        deadline = time.monotonic() + limit_s
-        while not pred():
-            assert time.monotonic() < deadline, f"timed out; reports: {self.events()}"
-            await asyncio.sleep(0.05)
+FAKE_ENGINE = ROOT / "tests" / "fake_engine.py"
 
 
 @pytest.fixture
 async def daemon() -> AsyncIterator[FakeDaemon]:
-    fake = FakeDaemon()
-    app = web.Application()
-    app.router.add_post("/internal/v1/replicas/{rid}/report", fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    fake.url = f"http://127.0.0.1:{port}"
-    yield fake
-    await runner.cleanup()
-    assert fake.refused == [], f"the fake daemon refused reports: {fake.refused}"
+    async with fake_daemon() as fake:
+        yield fake
 
 
 def make_weights(tmp_path: Path) -> Path:
@@ -195,6 +135,11 @@ async def test_ready_serve_and_drain_on_signal(
                     if 'vllm:num_requests_running{model_name="tiny"} 1.0' in await r.text():
                         break
                 await asyncio.sleep(0.05)
+            # slurmstepd delivers srun's forwarded signals to every process of
+            # the step, the engine's session included: do the same.
+            out = (tmp_path / "agent.out").read_text()
+            engine_pid = int(out.split("fake engine: pid ", 1)[1].split()[0])
+            os.killpg(engine_pid, sig)
             proc.send_signal(sig)
             resp = await slow
             assert resp.status == 200
@@ -214,9 +159,14 @@ async def test_ready_serve_and_drain_on_signal(
     assert sig.name in stopped["message"]
     assert not engine_answers(url)
     log = (tmp_path / "agent.err").read_text()
-    assert "drain: 1 request(s) in flight" in log
+    if sig == signal.SIGUSR1:
+        # The engine ignored the warning; the agent waited for the request.
+        assert "drain: 1 request(s) in flight" in log
+    else:
+        # The engine got SIGTERM too and finished the request as it stopped.
+        assert "drain: engine exited by itself" in log
     assert KEY not in log and SECRET not in log
-    assert "fake engine: loading" in (tmp_path / "agent.out").read_text()
+    assert "fake engine: pid" in (tmp_path / "agent.out").read_text()
 
 
 async def test_engine_crash_before_ready_is_reported(daemon: FakeDaemon, tmp_path: Path) -> None:

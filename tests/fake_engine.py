@@ -84,7 +84,7 @@ def build(args: argparse.Namespace) -> web.Application:
     async def listen(app: web.Application) -> None:
         if world > 1:
             port = int(os.environ["MASTER_PORT"])
-            app["master"] = await asyncio.start_server(on_peer, "127.0.0.1", port)
+            app["master"] = await asyncio.start_server(on_peer, "0.0.0.0", port)
 
     app = web.Application()
     app.on_startup.append(listen)
@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--startup-delay", type=float, default=0.3)
     ap.add_argument("--crash-at-start", type=int, default=0)
     args = ap.parse_args()
-    print(f"fake engine: loading {args.model_path}", flush=True)
+    print(f"fake engine: pid {os.getpid()} loading {args.model_path}", flush=True)
     if not (Path(args.model_path) / "config.json").exists():
         print("fake engine: no config.json in the model path", file=sys.stderr, flush=True)
         sys.exit(2)
