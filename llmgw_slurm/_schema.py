@@ -360,7 +360,10 @@ def _convert_scalar(tp: Any, node: YNode, ctx: Ctx, meta: Mapping[str, Any]) -> 
         text = scalar_text(node)
         if not text.strip():
             raise Invalid("expected a path, got an empty string")
-        p = Path(text).expanduser()
+        try:
+            p = Path(text).expanduser()
+        except RuntimeError:
+            raise Invalid(f"cannot expand {text!r}: no such user or no home directory") from None
         if not p.is_absolute() and ctx.base_dir is not None:
             # Relative to the config file, not to wherever the daemon was started.
             p = ctx.base_dir / p

@@ -550,10 +550,17 @@ class AgentConfig:
 # --------------------------------------------------------------------- loading
 
 
-def _absolute(value: Path, base: Path) -> Path:
+def _absolute(value: Path, base: Path, file: str, key: str) -> Path:
     # Given values were made absolute while reading; defaults are made
     # absolute here, against the file's folder.
-    p = value.expanduser()
+    try:
+        p = value.expanduser()
+    except RuntimeError:
+        raise ConfigError(
+            f"the default {value} needs a home directory and there is none; set {key}",
+            file=file,
+            field=key,
+        ) from None
     return p if p.is_absolute() else base / p
 
 
@@ -561,12 +568,12 @@ def load_server_config(path: str | Path) -> ServerConfig:
     """Load ``server.yaml``; raises ConfigError(s) naming every problem with file:line:field."""
     cfg = _schema.load_file(ServerConfig, path, "server config")
     assert isinstance(cfg, ServerConfig)
-    base = Path(path).absolute().parent
+    base, file = Path(path).absolute().parent, str(path)
     return dataclasses.replace(
         cfg,
-        state_dir=_absolute(cfg.state_dir, base),
-        models=_absolute(cfg.models, base),
-        agent_config=_absolute(cfg.agent_config, base),
+        state_dir=_absolute(cfg.state_dir, base, file, "state_dir"),
+        models=_absolute(cfg.models, base, file, "models"),
+        agent_config=_absolute(cfg.agent_config, base, file, "agent_config"),
     )
 
 

@@ -198,8 +198,12 @@ class JobOptions:
         if self.time is not None:
             _check(self.time, _TIME, "time", "minutes, HH:MM:SS, or D-HH:MM:SS")
         if self.partition is not None:
-            _check(self.partition, _PARTITION, "partition",
-                   "Slurm names (letters, digits, _ . + -), comma-separated")
+            _check(
+                self.partition,
+                _PARTITION,
+                "partition",
+                "Slurm names (letters, digits, _ . + -), comma-separated",
+            )
         for name in ("account", "qos"):
             value = getattr(self, name)
             if value is not None:
@@ -234,9 +238,7 @@ class ReplicaParams:
         _check_int(self.signal_before_s, "signal_before_s", 1)
         if self.signal_before_s > 65535:
             # Slurm stores the warning time in 16 bits.
-            raise TemplateError(
-                f"signal_before_s: {self.signal_before_s} refused; valid: 1..65535"
-            )
+            raise TemplateError(f"signal_before_s: {self.signal_before_s} refused; valid: 1..65535")
         _check_agent_config(self.agent_config)
         _check_signal_lead(self.signal_before_s, self.job.time)
 
@@ -253,8 +255,12 @@ class HetComponent:
         _check_int(self.nodes, f"{where}.nodes", 1)
         self.resources.validate(f"{where}.resources")
         if self.partition is not None:
-            _check(self.partition, _PARTITION, f"{where}.partition",
-                   "Slurm names (letters, digits, _ . + -), comma-separated")
+            _check(
+                self.partition,
+                _PARTITION,
+                f"{where}.partition",
+                "Slurm names (letters, digits, _ . + -), comma-separated",
+            )
 
 
 @dataclass(frozen=True)
@@ -415,9 +421,11 @@ def _render(name: str, template_dir: Path | str | None, context: Mapping[str, An
         where = template_dir or DEFAULT_TEMPLATE_DIR
         raise TemplateError(f"template {name} not found in {where}") from err
     except jinja2.TemplateError as err:
-        where = f"{err.filename or name}:{err.lineno}" if isinstance(
-            err, jinja2.TemplateSyntaxError
-        ) else name
+        where = (
+            f"{err.filename or name}:{err.lineno}"
+            if isinstance(err, jinja2.TemplateSyntaxError)
+            else name
+        )
         raise TemplateError(f"rendering {where}: {err}") from err
     if "\r" in text:
         raise TemplateError(f"rendering {name}: carriage return in the script")

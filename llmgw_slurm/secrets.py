@@ -14,6 +14,7 @@ import secrets as _secrets
 from pathlib import Path
 
 __all__ = [
+    "admin_token",
     "constant_time_equal",
     "engine_api_key",
     "load_or_create_server_key",
@@ -38,6 +39,16 @@ def engine_api_key(server_key: bytes, replica_id: str) -> str:
     request, and a leak of it must not let anyone register as the replica.
     """
     return _derive(server_key, "engine", replica_id)
+
+
+def admin_token(server_key: bytes) -> str:
+    """The bearer token of the daemon's admin routes (drain, stop, reload).
+
+    Derived rather than stored so that whoever may read the server key (the
+    service user, root) may administer the daemon, and nobody else: the admin
+    CLI re-derives it from the key file in the state directory.
+    """
+    return _derive(server_key, "admin", "")
 
 
 def constant_time_equal(a: str, b: str) -> bool:

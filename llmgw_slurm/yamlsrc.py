@@ -247,8 +247,12 @@ class _Converter:
             return YScalar(None, node.value, line, quoted)
         try:
             value = self.ctor.construct_object(node, deep=True)
-        except (yaml.YAMLError, ValueError, OverflowError, TypeError) as err:
-            self.err(f"cannot read value {node.value!r}: {err}", node)
+        except Exception as err:
+            # PyYAML's constructors fail in assorted ways on odd input
+            # (`!!int ""` is an IndexError): whatever it is, the value is unreadable.
+            kind = node.tag.removeprefix(_STD)
+            why = f": {err}" if isinstance(err, ValueError | yaml.YAMLError) else ""
+            self.err(f"cannot read {node.value!r} as {kind}{why}", node)
             return YScalar(None, node.value, line, quoted)
         if isinstance(value, float) and not math.isfinite(value):
             # .inf/.nan are never a sensible setting; keep them as text so the

@@ -53,8 +53,10 @@ class FakeDaemon:
         return web.json_response({"ok": True, "drain": self.drain_after_ready and ready_seen})
 
     def events(self) -> list[str]:
-        return [r["event"] if r["event"] != "step" else f"{r['step']}:{r['status']}"
-                for r in self.reports]
+        return [
+            r["event"] if r["event"] != "step" else f"{r['step']}:{r['status']}"
+            for r in self.reports
+        ]
 
     async def wait_for(self, pred: Callable[[], bool], limit_s: float = 60) -> None:
         deadline = time.monotonic() + limit_s

@@ -68,8 +68,13 @@ def build(args: argparse.Namespace) -> web.Application:
                 "id": "chatcmpl-1",
                 "object": "chat.completion",
                 "model": args.served_name,
-                "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": "ok"}}],
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": "ok"},
+                    }
+                ],
             }
         )
 

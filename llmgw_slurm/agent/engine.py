@@ -58,8 +58,15 @@ _SGLANG_SHIM = (
 )
 
 PLACEHOLDERS = (
-    "host", "port", "model_path", "api_key", "served_name",
-    "nnodes", "node_rank", "master_addr", "master_port",
+    "host",
+    "port",
+    "model_path",
+    "api_key",
+    "served_name",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
 )
 
 
@@ -109,19 +116,29 @@ def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
         # The `vllm` entry point takes the model as an argument of `serve`.
         argv = [p.runtime.executable, "serve", p.model_path]
     else:
-        argv = [*_program(p, in_image, "vllm.entrypoints.openai.api_server"),
-                "--model", p.model_path]
+        argv = [
+            *_program(p, in_image, "vllm.entrypoints.openai.api_server"),
+            "--model",
+            p.model_path,
+        ]
     argv += [
-        "--served-model-name", p.served_name,
-        "--host", p.host,
-        "--port", str(p.port),
+        "--served-model-name",
+        p.served_name,
+        "--host",
+        p.host,
+        "--port",
+        str(p.port),
     ]
     if p.dist and p.dist.nnodes > 1:
         argv += [
-            "--nnodes", str(p.dist.nnodes),
-            "--node-rank", str(p.dist.node_rank),
-            "--master-addr", p.dist.master_addr,
-            "--master-port", str(p.dist.master_port),
+            "--nnodes",
+            str(p.dist.nnodes),
+            "--node-rank",
+            str(p.dist.node_rank),
+            "--master-addr",
+            p.dist.master_addr,
+            "--master-port",
+            str(p.dist.master_port),
         ]
         if p.dist.node_rank > 0:
             argv.append("--headless")
@@ -137,17 +154,26 @@ def _sglang(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
         )
     python = p.runtime.python or ("python3" if in_image else p.python)
     argv = [
-        python, "-c", _SGLANG_SHIM,
-        "--model-path", p.model_path,
-        "--served-model-name", p.served_name,
-        "--host", p.host,
-        "--port", str(p.port),
+        python,
+        "-c",
+        _SGLANG_SHIM,
+        "--model-path",
+        p.model_path,
+        "--served-model-name",
+        p.served_name,
+        "--host",
+        p.host,
+        "--port",
+        str(p.port),
     ]
     if p.dist and p.dist.nnodes > 1:
         argv += [
-            "--nnodes", str(p.dist.nnodes),
-            "--node-rank", str(p.dist.node_rank),
-            "--dist-init-addr", f"{p.dist.master_addr}:{p.dist.master_port}",
+            "--nnodes",
+            str(p.dist.nnodes),
+            "--node-rank",
+            str(p.dist.node_rank),
+            "--dist-init-addr",
+            f"{p.dist.master_addr}:{p.dist.master_port}",
         ]
     return argv + list(spec.args)
 

@@ -55,9 +55,7 @@ def _port_range(text: str) -> tuple[int, int]:
 def settings_from_agent_config(cfg: AgentConfig) -> AgentSettings:
     """AgentSettings from a loaded ``agent.yaml``."""
     engines = {
-        kind: EngineRuntime(
-            python=rt.python, executable=rt.executable, env=dict(rt.env)
-        )
+        kind: EngineRuntime(python=rt.python, executable=rt.executable, env=dict(rt.env))
         for kind, rt in (
             ("vllm", cfg.engines.vllm),
             ("sglang", cfg.engines.sglang),
@@ -110,8 +108,13 @@ def build_settings(path: Path | None, options: dict[str, Any]) -> tuple[AgentSet
         settings, daemon_url = AgentSettings(fetch=FetchSettings(cache_dir=opts["cache_dir"])), None
     else:
         raise click.UsageError("give --config agent.yaml, or at least --cache-dir")
-    fetch_keys = {"cache_dir": "cache_dir", "fetch": "enabled", "allow_hf": "allow_hf",
-                  "verify": "verify", "weights_method": "method"}
+    fetch_keys = {
+        "cache_dir": "cache_dir",
+        "fetch": "enabled",
+        "allow_hf": "allow_hf",
+        "verify": "verify",
+        "weights_method": "method",
+    }
     fetch_over = {fetch_keys[k]: opts.pop(k) for k in list(opts) if k in fetch_keys}
     if fetch_over:
         settings = dataclasses.replace(
@@ -123,19 +126,37 @@ def build_settings(path: Path | None, options: dict[str, Any]) -> tuple[AgentSet
 
 
 @click.group()
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
-              help="agent.yaml")
+@click.option(
+    "--config", "config_path", type=click.Path(path_type=Path), default=None, help="agent.yaml"
+)
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="Shared weights cache.")
-@click.option("--rendezvous-dir", type=click.Path(path_type=Path),
-              help="A directory every node of a job sees (multi-node port files).")
-@click.option("--fetch/--no-fetch", default=None,
-              help="Fetch missing weights (off: they must be in the cache). Default on.")
-@click.option("--allow-hf/--no-allow-hf", default=None,
-              help="Allow `hf download` from this node (agent.yaml weights.allow_download).")
-@click.option("--weights-method", type=click.Choice(["auto", "copy", "hf", "none"]),
-              default=None, help="Force a weights method (agent.yaml weights.method).")
-@click.option("--verify", type=click.Choice(["size", "sha256"]), default=None,
-              help="How cached weights are checked at start. Default size.")
+@click.option(
+    "--rendezvous-dir",
+    type=click.Path(path_type=Path),
+    help="A directory every node of a job sees (multi-node port files).",
+)
+@click.option(
+    "--fetch/--no-fetch",
+    default=None,
+    help="Fetch missing weights (off: they must be in the cache). Default on.",
+)
+@click.option(
+    "--allow-hf/--no-allow-hf",
+    default=None,
+    help="Allow `hf download` from this node (agent.yaml weights.allow_download).",
+)
+@click.option(
+    "--weights-method",
+    type=click.Choice(["auto", "copy", "hf", "none"]),
+    default=None,
+    help="Force a weights method (agent.yaml weights.method).",
+)
+@click.option(
+    "--verify",
+    type=click.Choice(["size", "sha256"]),
+    default=None,
+    help="How cached weights are checked at start. Default size.",
+)
 @click.option("--python", default=None, help="Interpreter of the engine (default: this one).")
 @click.option("--bind-host", default=None, help="Address the engine listens on.")
 @click.option("--advertise-host", default=None, help="Host name reported to the daemon.")
@@ -147,12 +168,23 @@ def build_settings(path: Path | None, options: dict[str, Any]) -> tuple[AgentSet
 @click.option("--drain-poll", "drain_poll_s", type=float, default=None)
 @click.option("--drain-grace", "drain_grace_s", type=float, default=None)
 @click.option("--stop-grace", "stop_grace_s", type=float, default=None)
-@click.option("--report-timeout", "report_timeout_s", type=float, default=None,
-              help="Per report, and for the last reports at exit.")
+@click.option(
+    "--report-timeout",
+    "report_timeout_s",
+    type=float,
+    default=None,
+    help="Per report, and for the last reports at exit.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 @click.pass_context
-def main(ctx: click.Context, /, config_path: Path | None, log_level: str, port_range: str | None,
-         **options: Any) -> None:
+def main(
+    ctx: click.Context,
+    /,
+    config_path: Path | None,
+    log_level: str,
+    port_range: str | None,
+    **options: Any,
+) -> None:
     """The llmgw job agent."""
     _setup_logging(log_level)
     if port_range is not None:

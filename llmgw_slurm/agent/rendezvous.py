@@ -185,7 +185,10 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def pick_free_port(
-    port_range: tuple[int, int], seed: int, host: str = "0.0.0.0", exclude: Iterable[int] = ()  # noqa: S104
+    port_range: tuple[int, int],
+    seed: int,
+    host: str = "0.0.0.0",  # noqa: S104 - probing the port on every interface
+    exclude: Iterable[int] = (),
 ) -> int:
     """A port of ``port_range`` (inclusive) free on this node, trying from ``seed``.
 

@@ -73,8 +73,11 @@ _REPLICA_ID = re.compile(r"^[0-9a-f]{8}$")
 def job_context_from_env(env: Mapping[str, str]) -> JobContext:
     """Read the LLMGW_* variables; ConfigError naming the first one missing or wrong."""
     needed = (
-        "LLMGW_REPLICA_ID", "LLMGW_MODEL", "LLMGW_DAEMON_URL",
-        "LLMGW_REPLICA_SECRET", "LLMGW_ENGINE_API_KEY",
+        "LLMGW_REPLICA_ID",
+        "LLMGW_MODEL",
+        "LLMGW_DAEMON_URL",
+        "LLMGW_REPLICA_SECRET",
+        "LLMGW_ENGINE_API_KEY",
     )
     for name in needed:
         if not env.get(name):
@@ -123,9 +126,7 @@ class Agent:
         self.job = job
         self.env = dict(env)
         self.tracer = tracer or trace.get_tracer("llmgw_slurm")
-        # Slurm's name for the node: what the daemon sees in squeue, and
-        # distinct per node even where several slurmd share one machine.
-        self.hostname = hostname or env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.hostname = hostname or node_hostname(env)
         self._expand = expand
         self.engine: EngineProcess | None = None
         self.role: rdzv.NodeRole | None = None
@@ -147,8 +148,11 @@ class Agent:
             self._drain.set()
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
-        names = {signal.SIGUSR1: "SIGUSR1 (time limit near)", signal.SIGTERM: "SIGTERM",
-                 signal.SIGINT: "SIGINT"}
+        names = {
+            signal.SIGUSR1: "SIGUSR1 (time limit near)",
+            signal.SIGTERM: "SIGTERM",
+            signal.SIGINT: "SIGINT",
+        }
         for sig, why in names.items():
             loop.add_signal_handler(sig, self.request_drain, why)
 
@@ -225,8 +229,12 @@ class Agent:
         with self.tracer.start_as_current_span("llmgw.agent", context=parent, attributes=attrs):
             async with aiohttp.ClientSession() as session:
                 self._client = DaemonClient(
-                    session, self.job.daemon_url, self.job.replica_id, self.job.replica_secret,
-                    node=self.hostname, job_id=self.env.get("SLURM_JOB_ID", ""),
+                    session,
+                    self.job.daemon_url,
+                    self.job.replica_id,
+                    self.job.replica_secret,
+                    node=self.hostname,
+                    job_id=self.env.get("SLURM_JOB_ID", ""),
                     timeout_s=self.settings.report_timeout_s,
                 )
                 sender = asyncio.create_task(self._sender())
@@ -240,8 +248,7 @@ class Agent:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(sender, self.settings.report_timeout_s)
                     if not sender.done():
-                        log.warning("daemon away: %d report(s) not delivered",
-                                    self._outbox.qsize())
+                        log.warning("daemon away: %d report(s) not delivered", self._outbox.qsize())
                     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
                         loop.remove_signal_handler(sig)
 
@@ -255,8 +262,11 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await startup
             await self._stop_engine()
-            self._emit("stopped", message=f"stopped before ready: {self.drain_reason}",
-                       elapsed_s=time.monotonic() - t0)
+            self._emit(
+                "stopped",
+                message=f"stopped before ready: {self.drain_reason}",
+                elapsed_s=time.monotonic() - t0,
+            )
             return EXIT_OK
         drain_wait.cancel()
         try:
@@ -317,8 +327,11 @@ class Agent:
             log.info("engine: %s", _redact(cmd.argv, self.job.engine_api_key))
             out, err = self._engine_log_files(role)
             self.engine = EngineProcess(
-                cmd.argv, engine_env(self.env, cmd.env), tail_lines=s.log_tail_lines,
-                stdout=out, stderr=err,
+                cmd.argv,
+                engine_env(self.env, cmd.env),
+                tail_lines=s.log_tail_lines,
+                stdout=out,
+                stderr=err,
             )
             await self.engine.start()
 
@@ -396,8 +409,9 @@ class Agent:
             drain_task.cancel()
         exit_task.cancel()
         await self._drain_and_stop(session)
-        self._emit("stopped", message=f"drained: {self.drain_reason}",
-                   elapsed_s=time.monotonic() - t_ready)
+        self._emit(
+            "stopped", message=f"drained: {self.drain_reason}", elapsed_s=time.monotonic() - t_ready
+        )
         return EXIT_OK
 
     async def _heartbeat(self) -> None:
@@ -432,17 +446,21 @@ class Agent:
         while True:
             elapsed = time.monotonic() - t0
             if self.engine is None or self.engine.returncode is not None:
-                log.info("drain: engine exited by itself (code %s)",
-                         self.engine.returncode if self.engine else None)
+                log.info(
+                    "drain: engine exited by itself (code %s)",
+                    self.engine.returncode if self.engine else None,
+                )
                 return elapsed
             if elapsed >= s.drain_timeout_s:
-                log.warning("drain: limit of %.0fs reached with requests in flight",
-                            s.drain_timeout_s)
+                log.warning(
+                    "drain: limit of %.0fs reached with requests in flight", s.drain_timeout_s
+                )
                 return elapsed
             count: int | None = None
             try:
                 async with session.get(
-                    self._metrics_url, headers=headers,
+                    self._metrics_url,
+                    headers=headers,
                     timeout=aiohttp.ClientTimeout(total=5.0),
                 ) as resp:
                     if resp.status == 200:
@@ -482,3 +500,21 @@ class Agent:
 
 def _redact(argv: list[str], secret: str) -> list[str]:
     return [a.replace(secret, "***") if secret else a for a in argv]
+
+
+def node_hostname(env: Mapping[str, str]) -> str:
+    """The name this node is reached by: Slurm's node name when it resolves.
+
+    Several slurmd may share one machine (the dev cluster, or sites with
+    multiple-slurmd), where the machine's hostname is the same for all of them
+    and only the node name tells them apart. A node name that does not resolve
+    falls back to the hostname (agent.yaml's advertise_host overrides both).
+    """
+    name = env.get("SLURMD_NODENAME", "")
+    if name:
+        try:
+            socket.getaddrinfo(name, None)
+            return name
+        except OSError:
+            pass
+    return socket.gethostname()

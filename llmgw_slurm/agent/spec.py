@@ -141,7 +141,13 @@ def _path_in_url(value: Any, field_: str) -> str:
 
 def _engine(raw: Any) -> EngineSpec:
     allowed = (
-        "kind", "args", "command", "env", "apptainer_image", "health_path", "ready_timeout",
+        "kind",
+        "args",
+        "command",
+        "env",
+        "apptainer_image",
+        "health_path",
+        "ready_timeout",
     )
     obj = _obj(raw, "engine", allowed)
     kind = obj.get("kind")

@@ -79,8 +79,12 @@ def effective_method(weights: WeightsSpec, site_method: str) -> str:
     is_hf = weights.hf_repo is not None
     if site_method == "none" or (site_method == "hf") == is_hf:
         return site_method
-    log.info("weights: site method %s does not fit %s; using %s", site_method,
-             weights.source, weights.method)
+    log.info(
+        "weights: site method %s does not fit %s; using %s",
+        site_method,
+        weights.source,
+        weights.method,
+    )
     return weights.method
 
 
@@ -210,9 +214,7 @@ def _fetch_hf(weights: WeightsSpec, dest: Path, settings: FetchSettings) -> None
         )
 
 
-def ensure_weights(
-    model: str, weights: WeightsSpec | None, settings: FetchSettings
-) -> FetchResult:
+def ensure_weights(model: str, weights: WeightsSpec | None, settings: FetchSettings) -> FetchResult:
     """Return a verified local path for the model's weights, fetching if allowed.
 
     Blocking (hashing and copying): call it from a thread in async code.

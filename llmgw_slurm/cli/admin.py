@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import getpass
+import logging
+import re
+import sys
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 import click
 
 from llmgw_slurm import __version__
-from llmgw_slurm.cli.common import friendly_errors, print_json, run, table
+from llmgw_slurm.audit import Period
+from llmgw_slurm.cli.common import (
+    DaemonReply,
+    call_daemon,
+    fmt_age,
+    friendly_errors,
+    print_json,
+    run,
+    table,
+)
+from llmgw_slurm.config import HostPort, ServerConfig
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import NodeInfo
 
@@ -54,3 +72,519 @@ def nodes(as_json: bool, timeout: float) -> None:
     free = sum(n.gpus_free() for n in found if n.usable)
     total = sum(n.gpus_total() for n in found)
     click.echo(f"\n{len(found)} nodes, {free} of {total} GPUs free")
+
+
+@main.command()
+@click.option(
+    "--server",
+    "server_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="LLMGW_SERVER_CONFIG",
+    default="/etc/llmgw-slurm/server.yaml",
+    show_default=True,
+    help="server.yaml (env LLMGW_SERVER_CONFIG).",
+)
+@click.option("--log-level", default="INFO", show_default=True)
+@friendly_errors
+def serve(server_path: Path, log_level: str) -> None:
+    """Run the daemon: reconciler, gateway and internal API (SIGHUP reloads the catalog)."""
+    from llmgw_slurm import daemon
+    from llmgw_slurm.config import load_server_config
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    server = load_server_config(server_path)
+    d = daemon.build(server, server_path)
+    run(daemon.serve(d))
+
+
+@main.group()
+def config() -> None:
+    """Configuration files."""
+
+
+@config.command("check")
+@click.option("--models", type=click.Path(dir_okay=False, path_type=Path), help="models.yaml")
+@click.option("--server", type=click.Path(dir_okay=False, path_type=Path), help="server.yaml")
+@click.option("--agent", type=click.Path(dir_okay=False, path_type=Path), help="agent.yaml")
+def config_check(models: Path | None, server: Path | None, agent: Path | None) -> None:
+    """Validate config files without starting anything or touching Slurm.
+
+    Every problem of every file is reported, each as file:line: field: message.
+    With --server alone, the models and agent files it names are checked too.
+    """
+    from llmgw_slurm.config import check_files, load_server_config
+    from llmgw_slurm.errors import ConfigError
+
+    if models is None and server is None and agent is None:
+        raise click.UsageError("give at least one of --models, --server, --agent")
+    errors = check_files(models=models, server=server, agent=agent)
+    if server is not None and not errors:
+        try:
+            cfg = load_server_config(server)
+        except ConfigError as exc:  # pragma: no cover - check_files saw it already
+            errors.append(exc)
+        else:
+            errors += check_files(
+                models=cfg.models if models is None else None,
+                agent=cfg.agent_config if agent is None else None,
+            )
+    for e in errors:
+        click.echo(str(e), err=True)
+    if errors:
+        click.echo(f"{len(errors)} error(s)", err=True)
+        sys.exit(1)
+    click.echo("ok: " + ", ".join(str(p) for p in (models, server, agent) if p is not None))
+
+
+# ---- the running daemon: status, drain, stop, reload ---------------------------------
+
+_server_option = click.option(
+    "--server",
+    "server_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="LLMGW_SERVER_CONFIG",
+    default="/etc/llmgw-slurm/server.yaml",
+    show_default=True,
+    help="The daemon's server.yaml (env LLMGW_SERVER_CONFIG).",
+)
+
+
+def _load_server(path: Path) -> ServerConfig:
+    from llmgw_slurm.config import load_server_config
+
+    if not path.exists():
+        raise click.ClickException(
+            f"{path} does not exist: give the daemon's server.yaml with --server "
+            "(or LLMGW_SERVER_CONFIG)"
+        )
+    return load_server_config(path)
+
+
+def _local_url(hp: HostPort) -> str:
+    # A wildcard listener is reached on loopback from the daemon's own host.
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(hp.host, hp.host)  # noqa: S104
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{hp.port}"
+
+
+def _admin_token(server: ServerConfig) -> str:
+    from llmgw_slurm.secrets import admin_token
+
+    path = Path(server.state_dir).expanduser() / "server.key"
+    try:
+        key = path.read_bytes().strip()
+    except FileNotFoundError:
+        raise click.ClickException(
+            f"no server key at {path}: has the daemon run with this server.yaml?"
+        ) from None
+    except PermissionError:
+        raise click.ClickException(
+            f"cannot read {path} (permission denied): run this as the daemon's user, "
+            "e.g. sudo -u llmgw llmgw-admin ..."
+        ) from None
+    if len(key) < 32:
+        raise click.ClickException(f"{path} does not hold a server key (too short)")
+    return admin_token(key)
+
+
+def _admin_call(server: ServerConfig, action: str, body: object = None) -> DaemonReply:
+    url = _local_url(server.listen.internal)
+    reply: DaemonReply = run(
+        call_daemon(
+            "POST",
+            url,
+            f"/internal/v1/admin/{action}",
+            token=_admin_token(server),
+            body=body if body is not None else {},
+            timeout=60.0,
+            what="the llmgw daemon's internal API",
+        )
+    )
+    if reply.status == 401:
+        raise click.ClickException(
+            f"the daemon at {url} refused the admin token: is it running with this "
+            "server.yaml and state_dir?"
+        )
+    if not reply.ok:
+        raise click.ClickException(reply.error_message())
+    return reply
+
+
+@main.command()
+@_server_option
+@click.option("--json", "as_json", is_flag=True, help="Print the daemon's status JSON.")
+@click.option("--decisions", default=15, show_default=True, help="How many recent decisions.")
+@friendly_errors
+def status(server_path: Path, as_json: bool, decisions: int) -> None:
+    """Models, replicas and their jobs, nodes, and recent decisions with reasons."""
+    server = _load_server(server_path)
+    url = _local_url(server.listen.gateway)
+    reply: DaemonReply = run(call_daemon("GET", url, "/api/v1/status"))
+    if not reply.ok or not isinstance(reply.data, dict):
+        raise click.ClickException(f"{url}: status request failed: {reply.error_message()}")
+    st: dict[str, Any] = reply.data
+    if as_json:
+        print_json(st)
+        return
+    click.echo(f"daemon {url} · version {st.get('version', '?')} · {st.get('passes')} passes")
+    if st.get("last_pass_error"):
+        click.echo(f"WARNING: the last pass could not ask Slurm: {st['last_pass_error']}")
+    models = st.get("models") or []
+    click.echo()
+    click.echo(
+        table(
+            ("MODEL", "STATE", "GPUS", "MIN-MAX", "REPLICAS"),
+            [
+                (
+                    m.get("name"),
+                    m.get("state"),
+                    m.get("gpus"),
+                    f"{m.get('min')}-{m.get('max')}",
+                    len(m.get("replicas") or []),
+                )
+                for m in models
+            ],
+        )
+    )
+    for m in models:
+        if m.get("note"):
+            click.echo(f"  {m['name']}: {m['note']}")
+    reps = [(m, r) for m in models for r in (m.get("replicas") or [])]
+    click.echo()
+    if reps:
+        click.echo(
+            table(
+                ("REPLICA", "MODEL", "JOB", "STATE", "NODES", "STEP / REASON", "IDLE"),
+                [
+                    (
+                        r.get("id"),
+                        m.get("name"),
+                        r.get("job_id"),
+                        r.get("state"),
+                        ",".join(r.get("nodes") or []) or "-",
+                        r.get("reason") if r.get("state") == "pending" else r.get("step") or "-",
+                        "-" if r.get("idle_s") is None else fmt_age(float(r["idle_s"])),
+                    )
+                    for m, r in reps
+                ],
+            )
+        )
+    else:
+        click.echo("no replicas")
+    nodes_ = st.get("nodes") or []
+    if nodes_:
+        click.echo()
+        click.echo(
+            table(
+                ("NODE", "STATE", "PARTITIONS", "GPUS FREE/TOTAL"),
+                [
+                    (
+                        n.get("name"),
+                        n.get("state"),
+                        ",".join(n.get("partitions") or []),
+                        f"{n.get('gpus_free')}/{n.get('gpus_total')}",
+                    )
+                    for n in nodes_
+                ],
+            )
+        )
+    ds = (st.get("decisions") or [])[-decisions:] if decisions > 0 else []
+    if ds:
+        now = float(st.get("now") or time.time())
+        click.echo("\nrecent decisions (newest last):")
+        # Lines, not a table: a reason quotes Slurm and is worth reading whole.
+        for d in ds:
+            ago = fmt_age(now - float(d.get("at") or now))
+            rid = f" {d['replica']}" if d.get("replica") else ""
+            click.echo(f"{ago:>7} ago  {d.get('action')} {d.get('model')}{rid}: {d.get('reason')}")
+
+
+def _target_body(target: str | None, node: str | None, reason: str | None) -> dict[str, str]:
+    if bool(target) == bool(node):
+        raise click.UsageError("give a REPLICA or MODEL, or --node NODE (one of them)")
+    return {"target": target or "", "node": node or "", "reason": reason or ""}
+
+
+def _said(what: str, target: str | None, node: str | None, ids: list[str]) -> str:
+    where = f"node {node}" if node else str(target)
+    if not ids:
+        return f"nothing to {what} on {where}: no live replica there"
+    return f"{what}ing {len(ids)} replica(s) of {where}: {', '.join(ids)}"
+
+
+@main.command()
+@click.argument("target", required=False, metavar="REPLICA|MODEL")
+@click.option("--node", help="Drain every replica on this node.")
+@click.option("--reason", help="Recorded with the decision.")
+@_server_option
+@friendly_errors
+def drain(target: str | None, node: str | None, reason: str | None, server_path: Path) -> None:
+    """Stop routing to replicas; each is cancelled once its requests finish.
+
+    A model whose min is above what is left gets new replicas: a drain moves
+    replicas (off a node, say), it does not take a model down.
+    """
+    body = _target_body(target, node, reason)
+    reply = _admin_call(_load_server(server_path), "drain", body)
+    click.echo(_said("drain", target, node, list(reply.data.get("replicas") or [])))
+
+
+@main.command()
+@click.argument("target", required=False, metavar="REPLICA|MODEL")
+@click.option("--node", help="Stop every replica on this node.")
+@click.option("--reason", help="Recorded with the decision.")
+@click.option("--yes", is_flag=True, help="Do not ask: requests in flight fail.")
+@_server_option
+@friendly_errors
+def stop(
+    target: str | None, node: str | None, reason: str | None, yes: bool, server_path: Path
+) -> None:
+    """Cancel replicas now (scancel), requests in flight or not; `drain` is the gentle way."""
+    body = _target_body(target, node, reason)
+    server = _load_server(server_path)
+    if not yes:
+        click.confirm(
+            f"Cancel the replicas of {target or 'node ' + str(node)} now, in-flight requests "
+            "failing?",
+            abort=True,
+        )
+    reply = _admin_call(server, "stop", body)
+    click.echo(_said("stopp", target, node, list(reply.data.get("replicas") or [])))
+
+
+@main.command()
+@_server_option
+@friendly_errors
+def reload(server_path: Path) -> None:
+    """Re-read the catalog (models.yaml); a bad one is refused and the running one kept."""
+    reply = _admin_call(_load_server(server_path), "reload")
+    names = list(reply.data.get("models") or [])
+    click.echo(f"catalog reloaded: {len(names)} model(s): {', '.join(names)}")
+
+
+# ---- audit ---------------------------------------------------------------------------
+
+_DBD_DOWN = re.compile(
+    r"slurmdbd|persist(ent)? conn|talking to the database|accounting_storage|"
+    r"Connection refused|Unable to contact",
+    re.IGNORECASE,
+)
+
+
+def _when(text: str, now: datetime) -> datetime:
+    units = {"h": 3600, "d": 86400, "w": 7 * 86400}
+    t = text.strip()
+    if t == "now":
+        return now
+    if t[:-1].isdigit() and t[-1:] in units:
+        return now - timedelta(seconds=int(t[:-1]) * units[t[-1]])
+    try:
+        return datetime.fromisoformat(t)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: use now, a duration ago (12h, 30d, 2w) or a date (2024-05-01)"
+        ) from None
+
+
+def _service_user(server: ServerConfig) -> str:
+    # The daemon's user owns its state directory; the jobs are that user's.
+    import pwd
+
+    try:
+        uid = Path(server.state_dir).expanduser().stat().st_uid
+        return pwd.getpwuid(uid).pw_name
+    except (OSError, KeyError):
+        return getpass.getuser()
+
+
+@main.command()
+@_server_option
+@click.option("--since", default="30d", show_default=True, help="Date or 12h / 30d / 2w ago.")
+@click.option("--until", "until_", default="now", show_default=True, help="Date, or now.")
+@click.option("--by", type=click.Choice(["day", "week", "month"]), default="day", show_default=True)
+@click.option(
+    "--user",
+    help="Whose jobs (default: the owner of state_dir, i.e. the daemon's user). Other users' "
+    "jobs with the same name prefix are not the service's and are left out.",
+)
+@click.option("--csv", "as_csv", is_flag=True, help="CSV for spreadsheets.")
+@click.option("--json", "as_json", is_flag=True, help="JSON for scripts.")
+@friendly_errors
+def audit(
+    server_path: Path,
+    since: str,
+    until_: str,
+    by: Period,
+    user: str | None,
+    as_csv: bool,
+    as_json: bool,
+) -> None:
+    """GPU hours, jobs, failures and preemptions per model and period, from sacct."""
+    from llmgw_slurm import audit as auditmod
+    from llmgw_slurm.errors import SlurmError
+    from llmgw_slurm.slurm import make_backend
+
+    if as_csv and as_json:
+        raise click.UsageError("--csv and --json exclude each other")
+    server = _load_server(server_path)
+    now = datetime.now()
+    t0, t1 = _when(since, now), _when(until_, now)
+    if t0 >= t1:
+        raise click.UsageError(f"--since ({t0:%Y-%m-%d %H:%M}) must be before --until")
+    who = user or _service_user(server)
+    backend = make_backend(server.slurm.backend, timeout=max(server.slurm.command_timeout, 60))
+    prefix = server.slurm.job_prefix
+    try:
+        # All users, then only the service's: a name prefix alone can be copied by anyone.
+        recs = run(backend.accounting(t0, t1, name_prefix=prefix, all_users=True))
+    except SlurmError as exc:
+        detail = (exc.stderr.strip().splitlines() or [str(exc)])[-1]
+        if _DBD_DOWN.search(exc.stderr or ""):
+            raise click.ClickException(
+                f"cannot reach accounting (slurmdbd): {detail} "
+                "(sacct needs slurmdbd up and AccountingStorageType=accounting_storage/slurmdbd)"
+            ) from None
+        raise click.ClickException(f"sacct failed: {exc}") from None
+    recs = [r for r in recs if r.user == who]
+    rows = auditmod.aggregate(recs, prefix, t0, t1, by, now)
+    if as_json:
+        print_json(
+            {
+                "since": t0.isoformat(timespec="seconds"),
+                "until": t1.isoformat(timespec="seconds"),
+                "by": by,
+                "user": who,
+                "job_prefix": prefix,
+                "rows": [dataclasses.asdict(r) for r in rows],
+                "totals": auditmod.totals(rows),
+            }
+        )
+        return
+    if as_csv:
+        click.echo(auditmod.to_csv(rows), nl=False)
+        return
+    click.echo(
+        f"jobs of {who} named {prefix}* from {t0:%Y-%m-%d %H:%M} to {t1:%Y-%m-%d %H:%M}, by {by}"
+    )
+    if not rows:
+        click.echo("no jobs")
+        return
+    tot = auditmod.totals(rows)
+    click.echo(
+        table(
+            ("PERIOD", "MODEL", "JOBS", "GPU HOURS", "FAILED", "TIMEOUT", "PREEMPTED"),
+            [
+                (r.period, r.model, r.jobs, f"{r.gpu_hours:.2f}", r.failed, r.timeout, r.preempted)
+                for r in rows
+            ]
+            + [
+                (
+                    "total",
+                    "",
+                    tot["jobs"],
+                    f"{tot['gpu_hours']:.2f}",
+                    tot["failed"],
+                    tot["timeout"],
+                    tot["preempted"],
+                )
+            ],
+        )
+    )
+
+
+# ---- keys ----------------------------------------------------------------------------
+
+
+@main.group()
+def keys() -> None:
+    """Gateway API keys (router.keys_file in server.yaml)."""
+
+
+_keys_file_option = click.option(
+    "--keys-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The key file (default: router.keys_file of --server).",
+)
+
+
+def _keys_file(server_path: Path, keys_file: Path | None) -> Path:
+    if keys_file is not None:
+        return keys_file
+    server = _load_server(server_path)
+    if server.router.keys_file is None:
+        raise click.ClickException(
+            f"{server_path} has no router.keys_file: keys are off (anyone who reaches the "
+            "gateway may use it); set router.keys_file to turn them on"
+        )
+    return Path(server.router.keys_file)
+
+
+@keys.command("add")
+@click.argument("user")
+@click.option("--project", default="", help="A project to account usage to.")
+@_server_option
+@_keys_file_option
+@click.option("--json", "as_json", is_flag=True)
+@friendly_errors
+def keys_add(
+    user: str, project: str, server_path: Path, keys_file: Path | None, as_json: bool
+) -> None:
+    """Make a key for USER. The key is shown once; only its hash is stored."""
+    from llmgw_slurm.router.keys import add_key
+
+    path = _keys_file(server_path, keys_file)
+    new = add_key(path, user, project)
+    if as_json:
+        print_json(dataclasses.asdict(new.record) | {"key": new.key})
+        return
+    click.echo(f"key {new.record.key_id} for {user}" + (f" (project {project})" if project else ""))
+    click.echo(new.key)
+    click.echo(
+        "Shown once: the file keeps only its hash. Give it to the user, who sets "
+        "LLMGW_API_KEY or api_key in ~/.config/llmgw/config.yaml.",
+        err=True,
+    )
+
+
+@keys.command("list")
+@_server_option
+@_keys_file_option
+@click.option("--json", "as_json", is_flag=True)
+@friendly_errors
+def keys_list(server_path: Path, keys_file: Path | None, as_json: bool) -> None:
+    """Every key (never the key itself): id, user, project, created, revoked."""
+    from llmgw_slurm.router.keys import list_keys
+
+    recs = list_keys(_keys_file(server_path, keys_file))
+    if as_json:
+        print_json([dataclasses.asdict(r) | {"active": r.active} for r in recs])
+        return
+    if not recs:
+        click.echo("no keys")
+        return
+
+    def day(ts: float | None) -> str:
+        return "-" if ts is None else datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+
+    click.echo(
+        table(
+            ("ID", "USER", "PROJECT", "CREATED", "REVOKED"),
+            [(r.key_id, r.user, r.project or "-", day(r.created), day(r.revoked)) for r in recs],
+        )
+    )
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@_server_option
+@_keys_file_option
+@friendly_errors
+def keys_revoke(key_id: str, server_path: Path, keys_file: Path | None) -> None:
+    """Revoke a key by its id; the gateway refuses it from the next request on."""
+    from llmgw_slurm.router.keys import revoke_key
+
+    rec = revoke_key(_keys_file(server_path, keys_file), key_id)
+    click.echo(f"key {rec.key_id} of {rec.user} revoked")

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import json
 import shutil
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import click
@@ -59,3 +59,77 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
             out.append(cell.ljust(widths[i]))
         lines.append("  ".join(out).rstrip())
     return "\n".join(lines)
+
+
+# ---- talking to the daemon ---------------------------------------------------------
+
+
+class DaemonReply:
+    """One answer from the daemon: status code and the decoded JSON body."""
+
+    def __init__(self, status: int, data: Any) -> None:
+        self.status = status
+        self.data = data
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def error_message(self) -> str:
+        """The ``error.message`` of an error body, or a short description of the answer."""
+        if isinstance(self.data, dict):
+            err = self.data.get("error")
+            if isinstance(err, dict) and err.get("message"):
+                return str(err["message"])
+            if isinstance(err, str):
+                return err
+        return f"HTTP {self.status}"
+
+
+async def call_daemon(
+    method: str,
+    base_url: str,
+    path: str,
+    *,
+    token: str | None = None,
+    body: object = None,
+    params: Mapping[str, str] | None = None,
+    timeout: float = 15.0,
+    what: str = "the llmgw daemon",
+) -> DaemonReply:
+    """One request to the daemon; an unreachable daemon is a ClickException saying where."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = base_url.rstrip("/") + path
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.request(method, url, json=body, headers=headers, params=params) as resp,
+        ):
+            text = await resp.text()
+            status = resp.status
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        reason = str(exc) or type(exc).__name__
+        if isinstance(exc, TimeoutError):
+            reason = f"no answer within {timeout:g}s"
+        raise click.ClickException(f"cannot reach {what} at {base_url}: {reason}") from None
+    try:
+        data = json.loads(text) if text else None
+    except json.JSONDecodeError:
+        raise click.ClickException(
+            f"{base_url} answered {status} with something that is not JSON; "
+            f"is it the llmgw daemon? ({text[:80]!r})"
+        ) from None
+    return DaemonReply(status, data)
+
+
+def fmt_age(seconds: float) -> str:
+    s = max(0, int(seconds))
+    if s >= 86400:
+        return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
+    if s >= 3600:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"

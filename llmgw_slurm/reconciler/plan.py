@@ -85,6 +85,10 @@ class ReplicaView:
     agent_failed: str = ""  # the agent's failure message, if it reported one
     replaces: str = ""  # the replica this one renews
     stop_reason: str = ""  # why it is stopping (for STOPPING)
+    # The agent drains on its own (SIGTERM from a cancel or a preemption, SIGUSR1 before
+    # the time limit): the job ends by itself, and a preempted one comes back, so the
+    # daemon must not cancel it.
+    self_draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -285,11 +289,13 @@ def plan(
         m = models.get(r.model)
         if r.state is ReplicaState.STOPPING:
             continue
-        if m is None:
+        if m is None and r.state is not ReplicaState.DRAINING:
+            # One action per replica: the rules below would cancel it a second time.
             if r.state is ReplicaState.READY:
                 drain(r, "model removed from the catalog")
-            elif r.state is not ReplicaState.DRAINING:
+            else:
                 cancel(r, "model removed from the catalog")
+            continue
         if r.agent_failed and r.state is not ReplicaState.DRAINING:
             cancel(r, f"start failed: {r.agent_failed}", failure=True)
             continue
@@ -311,7 +317,7 @@ def plan(
                 r, f"pending for {_fmt_s(now - r.submitted_at)} ({r.reason or 'no reason given'})"
             )
             continue
-        if r.state is ReplicaState.DRAINING:
+        if r.state is ReplicaState.DRAINING and not r.self_draining:
             since = r.draining_since if r.draining_since is not None else now
             if r.in_flight == 0:
                 cancel(r, f"drained ({r.drain_reason or 'drain'})")
@@ -386,13 +392,17 @@ def plan(
             out.notes[m.name] = f"no room: {where}; {note}"
 
     # 2. and 3. Per model.
+    def count_once(mine: list[ReplicaView]) -> list[ReplicaView]:
+        """A replica and its renewal count once."""
+        present = {x.replica_id for x in mine}
+        return [r for r in mine if not r.replaces or r.replaces not in present]
+
     for name, m in models.items():
-        mine = by_model.get(name, [])
+        # An earlier model's eviction may have taken one of these: it is going
+        # away and gets no second action (no drain, no renewal).
+        mine = [r for r in by_model.get(name, []) if r.replica_id not in stopping]
         renewing = {r.replaces for r in mine if r.replaces}
-        # A replica and its renewal count once.
-        counted = [
-            r for r in mine if not r.replaces or r.replaces not in {x.replica_id for x in mine}
-        ]
+        counted = count_once(mine)
         ready = [r for r in mine if r.state is ReplicaState.READY]
         in_flight = sum(r.in_flight for r in mine)
         w = wanted_at.get(name)
@@ -416,6 +426,10 @@ def plan(
             ):
                 old = next(o for o in mine if o.replica_id == r.replaces)
                 drain(old, f"renewed by {r.replica_id}")
+        # A handed-over replica is draining now; its replacement counts in its
+        # place, so the scale-down below does not drain the old one again.
+        mine = [r for r in mine if r.replica_id not in stopping]
+        counted = count_once(mine)
 
         fl = failures.get(name)
         left = backoff_left(fl, cfg, now)
@@ -466,8 +480,11 @@ def plan(
 
         # Pending replicas that Slurm cannot start: say why and try to make room.
         for r in mine:
+            # A job cancelled above is going away: stopping another replica to
+            # make room for it would only throw that one away too.
             if (
                 r.state is ReplicaState.PENDING
+                and r.replica_id not in stopping
                 and r.reason in ("Resources", "Priority")
                 and name not in out.notes
             ):

@@ -144,7 +144,7 @@ def _split(line: str, n: int, command: str) -> list[str] | None:
         parts.pop()
     if len(parts) > n:
         # Only the last field (comment) may hold a stray SEP: fold it back.
-        parts = [*parts[:n - 1], SEP.join(parts[n - 1:])]
+        parts = [*parts[: n - 1], SEP.join(parts[n - 1 :])]
     if len(parts) != n:
         log.warning(
             "%s: skipping a line with %d fields, expected %d: %r",

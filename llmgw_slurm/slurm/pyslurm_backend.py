@@ -56,9 +56,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-UNAVAILABLE = (
-    "pyslurm is not installed / built for a different Slurm; use slurm.backend: cli"
-)
+UNAVAILABLE = "pyslurm is not installed / built for a different Slurm; use slurm.backend: cli"
 
 # What slurm_strerror says about a job that has already ended or never was (the
 # same words scancel prints); for an idempotent executor that is success.

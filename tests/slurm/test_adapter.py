@@ -152,7 +152,9 @@ async def test_research_job_preempts_a_service_job_which_is_requeued(
     backend: CliBackend, prefix: str
 ) -> None:
     # Pin both to one node and ask for all its GPUs so that only preemption can start the second.
-    node = "gpunode4"
+    free = [n.name for n in await backend.list_nodes() if n.usable and n.gpus_free("a100") == 4]
+    assert free, "no node with 4 free GPUs: is something else running on the dev cluster?"
+    node = free[-1]
     svc = await backend.submit(
         JobSpec(
             name=prefix + "svc.00000005",

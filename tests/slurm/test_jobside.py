@@ -51,9 +51,18 @@ def setup_files(tmp_path: Path, nodes: int = 1) -> tuple[Path, str]:
         "name": "tiny",
         "engine": {
             "kind": "command",
-            "command": [sys.executable, str(FAKE_ENGINE), "--host", "{host}", "--port",
-                        "{port}", "--model-path", "{model_path}", "--served-name",
-                        "{served_name}"],
+            "command": [
+                sys.executable,
+                str(FAKE_ENGINE),
+                "--host",
+                "{host}",
+                "--port",
+                "{port}",
+                "--model-path",
+                "{model_path}",
+                "--served-name",
+                "{served_name}",
+            ],
         },
         "weights": {"source": str(weights), "method": "copy"},
         "resources": {"nodes": nodes, "gpus": 1},
@@ -98,9 +107,12 @@ async def test_replica_serves_and_drains_on_the_time_limit_warning(
 ) -> None:
     agent_yaml, spec = setup_files(tmp_path)
     script = render_replica(
-        ReplicaParams(job_options(prefix, tmp_path),
-                      Resources(gpus=1, gpu_type="a100", cpus_per_task=2),
-                      str(agent_yaml), signal_before_s=60)
+        ReplicaParams(
+            job_options(prefix, tmp_path),
+            Resources(gpus=1, gpu_type="a100", cpus_per_task=2),
+            str(agent_yaml),
+            signal_before_s=60,
+        )
     )
     async with fake_daemon() as daemon:
         job_id = await backend.submit(
@@ -114,8 +126,9 @@ async def test_replica_serves_and_drains_on_the_time_limit_warning(
         assert ready["job_id"] == job_id
         assert ready["node"].startswith("gpunode")
         assert ready["url"].startswith(f"http://{ready['node']}:")
-        shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
-                               text=True, check=False).stdout
+        shown = subprocess.run(
+            ["scontrol", "show", "job", job_id], capture_output=True, text=True, check=False
+        ).stdout
         assert SECRET not in shown and KEY not in shown
         headers = {"Authorization": f"Bearer {KEY}"}
         async with aiohttp.ClientSession(headers=headers) as s:
@@ -178,8 +191,10 @@ async def test_two_node_replica_as_a_het_job(
     script = render_replica_hetjob(
         HetReplicaParams(
             job_options(prefix, tmp_path),
-            [HetComponent(1, Resources(gpus=1, cpus_per_task=2)),
-             HetComponent(1, Resources(gpus=1, cpus_per_task=2))],
+            [
+                HetComponent(1, Resources(gpus=1, cpus_per_task=2)),
+                HetComponent(1, Resources(gpus=1, cpus_per_task=2)),
+            ],
             str(agent_yaml),
         )
     )

@@ -46,8 +46,9 @@ rendezvous:
 
 def test_agent_yaml_maps_onto_settings(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
-    path.write_text(AGENT_YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs",
-                                      rdzv=tmp_path / "rdzv"))
+    path.write_text(
+        AGENT_YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs", rdzv=tmp_path / "rdzv")
+    )
     s, daemon_url = build_settings(path, {})
     assert daemon_url == "http://login1:8001"
     assert s.fetch.cache_dir == tmp_path / "cache"
@@ -66,8 +67,9 @@ def test_agent_yaml_maps_onto_settings(tmp_path: Path) -> None:
     assert (s.drain_timeout_s, s.drain_poll_s, s.drain_grace_s, s.stop_grace_s) == (90, 1, 5, 15)
     assert s.rendezvous_dir == tmp_path / "rdzv" and s.rendezvous_timeout_s == 300
     # Options override the file.
-    s2, _ = build_settings(path, {"allow_hf": False, "port_range": (22000, 22010),
-                                  "heartbeat_interval_s": None})
+    s2, _ = build_settings(
+        path, {"allow_hf": False, "port_range": (22000, 22010), "heartbeat_interval_s": None}
+    )
     assert s2.fetch.allow_hf is False and s2.port_range == (22000, 22010)
     assert s2.heartbeat_interval_s == 30
 
@@ -97,9 +99,13 @@ def test_catalog_spec_round_trips_into_the_agent() -> None:
     entry = {
         "name": "llama-8b",
         "aliases": ["meta-llama/Llama-3.1-8B-Instruct"],
-        "engine": {"kind": "vllm", "args": ["--max-model-len", "8192"],
-                   "apptainer_image": "/images/vllm.sif", "env": {"A": "1"},
-                   "ready_timeout": 1200},
+        "engine": {
+            "kind": "vllm",
+            "args": ["--max-model-len", "8192"],
+            "apptainer_image": "/images/vllm.sif",
+            "env": {"A": "1"},
+            "ready_timeout": 1200,
+        },
         "weights": {"source": "hf:meta-llama/Llama-3.1-8B-Instruct@main"},
         "resources": {"gpus": 4, "nodes": 2, "time_limit": "1-00:00:00", "memory": "64G"},
         "scaling": {"min": 1, "max": 2},
@@ -113,15 +119,23 @@ def test_catalog_spec_round_trips_into_the_agent() -> None:
     assert spec.weights is not None and spec.weights.method == "hf"
     assert spec.weights.hf_repo == "meta-llama/Llama-3.1-8B-Instruct"
     assert spec.weights.hf_revision == "main"
-    command = model_from_spec({"name": "cmd", "engine": {"kind": "command",
-                                                         "command": ["serve", "{port}"]}})
+    command = model_from_spec(
+        {"name": "cmd", "engine": {"kind": "command", "command": ["serve", "{port}"]}}
+    )
     assert parse_replica_spec(command.to_spec_json()).weights is None
 
 
 def test_options_alone_need_a_cache_dir(tmp_path: Path) -> None:
     with pytest.raises(click.UsageError, match="--cache-dir"):
         build_settings(None, {"verify": "sha256"})
-    s, url = build_settings(None, {"cache_dir": tmp_path, "verify": "sha256", "fetch": False,
-                                   "rendezvous_dir": tmp_path / "r"})
+    s, url = build_settings(
+        None,
+        {
+            "cache_dir": tmp_path,
+            "verify": "sha256",
+            "fetch": False,
+            "rendezvous_dir": tmp_path / "r",
+        },
+    )
     assert url is None and s.fetch.verify == "sha256" and s.fetch.enabled is False
     assert s.rendezvous_dir == tmp_path / "r"

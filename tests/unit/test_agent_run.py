@@ -46,9 +46,19 @@ def spec_json(weights: Path, *engine_extra: str) -> str:
             "name": "tiny",
             "engine": {
                 "kind": "command",
-                "command": [sys.executable, str(FAKE_ENGINE), "--host", "{host}",
-                            "--port", "{port}", "--model-path", "{model_path}",
-                            "--served-name", "{served_name}", *engine_extra],
+                "command": [
+                    sys.executable,
+                    str(FAKE_ENGINE),
+                    "--host",
+                    "{host}",
+                    "--port",
+                    "{port}",
+                    "--model-path",
+                    "{model_path}",
+                    "--served-name",
+                    "{served_name}",
+                    *engine_extra,
+                ],
                 "ready_timeout": 60,
             },
             "weights": {"method": "copy", "source": str(weights)},
@@ -76,18 +86,38 @@ def job_env(daemon_url: str, spec: str) -> dict[str, str]:
 
 
 AGENT_OPTS = [
-    "--bind-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
-    "--heartbeat-interval", "0.2", "--ready-poll", "0.1", "--drain-poll", "0.1",
-    "--drain-timeout", "30", "--stop-grace", "5", "--report-timeout", "2",
+    "--bind-host",
+    "127.0.0.1",
+    "--advertise-host",
+    "127.0.0.1",
+    "--heartbeat-interval",
+    "0.2",
+    "--ready-poll",
+    "0.1",
+    "--drain-poll",
+    "0.1",
+    "--drain-timeout",
+    "30",
+    "--stop-grace",
+    "5",
+    "--report-timeout",
+    "2",
 ]
 
 
 async def start_agent(
     tmp_path: Path, env: dict[str, str], name: str = "agent", extra: tuple[str, ...] = ()
 ) -> asyncio.subprocess.Process:
-    argv = [sys.executable, "-m", "llmgw_slurm.agent.main",
-            "--cache-dir", str(tmp_path / "cache"),
-            *AGENT_OPTS, *extra, "run"]
+    argv = [
+        sys.executable,
+        "-m",
+        "llmgw_slurm.agent.main",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        *AGENT_OPTS,
+        *extra,
+        "run",
+    ]
     out = (tmp_path / f"{name}.out").open("wb")
     err = (tmp_path / f"{name}.err").open("wb")
     return await asyncio.create_subprocess_exec(*argv, env=env, stdout=out, stderr=err)
@@ -150,10 +180,16 @@ async def test_ready_serve_and_drain_on_signal(
             proc.kill()
     ev = daemon.events()
     assert ev[: ev.index("ready")] == [
-        "weights:started", "weights:done", "rendezvous:started", "rendezvous:done",
-        "engine_launch:started", "engine_launch:done", "readiness:started", "readiness:done",
+        "weights:started",
+        "weights:done",
+        "rendezvous:started",
+        "rendezvous:done",
+        "engine_launch:started",
+        "engine_launch:done",
+        "readiness:started",
+        "readiness:done",
     ]
-    after = [e for e in ev[ev.index("ready"):] if e != "heartbeat"]
+    after = [e for e in ev[ev.index("ready") :] if e != "heartbeat"]
     assert after == ["ready", "draining", "drain:started", "drain:done", "stopped"]
     stopped = daemon.reports[-1]
     assert sig.name in stopped["message"]
@@ -183,9 +219,16 @@ async def test_engine_crash_before_ready_is_reported(daemon: FakeDaemon, tmp_pat
 
 async def test_missing_weights_with_fetch_off(daemon: FakeDaemon, tmp_path: Path) -> None:
     env = job_env(daemon.url, spec_json(tmp_path / "no-such-weights"))
-    argv = [sys.executable, "-m", "llmgw_slurm.agent.main", "--no-fetch",
-            "--cache-dir", str(tmp_path / "cache"),
-            *AGENT_OPTS, "run"]
+    argv = [
+        sys.executable,
+        "-m",
+        "llmgw_slurm.agent.main",
+        "--no-fetch",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        *AGENT_OPTS,
+        "run",
+    ]
     proc = await asyncio.create_subprocess_exec(*argv, env=env, stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()
     assert proc.returncode == 1
@@ -210,9 +253,10 @@ async def test_daemon_away_never_stops_the_engine(tmp_path: Path) -> None:
             await asyncio.sleep(0.1)
         line = next(x for x in err_path.read_text().splitlines() if "ready: http" in x)
         url = line.split("ready: ", 1)[1].split()[0]
-        async with aiohttp.ClientSession() as s, s.get(
-            f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as r,
+        ):
             assert r.status == 200
         assert proc.returncode is None
         proc.send_signal(signal.SIGTERM)
@@ -228,9 +272,15 @@ def test_cli_without_job_env_is_a_clear_error(tmp_path: Path) -> None:
     from llmgw_slurm.agent.main import main
 
     result = CliRunner().invoke(
-        main, ["--cache-dir", str(tmp_path), "run"], env={
-            "LLMGW_REPLICA_ID": "", "LLMGW_MODEL": "", "LLMGW_DAEMON_URL": "",
-            "LLMGW_REPLICA_SECRET": "", "LLMGW_ENGINE_API_KEY": "", "LLMGW_REPLICA_SPEC": "",
+        main,
+        ["--cache-dir", str(tmp_path), "run"],
+        env={
+            "LLMGW_REPLICA_ID": "",
+            "LLMGW_MODEL": "",
+            "LLMGW_DAEMON_URL": "",
+            "LLMGW_REPLICA_SECRET": "",
+            "LLMGW_ENGINE_API_KEY": "",
+            "LLMGW_REPLICA_SPEC": "",
         },
     )
     assert result.exit_code == 1
@@ -269,14 +319,21 @@ async def test_drain_asked_by_daemon_and_spans(daemon: FakeDaemon, tmp_path: Pat
         drain_poll_s=0.1,
         stop_grace_s=5,
     )
-    agent = Agent(settings, job_context_from_env(env), env,
-                  tracer=provider.get_tracer("llmgw_slurm"))
+    agent = Agent(
+        settings, job_context_from_env(env), env, tracer=provider.get_tracer("llmgw_slurm")
+    )
     assert await asyncio.wait_for(agent.run(), 60) == 0
     assert "daemon asked" in agent.drain_reason
     assert daemon.events()[-1] == "stopped"
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    for name in ("llmgw.agent", "llmgw.agent.weights", "llmgw.agent.rendezvous",
-                 "llmgw.agent.engine_launch", "llmgw.agent.readiness", "llmgw.agent.drain"):
+    for name in (
+        "llmgw.agent",
+        "llmgw.agent.weights",
+        "llmgw.agent.rendezvous",
+        "llmgw.agent.engine_launch",
+        "llmgw.agent.readiness",
+        "llmgw.agent.drain",
+    ):
         assert name in spans, sorted(spans)
         assert spans[name].context.trace_id == int(trace_id, 16)
     root = spans["llmgw.agent"]
@@ -294,22 +351,25 @@ async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_d
         del base[k]
     # What srun gives each task of `srun --het-group=0-1` over a 1 + 1 node het job.
     base.update(
-        SLURM_HET_JOB_ID="777", SLURM_HET_SIZE="2",
-        SLURM_JOB_NUM_NODES_HET_GROUP_0="1", SLURM_JOB_NUM_NODES_HET_GROUP_1="1",
-        SLURM_JOB_NODELIST_HET_GROUP_0="localhost", SLURM_JOB_NODELIST_HET_GROUP_1="localhost",
+        SLURM_HET_JOB_ID="777",
+        SLURM_HET_SIZE="2",
+        SLURM_JOB_NUM_NODES_HET_GROUP_0="1",
+        SLURM_JOB_NUM_NODES_HET_GROUP_1="1",
+        SLURM_JOB_NODELIST_HET_GROUP_0="localhost",
+        SLURM_JOB_NODELIST_HET_GROUP_1="localhost",
     )
     head_env = {**base, "SLURM_JOB_ID": "777", "SLURM_PROCID": "0", "SLURM_HET_JOB_OFFSET": "0"}
-    worker_env = {**base, "SLURM_JOB_ID": "778", "SLURM_PROCID": "1",
-                  "SLURM_HET_JOB_OFFSET": "1"}
+    worker_env = {**base, "SLURM_JOB_ID": "778", "SLURM_PROCID": "1", "SLURM_HET_JOB_OFFSET": "1"}
     extra = ("--rendezvous-dir", str(tmp_path / "rdzv")) if rendezvous_dir else ()
     worker = await start_agent(tmp_path, worker_env, "worker", extra)
     head = await start_agent(tmp_path, head_env, "head", extra)
     try:
         await daemon.wait_for(lambda: "ready" in daemon.events())
         url = next(r["url"] for r in daemon.reports if r["event"] == "ready")
-        async with aiohttp.ClientSession() as s, s.get(
-            f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as r,
+        ):
             assert r.status == 200
         # The fake head is healthy only once the worker joined its master port.
         assert "rank 1 joined localhost:" in (tmp_path / "worker.out").read_text()
@@ -337,10 +397,24 @@ async def test_shared_test_engine_without_metrics_drains_on_a_fixed_grace(
     # llmgw_slurm.testing.engine has no /metrics: the drain waits drain_grace.
     spec = {
         "name": "tiny",
-        "engine": {"kind": "command",
-                   "command": [sys.executable, "-m", "llmgw_slurm.testing.engine",
-                               "--host", "{host}", "--port", "{port}", "--api-key", "{api_key}",
-                               "--served-name", "{served_name}", "--ready-after", "0.5"]},
+        "engine": {
+            "kind": "command",
+            "command": [
+                sys.executable,
+                "-m",
+                "llmgw_slurm.testing.engine",
+                "--host",
+                "{host}",
+                "--port",
+                "{port}",
+                "--api-key",
+                "{api_key}",
+                "--served-name",
+                "{served_name}",
+                "--ready-after",
+                "0.5",
+            ],
+        },
         "resources": {"gpus": 0},
     }
     env = job_env(daemon.url, json.dumps(spec))
@@ -349,9 +423,12 @@ async def test_shared_test_engine_without_metrics_drains_on_a_fixed_grace(
         await daemon.wait_for(lambda: "ready" in daemon.events())
         url = next(r["url"] for r in daemon.reports if r["event"] == "ready")
         body = {"model": "tiny", "messages": [{"role": "user", "content": "a b c"}]}
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+            ) as r,
+        ):
             assert r.status == 200
         proc.send_signal(signal.SIGTERM)
         assert await wait_exit(proc, tmp_path) == 0

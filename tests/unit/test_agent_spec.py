@@ -15,8 +15,12 @@ from llmgw_slurm.errors import ConfigError
 def spec(**over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "name": "llama-8b",
-        "engine": {"kind": "vllm", "args": ["--dtype", "bfloat16"], "env": {},
-                   "health_path": "/health"},
+        "engine": {
+            "kind": "vllm",
+            "args": ["--dtype", "bfloat16"],
+            "env": {},
+            "health_path": "/health",
+        },
         "weights": {"method": "copy", "source": "/shared/models/llama-8b"},
         "resources": {"nodes": 2, "gpus": 4, "cpus": 4, "time_limit": "1-00:00:00"},
         "scaling": {"min": 0, "max": 1},  # the daemon's business: ignored here
@@ -46,15 +50,21 @@ def test_method_defaults_follow_the_source() -> None:
 
 
 def test_command_engine_may_bring_its_own_model() -> None:
-    text = json.dumps(spec(engine={"kind": "command", "command": ["serve", "{port}"]},
-                           weights=None))
+    text = json.dumps(
+        spec(engine={"kind": "command", "command": ["serve", "{port}"]}, weights=None)
+    )
     assert parse_replica_spec(text).weights is None
 
 
 def test_catalog_to_spec_shape_without_optional_keys() -> None:
     # Model.to_spec drops keys whose value is None.
-    text = json.dumps({"name": "tiny", "engine": {"kind": "sglang"},
-                       "weights": {"source": "/m", "method": "none"}})
+    text = json.dumps(
+        {
+            "name": "tiny",
+            "engine": {"kind": "sglang"},
+            "weights": {"source": "/m", "method": "none"},
+        }
+    )
     s = parse_replica_spec(text)
     assert s.engine.apptainer_image is None and s.engine.ready_timeout_s is None
     assert s.nodes == 1
@@ -70,8 +80,11 @@ def test_catalog_to_spec_shape_without_optional_keys() -> None:
         ({"engine": {"kind": "vllm", "command": ["x"]}}, "engine.command", "only kind command"),
         ({"engine": {"kind": "vllm", "args": "--x"}}, "engine.args", "list of strings"),
         ({"engine": {"kind": "vllm", "env": {"A B": "x"}}}, "engine.env", "not an environment"),
-        ({"engine": {"kind": "vllm", "env": {"LLMGW_REPLICA_SECRET": "x"}}},
-         "engine.env.LLMGW_REPLICA_SECRET", "reserved"),
+        (
+            {"engine": {"kind": "vllm", "env": {"LLMGW_REPLICA_SECRET": "x"}}},
+            "engine.env.LLMGW_REPLICA_SECRET",
+            "reserved",
+        ),
         ({"engine": {"kind": "vllm", "health_path": "health"}}, "engine.health_path", "URL path"),
         ({"engine": {"kind": "vllm", "ready_timeout": 0}}, "engine.ready_timeout", "positive"),
         ({"weights": None}, "weights", "needs weights"),

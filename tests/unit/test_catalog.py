@@ -588,6 +588,8 @@ def test_all_errors_of_a_file_come_together_in_line_order(tmp_path: Path) -> Non
             "tag:yaml.org,2002:python/object:os.system is not supported here; use a plain list",
         ),
         ("a: &x [*x]\n", "F:1: an alias refers to a node that contains it (recursive alias)"),
+        ("a: !!int ''\n", "F:1: cannot read '' as int"),
+        ("a: !!float x\n", "F:1: cannot read 'x' as float: could not convert string to float: 'x'"),
     ],
 )
 def test_broken_files(tmp_path: Path, text: str, expected: str) -> None:
@@ -756,6 +758,7 @@ _scalars = st.one_of(
             "20000-20010",
             "grpc",
             "a" * 49,
+            "~nobody-x/y",
         ]
     ),
 )

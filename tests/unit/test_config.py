@@ -91,6 +91,12 @@ def test_null_blocks_are_defaults_but_null_values_are_refused(tmp_path: Path) ->
     assert cfg.reconcile.max_pending_time is None
 
 
+def test_unknown_user_in_a_path(tmp_path: Path) -> None:
+    assert server_errors(tmp_path, "state_dir: ~no-such-user-llmgw/x\n") == [
+        "F:1: state_dir: cannot expand '~no-such-user-llmgw/x': no such user or no home directory"
+    ]
+
+
 def test_relative_paths_are_relative_to_the_file(tmp_path: Path) -> None:
     sub = tmp_path / "etc"
     sub.mkdir()

@@ -22,8 +22,13 @@ from llmgw_slurm.agent.settings import EngineRuntime
 from llmgw_slurm.agent.spec import EngineSpec
 
 KEY = "sk-engine-0123"
-P = LaunchParams(model_path="/cache/m", served_name="llama", host="0.0.0.0", port=23456,
-                 python="/venv/bin/python")
+P = LaunchParams(
+    model_path="/cache/m",
+    served_name="llama",
+    host="0.0.0.0",
+    port=23456,
+    python="/venv/bin/python",
+)
 DIST_HEAD = DistInfo(nnodes=3, node_rank=0, master_addr="gpu01", master_port=29500)
 DIST_W = DistInfo(nnodes=3, node_rank=2, master_addr="gpu01", master_port=29500)
 
@@ -31,9 +36,19 @@ DIST_W = DistInfo(nnodes=3, node_rank=2, master_addr="gpu01", master_port=29500)
 def test_vllm_single_node() -> None:
     cmd = build_engine_command(EngineSpec("vllm", args=("--dtype", "float32")), P, KEY)
     assert cmd.argv == [
-        "/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
-        "--model", "/cache/m", "--served-model-name", "llama",
-        "--host", "0.0.0.0", "--port", "23456", "--dtype", "float32",
+        "/venv/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/cache/m",
+        "--served-model-name",
+        "llama",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "23456",
+        "--dtype",
+        "float32",
     ]
     assert KEY not in cmd.argv
     assert cmd.env["VLLM_API_KEY"] == KEY
@@ -73,8 +88,13 @@ def test_sglang_shim_hands_the_key_to_the_module(tmp_path: Path) -> None:
     (d / "__init__.py").write_text("")
     (d / "launch_server.py").write_text("import sys, json; print(json.dumps(sys.argv[1:]))\n")
     cmd = build_engine_command(EngineSpec("sglang"), replace(P, python=sys.executable), KEY)
-    out = subprocess.run(cmd.argv, env={**cmd.env, "PYTHONPATH": str(tmp_path)},
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        cmd.argv,
+        env={**cmd.env, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     args = json.loads(out)
     assert args[-2:] == ["--api-key", KEY]
     assert args[:2] == ["--model-path", "/cache/m"]
@@ -109,12 +129,23 @@ def test_hostile_args_stay_single_arguments() -> None:
 
 def test_apptainer_wrapping_uses_python_in_image_and_binds() -> None:
     spec = EngineSpec("vllm", apptainer_image="/images/vllm.sif")
-    p = replace(P, apptainer="/usr/bin/apptainer", apptainer_binds=("/shared:/shared:ro",),
-                binds=("/cache/m",))
+    p = replace(
+        P,
+        apptainer="/usr/bin/apptainer",
+        apptainer_binds=("/shared:/shared:ro",),
+        binds=("/cache/m",),
+    )
     cmd = build_engine_command(spec, p, KEY)
     assert cmd.argv[:9] == [
-        "/usr/bin/apptainer", "exec", "--nv", "--bind", "/shared:/shared:ro",
-        "--bind", "/cache/m", "/images/vllm.sif", "python3",
+        "/usr/bin/apptainer",
+        "exec",
+        "--nv",
+        "--bind",
+        "/shared:/shared:ro",
+        "--bind",
+        "/cache/m",
+        "/images/vllm.sif",
+        "python3",
     ]
     p2 = replace(P, runtime=EngineRuntime(python="/opt/py/bin/python"))
     assert build_engine_command(spec, p2, KEY).argv[4] == "/opt/py/bin/python"

@@ -108,11 +108,18 @@ def test_plain_job_translates_every_field() -> None:
 
 def test_het_components_fold_into_one_job_under_the_het_id() -> None:
     worker = pjob(
-        id=101, heterogeneous_id=100, heterogeneous_offset=1, allocated_nodes="gpu03",
-        num_nodes=1, state_reason="Resources",
+        id=101,
+        heterogeneous_id=100,
+        heterogeneous_offset=1,
+        allocated_nodes="gpu03",
+        num_nodes=1,
+        state_reason="Resources",
     )
     head = pjob(
-        id=100, heterogeneous_id=100, heterogeneous_offset=0, allocated_nodes="gpu[01-02]",
+        id=100,
+        heterogeneous_id=100,
+        heterogeneous_offset=0,
+        allocated_nodes="gpu[01-02]",
         state_reason="Priority",
     )
     [job] = jobs_from_pyslurm([worker, head], uid=1000)
@@ -130,8 +137,9 @@ def test_filters_by_uid_and_prefix_without_a_passwd_lookup_per_job() -> None:
         def user_name(self) -> str:
             raise AssertionError("user_name read for a job that the uid already excludes")
 
-    theirs = NoLookup(**{k: v for k, v in pjob(id=7, user_id=2000)._attrs.items()
-                         if k != "user_name"})
+    theirs = NoLookup(
+        **{k: v for k, v in pjob(id=7, user_id=2000)._attrs.items() if k != "user_name"}
+    )
     other_prefix = pjob(id=8, name="notebook")
     jobs = jobs_from_pyslurm([theirs, other_prefix, pjob()], uid=1000, name_prefix="llmgw.")
     assert [j.job_id for j in jobs] == ["42"]
@@ -146,11 +154,24 @@ def test_pending_job_older_attribute_names_and_time_left_fallback() -> None:
     # Older pyslurm names (het_job_*, restart_cnt, nodes) and no run_time_remaining:
     # the fallbacks must find them. Pending: Slurm's expected start is dropped.
     old = Fake(
-        id=5, name="llmgw.x.00000000", state="PENDING", state_reason="Resources",
-        partition="gpu", user_id=1000, user_name="alice", comment=None,
-        het_job_id=0, het_job_offset=0, nodes=None, num_nodes=1,
-        gres_per_node={}, submit_time=SUBMIT, start_time=START, time_limit=10,
-        run_time=0, restart_cnt=0,
+        id=5,
+        name="llmgw.x.00000000",
+        state="PENDING",
+        state_reason="Resources",
+        partition="gpu",
+        user_id=1000,
+        user_name="alice",
+        comment=None,
+        het_job_id=0,
+        het_job_offset=0,
+        nodes=None,
+        num_nodes=1,
+        gres_per_node={},
+        submit_time=SUBMIT,
+        start_time=START,
+        time_limit=10,
+        run_time=0,
+        restart_cnt=0,
     )
     [job] = jobs_from_pyslurm([old], uid=1000)
     assert job.state is JobState.PENDING
@@ -256,8 +277,13 @@ def test_node_translates_every_field() -> None:
 
 
 def test_node_older_names_and_a_broken_node_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
-    old = Fake(**{**{k: v for k, v in pnode()._attrs.items() if k != "allocated_cpus"},
-                  "alloc_cpus": 8, "partitions": None})
+    old = Fake(
+        **{
+            **{k: v for k, v in pnode()._attrs.items() if k != "allocated_cpus"},
+            "alloc_cpus": 8,
+            "partitions": None,
+        }
+    )
     broken = Fake(name="bad01", state="IDLE")
     nodes = nodes_from_pyslurm([old, broken])
     assert [(n.name, n.cpus_alloc, n.partitions) for n in nodes] == [("gpu01", 8, ())]
@@ -292,7 +318,11 @@ def dbjob(**over: Any) -> Fake:
 def test_accounting_record_translates_every_field() -> None:
     rec = accounting_from_pyslurm(dbjob())
     assert (rec.job_id, rec.name, rec.user, rec.account, rec.partition) == (
-        "77", "llmgw.tiny.0123abcd", "alice", "ml", "gpu",
+        "77",
+        "llmgw.tiny.0123abcd",
+        "alice",
+        "ml",
+        "gpu",
     )
     assert rec.state is JobState.COMPLETED
     assert rec.exit_code == "0:0"
@@ -320,8 +350,11 @@ def test_accounting_tres_as_a_mapping_and_prefix_filter() -> None:
 
 
 def test_submit_kwargs_merge_env_and_leave_unset_options_to_the_script() -> None:
-    spec = JobSpec(name="llmgw.tiny.0123abcd", script="#!/bin/sh\n", env={"LLMGW_MODEL": "tiny",
-                                                                         "PATH": "/ours"})
+    spec = JobSpec(
+        name="llmgw.tiny.0123abcd",
+        script="#!/bin/sh\n",
+        env={"LLMGW_MODEL": "tiny", "PATH": "/ours"},
+    )
     kw = submit_kwargs(spec, "/tmp/x.sbatch", {"PATH": "/usr/bin", "HOME": "/home/a"})
     assert kw == {
         "name": "llmgw.tiny.0123abcd",
@@ -334,8 +367,10 @@ def test_submit_kwargs_merge_env_and_leave_unset_options_to_the_script() -> None
     assert (full["comment"], full["working_directory"]) == ("c", "/w")
 
 
-@pytest.mark.parametrize(("given", "num"), [("USR1", signal.SIGUSR1), ("SIGTERM", 15),
-                                              ("usr2", signal.SIGUSR2), ("9", 9), (10, 10)])
+@pytest.mark.parametrize(
+    ("given", "num"),
+    [("USR1", signal.SIGUSR1), ("SIGTERM", 15), ("usr2", signal.SIGUSR2), ("9", 9), (10, 10)],
+)
 def test_signal_number(given: str | int, num: int) -> None:
     assert signal_number(given) == num
 
@@ -372,8 +407,13 @@ class FakeSubmitDescription:
 
     def submit(self) -> int:
         assert self.loaded is not None, "submit before load_sbatch_options"
-        self.seen.append({**self.kwargs, "sbatch": self.loaded,
-                          "mode": os.stat(self.kwargs["script"]).st_mode & 0o777})
+        self.seen.append(
+            {
+                **self.kwargs,
+                "sbatch": self.loaded,
+                "mode": os.stat(self.kwargs["script"]).st_mode & 0o777,
+            }
+        )
         return 4242
 
 
@@ -406,8 +446,9 @@ class FakeCli:
         return len(self.specs)
 
 
-def fake_module(jobs: Any = (), nodes: Any = (), db_jobs: Any = (),
-                filters: list[dict[str, Any]] | None = None) -> Fake:
+def fake_module(
+    jobs: Any = (), nodes: Any = (), db_jobs: Any = (), filters: list[dict[str, Any]] | None = None
+) -> Fake:
     def job_filter(**kw: Any) -> dict[str, Any]:
         if filters is not None:
             filters.append(kw)
@@ -467,8 +508,10 @@ async def test_submit_writes_a_private_script_file_and_removes_it() -> None:
 async def test_het_submission_goes_through_sbatch(caplog: pytest.LogCaptureFixture) -> None:
     cli = FakeCli()
     b = backend(fake_module(), cli=cli)
-    spec = JobSpec(name="llmgw.big.0123abcd",
-                   script="#!/bin/bash\n#SBATCH -N1\n#SBATCH hetjob\n#SBATCH -N1\nrun\n")
+    spec = JobSpec(
+        name="llmgw.big.0123abcd",
+        script="#!/bin/bash\n#SBATCH -N1\n#SBATCH hetjob\n#SBATCH -N1\nrun\n",
+    )
     caplog.set_level("INFO")
     assert await b.submit(spec) == "999"
     assert cli.specs == [spec]
@@ -479,8 +522,11 @@ async def test_het_submission_goes_through_sbatch(caplog: pytest.LogCaptureFixtu
 
 async def test_list_jobs_loads_all_and_keeps_ours() -> None:
     # Jobs.load returns a map (id -> Job) in pyslurm 23.11+.
-    everyone = {1: pjob(id=1, user_id=2000, user_name="bob"), 42: pjob(), 43: pjob(
-        id=43, name="scratch")}
+    everyone = {
+        1: pjob(id=1, user_id=2000, user_name="bob"),
+        42: pjob(),
+        43: pjob(id=43, name="scratch"),
+    }
     b = backend(fake_module(jobs=everyone))
     b._uid = 1000  # the test's "alice" need not exist in this machine's passwd
     jobs = await b.list_jobs("llmgw.")
@@ -576,8 +622,11 @@ def test_make_backend_pyslurm_passes_options() -> None:
 
 
 def test_make_backend_unknown_kind_lists_the_valid_ones() -> None:
-    with pytest.raises(ConfigError, match=r"unknown Slurm backend 'slurmrestd'; valid: cli, "
-                                          r"pyslurm"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown Slurm backend 'slurmrestd'; valid: cli, "
+        r"pyslurm",
+    ):
         make_backend("slurmrestd")
 
 

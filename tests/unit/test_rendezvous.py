@@ -46,8 +46,12 @@ def het_env(procid: int, offset: int, nodeid: int) -> dict[str, str]:
 
 def test_single_node() -> None:
     role = rdzv.compute_role(
-        {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu01", "SLURM_PROCID": "0",
-         "SLURM_JOB_NUM_NODES": "1"},
+        {
+            "SLURM_JOB_ID": "77",
+            "SLURM_JOB_NODELIST": "gpu01",
+            "SLURM_PROCID": "0",
+            "SLURM_JOB_NUM_NODES": "1",
+        },
         fake_expand,
     )
     assert role == rdzv.NodeRole(job_id="77", restart=0, rank=0, nnodes=1, head_host="gpu01")
@@ -55,8 +59,10 @@ def test_single_node() -> None:
 
 
 def test_het_job_roles() -> None:
-    roles = [rdzv.compute_role(het_env(p, o, n), fake_expand)
-             for p, o, n in [(0, 0, 0), (1, 1, 0), (2, 1, 1), (5, 2, 2)]]
+    roles = [
+        rdzv.compute_role(het_env(p, o, n), fake_expand)
+        for p, o, n in [(0, 0, 0), (1, 1, 0), (2, 1, 1), (5, 2, 2)]
+    ]
     assert [r.rank for r in roles] == [0, 1, 2, 5]
     assert {r.nnodes for r in roles} == {6}
     assert {r.head_host for r in roles} == {"head9"}
@@ -71,8 +77,12 @@ def test_het_rank_without_procid_uses_offsets() -> None:
 
 
 def test_plain_multi_node_head_from_nodelist() -> None:
-    env = {"SLURM_JOB_ID": "5", "SLURM_NODELIST": "gpu[03-04],big7", "SLURM_PROCID": "2",
-           "SLURM_NNODES": "3"}
+    env = {
+        "SLURM_JOB_ID": "5",
+        "SLURM_NODELIST": "gpu[03-04],big7",
+        "SLURM_PROCID": "2",
+        "SLURM_NNODES": "3",
+    }
     role = rdzv.compute_role(env, fake_expand)
     assert role.head_host == "gpu03" and role.rank == 2 and role.nnodes == 3
 
@@ -83,10 +93,24 @@ def test_plain_multi_node_head_from_nodelist() -> None:
         ({}, "not inside a Slurm job"),
         ({"SLURM_JOB_ID": "5"}, "SLURM_JOB_NODELIST"),
         ({"SLURM_JOB_ID": "5", "SLURM_NODELIST": "a", "SLURM_PROCID": "x"}, "not an integer"),
-        ({"SLURM_JOB_ID": "5", "SLURM_NODELIST": "a,b", "SLURM_NNODES": "2",
-          "SLURM_PROCID": "3"}, "one agent task per node"),
-        ({"SLURM_JOB_ID": "5", "SLURM_NODELIST": "a", "SLURM_HET_SIZE": "2",
-          "SLURM_JOB_NUM_NODES_HET_GROUP_0": "1"}, "HET_GROUP_1"),
+        (
+            {
+                "SLURM_JOB_ID": "5",
+                "SLURM_NODELIST": "a,b",
+                "SLURM_NNODES": "2",
+                "SLURM_PROCID": "3",
+            },
+            "one agent task per node",
+        ),
+        (
+            {
+                "SLURM_JOB_ID": "5",
+                "SLURM_NODELIST": "a",
+                "SLURM_HET_SIZE": "2",
+                "SLURM_JOB_NUM_NODES_HET_GROUP_0": "1",
+            },
+            "HET_GROUP_1",
+        ),
     ],
 )
 def test_bad_environments(env: dict[str, str], words: str) -> None:
@@ -127,8 +151,9 @@ def test_pick_free_port_skips_taken_and_excluded() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         taken = s.getsockname()[1]
-        port = rdzv.pick_free_port((taken, taken + 2), seed=0, host="127.0.0.1",
-                                   exclude={taken + 1})
+        port = rdzv.pick_free_port(
+            (taken, taken + 2), seed=0, host="127.0.0.1", exclude={taken + 1}
+        )
         assert port == taken + 2
 
 

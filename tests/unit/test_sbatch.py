@@ -79,8 +79,13 @@ def test_replica_matches_record(tmp_path: Path) -> None:
 
 
 def test_replica_minimal_matches_record(tmp_path: Path) -> None:
-    job = JobOptions(job_name="llmgw.tiny.00000001", time="30", output="/tmp/o.out",
-                     python="python3", error="/tmp/e.err")
+    job = JobOptions(
+        job_name="llmgw.tiny.00000001",
+        time="30",
+        output="/tmp/o.out",
+        python="python3",
+        error="/tmp/e.err",
+    )
     text = render_replica(ReplicaParams(job, Resources(), "/etc/a.yaml", requeue=False))
     assert_matches_record("replica-minimal.sbatch", text)
     bash_n(text, tmp_path)
@@ -108,15 +113,22 @@ def test_model_job_matches_record(tmp_path: Path) -> None:
 
 def test_engine_install_matches_records(tmp_path: Path) -> None:
     venv = EngineInstallParams(
-        JOB, "venv", "/opt/engines/vllm-0.6.3", packages=["vllm==0.6.3"],
+        JOB,
+        "venv",
+        "/opt/engines/vllm-0.6.3",
+        packages=["vllm==0.6.3"],
         pip_args=["--index-url", "https://pypi.example.invalid/simple"],
     )
     image = EngineInstallParams(
-        JOB, "apptainer", "/opt/engines/vllm-0.6.3.sif",
+        JOB,
+        "apptainer",
+        "/opt/engines/vllm-0.6.3.sif",
         image_uri="docker://vllm/vllm-openai:v0.6.3",
     )
-    for name, params in (("engine-install-venv.sbatch", venv),
-                         ("engine-install-apptainer.sbatch", image)):
+    for name, params in (
+        ("engine-install-venv.sbatch", venv),
+        ("engine-install-apptainer.sbatch", image),
+    ):
         text = render_engine_install(params)
         assert_matches_record(name, text)
         bash_n(text, tmp_path)
@@ -282,8 +294,9 @@ def _run_with_stubs(text: str, tmp_path: Path, stubs: list[str]) -> list[list[st
     script.write_text(text)
     log = tmp_path / "argv.jsonl"
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", STUB_LOG=str(log))
-    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "PWNED").exists(), "a hostile value was executed"
     return [json.loads(line) for line in log.read_text().splitlines()]
@@ -336,24 +349,36 @@ def test_hostile_values_in_hetjob_and_model_job(hostile: str, tmp_path: Path) ->
 def test_hostile_pip_args_and_target_are_literal(hostile: str, tmp_path: Path) -> None:
     target = tmp_path / "venv"
     params = EngineInstallParams(
-        replace(JOB, python="python"), "venv", str(target),
-        packages=["vllm==0.6.3"], pip_args=["--index-url", hostile.replace("\n", " ")],
+        replace(JOB, python="python"),
+        "venv",
+        str(target),
+        packages=["vllm==0.6.3"],
+        pip_args=["--index-url", hostile.replace("\n", " ")],
     )
     text = render_engine_install(params)
     bash_n(text, tmp_path)
     calls = _run_with_stubs(text, tmp_path, ["python"])
     install = [c for c in calls if c[1:4] == ["-m", "pip", "install"] and "vllm==0.6.3" in c]
     assert install == [
-        ["python", "-m", "pip", "install", "--index-url", hostile.replace("\n", " "), "--",
-         "vllm==0.6.3"]
+        [
+            "python",
+            "-m",
+            "pip",
+            "install",
+            "--index-url",
+            hostile.replace("\n", " "),
+            "--",
+            "vllm==0.6.3",
+        ]
     ]
     assert (target / ".llmgw-installed").exists()
 
 
 def test_engine_install_twice_installs_once(tmp_path: Path) -> None:
     target = tmp_path / "venv"
-    params = EngineInstallParams(replace(JOB, python="python"), "venv", str(target),
-                                 packages=["vllm==0.6.3"])
+    params = EngineInstallParams(
+        replace(JOB, python="python"), "venv", str(target), packages=["vllm==0.6.3"]
+    )
     text = render_engine_install(params)
     first = _run_with_stubs(text, tmp_path, ["python"])
     (tmp_path / "argv.jsonl").unlink()
@@ -365,8 +390,14 @@ def test_engine_install_twice_installs_once(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("time", "seconds"),
-    [("30", 1800), ("1:30", 90), ("01:00:00", 3600), ("2-0", 172800), ("1-02:03:04", 93784),
-     ("1-2:30", 95400)],
+    [
+        ("30", 1800),
+        ("1:30", 90),
+        ("01:00:00", 3600),
+        ("2-0", 172800),
+        ("1-02:03:04", 93784),
+        ("1-2:30", 95400),
+    ],
 )
 def test_time_limit_seconds(time: str, seconds: int) -> None:
     assert time_limit_seconds(time) == seconds
@@ -375,10 +406,12 @@ def test_time_limit_seconds(time: str, seconds: int) -> None:
 def test_signal_lead_must_be_less_than_the_time_limit() -> None:
     # A 5-minute job warned 300 s ahead would be told to drain as it starts.
     with pytest.raises(TemplateError, match="not less than the time limit"):
-        render_replica(ReplicaParams(replace(JOB, time="5"), Resources(), AGENT_CONFIG,
-                                     signal_before_s=300))
-    render_replica(ReplicaParams(replace(JOB, time="6"), Resources(), AGENT_CONFIG,
-                                 signal_before_s=300))
+        render_replica(
+            ReplicaParams(replace(JOB, time="5"), Resources(), AGENT_CONFIG, signal_before_s=300)
+        )
+    render_replica(
+        ReplicaParams(replace(JOB, time="6"), Resources(), AGENT_CONFIG, signal_before_s=300)
+    )
 
 
 def test_partition_list_and_no_time_limit() -> None:
@@ -395,22 +428,37 @@ def test_partition_list_and_no_time_limit() -> None:
 
 def _model(**resources: object) -> Model:
     return model_from_spec(
-        {"name": "llama-8b", "engine": {"kind": "vllm"}, "weights": {"source": "/m"},
-         "resources": resources}
+        {
+            "name": "llama-8b",
+            "engine": {"kind": "vllm"},
+            "weights": {"source": "/m"},
+            "resources": resources,
+        }
     )
 
 
 def test_replica_script_from_a_single_node_model() -> None:
-    model = _model(gpus=2, gpu_type="a100", cpus=8, memory="64g", time_limit="4h",
-                   constraint="ib")
+    model = _model(gpus=2, gpu_type="a100", cpus=8, memory="64g", time_limit="4h", constraint="ib")
     text = replica_script(
-        model, job_name="llmgw.llama-8b.0123abcd", python="/opt/llmgw/bin/python",
-        agent_config=AGENT_CONFIG, output="/var/log/llmgw/%x-%j.out",
+        model,
+        job_name="llmgw.llama-8b.0123abcd",
+        python="/opt/llmgw/bin/python",
+        agent_config=AGENT_CONFIG,
+        output="/var/log/llmgw/%x-%j.out",
         slurm=SlurmConfig(partition="llm", account="ai"),
     )
-    for line in ("--job-name=llmgw.llama-8b.0123abcd", "--time=4:00:00", "--partition=llm",
-                 "--account=ai", "--gres=gpu:a100:2", "--cpus-per-task=8", "--mem=64G",
-                 "--constraint=ib", "--signal=B:USR1@300", "--requeue"):
+    for line in (
+        "--job-name=llmgw.llama-8b.0123abcd",
+        "--time=4:00:00",
+        "--partition=llm",
+        "--account=ai",
+        "--gres=gpu:a100:2",
+        "--cpus-per-task=8",
+        "--mem=64G",
+        "--constraint=ib",
+        "--signal=B:USR1@300",
+        "--requeue",
+    ):
         assert f"#SBATCH {line}\n" in text
     assert "--qos" not in text and "hetjob" not in text
 
@@ -418,8 +466,12 @@ def test_replica_script_from_a_single_node_model() -> None:
 def test_replica_script_from_a_multi_node_model() -> None:
     model = _model(gpus=4, nodes=3, partition="big", time_limit="5m")
     text = replica_script(
-        model, job_name="llmgw.llama-8b.0123abcd", python="python3",
-        agent_config=AGENT_CONFIG, output="/tmp/o.out", slurm=SlurmConfig(partition="llm"),
+        model,
+        job_name="llmgw.llama-8b.0123abcd",
+        python="python3",
+        agent_config=AGENT_CONFIG,
+        output="/tmp/o.out",
+        slurm=SlurmConfig(partition="llm"),
     )
     assert text.count("#SBATCH hetjob") == 2
     assert text.count("#SBATCH --partition=big\n") == 3  # the model's wins

@@ -223,8 +223,9 @@ def test_hf_failure_leaves_no_partial_copy(tmp_path: Path) -> None:
     bin_dir.mkdir()
     (bin_dir / "hf").write_text("#!/bin/sh\necho 'repository not found' >&2\nexit 3\n")
     (bin_dir / "hf").chmod(0o755)
-    settings = FetchSettings(cache_dir=tmp_path / "cache", allow_hf=True,
-                             hf_command=(str(bin_dir / "hf"),))
+    settings = FetchSettings(
+        cache_dir=tmp_path / "cache", allow_hf=True, hf_command=(str(bin_dir / "hf"),)
+    )
     with pytest.raises(WeightsError, match=r"download org/tiny failed \(exit 3\)"):
         ensure_weights("tiny", WeightsSpec("hf:org/tiny", "hf"), settings)
     assert not (tmp_path / "cache" / "models").exists() or not any(

@@ -1,0 +1,185 @@
+"""The daemon: one process holding the reconciler, the gateway and the internal API.
+
+Two listeners: the gateway (OpenAI API, ``/metrics``, the status API for the
+``llmgw`` CLI) and the internal API that agents on compute nodes report to.
+They are separate ports so that a site can open the one to researchers and the
+other to compute nodes only. The reconciler runs as a task on the same event
+loop; Slurm calls are subprocesses awaited asynchronously, so a slow slurmctld
+never blocks a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from llmgw_slurm import api
+from llmgw_slurm.catalog import Catalog, load_catalog
+from llmgw_slurm.config import ServerConfig, load_agent_config
+from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.reconciler.core import Reconciler
+from llmgw_slurm.router import RouterConfig, create_app
+from llmgw_slurm.router.keys import KeyRing
+from llmgw_slurm.router.usage import UsageStore
+from llmgw_slurm.secrets import admin_token, load_or_create_server_key
+from llmgw_slurm.slurm import make_backend
+
+log = logging.getLogger(__name__)
+
+RECONCILER_KEY = web.AppKey("reconciler", Reconciler)
+
+
+def internal_app(rec: Reconciler) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024)
+
+    async def report(request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        auth = request.headers.get("Authorization", "")
+        if not auth.startswith("Bearer "):
+            return web.json_response({"ok": False, "error": "missing bearer secret"}, status=401)
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"ok": False, "error": "body is not JSON"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"ok": False, "error": "body must be an object"}, status=400)
+        try:
+            answer = rec.report(rid, auth[len("Bearer ") :], body)
+        except PermissionError:
+            return web.json_response({"ok": False, "error": "bad replica secret"}, status=401)
+        return web.json_response(answer)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app.router.add_post("/internal/v1/replicas/{rid:[0-9a-f]{8}}/report", report)
+    app.router.add_get("/healthz", health)
+    return app
+
+
+def add_status_routes(app: web.Application, rec: Reconciler) -> None:
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(api.status_json(rec))
+
+    async def want(request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        canonical = rec.resolve(name)
+        if canonical is None:
+            known = ", ".join(m.name for m in rec.catalog.models)
+            return web.json_response(
+                {"error": {"message": f"unknown model {name!r}; known: {known}", "code": 404}},
+                status=404,
+            )
+        rec.want(canonical)
+        return web.json_response({"ok": True, "model": canonical})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "passes": rec.passes})
+
+    app.router.add_get("/api/v1/status", status)
+    app.router.add_post("/api/v1/models/{model}/up", want)
+    app.router.add_get("/healthz", health)
+
+
+@dataclass
+class Daemon:
+    server: ServerConfig
+    server_path: Path
+    catalog: Catalog
+    reconciler: Reconciler
+    gateway: web.Application
+    internal: web.Application
+
+    def reload(self) -> str | None:
+        """Re-read the catalog; a bad one is refused (its errors returned), the last good kept."""
+        try:
+            catalog = load_catalog(self.server.models)
+        except LlmgwError as exc:
+            log.error("catalog reload refused, keeping the last good one:\n%s", exc)
+            return f"catalog reload refused, keeping the last good one:\n{exc}"
+        self.catalog = catalog
+        self.reconciler.set_catalog(catalog)
+        log.info("catalog reloaded: %d models", len(catalog.models))
+        return None
+
+
+def build(server: ServerConfig, server_path: Path) -> Daemon:
+    catalog = load_catalog(server.models)
+    agent_timeout = 900.0
+    try:
+        agent_timeout = load_agent_config(server.agent_config).readiness.timeout
+    except LlmgwError as exc:
+        log.warning(
+            "agent config %s: %s (assuming a 15 min readiness timeout)", server.agent_config, exc
+        )
+    backend = make_backend(server.slurm.backend, timeout=server.slurm.command_timeout)
+    state = Path(server.state_dir).expanduser()
+    state.mkdir(parents=True, exist_ok=True)
+    key = load_or_create_server_key(state / "server.key")
+    daemon_url = server.listen.advertised_daemon_url(socket.getfqdn())
+    rec = Reconciler(
+        catalog,
+        server,
+        backend,
+        key,
+        daemon_url,
+        hold_timeout=server.router.hold_timeout,
+        agent_ready_timeout=agent_timeout,
+    )
+    rc = RouterConfig(
+        max_body_bytes=server.router.max_body_bytes,
+        hold_timeout_s=server.router.hold_timeout,
+        max_held_per_model=server.router.max_held,
+        max_held_total=max(server.router.max_held, 1024),
+    )
+    keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
+    usage = UsageStore(state / "usage.sqlite3")
+    gateway = create_app(rec, rc, keys=keys, usage=usage)
+    gateway[RECONCILER_KEY] = rec
+    add_status_routes(gateway, rec)
+    api.add_cli_routes(gateway, rec)
+    d = Daemon(server, server_path, catalog, rec, gateway, internal_app(rec))
+    api.add_admin_routes(d.internal, rec, admin_token(key), d.reload)
+    return d
+
+
+async def serve(d: Daemon) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, d.reload)
+    runners: list[web.AppRunner] = []
+    try:
+        for app, hp in (
+            (d.gateway, d.server.listen.gateway),
+            (d.internal, d.server.listen.internal),
+        ):
+            # handler_cancellation: a client that goes away stops being held at once.
+            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            await runner.setup()
+            runners.append(runner)
+            await web.TCPSite(runner, hp.host, hp.port).start()
+        log.info(
+            "serving: gateway http://%s:%d, internal http://%s:%d, %d models",
+            d.server.listen.gateway.host,
+            d.server.listen.gateway.port,
+            d.server.listen.internal.host,
+            d.server.listen.internal.port,
+            len(d.catalog.models),
+        )
+        await d.reconciler.run(stop)
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+def status_summary(d: Daemon) -> dict[str, Any]:
+    return d.reconciler.status()

@@ -1,0 +1,637 @@
+"""The reconciler: observe, plan, execute, once per pass; and the router's view of replicas.
+
+Slurm is the source of truth for what runs: every pass starts from one
+``squeue`` of the service's jobs and one ``sinfo``. What Slurm does not know
+is kept here, in memory, per replica: what its agent reported (the engine's
+URL, its steps), what the router saw (requests in flight, last use), and the
+drain or stop the daemon asked for. After a daemon restart that memory is
+empty: jobs are adopted from the listing, their agents re-report on their
+next heartbeat, and their last use is unknown (so they are not idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmgw_slurm.catalog import Catalog, Model
+from llmgw_slurm.config import ServerConfig
+from llmgw_slurm.errors import LlmgwError, SlurmError
+from llmgw_slurm.reconciler import plan as planmod
+from llmgw_slurm.reconciler.jobs import JobBuilder, new_replica_id, parse_job_name
+from llmgw_slurm.reconciler.plan import (
+    Action,
+    ActionKind,
+    Failures,
+    PlanConfig,
+    ReplicaState,
+    ReplicaView,
+)
+from llmgw_slurm.router.directory import Endpoint, ModelInfo
+from llmgw_slurm.secrets import constant_time_equal, engine_api_key, replica_secret
+from llmgw_slurm.slurm.types import Job, JobState, NodeInfo, SlurmBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Replica:
+    """What the daemon knows about one replica beyond Slurm's listing."""
+
+    replica_id: str
+    model: str
+    job_id: str
+    submitted_at: float
+    job_state: JobState = JobState.PENDING
+    reason: str = ""
+    nodes: tuple[str, ...] = ()
+    node_count: int = 1
+    gpus_per_node: int = 0
+    restarts: int = 0
+    time_left_s: float | None = None
+    started_at: float | None = None
+    ready_at: float | None = None
+    base_url: str = ""
+    last_used: float | None = None
+    in_flight: int = 0
+    draining_since: float | None = None
+    drain_reason: str = ""
+    stop_reason: str = ""
+    agent_draining: str = ""
+    agent_failed: str = ""
+    replaces: str = ""
+    step: str = ""
+    last_report: float | None = None
+    adopted: bool = False
+
+    def state(self) -> ReplicaState:
+        if self.stop_reason:
+            return ReplicaState.STOPPING
+        if self.job_state is JobState.COMPLETING:
+            # Ending without being asked: a crash (reaped next pass) or a preemption on
+            # its way back to the queue. Counted as pending so that a requeue is not
+            # taken for a loss and replaced by a second job.
+            return ReplicaState.PENDING
+        if self.draining_since is not None:
+            return ReplicaState.DRAINING
+        if self.job_state in (JobState.RUNNING, JobState.CONFIGURING):
+            if self.agent_draining:
+                return ReplicaState.DRAINING
+            return ReplicaState.READY if self.base_url else ReplicaState.STARTING
+        return ReplicaState.PENDING
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float
+    action: str
+    model: str
+    replica_id: str
+    reason: str
+    pass_id: str
+
+
+@dataclass
+class _ModelDemand:
+    wanted_at: float | None = None
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Reconciler:
+    """Keeps each catalog model at the right number of replicas; implements ModelDirectory."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        server: ServerConfig,
+        backend: SlurmBackend,
+        server_key: bytes,
+        daemon_url: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        hold_timeout: float | None = None,
+        agent_ready_timeout: float = 900.0,
+    ) -> None:
+        self.catalog = catalog
+        self.server = server
+        self.backend = backend
+        self.server_key = server_key
+        self.jobs = JobBuilder(server, server_key, daemon_url)
+        self.clock = clock
+        self.prefix = server.slurm.job_prefix
+        rc = server.reconcile
+        self.plan_cfg = PlanConfig(
+            eviction_grace=rc.eviction_grace,
+            min_lifetime=rc.min_lifetime,
+            renewal_margin=rc.renewal_margin,
+            drain_timeout=rc.drain_timeout,
+            max_pending_time=rc.max_pending_time,
+            start_timeout=agent_ready_timeout + 120.0,
+            want_window=hold_timeout if hold_timeout is not None else server.router.hold_timeout,
+            backoff_initial=rc.restart.initial_backoff,
+            backoff_max=rc.restart.max_backoff,
+            give_up_after=rc.restart.give_up_after_failures,
+            default_partition=server.slurm.partition,
+        )
+        self.replicas: dict[str, Replica] = {}
+        self.failures: dict[str, Failures] = {}
+        self.notes: dict[str, str] = {}
+        self.nodes: list[NodeInfo] = []
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=200)
+        self._demand: dict[str, _ModelDemand] = {}
+        # Reports from agents whose job the daemon has not listed yet (right after a
+        # restart, or a report racing the first listing): joined on the next pass.
+        self._early_reports: dict[str, dict[str, Any]] = {}
+        self._wake = asyncio.Event()
+        self._adopted_once = False
+        self.passes = 0
+        self.last_pass_error = ""
+        self.last_observed: float | None = None
+        self._consecutive_errors = 0
+
+    # ---- catalog -----------------------------------------------------------------
+
+    def set_catalog(self, catalog: Catalog) -> None:
+        """Swap in a reloaded catalog; the next pass acts on it."""
+        self.catalog = catalog
+        self._wake.set()
+
+    def _models(self) -> dict[str, Model]:
+        return {m.name: m for m in self.catalog.models}
+
+    # ---- ModelDirectory (called on the event loop; cheap, no I/O) ----------------
+
+    def resolve(self, name: str) -> str | None:
+        m = self.catalog.resolve(name)
+        return m.name if m else None
+
+    def models(self) -> Sequence[ModelInfo]:
+        out = []
+        for m in self.catalog.models:
+            counts: dict[str, int] = collections.Counter(
+                r.state().value for r in self.replicas.values() if r.model == m.name
+            )
+            out.append(
+                ModelInfo(
+                    name=m.name,
+                    aliases=m.aliases,
+                    ready=self._has_ready(m.name),
+                    replicas=dict(counts),
+                )
+            )
+        return out
+
+    def endpoints(self, model: str) -> Sequence[Endpoint]:
+        out = []
+        for r in self.replicas.values():
+            if r.model != model or not r.base_url:
+                continue
+            st = r.state()
+            if st not in (ReplicaState.READY, ReplicaState.DRAINING):
+                continue
+            out.append(
+                Endpoint(
+                    replica_id=r.replica_id,
+                    base_url=r.base_url,
+                    api_key=engine_api_key(self.server_key, r.replica_id),
+                    draining=st is ReplicaState.DRAINING,
+                )
+            )
+        return out
+
+    def request_started(self, model: str, replica_id: str) -> None:
+        r = self.replicas.get(replica_id)
+        if r is not None:
+            r.in_flight += 1
+            r.last_used = self.clock()
+
+    def request_finished(self, model: str, replica_id: str) -> None:
+        r = self.replicas.get(replica_id)
+        if r is not None:
+            r.in_flight = max(0, r.in_flight - 1)
+            r.last_used = self.clock()
+
+    def want(self, model: str) -> None:
+        d = self._demand.setdefault(model, _ModelDemand())
+        first = d.wanted_at is None or self.clock() - d.wanted_at > 1.0
+        d.wanted_at = self.clock()
+        if first:
+            # An on-demand start should not wait for the next timed pass.
+            self._wake.set()
+
+    async def wait_ready(self, model: str) -> None:
+        d = self._demand.setdefault(model, _ModelDemand())
+        while not self._has_ready(model):
+            d.event.clear()
+            await d.event.wait()
+
+    def _has_ready(self, model: str) -> bool:
+        return any(
+            r.model == model and r.state() is ReplicaState.READY for r in self.replicas.values()
+        )
+
+    def _signal_ready(self, model: str) -> None:
+        d = self._demand.get(model)
+        if d is not None and self._has_ready(model):
+            d.event.set()
+
+    # ---- agent reports -------------------------------------------------------------
+
+    def report(self, replica_id: str, secret: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Handle an agent's report; raises PermissionError on a bad secret."""
+        if not constant_time_equal(secret, replica_secret(self.server_key, replica_id)):
+            raise PermissionError("bad replica secret")
+        r = self.replicas.get(replica_id)
+        if r is None:
+            # The secret proves the agent runs this replica; its job is simply not
+            # listed yet. Keep the report for the next pass rather than refuse it.
+            self._early_reports[replica_id] = dict(body)
+            self._wake.set()
+            return {"ok": True, "drain": False}
+        self._apply_report(r, body)
+        return {"ok": True, "drain": r.state() in (ReplicaState.DRAINING, ReplicaState.STOPPING)}
+
+    def _apply_report(self, r: Replica, body: Mapping[str, Any]) -> None:
+        now = self.clock()
+        r.last_report = now
+        event = str(body.get("event") or "")
+        step = body.get("step")
+        status = body.get("status")
+        if step:
+            r.step = f"{step} {status}" if status else str(step)
+        if event == "step":
+            # A new run of the agent (after a requeue) is not the one that drained.
+            r.agent_draining = ""
+        url = body.get("url")
+        if event in ("ready", "heartbeat") and isinstance(url, str) and url:
+            if not r.base_url:
+                r.ready_at = r.ready_at or now
+                self._record("ready", r.model, r.replica_id, f"serving at {url}")
+                self.failures.pop(r.model, None)
+            r.base_url = url
+            r.step = "ready"
+            self._signal_ready(r.model)
+        elif event == "failed":
+            r.agent_failed = str(body.get("message") or step or "agent reported failure")
+            self._wake.set()
+        elif event == "draining" and not r.agent_draining:
+            # The agent was signalled (cancel, preemption, time limit): no new requests,
+            # but the job ends by itself; a preempted one is requeued and comes back.
+            r.agent_draining = str(body.get("message") or "the agent is draining")
+            self._record("agent-drain", r.model, r.replica_id, r.agent_draining)
+        elif event == "stopped":
+            r.base_url = ""
+
+    # ---- the pass ----------------------------------------------------------------
+
+    def _record(self, action: str, model: str, rid: str, reason: str, pass_id: str = "") -> None:
+        self.decisions.append(Decision(self.clock(), action, model, rid, reason, pass_id))
+        log.info("%s model=%s replica=%s: %s", action, model, rid, reason)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Pass after pass until ``stop`` is set; a want() or a report wakes it early."""
+        interval = self.server.reconcile.interval
+        while not stop.is_set():
+            await self.pass_once()
+            # Back off when Slurm does not answer: a storm of commands at a slurmctld
+            # that is restarting helps nobody.
+            delay = interval * min(2**self._consecutive_errors, 12)
+            self._wake.clear()
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+            try:
+                await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+
+    async def pass_once(self) -> list[Action]:
+        pass_id = uuid.uuid4().hex[:8]
+        try:
+            jobs, nodes = await asyncio.gather(
+                self.backend.list_jobs(self.prefix), self.backend.list_nodes()
+            )
+        except SlurmError as exc:
+            self._consecutive_errors += 1
+            self.last_pass_error = str(exc)
+            # Status may be stale; acting on a stale view could cancel what is running.
+            log.warning("pass %s: Slurm did not answer, nothing done: %s", pass_id, exc)
+            return []
+        self._consecutive_errors = 0
+        self.last_pass_error = ""
+        self.passes += 1
+        now = self.clock()
+        self.last_observed = now
+        self.nodes = nodes
+        self._observe(jobs, now, pass_id)
+        views = [self._view(r, now) for r in self.replicas.values()]
+        wanted = {k: d.wanted_at for k, d in self._demand.items() if d.wanted_at is not None}
+        result = planmod.plan(
+            self._models(),
+            views,
+            nodes,
+            wanted,
+            self.failures,
+            self.plan_cfg,
+            now,
+            new_replica_id,
+        )
+        self.notes = result.notes
+        for action in result.actions:
+            await self._execute(action, pass_id)
+        return result.actions
+
+    def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> None:
+        seen: set[str] = set()
+        for job in jobs:
+            ident = parse_job_name(self.prefix, job.name)
+            if ident is None:
+                continue
+            model, rid = ident
+            r = self.replicas.get(rid)
+            if r is None:
+                if job.state.is_finished:
+                    continue
+                r = Replica(
+                    replica_id=rid,
+                    model=model,
+                    job_id=job.job_id,
+                    submitted_at=job.submit_time.timestamp() if job.submit_time else now,
+                    adopted=True,
+                )
+                self.replicas[rid] = r
+                self._record("adopt", model, rid, f"job {job.job_id} {job.state.value}", pass_id)
+            seen.add(rid)
+            if job.restarts > r.restarts or (
+                r.job_state in (JobState.RUNNING, JobState.CONFIGURING)
+                and job.state is JobState.PENDING
+            ):
+                # Preempted (or failed node) and requeued: same job, a new start.
+                self._record(
+                    "requeued",
+                    model,
+                    rid,
+                    f"job {job.job_id} back in the queue ({job.reason})",
+                    pass_id,
+                )
+                r.base_url = ""
+                r.started_at = None
+                r.ready_at = None
+                r.draining_since = None
+                r.agent_draining = ""
+                r.step = ""
+            r.restarts = job.restarts
+            r.job_state = job.state
+            r.reason = job.reason
+            r.nodes = job.nodes
+            r.node_count = (
+                max(1, len(job.components))
+                if job.heterogeneous
+                else max(1, job.components[0].node_count if job.components else 1)
+            )
+            r.gpus_per_node = _gpus_in(job.components[0].tres_per_node) if job.components else 0
+            r.time_left_s = job.time_left_s
+            if job.state in (JobState.RUNNING, JobState.CONFIGURING) and r.started_at is None:
+                r.started_at = job.start_time.timestamp() if job.start_time else now
+            early = self._early_reports.pop(rid, None)
+            if early is not None:
+                self._apply_report(r, early)
+        # Reap: a replica whose job is no longer listed (or listed as finished) is gone.
+        for rid, r in list(self.replicas.items()):
+            finished = r.job_state.is_finished
+            if rid in seen and not finished:
+                continue
+            del self.replicas[rid]
+            if r.stop_reason:
+                self._record("gone", r.model, rid, r.stop_reason, pass_id)
+                continue
+            cause = (
+                f"job {r.job_id} ended ({r.job_state.value})"
+                if finished
+                else f"job {r.job_id} left the queue (last seen {r.job_state.value})"
+            )
+            lived = now - r.ready_at if r.ready_at is not None else None
+            # A replica that never served, or died soon after it began to, is a failed
+            # start: it feeds the restart backoff so a crash loop slows down.
+            if lived is None or lived < self.plan_cfg.min_lifetime:
+                self._fail(r.model, cause)
+            self._record("reap", r.model, rid, cause, pass_id)
+
+    def _fail(self, model: str, cause: str) -> None:
+        prev = self.failures.get(model)
+        self.failures[model] = Failures((prev.count if prev else 0) + 1, self.clock(), cause)
+
+    def _view(self, r: Replica, now: float) -> ReplicaView:
+        return ReplicaView(
+            replica_id=r.replica_id,
+            model=r.model,
+            job_id=r.job_id,
+            state=r.state(),
+            submitted_at=r.submitted_at,
+            gpus_per_node=r.gpus_per_node,
+            nodes=r.node_count,
+            reason=r.reason,
+            started_at=r.started_at,
+            ready_at=r.ready_at,
+            last_used=r.last_used,
+            in_flight=r.in_flight,
+            draining_since=r.draining_since,
+            drain_reason=r.drain_reason or r.agent_draining,
+            self_draining=bool(r.agent_draining) and r.draining_since is None,
+            time_left_s=r.time_left_s,
+            agent_failed=r.agent_failed,
+            replaces=r.replaces,
+            stop_reason=r.stop_reason,
+        )
+
+    async def _execute(self, a: Action, pass_id: str) -> None:
+        models = self._models()
+        try:
+            if a.kind is ActionKind.SUBMIT:
+                m = models[a.model]
+                spec = self.jobs.spec(m, a.replica_id)
+                job_id = await self.backend.submit(spec)
+                self.replicas[a.replica_id] = Replica(
+                    replica_id=a.replica_id,
+                    model=a.model,
+                    job_id=job_id,
+                    submitted_at=self.clock(),
+                    gpus_per_node=m.resources.gpus,
+                    node_count=m.resources.nodes,
+                    replaces=a.replaces,
+                )
+                self._record(
+                    "submit",
+                    a.model,
+                    a.replica_id,
+                    f"{a.reason}; job {job_id}; {a.placement}",
+                    pass_id,
+                )
+            elif a.kind is ActionKind.DRAIN:
+                r = self.replicas.get(a.replica_id)
+                if r is not None and r.draining_since is None:
+                    r.draining_since = self.clock()
+                    r.drain_reason = a.reason
+                    self._record("drain", a.model, a.replica_id, a.reason, pass_id)
+            elif a.kind in (ActionKind.CANCEL, ActionKind.EVICT):
+                r = self.replicas.get(a.replica_id)
+                if r is None or r.stop_reason:
+                    return
+                r.stop_reason = a.reason
+                r.base_url = ""
+                if a.failure:
+                    self._fail(a.model, a.reason)
+                await self.backend.cancel(a.job_id)
+                self._record(a.kind.value, a.model, a.replica_id, a.reason, pass_id)
+        except (LlmgwError, OSError) as exc:
+            if a.kind is ActionKind.SUBMIT:
+                self._fail(a.model, f"submit failed: {exc}")
+            self._record("error", a.model, a.replica_id, f"{a.kind.value}: {exc}", pass_id)
+
+    # ---- admin requests (llmgw-admin drain / stop) ------------------------------------
+
+    def find_replicas(self, target: str = "", node: str = "") -> list[Replica]:
+        """The replicas ``target`` names (a replica id, a model or an alias), or those on ``node``.
+
+        Raises LookupError naming what exists when the target or node is unknown.
+        A known model or node with no replica is an empty list, not an error.
+        """
+        if node:
+            known = sorted(
+                {n.name for n in self.nodes} | {n for r in self.replicas.values() for n in r.nodes}
+            )
+            if node not in known:
+                raise LookupError(f"no node {node!r}; nodes: {', '.join(known) or 'none seen yet'}")
+            return [r for r in self.replicas.values() if node in r.nodes]
+        if target in self.replicas:
+            return [self.replicas[target]]
+        model = self.resolve(target)
+        if model is not None:
+            return [r for r in self.replicas.values() if r.model == model]
+        models = ", ".join(m.name for m in self.catalog.models) or "none"
+        reps = ", ".join(sorted(self.replicas)) or "none"
+        raise LookupError(f"no replica or model {target!r}; models: {models}; replicas: {reps}")
+
+    def request_drain(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
+        """Stop routing to the named replicas; the plan cancels each once its requests finish.
+
+        A model whose ``min`` is above what is left gets replacements on the next
+        pass: a drain moves replicas, it does not take a model down.
+        """
+        reps = self.find_replicas(target, node)
+        why = reason or "drained by an admin"
+        now = self.clock()
+        out = []
+        for r in reps:
+            if r.stop_reason or r.draining_since is not None:
+                continue
+            r.draining_since = now
+            r.drain_reason = why
+            self._record("drain", r.model, r.replica_id, why)
+            out.append(r.replica_id)
+        self._wake.set()
+        return out
+
+    async def request_stop(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
+        """Cancel the named replicas now, in-flight requests or not. Raises SlurmError."""
+        reps = self.find_replicas(target, node)
+        why = reason or "stopped by an admin"
+        out = []
+        for r in reps:
+            if r.stop_reason:
+                continue
+            url, r.stop_reason, r.base_url = r.base_url, why, ""
+            try:
+                await self.backend.cancel(r.job_id)
+            except SlurmError:
+                # Not stopping after all: the next pass must still see it as it was.
+                r.stop_reason, r.base_url = "", url
+                raise
+            self._record("stop", r.model, r.replica_id, why)
+            out.append(r.replica_id)
+        self._wake.set()
+        return out
+
+    # ---- status --------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        models = []
+        for m in self.catalog.models:
+            reps = [r for r in self.replicas.values() if r.model == m.name]
+            models.append(
+                {
+                    "name": m.name,
+                    "aliases": list(m.aliases),
+                    "gpus": m.resources.gpus * m.resources.nodes,
+                    "min": m.scaling.min,
+                    "max": m.scaling.max,
+                    "state": self._model_state(m, reps),
+                    "note": self.notes.get(m.name, ""),
+                    "replicas": [self._replica_status(r, now) for r in reps],
+                }
+            )
+        return {
+            "models": models,
+            "passes": self.passes,
+            "last_pass_error": self.last_pass_error,
+            "decisions": [
+                {
+                    "at": d.at,
+                    "action": d.action,
+                    "model": d.model,
+                    "replica": d.replica_id,
+                    "reason": d.reason,
+                    "pass": d.pass_id,
+                }
+                for d in list(self.decisions)[-50:]
+            ],
+        }
+
+    def _model_state(self, m: Model, reps: list[Replica]) -> str:
+        states = [r.state() for r in reps]
+        n_ready = states.count(ReplicaState.READY)
+        if n_ready:
+            return f"ready {n_ready}"
+        f = self.failures.get(m.name)
+        if f is not None and f.count >= self.plan_cfg.give_up_after:
+            return "failing"
+        if ReplicaState.STARTING in states:
+            return "starting"
+        if ReplicaState.PENDING in states:
+            reason = next((r.reason for r in reps if r.state() is ReplicaState.PENDING), "")
+            return f"queued ({reason})" if reason else "queued"
+        if f is not None:
+            return "backoff"
+        return "cold"
+
+    def _replica_status(self, r: Replica, now: float) -> dict[str, Any]:
+        return {
+            "id": r.replica_id,
+            "job_id": r.job_id,
+            "state": r.state().value,
+            "reason": r.reason,
+            "nodes": list(r.nodes),
+            "step": r.step,
+            "url": r.base_url,
+            "in_flight": r.in_flight,
+            "idle_s": None if r.last_used is None else round(now - r.last_used, 1),
+            "time_left_s": r.time_left_s,
+            "adopted": r.adopted,
+        }
+
+
+def _gpus_in(tres_per_node: str) -> int:
+    # "gres:gpu:a100:2" or "gres/gpu:2" -> 2
+    if "gpu" not in tres_per_node:
+        return 0
+    tail = tres_per_node.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+__all__ = ["Decision", "Reconciler", "Replica"]

@@ -1,0 +1,125 @@
+"""From a catalog model to the Slurm job of one replica: names, scripts, environment.
+
+The one place that builds a replica's job: identity in the job name (visible
+to every user, so nothing secret), the script rendered from the site's
+templates, and the secrets and the model spec in the sbatch process's
+environment.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmgw_slurm import sbatch
+from llmgw_slurm.catalog import Model
+from llmgw_slurm.config import ServerConfig
+from llmgw_slurm.secrets import engine_api_key, replica_secret
+from llmgw_slurm.slurm.types import JobSpec
+
+_RID = re.compile(r"[0-9a-f]{8}")
+
+
+def new_replica_id() -> str:
+    return secrets.token_hex(4)
+
+
+def job_name(prefix: str, model: str, replica_id: str) -> str:
+    return f"{prefix}{model}.{replica_id}"
+
+
+def parse_job_name(prefix: str, name: str) -> tuple[str, str] | None:
+    """``llmgw.llama-8b.0a1b2c3d`` -> ``("llama-8b", "0a1b2c3d")``; None when not ours."""
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix) :]
+    model, dot, rid = rest.rpartition(".")
+    if not dot or not model or not _RID.fullmatch(rid):
+        return None
+    return model, rid
+
+
+@dataclass(frozen=True)
+class JobBuilder:
+    """Renders replica jobs for one server configuration."""
+
+    server: ServerConfig
+    server_key: bytes
+    daemon_url: str
+    python: str = sys.executable
+
+    def spec(
+        self, model: Model, replica_id: str, extra_env: Mapping[str, str] | None = None
+    ) -> JobSpec:
+        cfg = self.server
+        res = model.resources.with_slurm_defaults(
+            partition=cfg.slurm.partition, account=cfg.slurm.account, qos=cfg.slurm.qos
+        )
+        name = job_name(cfg.slurm.job_prefix, model.name, replica_id)
+        log_dir = Path(cfg.state_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        time_limit = res.time_limit.slurm if res.time_limit else "1-00:00:00"
+        job = sbatch.JobOptions(
+            job_name=name,
+            time=time_limit,
+            output=str(log_dir / "%x-%j.out"),
+            python=self.python,
+            partition=res.partition,
+            account=res.account,
+            qos=res.qos,
+        )
+        r = sbatch.Resources(
+            gpus=res.gpus,
+            gpu_type=res.gpu_type or "",
+            cpus_per_task=res.cpus,
+            mem=res.memory,
+            constraint=res.constraint,
+        )
+        # Warn the agent ahead of the limit by the drain timeout plus a margin, so
+        # that it can finish in-flight requests before Slurm kills the job.
+        signal_before = int(min(65535, max(60, cfg.reconcile.drain_timeout + 60)))
+        templates = cfg.templates_dir
+        if res.nodes > 1:
+            script = sbatch.render_replica_hetjob(
+                sbatch.HetReplicaParams(
+                    job=job,
+                    components=[
+                        sbatch.HetComponent(nodes=1, resources=r, partition=res.partition)
+                        for _ in range(res.nodes)
+                    ],
+                    agent_config=str(cfg.agent_config),
+                    signal_before_s=signal_before,
+                ),
+                templates,
+            )
+        else:
+            script = sbatch.render_replica(
+                sbatch.ReplicaParams(
+                    job=job,
+                    resources=r,
+                    agent_config=str(cfg.agent_config),
+                    signal_before_s=signal_before,
+                ),
+                templates,
+            )
+        env = {
+            "LLMGW_REPLICA_ID": replica_id,
+            "LLMGW_MODEL": model.name,
+            "LLMGW_DAEMON_URL": self.daemon_url,
+            "LLMGW_REPLICA_SECRET": replica_secret(self.server_key, replica_id),
+            "LLMGW_ENGINE_API_KEY": engine_api_key(self.server_key, replica_id),
+            "LLMGW_REPLICA_SPEC": model.to_spec_json(),
+            **(extra_env or {}),
+        }
+        gpus = res.gpus * res.nodes
+        return JobSpec(
+            name=name,
+            script=script,
+            env=env,
+            # For sacct audits: which model and replica, in a form `audit` parses back.
+            comment=f"llmgw model={model.name} replica={replica_id} gpus={gpus}",
+        )

@@ -1,0 +1,198 @@
+"""A real daemon in the test's event loop, on the one-machine cluster.
+
+Each harness writes its own server.yaml, models.yaml and agent.yaml to a temp
+folder with a job prefix of its own, so tests never touch each other's jobs,
+and runs the daemon exactly as `llmgw-admin serve` does (daemon.build and the
+same apps), only on free ports and with a stop the test controls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import textwrap
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from llmgw_slurm import daemon as daemonmod
+from llmgw_slurm.config import load_server_config
+
+TOP = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+TINY_ENGINE = [
+    "python3",
+    "-m",
+    "llmgw_slurm.testing.engine",
+    "--host",
+    "{host}",
+    "--port",
+    "{port}",
+    "--api-key",
+    "{api_key}",
+    "--served-name",
+    "{served_name}",
+]
+
+
+def tiny_model(name: str, **over: Any) -> dict[str, Any]:
+    """A test-engine model entry; ``over`` replaces top-level sections."""
+    m: dict[str, Any] = {
+        "name": name,
+        "engine": {"kind": "command", "command": TINY_ENGINE, "ready_timeout": "1m"},
+        "resources": {
+            "gpus": 1,
+            "gpu_type": "a100",
+            "cpus": 1,
+            "memory": "500M",
+            "partition": "llm",
+            "time_limit": "30m",
+        },
+        "scaling": {"min": 0, "max": 1, "idle_timeout": "10m"},
+    }
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(m.get(k), dict):
+            m[k] = {**m[k], **v}
+        else:
+            m[k] = v
+    return m
+
+
+@dataclass
+class Harness:
+    folder: Path
+    prefix: str
+    gateway_port: int = field(default_factory=free_port)
+    internal_port: int = field(default_factory=free_port)
+    reconcile: dict[str, Any] = field(default_factory=dict)
+    d: daemonmod.Daemon | None = None
+    _task: asyncio.Task[None] | None = None
+    _stop: asyncio.Event | None = None
+    _runners: list[web.AppRunner] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def server_yaml(self) -> Path:
+        return self.folder / "server.yaml"
+
+    def write(self, models: list[dict[str, Any]]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        reconcile = {
+            "interval": "1s",
+            "eviction_grace": "3s",
+            "min_lifetime": "3s",
+            "renewal_margin": "1m",
+            "drain_timeout": "15s",
+            "restart": {"initial_backoff": "2s", "max_backoff": "20s", "give_up_after_failures": 3},
+            **self.reconcile,
+        }
+        server = {
+            "slurm": {"backend": "cli", "partition": "llm", "job_prefix": self.prefix},
+            "listen": {
+                "gateway": f"127.0.0.1:{self.gateway_port}",
+                "internal": f"127.0.0.1:{self.internal_port}",
+                "daemon_url": f"http://127.0.0.1:{self.internal_port}",
+            },
+            "state_dir": str(self.folder / "state"),
+            "models": "models.yaml",
+            "agent_config": "agent.yaml",
+            "reconcile": reconcile,
+            "router": {"hold_timeout": "90s"},
+        }
+        self.server_yaml.write_text(yaml.safe_dump(server, sort_keys=False))
+        self.write_models(models)
+        (self.folder / "agent.yaml").write_text(
+            textwrap.dedent(
+                f"""\
+                weights: {{cache_dir: {self.folder / "weights"}}}
+                readiness: {{poll_interval: 0.3s, timeout: 1m}}
+                heartbeat_interval: 1s
+                port_range: 22000-29999
+                drain: {{timeout: 15s, poll_interval: 0.5s, grace: 1s, stop_grace: 3s}}
+                """
+            )
+        )
+
+    def write_models(self, models: list[dict[str, Any]]) -> None:
+        (self.folder / "models.yaml").write_text(
+            yaml.safe_dump({"models": models}, sort_keys=False)
+        )
+
+    async def start(self) -> None:
+        server = load_server_config(self.server_yaml)
+        self.d = daemonmod.build(server, self.server_yaml)
+        self._stop = asyncio.Event()
+        self._runners = []
+        for app, port in (
+            (self.d.gateway, self.gateway_port),
+            (self.d.internal, self.internal_port),
+        ):
+            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            self._runners.append(runner)
+        self._task = asyncio.create_task(self.d.reconciler.run(self._stop))
+
+    async def stop(self) -> None:
+        """Stop the daemon as a crash would leave things: jobs keep running."""
+        if self._stop is not None:
+            self._stop.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for r in self._runners:
+            await r.cleanup()
+        self._runners = []
+        self._task = None
+
+    @property
+    def rec(self) -> Any:
+        assert self.d is not None
+        return self.d.reconciler
+
+    def decisions(self, action: str | None = None, model: str | None = None) -> list[Any]:
+        return [
+            d
+            for d in self.rec.decisions
+            if (action is None or d.action == action) and (model is None or d.model == model)
+        ]
+
+    def jobs(self) -> list[tuple[str, str, str]]:
+        """(job id, name, state) of this harness's jobs, straight from squeue."""
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i|%j|%T"], capture_output=True, text=True, check=True
+        ).stdout
+        rows = [tuple(line.split("|", 2)) for line in out.splitlines() if line]
+        return [r for r in rows if r[1].startswith(self.prefix)]  # type: ignore[misc]
+
+
+@contextlib.asynccontextmanager
+async def running(
+    tmp_path: Path, prefix: str, models: list[dict[str, Any]], **reconcile: Any
+) -> AsyncIterator[Harness]:
+    h = Harness(tmp_path / "daemon", prefix, reconcile=reconcile)
+    h.write(models)
+    await h.start()
+    try:
+        yield h
+    finally:
+        await h.stop()
+        ids = [j[0] for j in h.jobs()]
+        if ids:
+            subprocess.run(["scancel", *ids], check=False)

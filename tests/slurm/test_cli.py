@@ -1,0 +1,309 @@
+"""The CLIs against a real daemon on the dev cluster, and the status page in headless chromium.
+
+One daemon for the module (its own job prefix and ports), with the dev
+catalog's ``tiny`` (the test engine). The tests run in order: start the model,
+chat with it, look at it, drain it, then audit the jobs sacct recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+TOP = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Daemon:
+    server: Path
+    url: str
+    prefix: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+def _cli(
+    module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    code = f"from llmgw_slurm.cli.{module} import main; main()"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(TOP), **(env or {})},
+        check=False,
+    )
+
+
+def llmgw(d: Daemon, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return _cli("researcher", "--url", d.url, *args, timeout=timeout)
+
+
+def admin(
+    d: Daemon, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return _cli("admin", *args, "--server", str(d.server), env=env)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, slurm_conf: str) -> Iterator[Daemon]:
+    tmp = tmp_path_factory.mktemp("cli")
+    prefix = f"llmgwTcli{os.getpid() % 10000}."
+    gw, internal = free_port(), free_port()
+    dev = TOP / "site-config" / "dev"
+    server = tmp / "server.yaml"
+    server.write_text(
+        (dev / "server.yaml")
+        .read_text()
+        .replace("job_prefix: llmgw.", f"job_prefix: {prefix}")
+        .replace("127.0.0.1:18000", f"127.0.0.1:{gw}")
+        .replace("127.0.0.1:18001", f"127.0.0.1:{internal}")
+        .replace("state_dir: ../../.dev-cluster/llmgw", f"state_dir: {tmp / 'state'}")
+        .replace("models: models.yaml", f"models: {dev / 'models.yaml'}")
+        .replace("agent_config: agent.yaml", f"agent_config: {dev / 'agent.yaml'}")
+    )
+    assert prefix in server.read_text() and str(gw) in server.read_text()
+    log = tmp / "daemon.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from llmgw_slurm.cli.admin import main; main()",
+                "serve",
+                "--server",
+                str(server),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(TOP)},
+        )
+    d = Daemon(server, f"http://127.0.0.1:{gw}", prefix, proc, log)
+    deadline = time.monotonic() + 30
+    while llmgw(d, "models").returncode != 0:
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "the daemon did not answer:\n" + log.read_text()
+        time.sleep(0.5)
+    try:
+        yield d
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        jobs = subprocess.run(
+            ["squeue", "-h", "--me", "-o", "%i %j"], capture_output=True, text=True, check=False
+        ).stdout
+        mine = [
+            ln.split()[0]
+            for ln in jobs.splitlines()
+            if ln.split()[1:] and ln.split()[1].startswith(prefix)
+        ]
+        if mine:
+            subprocess.run(["scancel", *mine], check=False)
+
+
+def test_1_models_lists_tiny_cold(daemon: Daemon) -> None:
+    r = llmgw(daemon, "models", "--json")
+    assert r.returncode == 0, r.stderr
+    (tiny,) = json.loads(r.stdout)
+    assert tiny["name"] == "tiny" and tiny["aliases"] == ["test/tiny-chat"]
+    assert tiny["state"] == "cold" and tiny["endpoint"] == daemon.url + "/v1"
+
+
+def test_2_up_waits_until_ready(daemon: Daemon) -> None:
+    r = llmgw(daemon, "up", "tiny", "--timeout", "150")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    # Not a TTY: one line per phase, each with the time since the request.
+    assert all(re.match(r"^\[\s*\d+[sm]", ln) for ln in lines[:-1]), r.stdout
+    assert lines[-2].endswith("] ready") and lines[-1].startswith("tiny is ready: ")
+    r = llmgw(daemon, "models")
+    assert re.search(r"^tiny\s+test/tiny-chat\s+ready 1\s+1$", r.stdout, re.M), r.stdout
+
+
+def test_3_chat_answers(daemon: Daemon) -> None:
+    r = llmgw(daemon, "chat", "tiny", "hi there")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("hi there")
+
+
+def test_4_admin_status_shows_the_replica_and_its_job(daemon: Daemon) -> None:
+    r = admin(daemon, "status")
+    assert r.returncode == 0, r.stderr
+    rep = [ln for ln in r.stdout.splitlines() if re.match(r"^[0-9a-f]{8}\s+tiny\s+\d+\s+ready", ln)]
+    assert len(rep) == 1, r.stdout
+    job_id = rep[0].split()[2]
+    sq = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%j"], capture_output=True, text=True, check=False
+    ).stdout
+    assert sq.strip().startswith(daemon.prefix + "tiny.")
+    assert re.search(r"ago  submit tiny [0-9a-f]{8}: scale up", r.stdout)
+    assert "gpunode" in r.stdout
+
+
+class _Text(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self.tags: list[str] = []
+        self._in_style = False
+
+    def handle_starttag(self, tag: str, attrs: object) -> None:
+        self.tags.append(tag)
+        self._in_style = tag == "style"
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_style = False
+
+    def handle_data(self, data: str) -> None:
+        if not self._in_style:
+            self.parts.append(data)
+
+
+def test_5_status_page_in_headless_chromium(daemon: Daemon, tmp_path: Path) -> None:
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is missing: run scripts/install-deps"
+    r = subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--dump-dom",
+            daemon.url + "/",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = _Text()
+    page.feed(r.stdout)
+    text = " ".join(" ".join(page.parts).split())
+    # What a person sees: the model, its state, its replica, a decision with its reason.
+    assert "llmgw-slurm" in text and "Models" in text
+    assert re.search(r"tiny test/tiny-chat ready 1 1", text), text
+    assert re.search(r"replica [0-9a-f]{8} · job \d+ · ready", text), text
+    assert re.search(r"submit tiny [0-9a-f]{8} scale up to 1", text), text
+    assert f"{daemon.url}/v1" in text
+    assert "script" not in page.tags
+    shot = tmp_path / "page.png"
+    r = subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            f"--user-data-dir={tmp_path / 'profile2'}",
+            f"--screenshot={shot}",
+            "--window-size=1200,900",
+            daemon.url + "/",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
+
+
+def test_6_drain_then_the_replica_goes(daemon: Daemon) -> None:
+    r = admin(daemon, "drain", "tiny", "--reason", "test drain")
+    assert r.returncode == 0, r.stderr
+    assert re.match(r"draining 1 replica\(s\) of tiny: [0-9a-f]{8}$", r.stdout.strip())
+    rid = r.stdout.strip().rsplit(" ", 1)[1]
+    deadline = time.monotonic() + 60
+    while True:
+        st = json.loads(admin(daemon, "status", "--json").stdout)
+        gone = [
+            d for d in st["decisions"] if d["replica"] == rid and d["action"] in ("cancel", "gone")
+        ]
+        if gone:
+            break
+        assert time.monotonic() < deadline, st["decisions"]
+        time.sleep(1)
+    assert any(d["action"] == "drain" and d["reason"] == "test drain" for d in st["decisions"])
+    r = admin(daemon, "drain", "nope")
+    assert r.returncode == 1 and "no replica or model 'nope'; models: tiny" in r.stderr
+
+
+def test_7_audit_reads_the_jobs_from_sacct(daemon: Daemon) -> None:
+    # Jobs of this module only: ours are the only ones with this prefix.
+    deadline = time.monotonic() + 90
+    while True:
+        r = admin(daemon, "audit", "--since", "2h", "--json")
+        assert r.returncode == 0, r.stderr
+        data = json.loads(r.stdout)
+        rows = [x for x in data["rows"] if x["model"] == "tiny"]
+        if rows and sum(x["jobs"] for x in rows) >= 1 and sum(x["gpu_hours"] for x in rows) > 0:
+            break
+        assert time.monotonic() < deadline, r.stdout
+        time.sleep(2)
+    assert data["job_prefix"] == daemon.prefix and data["by"] == "day"
+    today = datetime.now().strftime("%Y-%m-%d")
+    assert rows[-1]["period"] in (today, (datetime.now() - timedelta(days=1)).strftime("%Y-%m-%d"))
+    r = admin(daemon, "audit", "--since", "2h", "--csv")
+    assert r.stdout.splitlines()[0] == "period,model,jobs,gpu_hours,failed,timeout,preempted"
+    assert any(ln.split(",")[1] == "tiny" for ln in r.stdout.splitlines()[1:])
+    r = admin(daemon, "audit", "--since", "2h", "--by", "month")
+    assert r.returncode == 0 and re.search(r"^\d{4}-\d\d\s+tiny\s+\d+", r.stdout, re.M), r.stdout
+
+
+def test_8_audit_with_slurmdbd_unreachable(daemon: Daemon, tmp_path: Path, slurm_conf: str) -> None:
+    # The real sacct against a slurm.conf whose accounting port has nobody behind it.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(
+        re.sub(
+            r"(?m)^AccountingStoragePort=.*$",
+            f"AccountingStoragePort={free_port()}",
+            Path(slurm_conf).read_text(),
+        )
+    )
+    r = admin(daemon, "audit", env={"SLURM_CONF": str(conf)})
+    assert r.returncode == 1
+    assert r.stderr.startswith("Error: cannot reach accounting (slurmdbd): ")
+    assert "Traceback" not in r.stderr
+
+
+def test_9_systemd_unit_verifies(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    exe = shutil.which("llmgw-admin")
+    if analyze is None or exe is None:
+        pytest.skip("systemd-analyze or llmgw-admin not on PATH")
+    unit = tmp_path / "llmgw-slurm.service"
+    unit.write_text(
+        (TOP / "site-config" / "llmgw-slurm.service")
+        .read_text()
+        .replace("/usr/local/bin/llmgw-admin", exe)
+    )
+    r = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    # verify only warns about what it cannot parse: any line about the unit is a mistake.
+    assert "llmgw-slurm.service" not in r.stderr, r.stderr

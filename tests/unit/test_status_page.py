@@ -1,0 +1,121 @@
+"""The status page's HTML: what it shows, and that nothing in it is markup from outside."""
+
+from __future__ import annotations
+
+import re
+from html.parser import HTMLParser
+from typing import Any
+
+from llmgw_slurm.status_page import REFRESH_SECONDS, render_page
+
+EVIL = "<script>alert(1)</script>\"'&"
+
+
+class Text(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.text: list[str] = []
+        self._skip = False
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        self.tags.append(tag)
+        self._skip = tag == "style"
+
+    def handle_endtag(self, tag: str) -> None:
+        self._skip = False
+
+    def handle_data(self, data: str) -> None:
+        if not self._skip:
+            self.text.append(data)
+
+
+def status(**kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "passes": 3,
+        "last_pass_error": "",
+        "version": "0.1.0",
+        "now": 1.7e9,
+        "models": [
+            {
+                "name": "tiny",
+                "aliases": ["test/tiny-chat"],
+                "gpus": 1,
+                "min": 0,
+                "max": 2,
+                "state": "queued (Resources)",
+                "note": "queued (Resources): needs 1 node(s)",
+                "replicas": [
+                    {
+                        "id": "0000aaaa",
+                        "job_id": "42",
+                        "state": "pending",
+                        "reason": EVIL,
+                        "nodes": [],
+                        "step": "",
+                        "in_flight": 0,
+                        "idle_s": None,
+                    }
+                ],
+            }
+        ],
+        "decisions": [
+            {
+                "at": 1.7e9,
+                "action": "submit",
+                "model": "tiny",
+                "replica": "0000aaaa",
+                "reason": "scale up to 1: " + EVIL,
+                "pass": "p",
+            }
+        ],
+        "nodes": [
+            {
+                "name": "gpunode1",
+                "state": "mixed",
+                "reason": "",
+                "partitions": ["llm"],
+                "gpus_free": 3,
+                "gpus_total": 4,
+            }
+        ],
+    }
+    base.update(kw)
+    return base
+
+
+def test_page_shows_models_replicas_reasons_decisions_nodes() -> None:
+    html = render_page(status(), "http://gw:8000/v1")
+    p = Text()
+    p.feed(html)
+    text = " ".join(p.text)
+    for want in (
+        "tiny",
+        "test/tiny-chat",
+        "queued (Resources)",
+        "0000aaaa",
+        "job 42",
+        "scale up to 1",
+        "gpunode1",
+        "3/4",
+        "http://gw:8000/v1",
+    ):
+        assert want in text, want
+    assert f'http-equiv="refresh" content="{REFRESH_SECONDS}"' in html
+
+
+def test_everything_from_outside_is_escaped() -> None:
+    html = render_page(status(), "http://gw:8000/v1?<b>")
+    p = Text()
+    p.feed(html)
+    assert "script" not in p.tags and "b" not in p.tags
+    assert EVIL in " ".join(p.text)  # shown as text, literally
+    assert "<script>" not in html
+
+
+def test_stale_warning_and_empty_catalog() -> None:
+    html = render_page(
+        status(models=[], decisions=[], nodes=[], last_pass_error="squeue: <x>"), "e"
+    )
+    assert "The catalog has no models." in html and "No decisions yet." in html
+    assert re.search(r"may be stale: squeue: &lt;x&gt;", html)
