@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_FAILED = 1
 _HEAD_EVENTS = frozenset({"ready", "heartbeat", "draining", "stopped"})
+_WORKER_EXIT_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -394,6 +395,16 @@ class Agent:
                 )
                 if exit_task in done:
                     rc = exit_task.result()
+                    if not self.role.is_head and not self._drain.is_set():
+                        # A worker's engine ends with the head's, and the head
+                        # may stop its engine before this agent has seen the
+                        # same drain signal (slurmstepd signals every node at
+                        # once, not in step): give the signal a moment.
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._drain.wait(), _WORKER_EXIT_GRACE_S)
+                    if self._drain.is_set():
+                        log.info("engine ended with the head's (code %s) while draining", rc)
+                        return EXIT_OK
                     tail = "\n".join(self.engine.tail()[-20:])
                     msg = f"engine exited with code {rc} while serving; last lines:\n{tail}"
                     log.error("%s", msg)
