@@ -296,14 +296,20 @@ class HetReplicaParams:
 
 @dataclass(frozen=True)
 class ModelJobParams:
-    """A job that fetches a model's weights into the shared cache ahead of use.
+    """A job that fetches a model's weights into the cache ahead of use.
 
-    The weights spec reaches the job as ``LLMGW_REPLICA_SPEC`` in its environment.
+    The weights spec reaches the job as ``LLMGW_REPLICA_SPEC`` in its
+    environment. Useful only with a cache every node sees (agent.yaml
+    ``weights.cache_dir`` on a shared filesystem): the default cache is
+    node-local.
     """
 
     job: JobOptions
     agent_config: str
     resources: Resources = field(default_factory=Resources)
+    # Compute nodes often may not download (agent.yaml weights.allow_download
+    # off); a model job sent where they may, says so for itself.
+    allow_download: bool = False
 
     def validate(self) -> None:
         self.job.validate()

@@ -19,8 +19,10 @@ from llmgw_slurm.sbatch import (
     HetComponent,
     HetReplicaParams,
     JobOptions,
+    ModelJobParams,
     ReplicaParams,
     Resources,
+    render_model_job,
     render_replica,
     render_replica_hetjob,
 )
@@ -222,3 +224,24 @@ async def test_two_node_replica_as_a_het_job(
     ev = daemon.events()
     assert ev.count("ready") == 1 and ev.count("stopped") == 1 and "failed" not in ev
     assert "master gone, worker exits" in job_log(tmp_path)
+
+
+async def test_model_job_fetches_into_the_cache_once(
+    backend: CliBackend, prefix: str, tmp_path: Path
+) -> None:
+    agent_yaml, spec = setup_files(tmp_path)
+    script = render_model_job(
+        ModelJobParams(job_options(prefix, tmp_path), str(agent_yaml), Resources(cpus_per_task=1))
+    )
+    env = {"LLMGW_REPLICA_SPEC": spec, "PYTHONPATH": str(TOP)}
+    for n in (1, 2):
+        job_id = await backend.submit(JobSpec(name=f"{prefix}fetch.{RID}", script=script, env=env))
+        await eventually(lambda j=job_id: ended(backend, prefix, j), "the model job to end")
+        await eventually(
+            lambda n=n: asyncio.sleep(0, result=job_log(tmp_path).count(f"tiny: {tmp_path}") == n),
+            "its output",
+        )
+    log = job_log(tmp_path)
+    assert log.count("(fetched,") == 1 and log.count("(already there,") == 1, log
+    (copy,) = (tmp_path / "cache" / "models").iterdir()
+    assert (copy / ".llmgw-manifest.json").exists() and (copy / "config.json").exists()

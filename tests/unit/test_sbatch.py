@@ -109,6 +109,8 @@ def test_model_job_matches_record(tmp_path: Path) -> None:
     text = render_model_job(ModelJobParams(JOB, AGENT_CONFIG, Resources(cpus_per_task=4)))
     assert_matches_record("model-job.sbatch", text)
     bash_n(text, tmp_path)
+    allowed = render_model_job(ModelJobParams(JOB, AGENT_CONFIG, allow_download=True))
+    assert allowed.rstrip().endswith(f"--config {AGENT_CONFIG} --allow-hf fetch")
 
 
 def test_engine_install_matches_records(tmp_path: Path) -> None:
