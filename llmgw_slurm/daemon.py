@@ -177,6 +177,7 @@ async def serve(d: Daemon) -> None:
         )
         await d.reconciler.run(stop)
     finally:
+        await d.reconciler.close()
         for r in runners:
             await r.cleanup()
 

@@ -18,7 +18,10 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
+
+import aiohttp
 
 from llmgw_slurm.catalog import Catalog, Model
 from llmgw_slurm.config import ServerConfig
@@ -67,7 +70,10 @@ class Replica:
     agent_failed: str = ""
     replaces: str = ""
     step: str = ""
+    # Seconds each agent step took, as the agent reported them (for status and cold-start figures).
+    step_seconds: dict[str, float] = field(default_factory=dict)
     last_report: float | None = None
+    first_report_at: float | None = None
     adopted: bool = False
 
     def state(self) -> ReplicaState:
@@ -154,6 +160,9 @@ class Reconciler:
         self.last_pass_error = ""
         self.last_observed: float | None = None
         self._consecutive_errors = 0
+        self._http: aiohttp.ClientSession | None = None
+        self._probing: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- catalog -----------------------------------------------------------------
 
@@ -260,23 +269,34 @@ class Reconciler:
     def _apply_report(self, r: Replica, body: Mapping[str, Any]) -> None:
         now = self.clock()
         r.last_report = now
+        if r.first_report_at is None:
+            r.first_report_at = now
         event = str(body.get("event") or "")
         step = body.get("step")
         status = body.get("status")
         if step:
             r.step = f"{step} {status}" if status else str(step)
+            elapsed = body.get("elapsed_s")
+            if status == "done" and isinstance(elapsed, int | float):
+                r.step_seconds[str(step)] = float(elapsed)
         if event == "step":
             # A new run of the agent (after a requeue) is not the one that drained.
             r.agent_draining = ""
+        if event in ("step", "ready", "heartbeat") and r.job_state is JobState.PENDING:
+            # The agent runs, so the job does: do not wait for the next listing to say so
+            # (a held request would wait a whole pass interval). The listing corrects it.
+            r.job_state = JobState.RUNNING
+            r.started_at = r.started_at or now
         url = body.get("url")
         if event in ("ready", "heartbeat") and isinstance(url, str) and url:
-            if not r.base_url:
-                r.ready_at = r.ready_at or now
-                self._record("ready", r.model, r.replica_id, f"serving at {url}")
-                self.failures.pop(r.model, None)
-            r.base_url = url
-            r.step = "ready"
-            self._signal_ready(r.model)
+            if r.base_url != url and url not in self._probing:
+                # Route only to what the daemon itself has reached, with the engine's key:
+                # an agent's word that the engine is up is not proof the login node can
+                # reach it (firewalls, a wrong advertised name).
+                self._probing.add(url)
+                task = asyncio.get_running_loop().create_task(self._probe(r, url))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         elif event == "failed":
             r.agent_failed = str(body.get("message") or step or "agent reported failure")
             self._wake.set()
@@ -287,6 +307,40 @@ class Reconciler:
             self._record("agent-drain", r.model, r.replica_id, r.agent_draining)
         elif event == "stopped":
             r.base_url = ""
+
+    async def _probe(self, r: Replica, url: str) -> None:
+        try:
+            if self._http is None or self._http.closed:
+                self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            key = engine_api_key(self.server_key, r.replica_id)
+            async with self._http.get(
+                url.rstrip("/") + "/v1/models", headers={"Authorization": f"Bearer {key}"}
+            ) as resp:
+                ok = resp.status == 200
+                why = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        finally:
+            self._probing.discard(url)
+        if self.replicas.get(r.replica_id) is not r or r.stop_reason:
+            return
+        if not ok:
+            # The next heartbeat tries again.
+            self._record("probe-failed", r.model, r.replica_id, f"{url}: {why}")
+            return
+        if not r.base_url:
+            r.ready_at = r.ready_at or self.clock()
+            self._record("ready", r.model, r.replica_id, f"serving at {url}")
+            self.failures.pop(r.model, None)
+        r.base_url = url
+        r.step = "ready"
+        self._signal_ready(r.model)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._http is not None:
+            await self._http.close()
 
     # ---- the pass ----------------------------------------------------------------
 
@@ -328,7 +382,7 @@ class Reconciler:
         now = self.clock()
         self.last_observed = now
         self.nodes = nodes
-        self._observe(jobs, now, pass_id)
+        await self._reap(self._observe(jobs, now, pass_id), now, pass_id)
         views = [self._view(r, now) for r in self.replicas.values()]
         wanted = {k: d.wanted_at for k, d in self._demand.items() if d.wanted_at is not None}
         result = planmod.plan(
@@ -346,7 +400,7 @@ class Reconciler:
             await self._execute(action, pass_id)
         return result.actions
 
-    def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> None:
+    def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> list[Replica]:
         seen: set[str] = set()
         for job in jobs:
             ident = parse_job_name(self.prefix, job.name)
@@ -402,25 +456,50 @@ class Reconciler:
             if early is not None:
                 self._apply_report(r, early)
         # Reap: a replica whose job is no longer listed (or listed as finished) is gone.
+        gone = []
         for rid, r in list(self.replicas.items()):
-            finished = r.job_state.is_finished
-            if rid in seen and not finished:
+            if rid in seen and not r.job_state.is_finished:
                 continue
             del self.replicas[rid]
             if r.stop_reason:
                 self._record("gone", r.model, rid, r.stop_reason, pass_id)
-                continue
-            cause = (
-                f"job {r.job_id} ended ({r.job_state.value})"
-                if finished
-                else f"job {r.job_id} left the queue (last seen {r.job_state.value})"
-            )
+            else:
+                gone.append(r)
+        return gone
+
+    async def _reap(self, gone: Sequence[Replica], now: float, pass_id: str) -> None:
+        """Record why replicas ended that the daemon did not stop, and count failed starts.
+
+        squeue keeps a finished job (with its final state) for MinJobAge; one that
+        has already left it is looked up in accounting, in one call for all of them,
+        and only in a pass that has such a job.
+        """
+        final: dict[str, str] = {}
+        vanished = [r for r in gone if not r.job_state.is_finished]
+        if vanished:
+            since = datetime.fromtimestamp(min(r.submitted_at for r in vanished) - 60)
+            try:
+                for rec in await self.backend.accounting(since, name_prefix=self.prefix):
+                    final[rec.job_id] = rec.state.value + (
+                        f" exit {rec.exit_code}" if rec.exit_code not in ("", "0:0") else ""
+                    )
+            except SlurmError as exc:
+                log.warning("pass %s: accounting unreachable, causes unknown: %s", pass_id, exc)
+        for r in gone:
+            if r.job_state.is_finished:
+                cause = f"job {r.job_id} ended: {r.job_state.value}"
+            elif r.job_id in final:
+                cause = f"job {r.job_id} ended: {final[r.job_id]}"
+            else:
+                cause = f"job {r.job_id} left the queue (last seen {r.job_state.value})"
+            if r.agent_failed:
+                cause += f"; agent: {r.agent_failed}"
             lived = now - r.ready_at if r.ready_at is not None else None
             # A replica that never served, or died soon after it began to, is a failed
             # start: it feeds the restart backoff so a crash loop slows down.
             if lived is None or lived < self.plan_cfg.min_lifetime:
                 self._fail(r.model, cause)
-            self._record("reap", r.model, rid, cause, pass_id)
+            self._record("reap", r.model, r.replica_id, cause, pass_id)
 
     def _fail(self, model: str, cause: str) -> None:
         prev = self.failures.get(model)
@@ -618,8 +697,14 @@ class Reconciler:
             "reason": r.reason,
             "nodes": list(r.nodes),
             "step": r.step,
+            "step_seconds": dict(r.step_seconds),
+            "started_at": r.started_at,
             "url": r.base_url,
             "in_flight": r.in_flight,
+            "gpus": r.gpus_per_node * r.node_count,
+            "submitted_at": r.submitted_at,
+            "ready_since": r.ready_at,
+            "last_used": r.last_used,
             "idle_s": None if r.last_used is None else round(now - r.last_used, 1),
             "time_left_s": r.time_left_s,
             "adopted": r.adopted,

@@ -156,6 +156,8 @@ class Harness:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.d is not None:
+            await self.d.reconciler.close()
         for r in self._runners:
             await r.cleanup()
         self._runners = []

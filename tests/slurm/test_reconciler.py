@@ -306,3 +306,107 @@ async def test_renewal_hands_over_without_failed_requests(
         assert drain.reason == f"renewed by {renew.replica_id}"
         original = h.decisions("submit", "renewed")[0].replica_id
         assert drain.replica_id == original
+
+
+async def test_job_killed_from_outside_is_reaped_with_its_cause_and_restarted(
+    tmp_path: Path, prefix: str
+) -> None:
+    model = tiny_model("victim", scaling={"min": 1, "max": 1})
+    # A long minimum lifetime: a replica that dies this soon after serving is a failed start.
+    async with running(tmp_path, prefix, [model], min_lifetime="10m") as h:
+        await eventually(lambda: asyncio.sleep(0, ready_replicas(h, "victim")), "ready")
+        (job,) = h.jobs()
+        subprocess.run(["scancel", job[0]], check=True)
+        (reap,) = await eventually(lambda: asyncio.sleep(0, h.decisions("reap", "victim")), "reap")
+        assert f"job {job[0]} ended: CANCELLED" in reap.reason
+        assert h.rec.failures["victim"].count == 1
+        # Restarted after the backoff (2 s here), as a new job.
+        await eventually(lambda: asyncio.sleep(0, ready_replicas(h, "victim")), "ready again")
+        (again,) = h.jobs()
+        assert again[0] != job[0]
+        # Ready again: the failure count is cleared.
+        assert "victim" not in h.rec.failures
+
+
+async def test_a_job_submitted_just_before_the_daemon_died_is_adopted_not_duplicated(
+    tmp_path: Path, prefix: str
+) -> None:
+    """sbatch returned, then the daemon died before it recorded the job."""
+    from llmgw_slurm.catalog import load_catalog
+    from llmgw_slurm.config import load_server_config
+    from llmgw_slurm.reconciler.jobs import JobBuilder, new_replica_id
+    from llmgw_slurm.secrets import load_or_create_server_key
+    from llmgw_slurm.slurm.cli import CliBackend
+
+    h = Harness(tmp_path / "daemon", prefix)
+    h.write([tiny_model("orphan", scaling={"min": 1, "max": 1})])
+    server = load_server_config(h.server_yaml)
+    key = load_or_create_server_key(server.state_dir / "server.key")
+    (m,) = load_catalog(server.models).models
+    rid = new_replica_id()
+    spec = JobBuilder(server, key, f"http://127.0.0.1:{h.internal_port}").spec(m, rid)
+    job_id = await CliBackend().submit(spec)
+    await h.start()
+    try:
+        await eventually(lambda: asyncio.sleep(0, ready_replicas(h, "orphan")), "ready")
+        assert ready_replicas(h, "orphan") == [rid]
+        assert [j[0] for j in h.jobs()] == [job_id]
+        assert not h.decisions("submit")
+    finally:
+        await h.stop()
+        subprocess.run(["scancel", job_id], check=False)
+
+
+async def test_sigkilled_daemon_process_adopts_every_job_on_restart(
+    tmp_path: Path, prefix: str
+) -> None:
+    import json
+    import signal
+    import urllib.request
+
+    h = Harness(tmp_path / "daemon", prefix)
+    h.write([tiny_model(f"k{i}", scaling={"min": 1, "max": 1}) for i in range(2)])
+
+    def status() -> dict[str, object] | None:
+        try:
+            with urllib.request.urlopen(h.url + "/api/v1/status", timeout=5) as resp:
+                return json.loads(resp.read())  # type: ignore[no-any-return]
+        except OSError:
+            return None
+
+    def all_ready() -> bool:
+        st = status()
+        return st is not None and all(
+            m["state"] == "ready 1"
+            for m in st["models"]  # type: ignore[index,union-attr]
+        )
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            ["llmgw-admin", "serve", "--server", str(h.server_yaml)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "daemon.log", "ab"),
+        )
+
+    proc = start()
+    try:
+        await eventually(lambda: asyncio.sleep(0, all_ready()), "both models ready", timeout=90)
+        before = sorted(h.jobs())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc = start()
+        await eventually(
+            lambda: asyncio.sleep(0, all_ready()), "ready after the restart", timeout=90
+        )
+        st = status()
+        assert st is not None
+        actions = [d["action"] for d in st["decisions"]]  # type: ignore[index,union-attr]
+        assert actions.count("adopt") == 2
+        assert "submit" not in actions
+        assert sorted(h.jobs()) == before
+    finally:
+        proc.terminate()
+        proc.wait()
+        ids = [j[0] for j in h.jobs()]
+        if ids:
+            subprocess.run(["scancel", *ids], check=False)
