@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_FAILED = 1
 _HEAD_EVENTS = frozenset({"ready", "heartbeat", "draining", "stopped"})
-_WORKER_EXIT_GRACE_S = 5.0
+_EXIT_SIGNAL_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -106,10 +106,6 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
         engine_api_key=env["LLMGW_ENGINE_API_KEY"],
         spec=spec,
     )
-
-
-class _Drain(Exception):
-    """Raised inside the startup when a drain was asked for."""
 
 
 class Agent:
@@ -198,7 +194,7 @@ class Agent:
                 yield span
             except (Exception, asyncio.CancelledError) as err:
                 elapsed = time.monotonic() - t0
-                if isinstance(err, (_Drain, asyncio.CancelledError)):
+                if isinstance(err, asyncio.CancelledError):
                     log.info("step %s: interrupted by drain after %.1fs", name, elapsed)
                     span.set_attribute("llmgw.interrupted", True)
                 else:
@@ -395,16 +391,17 @@ class Agent:
                 )
                 if exit_task in done:
                     rc = exit_task.result()
-                    if not self.role.is_head and not self._drain.is_set():
-                        # A worker's engine ends with the head's, and the head
-                        # may stop its engine before this agent has seen the
-                        # same drain signal (slurmstepd signals every node at
-                        # once, not in step): give the signal a moment.
+                    if not self._drain.is_set():
+                        # The engine may end just before this agent hears why:
+                        # on scancel slurmstepd sends SIGTERM to the engine as
+                        # well, and a worker's engine ends with the head's,
+                        # whose agent may have been signalled first (the nodes
+                        # are not signalled in step). Give the signal a moment.
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._drain.wait(), _WORKER_EXIT_GRACE_S)
+                            await asyncio.wait_for(self._drain.wait(), _EXIT_SIGNAL_GRACE_S)
                     if self._drain.is_set():
-                        log.info("engine ended with the head's (code %s) while draining", rc)
-                        return EXIT_OK
+                        log.info("engine exited (code %s) as the job drains", rc)
+                        break
                     tail = "\n".join(self.engine.tail()[-20:])
                     msg = f"engine exited with code {rc} while serving; last lines:\n{tail}"
                     log.error("%s", msg)

@@ -441,3 +441,27 @@ async def test_shared_test_engine_without_metrics_drains_on_a_fixed_grace(
     assert "engine reports no request count, waiting 0.5s" in (tmp_path / "agent.err").read_text()
     assert daemon.events()[-1] == "stopped"
     assert "weights:done" in daemon.events()  # no weights: the step passes at once
+
+
+async def test_engine_stopped_by_the_cancel_before_the_agent_hears_of_it(
+    daemon: FakeDaemon, tmp_path: Path
+) -> None:
+    # scancel: slurmstepd sends SIGTERM to every process of the step; the
+    # engine may be gone before the agent's own SIGTERM is handled.
+    env = job_env(daemon.url, spec_json(make_weights(tmp_path)))
+    proc = await start_agent(tmp_path, env)
+    try:
+        await daemon.wait_for(lambda: "ready" in daemon.events())
+        url = next(r["url"] for r in daemon.reports if r["event"] == "ready")
+        out = (tmp_path / "agent.out").read_text()
+        os.killpg(int(out.split("fake engine: pid ", 1)[1].split()[0]), signal.SIGTERM)
+        while engine_answers(url):
+            await asyncio.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert await wait_exit(proc, tmp_path) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    ev = daemon.events()
+    assert "failed" not in ev
+    assert ev[-1] == "stopped" and "SIGTERM" in daemon.reports[-1]["message"]
