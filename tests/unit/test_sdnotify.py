@@ -14,6 +14,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -171,7 +173,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build(tmp_path: Path, address: str, fake: FakeSlurm) -> daemon.Daemon:
+def write_config(tmp_path: Path) -> Path:
     gw, internal = free_port(), free_port()
     (tmp_path / "models.yaml").write_text(yaml.safe_dump(MODELS))
     (tmp_path / "server.yaml").write_text(
@@ -184,10 +186,15 @@ def build(tmp_path: Path, address: str, fake: FakeSlurm) -> daemon.Daemon:
             }
         )
     )
-    server = load_server_config(tmp_path / "server.yaml")
+    return tmp_path / "server.yaml"
+
+
+def build(tmp_path: Path, address: str, fake: FakeSlurm) -> daemon.Daemon:
+    path = write_config(tmp_path)
+    server = load_server_config(path)
     os.environ["NOTIFY_SOCKET"] = address
     try:
-        d = daemon.build(server, tmp_path / "server.yaml")
+        d = daemon.build(server, path)
     finally:
         os.environ.pop("NOTIFY_SOCKET", None)
     d.reconciler.backend = fake  # type: ignore[assignment]
@@ -294,3 +301,57 @@ def test_log_lines_carry_the_syslog_priority_when_stderr_is_the_journal(tmp_path
         assert h.format(record(logging.ERROR, "bad")) == "<3>ERROR llmgw_slurm.x: bad"
         assert h.format(record(logging.INFO, "fine")).startswith("<6>")
         assert h.format(record(logging.DEBUG, "fine")).startswith("<7>")
+
+
+def test_llmgw_admin_serve_as_systemd_runs_it(
+    tmp_path: Path, listener: tuple[str, socket.socket]
+) -> None:
+    """The real command in its own process, with the environment systemd gives a service.
+
+    PATH holds no Slurm commands, so every pass fails honestly, as with a
+    slurmctld that is down: the daemon must still become ready.
+    """
+    address, s = listener
+    s.setblocking(True)
+    s.settimeout(60)
+    server_yaml = write_config(tmp_path)
+    top = Path(__file__).resolve().parents[2]
+    env = {
+        "PATH": str(Path(sys.executable).parent),
+        "PYTHONPATH": str(top),
+        "NOTIFY_SOCKET": address,
+        "INVOCATION_ID": "0123456789abcdef0123456789abcdef",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from llmgw_slurm.cli.admin import main; main()",
+            "serve",
+            "--server",
+            str(server_yaml),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready = s.recv(4096).decode()
+        assert ready.startswith("READY=1\nSTATUS=1 model; 0 ready; Slurm not answering: "), ready
+        proc.send_signal(signal.SIGHUP)
+        assert s.recv(4096).startswith(b"RELOADING=1\nMONOTONIC_USEC=")
+        assert s.recv(4096) == ready.encode()
+        proc.send_signal(signal.SIGTERM)
+        assert s.recv(4096) == b"STOPPING=1"
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    lines = err.splitlines()
+    assert any(line.startswith("INFO llmgw_slurm.daemon: serving: gateway ") for line in lines), err
+    assert any(line.startswith("INFO llmgw_slurm.daemon: catalog reloaded") for line in lines), err
+    # No line starts with a date: the journal stamps them.
+    assert not [line for line in lines if re.match(r"\d{4}-\d\d-\d\d", line)], err
