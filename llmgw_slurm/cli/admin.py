@@ -90,10 +90,10 @@ def serve(server_path: Path, log_level: str) -> None:
     """Run the daemon: reconciler, gateway and internal API (SIGHUP reloads the catalog)."""
     from llmgw_slurm import daemon
     from llmgw_slurm.config import load_server_config
+    from llmgw_slurm.sdnotify import log_handler
 
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # Without a timestamp under systemd: the journal stamps each line itself.
+    logging.basicConfig(level=log_level.upper(), handlers=[log_handler(sys.stderr)])
     server = load_server_config(server_path)
     d = daemon.build(server, server_path)
     run(daemon.serve(d))

@@ -365,11 +365,17 @@ class Reconciler:
         self.tracing.record(action, model, rid, reason, pass_id)
         log.info("%s model=%s replica=%s: %s", action, model, rid, reason)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Pass after pass until ``stop`` is set; a want() or a report wakes it early."""
+    async def run(self, stop: asyncio.Event, on_pass: Callable[[], None] | None = None) -> None:
+        """Pass after pass until ``stop`` is set; a want() or a report wakes it early.
+
+        ``on_pass`` is called after every pass, a failed one included (the daemon
+        tells systemd it is ready after the first).
+        """
         interval = self.server.reconcile.interval
         while not stop.is_set():
             await self.pass_once()
+            if on_pass is not None:
+                on_pass()
             # Back off when Slurm does not answer: a storm of commands at a slurmctld
             # that is restarting helps nobody.
             delay = interval * min(2**self._consecutive_errors, 12)
