@@ -209,6 +209,31 @@ class ServiceJobs:
         self.max_lookups = lookups
         self.jobs: dict[str, ServiceJob] = {}
 
+    def expect(self, job_id: str, name: str, target: str, now: float) -> bool:
+        """A job ``llmgw-admin`` just submitted; False when it is not a service job of ours.
+
+        A short job can start and end between two passes and never be listed:
+        known from its submission, it is settled from accounting like any other.
+        """
+        ident = parse_service_job_name(self.prefix, name)
+        if ident is None or not job_id.isdigit():
+            return False
+        if job_id not in self.jobs:
+            kind, short, _ = ident
+            shown = target if target and target.isprintable() and len(target) <= 1024 else short
+            self.jobs[job_id] = ServiceJob(
+                kind=kind,
+                target=shown,
+                job_id=job_id,
+                name=name,
+                state=JobState.PENDING,
+                reason="",
+                submitted_at=now,
+                started_at=None,
+                seen_at=now,
+            )
+        return True
+
     def observe(self, jobs: Sequence[Job], now: float) -> None:
         """Update from one ``squeue`` listing (the one the pass already made)."""
         listed: set[str] = set()
@@ -233,6 +258,9 @@ class ServiceJobs:
                     seen_at=now,
                 )
             sj.state, sj.reason, sj.seen_at = job.state, job.reason, now
+            sj.unsettled = False
+            if m:
+                sj.target = m.group(1)
             if job.start_time is not None and job.state is not JobState.PENDING:
                 sj.started_at = job.start_time.timestamp()
             if sj.started_at is not None:
