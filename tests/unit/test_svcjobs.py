@@ -84,7 +84,12 @@ async def test_status_follows_a_fetch_from_the_listing_to_its_final_state(tmp_pa
     await rec.pass_once()
     assert fake.calls == 2  # the listing and sinfo: nothing more for the job
     (st,) = rec.status()["jobs"]
-    assert (st["kind"], st["target"], st["state"], st["ended_at"]) == ("fetch", "m", "RUNNING", None)
+    assert (st["kind"], st["target"], st["state"], st["ended_at"]) == (
+        "fetch",
+        "m",
+        "RUNNING",
+        None,
+    )
     assert not rec.replicas and fake.submitted == []
     log = job_log_path(rec.server, name, "9")
     log.parent.mkdir(parents=True, exist_ok=True)
