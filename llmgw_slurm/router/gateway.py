@@ -108,19 +108,31 @@ class _SseRelay:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        if not self._buf and chunk.endswith((b"\n\n", b"\r\n\r\n")):
+            # The common case, a chunk of whole events with no usage in it
+            # (or only "usage": null), passes as it is: splitting it into
+            # events would cost more than the relay itself.
+            n = chunk.count(b'"usage"')
+            if n == 0 or n == len(_USAGE_NULL.findall(chunk)):
+                return chunk
         buf = self._buf + chunk if self._buf else chunk
         out: list[bytes] = []
         start = 0
-        while True:
-            i = buf.find(b"\n\n", start)
-            j = buf.find(b"\r\n\r\n", start)
-            if i < 0 and j < 0:
-                break
+        # The next separator of each kind, -1 for none: each is searched for
+        # again only once passed, so that a chunk of many events is scanned
+        # once, not once per event.
+        i = buf.find(b"\n\n")
+        j = buf.find(b"\r\n\r\n")
+        while i >= 0 or j >= 0:
             end = i + 2 if j < 0 or (0 <= i < j) else j + 4
             event = buf[start:end]
             if self._keep(event):
                 out.append(event)
             start = end
+            if 0 <= i < start:
+                i = buf.find(b"\n\n", start)
+            if 0 <= j < start:
+                j = buf.find(b"\r\n\r\n", start)
         self._buf = buf[start:]
         return b"".join(out)
 
