@@ -239,6 +239,14 @@ class Gateway:
             )
         return rec, None
 
+    def _too_large(self) -> web.Response:
+        return _error(
+            413,
+            f"The request body is larger than {self.config.max_body_bytes} bytes.",
+            "invalid_request_error",
+            "request_too_large",
+        )
+
     def _known_names(self) -> str:
         parts = []
         for m in self.directory.models():
@@ -410,18 +418,12 @@ class Gateway:
         key, denied = self._authenticate(request)
         if denied is not None:
             return denied
-        too_large = _error(
-            413,
-            f"The request body is larger than {self.config.max_body_bytes} bytes.",
-            "invalid_request_error",
-            "request_too_large",
-        )
         if (request.content_length or 0) > self.config.max_body_bytes:
-            return too_large
+            return self._too_large()
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return too_large
+            return self._too_large()
         try:
             # UTF-8 only, as OpenAI's API has it (json.loads would also take
             # UTF-16, which the splicing below does not handle).
