@@ -269,12 +269,18 @@ class Samples:
     ttft: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
+    # Over the whole run, warm-up included: requests answered, and the CPU
+    # time the server (the proxy, or the engine for direct calls) spent.
+    answered: int = 0
+    cpu_s: float = 0.0
 
     def add(self, other: Samples) -> None:
         self.latency += other.latency
         self.ttft += other.ttft
         self.errors += other.errors
         self.seconds += other.seconds
+        self.answered += other.answered
+        self.cpu_s += other.cpu_s
 
 
 async def load(
@@ -319,6 +325,7 @@ async def load(
             except aiohttp.ClientError:
                 ok = False
             t1 = loop.time()
+            out.answered += ok
             if t_measure <= t1 <= t_end:
                 if ok:
                     out.latency.append(t1 - t0)
@@ -337,6 +344,19 @@ async def load(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return out
+
+
+def _tree(pid: int) -> list[int]:
+    """A process and its descendants (nginx's worker, LiteLLM's)."""
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            for child in task.read_text().split():
+                out += _tree(int(child))
+    return out
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_ticks(pids: list[int]) -> int:
@@ -378,6 +398,7 @@ def summarize(s: Samples) -> dict[str, float]:
         "rps": len(s.latency) / s.seconds if s.seconds else 0.0,
         "errors": float(s.errors),
         "n": float(len(s.latency)),
+        "cpu_us": s.cpu_s / s.answered * 1e6 if s.answered else float("nan"),
     }
 
 
@@ -432,6 +453,8 @@ def main() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     # target -> engine name -> chat completions URL
     targets: dict[str, dict[str, str]] = {}
+    # (target, engine) -> the process that serves it, for its CPU time.
+    server_pid: dict[tuple[str, str], int] = {}
 
     def start(cmd: list[str], cpus_: set[int] | None, **kw: Any) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(cmd, env=kw.pop("env", env), preexec_fn=_pinned(cpus_), **kw)
@@ -453,6 +476,7 @@ def main() -> int:
                 ]  # fmt: skip
                 # Its stderr is noise: a traceback for each stream cut at the end of a run.
                 proc = start(cmd, other_cpus, stderr=subprocess.DEVNULL)
+                server_pid[("direct", name)] = proc.pid
                 waits.append((engines[name] + "/health", proc))
             targets["direct"] = {n: f"{u}/v1/chat/completions" for n, u in engines.items()}
 
@@ -460,7 +484,9 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--serve-gateway", str(g_port), json.dumps(engines)]
             if args.profile:
                 cmd += ["--profile", str(Path(args.profile).resolve())]
-            waits.append((f"http://127.0.0.1:{g_port}/health", start(cmd, proxy_cpus)))
+            gw = start(cmd, proxy_cpus)
+            waits.append((f"http://127.0.0.1:{g_port}/health", gw))
+            server_pid |= {("gateway", n): gw.pid for n in engines}
             targets["gateway"] = {
                 n: f"http://127.0.0.1:{g_port}/v1/chat/completions" for n in engines
             }
@@ -470,7 +496,9 @@ def main() -> int:
                 for name, url in engines.items():
                     b_port = _free_port()
                     cmd = [sys.executable, __file__, "--serve-bare", str(b_port), url]
-                    waits.append((f"http://127.0.0.1:{b_port}/health", start(cmd, proxy_cpus)))
+                    bare = start(cmd, proxy_cpus)
+                    server_pid[("aiohttp-bare", name)] = bare.pid
+                    waits.append((f"http://127.0.0.1:{b_port}/health", bare))
                     targets["aiohttp-bare"][name] = f"http://127.0.0.1:{b_port}/v1/chat/completions"
 
             if nginx is not None:
@@ -495,6 +523,7 @@ def main() -> int:
                     stderr=subprocess.DEVNULL,
                 )
                 waits += [(url + "/health", ng) for url in urls.values()]
+                server_pid |= {("nginx", n): ng.pid for n in engines}
                 targets["nginx"] = {n: f"{u}/v1/chat/completions" for n, u in urls.items()}
 
             if litellm is not None:
@@ -518,6 +547,7 @@ def main() -> int:
                     stderr=subprocess.STDOUT,
                 )  # fmt: skip
                 waits.append((f"http://127.0.0.1:{l_port}/health/liveliness", lp))
+                server_pid |= {("litellm", n): lp.pid for n in engines}
                 targets["litellm"] = {
                     n: f"http://127.0.0.1:{l_port}/v1/chat/completions" for n in engines
                 }
@@ -550,10 +580,13 @@ def main() -> int:
                             for target, urls in targets.items():
                                 data = body(engine, mode == "stream")
                                 key = LITELLM_KEY if target == "litellm" else ENGINE_KEY
+                                tree = _tree(server_pid[(target, engine)])
+                                cpu0 = _cpu_ticks(tree)
                                 s = asyncio.run(
                                     load(urls[engine], data, mode == "stream", clients,
                                          args.duration, key)
                                 )  # fmt: skip
+                                s.cpu_s = (_cpu_ticks(tree) - cpu0) * _TICK_S
                                 pooled.setdefault((target, engine, mode, clients), Samples()).add(s)
                                 settle(pids)
                 print(
@@ -581,7 +614,7 @@ def report(
     print(
         f"\n{'target':12s} {'engine':7s} {'mode':6s} {'clients':>7s} {'p50 ms':>8s} {'+ms':>7s} "
         f"{'p99 ms':>8s} {'+ms':>7s} {'ttft50':>7s} {'+ms':>7s} {'ttft99':>7s} {'+ms':>7s} "
-        f"{'req/s':>7s} {'x direct':>8s} {'err':>4s}"
+        f"{'req/s':>7s} {'x direct':>8s} {'cpu us':>7s} {'err':>4s}"
     )
     for engine in ENGINES:
         for mode in MODES:
@@ -600,16 +633,22 @@ def report(
                         f"{target:12s} {engine:7s} {mode:6s} {clients:7d} {m['p50_ms']:8.2f} "
                         f"{d['p50_ms']:7.2f} {m['p99_ms']:8.2f} {d['p99_ms']:7.2f} "
                         f"{m['ttft_p50_ms']:7.2f} {d['ttft_p50_ms']:7.2f} {m['ttft_p99_ms']:7.2f} "
-                        f"{d['ttft_p99_ms']:7.2f} {m['rps']:7.0f} {ratio:8.2f} {m['errors']:4.0f}"
+                        f"{d['ttft_p99_ms']:7.2f} {m['rps']:7.0f} {ratio:8.2f} "
+                        f"{m['cpu_us']:7.0f} {m['errors']:4.0f}"
                     )
                     if target == "direct":
                         continue
-                    metrics = [("p50_ms", "p50"), ("p99_ms", "p99"), ("rps", "rps")]
+                    metrics = [
+                        ("p50_ms", "p50"),
+                        ("p99_ms", "p99"),
+                        ("rps", "rps"),
+                        ("cpu_us", "cpu"),
+                    ]
                     if mode == "stream":
                         metrics += [("ttft_p50_ms", "ttft_p50"), ("ttft_p99_ms", "ttft_p99")]
                     for key, short in metrics:
                         if m[key] == m[key] and ref[key] == ref[key]:  # not NaN
-                            unit = "req/s" if key == "rps" else "ms"
+                            unit = {"rps": "req/s", "cpu_us": "us/request"}.get(key, "ms")
                             results.append(
                                 result(f"{target}.{case}.{short}", m[key], unit,
                                        f"direct.{case}.{short}", ref[key])
