@@ -92,6 +92,11 @@ def _error(
     return web.json_response(body, status=status, headers=headers)
 
 
+def _sse_error(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
 
 
@@ -584,15 +589,24 @@ class Gateway:
                         aiohttp.ClientPayloadError,
                         aiohttp.ClientConnectionError,
                         TimeoutError,
-                    ):
+                    ) as e:
                         # The engine failed after the answer began: pass that
-                        # on as it is, an answer cut short, instead of
-                        # inventing an ending.
+                        # on, an answer cut short, instead of inventing an
+                        # ending. First an error event, as vLLM sends when it
+                        # fails mid-answer (OpenAI's clients raise it with its
+                        # message, where a bare cut reads "Connection error");
+                        # the incomplete event before it is dropped, as no
+                        # client could parse it and it would garble the error.
                         self.metrics.upstream_errors.labels(model, "stream").inc()
                         call.outcome = 502
-                        rest = relay.rest()
-                        if rest:
-                            await resp.write(rest)
+                        relay.rest()
+                        await resp.write(
+                            _sse_error(
+                                f"The replica of model '{model}' failed after the answer "
+                                f"began ({type(e).__name__}); the answer is incomplete.",
+                                "upstream_failed",
+                            )
+                        )
                         if request.transport is not None:
                             request.transport.abort()
                         return resp
