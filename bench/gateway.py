@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -335,6 +336,12 @@ async def load(
                     out.errors += 1
 
         async def worker() -> None:
+            # Clients that all start at once stay in step with a paced engine
+            # (265 ms a request): each then answers 7 or 8 times in a 2 s
+            # window depending on the phase, and the throughput jumps by 14 %
+            # with a millisecond of latency. Random starts within the warm-up
+            # spread them out.
+            await asyncio.sleep(random.uniform(0, warmup))
             while loop.time() < t_end:
                 await one()
 
