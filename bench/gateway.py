@@ -24,7 +24,13 @@ saturation, not as CPU taken from the engine. The load generator is Python on
 the same machine: the absolute numbers are lower bounds, the ratios are what
 to compare; the load average at the start is printed.
 
-    python bench/gateway.py [--duration 2] [--rounds 2] [--bare] [--no-litellm] [--no-nginx]
+    python bench/gateway.py [--duration 2] [--rounds 2] [--bare] [--tracing]
+                            [--no-litellm] [--no-nginx]
+
+``--tracing`` adds a gateway with tracing on (every request a span, exported
+over OTLP/HTTP to a sink process that accepts and drops), and one whose spans
+are made and batched but never exported, to set their cost against the
+gateway with tracing off.
 
 Bounded: about 40 s of set-up the first time (LiteLLM's install takes longer,
 once), then rounds x 12 x targets runs of duration + 0.5 s plus a settling
@@ -110,16 +116,40 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
 # ---- the servers (each its own process) ------------------------------------------------
 
 
-def serve_gateway(port: int, engines: dict[str, str], profile: str = "") -> None:
-    """The gateway process: one replica a model, no keys, as the daemon would run it."""
+def serve_gateway(
+    port: int, engines: dict[str, str], profile: str = "", collector: str = ""
+) -> None:
+    """The gateway process: one replica a model, no keys, as the daemon would run it.
+
+    ``collector``: tracing on, every request a span, exported over OTLP/HTTP
+    to that URL; "drop": spans made and batched, never encoded or sent (what
+    the spans themselves cost, apart from the export).
+    """
     from aiohttp import web
 
-    from llmgw_slurm.router import Endpoint, ModelInfo, StaticDirectory, create_app
+    from llmgw_slurm.router import Endpoint, ModelInfo, RouterConfig, StaticDirectory, create_app
+
+    if collector:
+        from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+        from llmgw_slurm.config import TracingConfig
+        from llmgw_slurm.tracing import setup_tracing
+
+        class _Drop(SpanExporter):
+            def export(self, spans: Any) -> SpanExportResult:
+                return SpanExportResult.SUCCESS
+
+        setup_tracing(
+            TracingConfig(enabled=True, endpoint=None if collector == "drop" else collector),
+            "llmgw-bench",
+            exporter=_Drop() if collector == "drop" else None,
+        )
 
     directory = StaticDirectory([ModelInfo(name) for name in engines])
     for i, (name, url) in enumerate(engines.items()):
         directory.add_endpoint(name, Endpoint(f"bench{i:04d}", url, ENGINE_KEY))
-    app = create_app(directory)
+    # The load sends no traceparent: "all" gives every request its span when traced.
+    app = create_app(directory, RouterConfig(trace_requests="all" if collector else "sampled"))
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -137,6 +167,23 @@ def serve_gateway(port: int, engines: dict[str, str], profile: str = "") -> None
     if prof is not None:
         prof.disable()
         prof.dump_stats(profile)
+
+
+def serve_sink(port: int) -> None:
+    """An OTLP/HTTP receiver that accepts every export and keeps nothing."""
+    from aiohttp import web
+
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/traces", traces)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 def serve_bare(port: int, engine_url: str) -> None:
@@ -436,11 +483,27 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES), help="modes to run (plain,stream)")
     p.add_argument("--clients", default=",".join(map(str, CLIENTS)), help="client counts")
     p.add_argument("--profile", default="", help="write the gateway's cProfile stats here")
+    p.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also a gateway with tracing on (every request a span, exported to a sink "
+        "process that drops them) and one whose spans are made but never exported",
+    )
+    p.add_argument("--collector", default="", help=argparse.SUPPRESS)
+    p.add_argument("--serve-sink", help=argparse.SUPPRESS)
     p.add_argument("--serve-gateway", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--serve-bare", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_gateway:
-        serve_gateway(int(args.serve_gateway[0]), json.loads(args.serve_gateway[1]), args.profile)
+        serve_gateway(
+            int(args.serve_gateway[0]),
+            json.loads(args.serve_gateway[1]),
+            args.profile,
+            args.collector,
+        )
+        return 0
+    if args.serve_sink:
+        serve_sink(int(args.serve_sink))
         return 0
     if args.serve_bare:
         serve_bare(int(args.serve_bare[0]), args.serve_bare[1])
@@ -497,6 +560,24 @@ def main() -> int:
             targets["gateway"] = {
                 n: f"http://127.0.0.1:{g_port}/v1/chat/completions" for n in engines
             }
+
+            if args.tracing:
+                s_port = _free_port()
+                sink = f"http://127.0.0.1:{s_port}"
+                cmd = [sys.executable, __file__, "--serve-sink", str(s_port)]
+                waits.append((sink + "/health", start(cmd, other_cpus)))
+                for target, collector in (("gateway-traced", sink), ("gateway-spans-only", "drop")):
+                    t_port = _free_port()
+                    cmd = [
+                        sys.executable, __file__, "--serve-gateway", str(t_port),
+                        json.dumps(engines), "--collector", collector,
+                    ]  # fmt: skip
+                    traced = start(cmd, proxy_cpus)
+                    waits.append((f"http://127.0.0.1:{t_port}/health", traced))
+                    server_pid |= {(target, n): traced.pid for n in engines}
+                    targets[target] = {
+                        n: f"http://127.0.0.1:{t_port}/v1/chat/completions" for n in engines
+                    }
 
             if args.bare:
                 targets["aiohttp-bare"] = {}
@@ -619,7 +700,7 @@ def report(
 ) -> None:
     results: list[dict[str, Any]] = []
     print(
-        f"\n{'target':12s} {'engine':7s} {'mode':6s} {'clients':>7s} {'p50 ms':>8s} {'+ms':>7s} "
+        f"\n{'target':18s} {'engine':7s} {'mode':6s} {'clients':>7s} {'p50 ms':>8s} {'+ms':>7s} "
         f"{'p99 ms':>8s} {'+ms':>7s} {'ttft50':>7s} {'+ms':>7s} {'ttft99':>7s} {'+ms':>7s} "
         f"{'req/s':>7s} {'x direct':>8s} {'cpu us':>7s} {'err':>4s}"
     )
@@ -637,7 +718,7 @@ def report(
                     }
                     ratio = m["rps"] / ref["rps"] if ref["rps"] else float("nan")
                     print(
-                        f"{target:12s} {engine:7s} {mode:6s} {clients:7d} {m['p50_ms']:8.2f} "
+                        f"{target:18s} {engine:7s} {mode:6s} {clients:7d} {m['p50_ms']:8.2f} "
                         f"{d['p50_ms']:7.2f} {m['p99_ms']:8.2f} {d['p99_ms']:7.2f} "
                         f"{m['ttft_p50_ms']:7.2f} {d['ttft_p50_ms']:7.2f} {m['ttft_p99_ms']:7.2f} "
                         f"{d['ttft_p99_ms']:7.2f} {m['rps']:7.0f} {ratio:8.2f} "

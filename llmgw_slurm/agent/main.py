@@ -25,7 +25,8 @@ import click
 from llmgw_slurm.agent.runner import Agent, job_context_from_env
 from llmgw_slurm.agent.settings import AgentSettings, EngineRuntime, FetchSettings
 from llmgw_slurm.agent.spec import parse_replica_spec
-from llmgw_slurm.agent.weights import ensure_weights
+from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
+from llmgw_slurm.config import AgentConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
 
 __all__ = ["build_settings", "main", "settings_from_agent_config"]
@@ -52,53 +53,76 @@ def _port_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def settings_from_agent_config(cfg: Any) -> AgentSettings:
-    """AgentSettings from a loaded ``llmgw_slurm.config.AgentConfig``.
-
-    Typed loosely on purpose: this module must import without the config
-    module (the agent runs in minimal environments), and the tests give it
-    the real AgentConfig once both are in one tree.
-    """
+def settings_from_agent_config(cfg: AgentConfig) -> AgentSettings:
+    """AgentSettings from a loaded ``agent.yaml``."""
     engines = {
-        kind: EngineRuntime(
-            python=getattr(cfg.engines, kind).python,
-            executable=getattr(cfg.engines, kind).executable,
-            env=dict(getattr(cfg.engines, kind).env),
+        kind: EngineRuntime(python=rt.python, executable=rt.executable, env=dict(rt.env))
+        for kind, rt in (
+            ("vllm", cfg.engines.vllm),
+            ("sglang", cfg.engines.sglang),
+            ("command", cfg.engines.command),
         )
-        for kind in ("vllm", "sglang", "command")
     }
     fetch = FetchSettings(
         cache_dir=Path(cfg.weights.cache_dir),
         method=cfg.weights.method,
-        allow_hf=bool(cfg.weights.allow_download),
+        allow_hf=cfg.weights.allow_download,
+        verify=cfg.weights.verify,
+        lock_timeout_s=cfg.weights.lock_timeout,
     )
-    rdzv_dir = getattr(cfg, "rendezvous_dir", None)
     return AgentSettings(
         fetch=fetch,
         engines=engines,
         apptainer=cfg.apptainer.binary,
         apptainer_binds=tuple(cfg.apptainer.binds),
+        bind_host=cfg.bind_host,
+        advertise_host=cfg.advertise_host,
         port_range=(cfg.port_range.first, cfg.port_range.last),
-        rendezvous_dir=Path(rdzv_dir) if rdzv_dir else None,
-        ready_timeout_s=float(cfg.readiness.timeout),
-        ready_poll_s=float(cfg.readiness.poll_interval),
-        heartbeat_interval_s=float(cfg.heartbeat_interval),
-        log_dir=Path(cfg.log_dir) if cfg.log_dir else None,
+        rendezvous_dir=cfg.rendezvous.dir,
+        rendezvous_timeout_s=cfg.rendezvous.timeout,
+        ready_timeout_s=cfg.readiness.timeout,
+        ready_poll_s=cfg.readiness.poll_interval,
+        heartbeat_interval_s=cfg.heartbeat_interval,
+        drain_timeout_s=cfg.drain.timeout,
+        drain_poll_s=cfg.drain.poll_interval,
+        drain_grace_s=cfg.drain.grace,
+        stop_grace_s=cfg.drain.stop_grace,
+        report_timeout_s=cfg.report_timeout,
+        log_dir=cfg.log_dir,
     )
 
 
 def _load_config(path: Path) -> tuple[AgentSettings, str | None]:
     try:
-        config = importlib.import_module("llmgw_slurm.config")
-    except ImportError as err:
-        raise click.ClickException(
-            f"--config {path}: llmgw_slurm.config is not installed with this agent ({err})"
-        ) from err
-    try:
-        cfg = config.load_agent_config(path)
+        cfg = load_agent_config(path)
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
     return settings_from_agent_config(cfg), cfg.daemon_url
+
+
+def _setup_tracing(path: Path | None) -> Any:
+    """agent.yaml's ``tracing:`` block; returns the TracerProvider, or None when off.
+
+    Imported lazily, like the config module: an agent without a config file
+    (or with tracing off) never loads the exporter.
+    """
+    if path is None:
+        return None
+    try:
+        tracing = importlib.import_module("llmgw_slurm.tracing")
+        cfg = load_agent_config(path)
+        return tracing.setup_tracing(cfg.tracing, "llmgw-agent")
+    except ImportError as err:
+        log.warning("tracing: not available in this agent (%s); running without", err)
+        return None
+    except LlmgwError as err:
+        raise click.ClickException(str(err)) from err
+
+
+def _shutdown_tracing(provider: Any) -> None:
+    if provider is not None:
+        # The job is ending: the last spans leave now or never.
+        provider.shutdown()
 
 
 def build_settings(path: Path | None, options: dict[str, Any]) -> tuple[AgentSettings, str | None]:
@@ -211,7 +235,12 @@ def run(ctx: click.Context) -> None:
         job = job_context_from_env(env)
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
-    code = asyncio.run(Agent(settings, job, env).run())
+    provider = _setup_tracing(ctx.obj[0])
+    flush = provider.force_flush if provider is not None else None
+    try:
+        code = asyncio.run(Agent(settings, job, env, flush=flush).run())
+    finally:
+        _shutdown_tracing(provider)
     sys.exit(code)
 
 
@@ -220,15 +249,52 @@ def run(ctx: click.Context) -> None:
 def fetch(ctx: click.Context) -> None:
     """Fetch the weights of LLMGW_REPLICA_SPEC's model into the cache, and exit."""
     settings, _ = _settings(ctx)
+    provider = _setup_tracing(ctx.obj[0])
     try:
-        spec = parse_replica_spec(os.environ.get("LLMGW_REPLICA_SPEC"))
-        t0 = time.monotonic()
-        result = ensure_weights(spec.name, spec.weights, settings.fetch)
+        result, spec, elapsed = _traced_fetch(settings)
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
+    finally:
+        _shutdown_tracing(provider)
     what = "fetched" if result.fetched else "already there"
     where = result.model_path or "(no weights)"
-    click.echo(f"{spec.name}: {where} ({what}, {time.monotonic() - t0:.1f}s)")
+    click.echo(f"{spec.name}: {where} ({what}, {elapsed:.1f}s)")
+
+
+def _traced_fetch(settings: AgentSettings) -> tuple[Any, Any, float]:
+    """A model job: its own trace (or the one in TRACEPARENT), a span per step.
+
+    When it fetched, its trace context is left beside the weights in the
+    cache, so that a replica start that uses them links to this trace.
+    """
+    from opentelemetry import trace
+    from opentelemetry.trace import Status, StatusCode
+
+    from llmgw_slurm.tracing import extract_env, write_trace_marker
+
+    tracer = trace.get_tracer("llmgw_slurm")
+    attrs = {"llmgw.job_id": os.environ.get("SLURM_JOB_ID", "")}
+    with tracer.start_as_current_span(
+        "llmgw.model_job", context=extract_env(os.environ), attributes=attrs
+    ) as root:
+        try:
+            with tracer.start_as_current_span("llmgw.model_job.spec"):
+                spec = parse_replica_spec(os.environ.get("LLMGW_REPLICA_SPEC"))
+            root.set_attribute("llmgw.model", spec.name)
+            t0 = time.monotonic()
+            with tracer.start_as_current_span("llmgw.model_job.weights") as span:
+                result = ensure_weights(spec.name, spec.weights, settings.fetch)
+                span.set_attribute("llmgw.weights.fetched", result.fetched)
+                span.set_attribute("llmgw.weights.bytes", result.bytes)
+                span.set_attribute("llmgw.weights.method", result.method)
+            elapsed = time.monotonic() - t0
+        except LlmgwError as err:
+            root.set_status(Status(StatusCode.ERROR, str(err)[:500]))
+            raise
+        path = trace_marker_path(settings.fetch.cache_dir, spec.name, spec.weights)
+        if result.fetched and path is not None:
+            write_trace_marker(path, root.get_span_context())
+    return result, spec, elapsed
 
 
 if __name__ == "__main__":

@@ -588,3 +588,46 @@ def keys_revoke(key_id: str, server_path: Path, keys_file: Path | None) -> None:
 
     rec = revoke_key(_keys_file(server_path, keys_file), key_id)
     click.echo(f"key {rec.key_id} of {rec.user} revoked")
+
+
+# ---- reviewing what would be submitted -----------------------------------------------
+
+_MASKED = ("LLMGW_REPLICA_SECRET", "LLMGW_ENGINE_API_KEY")
+
+
+@main.command()
+@click.argument("model")
+@_server_option
+@friendly_errors
+def script(model: str, server_path: Path) -> None:
+    """Print the sbatch command, environment and script a replica of MODEL gets.
+
+    Nothing is submitted and Slurm is not asked. Secrets are masked; the
+    replica id is a placeholder (each real replica gets its own).
+    """
+    import shlex
+    import socket
+
+    from llmgw_slurm.catalog import load_catalog
+    from llmgw_slurm.reconciler.jobs import JobBuilder
+    server = _load_server(server_path)
+    catalog = load_catalog(server.models)
+    m = catalog.resolve(model)
+    if m is None:
+        raise click.ClickException(
+            f"unknown model {model!r}; known: {', '.join(catalog.names) or '(none)'}"
+        )
+    # The secrets derived from the key are masked below, so the real key is not read.
+    key = b"0" * 64
+    url = server.listen.advertised_daemon_url(socket.getfqdn())
+    spec = JobBuilder(server, key, url).spec(m, "0123abcd")
+    click.echo("# sbatch command (the script goes on its standard input)")
+    click.echo(
+        shlex.join(["sbatch", "--parsable", f"--job-name={spec.name}", f"--comment={spec.comment}"])
+    )
+    click.echo("\n# added to the sbatch process's environment (exported to the job)")
+    for k, v in sorted(spec.env.items()):
+        shown = "***" if k in _MASKED else v
+        click.echo(f"{k}={shlex.quote(shown)}")
+    click.echo("\n# the batch script")
+    click.echo(spec.script, nl=False)

@@ -41,8 +41,7 @@ TINY_ENGINE = [
     "{host}",
     "--port",
     "{port}",
-    "--api-key",
-    "{api_key}",
+    # The key comes from LLMGW_ENGINE_API_KEY: on argv, every node user would see it.
     "--served-name",
     "{served_name}",
 ]
@@ -157,6 +156,8 @@ class Harness:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.d is not None:
+            await self.d.reconciler.close()
         for r in self._runners:
             await r.cleanup()
         self._runners = []

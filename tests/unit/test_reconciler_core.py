@@ -1,0 +1,294 @@
+"""The reconciler's runtime without Slurm: reports, probing, adoption, requeue, reaping.
+
+The Slurm side is a fake that holds a job list the test sets and records what
+it is asked; it refuses any call it does not implement. The Slurm-level tests
+(tests/slurm/test_reconciler.py) run the same code against the real cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from _router_support import serve  # type: ignore[import-not-found]
+
+from llmgw_slurm.catalog import load_catalog
+from llmgw_slurm.config import load_server_config
+from llmgw_slurm.reconciler.core import Reconciler
+from llmgw_slurm.reconciler.jobs import job_name, parse_job_name
+from llmgw_slurm.secrets import engine_api_key, replica_secret
+from llmgw_slurm.slurm.types import (
+    AccountingRecord,
+    GpuCount,
+    Job,
+    JobComponent,
+    JobSpec,
+    JobState,
+    NodeInfo,
+)
+from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
+
+KEY = b"k" * 64
+PREFIX = "llmgwunit."
+
+
+class FakeSlurm:
+    """Holds jobs; records submits and cancels. Anything else is an AttributeError."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Job] = []
+        self.submitted: list[JobSpec] = []
+        self.cancelled: list[str] = []
+        self.accounting_records: list[AccountingRecord] = []
+        self.calls = 0
+        self.next_id = 100
+
+    async def list_jobs(self, name_prefix: str = "") -> list[Job]:
+        self.calls += 1
+        return [j for j in self.jobs if j.name.startswith(name_prefix)]
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        self.calls += 1
+        return [
+            NodeInfo(
+                name=f"n{i}",
+                state="idle",
+                partitions=("llm",),
+                cpus_total=16,
+                cpus_alloc=0,
+                memory_mb=64000,
+                gpus=(GpuCount("a100", 4, 0),),
+            )
+            for i in range(2)
+        ]
+
+    async def submit(self, spec: JobSpec) -> str:
+        self.calls += 1
+        self.submitted.append(spec)
+        self.next_id += 1
+        return str(self.next_id)
+
+    async def cancel(
+        self, job_id: str, *, signal: str | None = None, batch_only: bool = False
+    ) -> None:
+        self.calls += 1
+        assert signal is None
+        self.cancelled.append(job_id)
+
+    async def accounting(
+        self,
+        start: datetime,
+        end: datetime | None = None,
+        name_prefix: str = "",
+        all_users: bool = False,
+    ) -> list[AccountingRecord]:
+        self.calls += 1
+        return self.accounting_records
+
+
+def job(job_id: str, model: str, rid: str, state: JobState, restarts: int = 0) -> Job:
+    return Job(
+        job_id=job_id,
+        name=job_name(PREFIX, model, rid),
+        state=state,
+        reason="Resources" if state is JobState.PENDING else "",
+        partition="llm",
+        user="root",
+        comment="",
+        nodes=("n0",) if state is JobState.RUNNING else (),
+        submit_time=datetime.now(),
+        start_time=datetime.now() if state is JobState.RUNNING else None,
+        time_limit_s=3600,
+        time_left_s=3000,
+        restarts=restarts,
+        components=(JobComponent(0, job_id, state, (), 1, "gres:gpu:a100:1"),),
+    )
+
+
+def make(tmp_path: Path, scaling: dict[str, Any] | None = None) -> tuple[Reconciler, FakeSlurm]:
+    models = {
+        "models": [
+            {
+                "name": "m",
+                "engine": {"kind": "command", "command": ["true", "{port}"]},
+                "resources": {
+                    "gpus": 1,
+                    "gpu_type": "a100",
+                    "partition": "llm",
+                    "time_limit": "1h",
+                },
+                "scaling": scaling or {"min": 0, "max": 1},
+            }
+        ]
+    }
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(models))
+    (tmp_path / "server.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "slurm": {"job_prefix": PREFIX, "partition": "llm"},
+                "state_dir": str(tmp_path / "state"),
+                "reconcile": {"min_lifetime": "10m"},
+            }
+        )
+    )
+    server = load_server_config(tmp_path / "server.yaml")
+    fake = FakeSlurm()
+    rec = Reconciler(load_catalog(server.models), server, fake, KEY, "http://127.0.0.1:1")  # type: ignore[arg-type]
+    return rec, fake
+
+
+def test_job_names_round_trip_and_foreign_names_are_not_ours() -> None:
+    assert parse_job_name(PREFIX, job_name(PREFIX, "llama-3.1-8b", "0a1b2c3d")) == (
+        "llama-3.1-8b",
+        "0a1b2c3d",
+    )
+    assert parse_job_name(PREFIX, "llmgwunit.m.notahexid") is None
+    assert parse_job_name(PREFIX, "other.m.0a1b2c3d") is None
+    assert parse_job_name(PREFIX, "llmgwunit.0a1b2c3d") is None
+
+
+async def test_submitted_job_carries_identity_in_name_and_secrets_in_env(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path, {"min": 1, "max": 1})
+    await rec.pass_once()
+    (spec,) = fake.submitted
+    model, rid = parse_job_name(PREFIX, spec.name) or ("", "")
+    assert model == "m"
+    assert spec.env["LLMGW_REPLICA_SECRET"] == replica_secret(KEY, rid)
+    assert spec.env["LLMGW_ENGINE_API_KEY"] == engine_api_key(KEY, rid)
+    assert replica_secret(KEY, rid) not in spec.script
+    assert replica_secret(KEY, rid) not in spec.comment
+    assert spec.comment == f"llmgw model=m replica={rid} gpus=1"
+    assert "--gres=gpu:a100:1" in spec.script
+    assert fake.calls == 3  # squeue, sinfo, sbatch
+
+
+async def test_a_pass_with_nothing_to_do_makes_only_the_two_listing_calls(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path)
+    for _ in range(3):
+        assert await rec.pass_once() == []
+    assert fake.calls == 6
+    assert fake.submitted == [] and fake.cancelled == []
+
+
+async def test_wrong_secret_is_refused_and_unknown_replicas_are_kept_for_later(
+    tmp_path: Path,
+) -> None:
+    rec, fake = make(tmp_path)
+    with pytest.raises(PermissionError):
+        rec.report("0a1b2c3d", "not-the-secret", {"event": "heartbeat"})
+    # A correct secret for a job not listed yet (right after a restart): kept, joined later.
+    ok = rec.report(
+        "0a1b2c3d",
+        replica_secret(KEY, "0a1b2c3d"),
+        {"event": "step", "step": "weights", "status": "started"},
+    )
+    assert ok == {"ok": True, "drain": False}
+    fake.jobs = [job("7", "m", "0a1b2c3d", JobState.RUNNING)]
+    await rec.pass_once()
+    r = rec.replicas["0a1b2c3d"]
+    assert r.adopted and r.step == "weights started"
+    assert [d.action for d in rec.decisions] == ["adopt"]
+
+
+async def test_ready_report_is_probed_with_the_engine_key_before_routing(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path)
+    rid = "0a1b2c3d"
+    fake.jobs = [job("7", "m", rid, JobState.RUNNING)]
+    await rec.pass_once()
+    good = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="m")
+    wrong = EngineOptions(api_key="someone-elses-key", served_name="m")
+    async with serve(create_engine_app(wrong)) as bad_url:
+        rec.report(rid, replica_secret(KEY, rid), {"event": "ready", "url": bad_url})
+        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        assert rec.endpoints("m") == []
+        assert rec.decisions[-1].action == "probe-failed"
+        assert "HTTP 401" in rec.decisions[-1].reason
+    async with serve(create_engine_app(good)) as url:
+        waiter = asyncio.create_task(rec.wait_ready("m"))
+        rec.report(rid, replica_secret(KEY, rid), {"event": "heartbeat", "url": url})
+        await asyncio.wait_for(waiter, 10)
+        (ep,) = rec.endpoints("m")
+        assert ep.base_url == url and ep.api_key == engine_api_key(KEY, rid)
+    await rec.close()
+
+
+async def test_requeued_job_loses_its_endpoint_and_is_not_replaced(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path, {"min": 1, "max": 1})
+    rid = "0a1b2c3d"
+    fake.jobs = [job("7", "m", rid, JobState.RUNNING)]
+    await rec.pass_once()
+    rec.replicas[rid].base_url = "http://n0:1"
+    # The agent saw SIGTERM (preemption): it drains by itself; the daemon does not cancel.
+    rec.report(rid, replica_secret(KEY, rid), {"event": "draining", "message": "SIGTERM"})
+    fake.jobs = [job("7", "m", rid, JobState.COMPLETING)]
+    await rec.pass_once()
+    fake.jobs = [job("7", "m", rid, JobState.PENDING, restarts=1)]
+    await rec.pass_once()
+    assert fake.cancelled == [] and fake.submitted == []
+    assert rec.replicas[rid].base_url == ""
+    assert "requeued" in [d.action for d in rec.decisions]
+
+
+async def test_reaped_job_names_its_final_state_from_accounting(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path, {"min": 1, "max": 1})
+    rid = "0a1b2c3d"
+    fake.jobs = [job("7", "m", rid, JobState.RUNNING)]
+    await rec.pass_once()
+    fake.jobs = []
+    fake.accounting_records = [
+        AccountingRecord(
+            job_id="7",
+            name=job_name(PREFIX, "m", rid),
+            user="root",
+            account="root",
+            partition="llm",
+            state=JobState.NODE_FAIL,
+            exit_code="0:0",
+            comment="",
+            submit=None,
+            start=None,
+            end=None,
+            elapsed_s=10,
+            nodes=1,
+            alloc_tres="",
+            gpus=1,
+        )
+    ]
+    await rec.pass_once()
+    reap = next(d for d in rec.decisions if d.action == "reap")
+    assert reap.reason == "job 7 ended: NODE_FAIL"
+    # Never served: a failed start, so the restart waits out the backoff.
+    assert rec.failures["m"].count == 1
+    assert fake.submitted == []
+
+
+async def test_slurm_down_means_nothing_is_done(tmp_path: Path) -> None:
+    from llmgw_slurm.errors import SlurmUnavailable
+
+    rec, fake = make(tmp_path, {"min": 1, "max": 1})
+
+    async def down(name_prefix: str = "") -> list[Job]:
+        raise SlurmUnavailable("no answer within 30s", command=["squeue"])
+
+    fake.list_jobs = down  # type: ignore[method-assign]
+    assert await rec.pass_once() == []
+    assert fake.submitted == [] and fake.cancelled == []
+    assert "no answer" in rec.last_pass_error
+
+
+async def test_an_agent_report_shows_the_job_runs_before_the_next_listing(tmp_path: Path) -> None:
+    """A held request must not wait a whole pass interval for squeue to say RUNNING."""
+    rec, fake = make(tmp_path, {"min": 1, "max": 1})
+    rid = "0a1b2c3d"
+    fake.jobs = [job("7", "m", rid, JobState.PENDING)]
+    await rec.pass_once()
+    assert rec.replicas[rid].state().value == "pending"
+    rec.report(
+        rid, replica_secret(KEY, rid), {"event": "step", "step": "weights", "status": "started"}
+    )
+    assert rec.replicas[rid].state().value == "starting"
+    assert rec.replicas[rid].started_at is not None
