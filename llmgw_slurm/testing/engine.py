@@ -66,6 +66,7 @@ class EngineOptions:
         api_key: str,
         served_name: str,
         token_delay: float = 0.0,
+        first_token_delay: float | None = None,
         ready_after: float = 0.0,
         world_size: int = 1,
         master_port: int | None = None,
@@ -73,10 +74,19 @@ class EngineOptions:
         self.api_key = api_key
         self.served_name = served_name
         self.token_delay = token_delay
+        # None: the first token comes after token_delay like the others. A
+        # real model's first token costs the prompt's prefill, usually longer.
+        self.first_token_delay = first_token_delay
         self.ready_after = ready_after
         # Rendezvous (rank 0 of a multi-node start): health waits for every rank.
         self.world_size = world_size
         self.master_port = master_port
+
+    def delay_before(self, i: int) -> float:
+        """Seconds to wait before token ``i`` (0-based)."""
+        if i == 0 and self.first_token_delay is not None:
+            return self.first_token_delay
+        return self.token_delay
 
 
 class _EngineState:
@@ -330,8 +340,9 @@ async def _generate_inner(
     name = opts.served_name
 
     if not body.get("stream"):
-        if opts.token_delay:
-            await asyncio.sleep(opts.token_delay * len(tokens))
+        total = sum(opts.delay_before(i) for i in range(len(tokens)))
+        if total:
+            await asyncio.sleep(total)
         text = "".join(tokens)
         choice: dict[str, Any]
         if kind == "chat":
@@ -389,8 +400,9 @@ async def _generate_inner(
             if request.transport is not None:
                 request.transport.abort()
             return resp
-        if opts.token_delay:
-            await asyncio.sleep(opts.token_delay)
+        delay = opts.delay_before(i)
+        if delay:
+            await asyncio.sleep(delay)
         await resp.write(_sse(chunk({"content": tok} if kind == "chat" else tok, None)))
     await resp.write(_sse(chunk({} if kind == "chat" else "", "length")))
     if include_usage:
@@ -479,6 +491,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--token-delay", type=float, default=0.0, help="seconds between streamed tokens (default 0)"
     )
     parser.add_argument(
+        "--first-token-delay",
+        type=float,
+        default=None,
+        help="seconds before the first token (default: the token delay)",
+    )
+    parser.add_argument(
         "--ready-after",
         type=float,
         default=0.0,
@@ -508,6 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             api_key=api_key,
             served_name=args.served_name,
             token_delay=args.token_delay,
+            first_token_delay=args.first_token_delay,
             ready_after=args.ready_after,
             world_size=world,
             master_port=master_port,
