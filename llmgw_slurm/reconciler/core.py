@@ -260,8 +260,47 @@ class Reconciler:
             self._early_reports[replica_id] = dict(body)
             self._wake.set()
             return {"ok": True, "drain": False}
+        stale = self._stale(r, body)
+        if stale:
+            # An agent the listing says is not this replica's (an earlier run left behind
+            # on a node Slurm lost, then requeued elsewhere): never routed to, told to
+            # drain so that its engine stops holding GPUs Slurm has handed to others.
+            self._record("stale-report", r.model, replica_id, stale)
+            return {"ok": True, "drain": True}
+        if (
+            isinstance(body.get("url"), str)
+            and body.get("url")
+            and r.job_state not in (JobState.RUNNING, JobState.CONFIGURING)
+        ):
+            # The listing is behind (the job started since the last pass): where the
+            # job runs is not known yet, so the endpoint waits for the next pass.
+            self._early_reports[replica_id] = dict(body)
+            self._wake.set()
+            body = {k: v for k, v in body.items() if k != "url"}
         self._apply_report(r, body)
         return {"ok": True, "drain": r.state() in (ReplicaState.DRAINING, ReplicaState.STOPPING)}
+
+    def _stale(self, r: Replica, body: Mapping[str, Any]) -> str:
+        """Why this report cannot come from the replica's current job, or "" when it may."""
+        jid = body.get("job_id")
+        other_job = isinstance(jid, str | int) and not isinstance(jid, bool) and str(jid)
+        if other_job and str(jid) != r.job_id:
+            return f"report from job {jid}; the replica's job is {r.job_id}"
+        node = body.get("node")
+        if (
+            isinstance(node, str)
+            and node
+            and r.nodes
+            and r.job_state in (JobState.RUNNING, JobState.CONFIGURING)
+        ):
+            short = node.split(".", 1)[0]
+            here = {n.split(".", 1)[0] for n in r.nodes}
+            # A name Slurm does not know as a node (an agent that reports its host name
+            # where node names do not resolve) proves nothing either way.
+            known = {n.name.split(".", 1)[0] for n in self.nodes}
+            if short not in here and short in known:
+                return f"report from node {node}; job {r.job_id} runs on {','.join(r.nodes)}"
+        return ""
 
     def _apply_report(self, r: Replica, body: Mapping[str, Any]) -> None:
         now = self.clock()
@@ -440,7 +479,10 @@ class Reconciler:
             if job.state in (JobState.RUNNING, JobState.CONFIGURING) and r.started_at is None:
                 r.started_at = job.start_time.timestamp() if job.start_time else now
             early = self._early_reports.pop(rid, None)
-            if early is not None:
+            if early is not None and r.job_state in (JobState.RUNNING, JobState.CONFIGURING):
+                if not self._stale(r, early):
+                    self._apply_report(r, early)
+            elif early is not None and not early.get("url"):
                 self._apply_report(r, early)
         # Reap: a replica whose job is no longer listed (or listed as finished) is gone.
         gone = []

@@ -155,7 +155,7 @@ async def test_a_replica_cannot_register_another_replicas_endpoint(tmp_path: Pat
     "stale",
     [
         {"job_id": "6"},  # an agent of another job (an earlier run, an impostor's copy)
-        {"node": "n9"},  # the job was requeued onto another node; the old agent lives on
+        {"node": "n1"},  # the job was requeued onto another node; the old agent lives on
     ],
 )
 async def test_reports_from_where_the_job_is_not_are_not_routed(
@@ -170,6 +170,37 @@ async def test_reports_from_where_the_job_is_not_are_not_routed(
         assert rec.decisions[-1].action == "stale-report"
         # The same report from where Slurm says the job runs is routed.
         rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url))
+        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        assert [e.base_url for e in rec.endpoints("m")] == [url]
+    await rec.close()
+
+
+async def test_a_host_name_slurm_does_not_know_is_not_taken_for_a_stale_agent(
+    tmp_path: Path,
+) -> None:
+    # Where node names do not resolve the agent reports its host name: no proof either way.
+    rec, _ = await _listed(tmp_path)
+    good = EngineOptions(api_key=engine_api_key(KEY, A), served_name="m")
+    async with serve(create_engine_app(good)) as url:
+        rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url, node="login-7"))
+        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        assert [e.base_url for e in rec.endpoints("m")] == [url]
+    await rec.close()
+
+
+async def test_an_endpoint_reported_before_the_listing_shows_the_job_running_waits_a_pass(
+    tmp_path: Path,
+) -> None:
+    rec, fake = make(tmp_path, {"min": 1, "max": 1})
+    fake.jobs = [job("7", "m", A, JobState.PENDING)]
+    await rec.pass_once()
+    good = EngineOptions(api_key=engine_api_key(KEY, A), served_name="m")
+    async with serve(create_engine_app(good)) as url:
+        answer = rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url))
+        assert answer == {"ok": True, "drain": False}
+        assert rec._tasks == set()  # nothing probed while the job is not known to run
+        fake.jobs = [job("7", "m", A, JobState.RUNNING)]
+        await rec.pass_once()
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
         assert [e.base_url for e in rec.endpoints("m")] == [url]
     await rec.close()
