@@ -418,6 +418,14 @@ class Gateway:
             return _error(
                 400, f"The body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
             )
+        except RecursionError:
+            # A few kilobytes of "[[[[..." exhaust the parser's stack.
+            return _error(
+                400,
+                "The body's JSON is nested too deeply.",
+                "invalid_request_error",
+                "invalid_json",
+            )
         if not isinstance(obj, dict):
             return _error(
                 400, "The body must be a JSON object.", "invalid_request_error", "invalid_body"
@@ -444,6 +452,15 @@ class Gateway:
         fields: dict[str, Any] = {}
         if name != model:
             fields["model"] = model
+        if obj.get("stream") is not None and not isinstance(obj.get("stream"), bool):
+            # Engines read "yes" or 1 as true and would stream without the usage the
+            # gateway asks for when it sees a stream coming: tokens nobody counts.
+            return _error(
+                400,
+                "'stream' must be true or false.",
+                "invalid_request_error",
+                "invalid_type",
+            )
         stream = obj.get("stream") is True
         strip_usage = False
         if stream and endpoint != "embeddings":
