@@ -204,3 +204,13 @@ async def test_an_endpoint_reported_before_the_listing_shows_the_job_running_wai
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
         assert [e.base_url for e in rec.endpoints("m")] == [url]
     await rec.close()
+
+
+async def test_deeply_nested_json_is_a_400_not_a_500(tmp_path: Path) -> None:
+    rec, _ = await _listed(tmp_path)
+    deep = b"[" * 50_000 + b"]" * 50_000
+    async with serve(internal_app(rec)) as url:
+        # With or without a valid secret: nothing about the body may break the handler.
+        assert (await _post(url, A, None, "Bearer x", raw=deep))[0] in (400, 401)
+        status, _ = await _post(url, A, None, f"Bearer {replica_secret(KEY, A)}", raw=deep)
+        assert status == 400
