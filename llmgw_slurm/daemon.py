@@ -46,7 +46,7 @@ def internal_app(rec: Reconciler) -> web.Application:
             return web.json_response({"ok": False, "error": "missing bearer secret"}, status=401)
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
             return web.json_response({"ok": False, "error": "body is not JSON"}, status=400)
         if not isinstance(body, dict):
             return web.json_response({"ok": False, "error": "body must be an object"}, status=400)
