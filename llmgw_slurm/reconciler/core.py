@@ -357,7 +357,6 @@ class Reconciler:
         if not r.base_url:
             r.ready_at = r.ready_at or self.clock()
             self._record("ready", r.model, r.replica_id, f"serving at {url}")
-            self.failures.pop(r.model, None)
         r.base_url = url
         r.step = "ready"
         self._signal_ready(r.model)
@@ -409,6 +408,18 @@ class Reconciler:
         self.last_observed = now
         self.nodes = nodes
         await self._reap(self._observe(jobs, now, pass_id), now, pass_id)
+        for r in self.replicas.values():
+            # Ready is not yet proof that the engine stays up (one that dies at its
+            # first request would otherwise restart at once, forever): a model's
+            # failures are forgiven once a replica has served its minimum lifetime.
+            if (
+                r.model in self.failures
+                and r.ready_at is not None
+                and r.base_url
+                and not r.agent_failed
+                and now - r.ready_at >= self.plan_cfg.min_lifetime
+            ):
+                self.failures.pop(r.model, None)
         views = [self._view(r, now) for r in self.replicas.values()]
         wanted = {k: d.wanted_at for k, d in self._demand.items() if d.wanted_at is not None}
         result = planmod.plan(

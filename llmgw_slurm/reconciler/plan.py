@@ -432,6 +432,13 @@ def plan(
         counted = count_once(mine)
 
         fl = failures.get(name)
+        failed_now = [
+            a for a in out.actions if a.model == name and a.kind is ActionKind.CANCEL and a.failure
+        ]
+        if failed_now:
+            # A failure cancelled in this very pass counts now: replacing it at once
+            # would skip the backoff that the failure is about to start.
+            fl = Failures((fl.count if fl else 0) + len(failed_now), now, failed_now[-1].reason)
         left = backoff_left(fl, cfg, now)
         if len(counted) < desired:
             if left > 0 and fl is not None:

@@ -54,8 +54,8 @@ async def test_a_crash_after_ready_is_restarted_with_growing_backoff_and_shown_f
     rec.clock = clock
     cfg = rec.plan_cfg
     gaps = []
+    await rec.pass_once()
     for n in range(1, cfg.give_up_after + 1):
-        await rec.pass_once()
         spec = fake.submitted[-1]
         _, rid = parse_job_name(PREFIX, spec.name) or ("", "")
         job_id = str(fake.next_id)
