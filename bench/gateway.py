@@ -15,6 +15,11 @@ lower bounds; the ratios are what to compare. Other work on the machine adds
 noise: the load average at the start is recorded with the results.
 
     python bench/gateway.py [--duration 2] [--rounds 2] [--out bench/results/gateway.json]
+                            [--tracing]
+
+``--tracing`` adds a second gateway with tracing on (sampling 1.0, every
+request a span, OTLP/HTTP to a sink process that accepts and drops), to set
+its cost against the gateway with tracing off.
 
 Bounded in time: a few seconds of set-up plus ``rounds`` x 12 runs of
 ``duration + 0.5`` s: about 70 s with the defaults.
@@ -72,11 +77,29 @@ def _wait_http(url: str, timeout: float = 30.0) -> None:
             time.sleep(0.05)
 
 
-def serve_gateway(port: int, engine_url: str) -> None:
+def serve_gateway(port: int, engine_url: str, collector: str | None = None) -> None:
     """The gateway process: one model, one replica, no keys, as the daemon would run it."""
     from aiohttp import web
 
     from llmgw_slurm.router import Endpoint, ModelInfo, StaticDirectory, create_app
+
+    if collector:
+        from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+        from llmgw_slurm.config import TracingConfig
+        from llmgw_slurm.tracing import setup_tracing
+
+        class _Drop(SpanExporter):
+            def export(self, spans: Any) -> SpanExportResult:
+                return SpanExportResult.SUCCESS
+
+        # "drop": spans made and batched, never encoded or sent (what the spans
+        # themselves cost, apart from the export).
+        setup_tracing(
+            TracingConfig(enabled=True, endpoint=None if collector == "drop" else collector),
+            "llmgw-bench",
+            exporter=_Drop() if collector == "drop" else None,
+        )
 
     directory = StaticDirectory([ModelInfo(MODEL)])
     directory.add_endpoint(MODEL, Endpoint("bench0001", engine_url, ENGINE_KEY))
@@ -85,6 +108,23 @@ def serve_gateway(port: int, engine_url: str) -> None:
     web.run_app(
         app, host="127.0.0.1", port=port, print=None, access_log=None, handler_cancellation=True
     )
+
+
+def serve_sink(port: int) -> None:
+    """An OTLP/HTTP receiver that accepts every export and keeps nothing."""
+    from aiohttp import web
+
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/traces", traces)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 def serve_bare(port: int, engine_url: str) -> None:
@@ -238,9 +278,19 @@ def main() -> int:
         "--serve-gateway", nargs=2, metavar=("PORT", "ENGINE_URL"), help=argparse.SUPPRESS
     )
     p.add_argument("--serve-bare", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--tracing", action="store_true", help="also a gateway with tracing on")
+    p.add_argument("--serve-gateway-traced", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--serve-sink", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_gateway:
         serve_gateway(int(args.serve_gateway[0]), args.serve_gateway[1])
+        return 0
+    if args.serve_gateway_traced:
+        port_s, engine, sink = args.serve_gateway_traced
+        serve_gateway(int(port_s), engine, sink)
+        return 0
+    if args.serve_sink:
+        serve_sink(int(args.serve_sink))
         return 0
     if args.serve_bare:
         serve_bare(int(args.serve_bare[0]), args.serve_bare[1])
@@ -288,6 +338,46 @@ def main() -> int:
             _wait_http(engine_url + "/health")
             _wait_http(f"http://127.0.0.1:{g_port}/health")
             _wait_http(f"http://127.0.0.1:{b_port}/health")
+            if args.tracing:
+                s_port, t_port = _free_port(), _free_port()
+                sink = f"http://127.0.0.1:{s_port}"
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, "--serve-sink", str(s_port)], env=env
+                    )
+                )
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--serve-gateway-traced",
+                            str(t_port),
+                            engine_url,
+                            sink,
+                        ],
+                        env=env,
+                    )
+                )
+                _wait_http(sink + "/health")
+                _wait_http(f"http://127.0.0.1:{t_port}/health")
+                targets["gateway-traced"] = f"http://127.0.0.1:{t_port}/v1/chat/completions"
+                d_port = _free_port()
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--serve-gateway-traced",
+                            str(d_port),
+                            engine_url,
+                            "drop",
+                        ],
+                        env=env,
+                    )
+                )
+                _wait_http(f"http://127.0.0.1:{d_port}/health")
+                targets["gateway-spans-only"] = f"http://127.0.0.1:{d_port}/v1/chat/completions"
             ng = None if args.no_nginx else start_nginx(Path(tmpd), n_port, e_port)
             if ng is not None:
                 procs.append(ng)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
 
 from llmgw_slurm import api
 from llmgw_slurm.catalog import Catalog, load_catalog
@@ -30,6 +31,7 @@ from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.secrets import admin_token, load_or_create_server_key
 from llmgw_slurm.slurm import make_backend
+from llmgw_slurm.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class Daemon:
     reconciler: Reconciler
     gateway: web.Application
     internal: web.Application
+    # None when tracing is off (no exporter thread exists then).
+    tracer_provider: TracerProvider | None = None
 
     def reload(self) -> str | None:
         """Re-read the catalog; a bad one is refused (its errors returned), the last good kept."""
@@ -112,6 +116,8 @@ class Daemon:
 
 def build(server: ServerConfig, server_path: Path) -> Daemon:
     catalog = load_catalog(server.models)
+    # Before anything makes a tracer: the global provider is set once per process.
+    provider = setup_tracing(server.tracing, "llmgw-daemon")
     agent_timeout = 900.0
     try:
         agent_timeout = load_agent_config(server.agent_config).readiness.timeout
@@ -132,12 +138,16 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         daemon_url,
         hold_timeout=server.router.hold_timeout,
         agent_ready_timeout=agent_timeout,
+        # The provider's own tracer, not the global one: only the first global
+        # provider of a process counts (a second daemon in one test process).
+        tracer=provider.get_tracer("llmgw_slurm") if provider is not None else None,
     )
     rc = RouterConfig(
         max_body_bytes=server.router.max_body_bytes,
         hold_timeout_s=server.router.hold_timeout,
         max_held_per_model=server.router.max_held,
         max_held_total=max(server.router.max_held, 1024),
+        trace_requests=server.router.trace_requests,
     )
     keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
     usage = UsageStore(state / "usage.sqlite3")
@@ -145,7 +155,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec)
     api.add_cli_routes(gateway, rec)
-    d = Daemon(server, server_path, catalog, rec, gateway, internal_app(rec))
+    d = Daemon(server, server_path, catalog, rec, gateway, internal_app(rec), provider)
     api.add_admin_routes(d.internal, rec, admin_token(key), d.reload)
     return d
 
@@ -180,6 +190,12 @@ async def serve(d: Daemon) -> None:
         await d.reconciler.close()
         for r in runners:
             await r.cleanup()
+        # Open replica starts are ended as such ("daemon stopped"): the next
+        # daemon adopts the jobs and continues their traces from the job comment.
+        d.reconciler.tracing.close()
+        if d.tracer_provider is not None:
+            # Blocking (the last export, bounded by the exporter's timeout).
+            await asyncio.to_thread(d.tracer_provider.shutdown)
 
 
 def status_summary(d: Daemon) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import click
 from llmgw_slurm.agent.runner import Agent, job_context_from_env
 from llmgw_slurm.agent.settings import AgentSettings, EngineRuntime, FetchSettings
 from llmgw_slurm.agent.spec import parse_replica_spec
-from llmgw_slurm.agent.weights import ensure_weights
+from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
 from llmgw_slurm.errors import LlmgwError
 
 __all__ = ["build_settings", "main", "settings_from_agent_config"]
@@ -99,6 +99,32 @@ def _load_config(path: Path) -> tuple[AgentSettings, str | None]:
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
     return settings_from_agent_config(cfg), cfg.daemon_url
+
+
+def _setup_tracing(path: Path | None) -> Any:
+    """agent.yaml's ``tracing:`` block; returns the TracerProvider, or None when off.
+
+    Imported lazily, like the config module: an agent without a config file
+    (or with tracing off) never loads the exporter.
+    """
+    if path is None:
+        return None
+    try:
+        config = importlib.import_module("llmgw_slurm.config")
+        tracing = importlib.import_module("llmgw_slurm.tracing")
+        cfg = config.load_agent_config(path)
+        return tracing.setup_tracing(cfg.tracing, "llmgw-agent")
+    except ImportError as err:
+        log.warning("tracing: not available in this agent (%s); running without", err)
+        return None
+    except LlmgwError as err:
+        raise click.ClickException(str(err)) from err
+
+
+def _shutdown_tracing(provider: Any) -> None:
+    if provider is not None:
+        # The job is ending: the last spans leave now or never.
+        provider.shutdown()
 
 
 def build_settings(path: Path | None, options: dict[str, Any]) -> tuple[AgentSettings, str | None]:
@@ -211,7 +237,12 @@ def run(ctx: click.Context) -> None:
         job = job_context_from_env(env)
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
-    code = asyncio.run(Agent(settings, job, env).run())
+    provider = _setup_tracing(ctx.obj[0])
+    flush = provider.force_flush if provider is not None else None
+    try:
+        code = asyncio.run(Agent(settings, job, env, flush=flush).run())
+    finally:
+        _shutdown_tracing(provider)
     sys.exit(code)
 
 
@@ -220,15 +251,52 @@ def run(ctx: click.Context) -> None:
 def fetch(ctx: click.Context) -> None:
     """Fetch the weights of LLMGW_REPLICA_SPEC's model into the cache, and exit."""
     settings, _ = _settings(ctx)
+    provider = _setup_tracing(ctx.obj[0])
     try:
-        spec = parse_replica_spec(os.environ.get("LLMGW_REPLICA_SPEC"))
-        t0 = time.monotonic()
-        result = ensure_weights(spec.name, spec.weights, settings.fetch)
+        result, spec, elapsed = _traced_fetch(settings)
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
+    finally:
+        _shutdown_tracing(provider)
     what = "fetched" if result.fetched else "already there"
     where = result.model_path or "(no weights)"
-    click.echo(f"{spec.name}: {where} ({what}, {time.monotonic() - t0:.1f}s)")
+    click.echo(f"{spec.name}: {where} ({what}, {elapsed:.1f}s)")
+
+
+def _traced_fetch(settings: AgentSettings) -> tuple[Any, Any, float]:
+    """A model job: its own trace (or the one in TRACEPARENT), a span per step.
+
+    When it fetched, its trace context is left beside the weights in the
+    cache, so that a replica start that uses them links to this trace.
+    """
+    from opentelemetry import trace
+    from opentelemetry.trace import Status, StatusCode
+
+    from llmgw_slurm.tracing import extract_env, write_trace_marker
+
+    tracer = trace.get_tracer("llmgw_slurm")
+    attrs = {"llmgw.job_id": os.environ.get("SLURM_JOB_ID", "")}
+    with tracer.start_as_current_span(
+        "llmgw.model_job", context=extract_env(os.environ), attributes=attrs
+    ) as root:
+        try:
+            with tracer.start_as_current_span("llmgw.model_job.spec"):
+                spec = parse_replica_spec(os.environ.get("LLMGW_REPLICA_SPEC"))
+            root.set_attribute("llmgw.model", spec.name)
+            t0 = time.monotonic()
+            with tracer.start_as_current_span("llmgw.model_job.weights") as span:
+                result = ensure_weights(spec.name, spec.weights, settings.fetch)
+                span.set_attribute("llmgw.weights.fetched", result.fetched)
+                span.set_attribute("llmgw.weights.bytes", result.bytes)
+                span.set_attribute("llmgw.weights.method", result.method)
+            elapsed = time.monotonic() - t0
+        except LlmgwError as err:
+            root.set_status(Status(StatusCode.ERROR, str(err)[:500]))
+            raise
+        path = trace_marker_path(settings.fetch.cache_dir, spec.name, spec.weights)
+        if result.fetched and path is not None:
+            write_trace_marker(path, root.get_span_context())
+    return result, spec, elapsed
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """The agent's run: weights, rendezvous, engine, readiness, serve, drain.
 
 Each step is logged with its duration, reported to the daemon, and wrapped
-in a span that continues the replica's trace from ``TRACEPARENT``.
+in a span that continues the replica's trace from ``TRACEPARENT``. The spans
+of the start (``llmgw.agent`` and its steps: weights, rendezvous,
+engine_launch, readiness, register) end once the replica serves, so that a
+trace viewer shows the start whole while the job runs on; the end of the job
+is a second group (``llmgw.agent.shutdown``: drain, stop) in the same trace.
 
 Drain triggers, whatever the phase: SIGUSR1 (Slurm's warning before the time
 limit), SIGTERM (scancel, preemption), SIGINT, or a heartbeat answer with
@@ -19,7 +23,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +31,7 @@ from typing import IO, Any
 
 import aiohttp
 from opentelemetry import trace
-from opentelemetry.propagate import extract
+from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
 from llmgw_slurm.agent import rendezvous as rdzv
@@ -44,8 +48,9 @@ from llmgw_slurm.agent.errors import AgentError
 from llmgw_slurm.agent.report import DaemonClient
 from llmgw_slurm.agent.settings import AgentSettings
 from llmgw_slurm.agent.spec import ReplicaSpec, parse_replica_spec
-from llmgw_slurm.agent.weights import ensure_weights
+from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
 from llmgw_slurm.errors import ConfigError
+from llmgw_slurm.tracing import extract_env, read_trace_marker, traceparent_of
 
 __all__ = ["Agent", "JobContext", "job_context_from_env"]
 
@@ -121,6 +126,7 @@ class Agent:
         tracer: trace.Tracer | None = None,
         hostname: str | None = None,
         expand: Callable[[str], list[str]] = rdzv.expand_hostnames,
+        flush: Callable[[], object] | None = None,
     ) -> None:
         self.settings = settings
         self.job = job
@@ -138,6 +144,14 @@ class Agent:
         self._published: Path | None = None
         self._log_files: list[IO[bytes]] = []
         self._metrics_url = ""
+        # Sends the start's spans right away once the replica serves (the batch
+        # exporter would otherwise hold them for seconds); None: nothing to flush.
+        self._flush = flush
+        self._parent: Context = extract_env(self.env)
+        self._step_message: str | None = None
+        self._queued = 0
+        self._handled = 0
+        self._progress = asyncio.Event()
 
     # --- drain triggers -------------------------------------------------------
 
@@ -158,10 +172,24 @@ class Agent:
 
     # --- reporting ------------------------------------------------------------
 
-    def _emit(self, event: str, **fields: Any) -> None:
-        """Queue a report; one sender keeps them in order and retries each."""
+    def _emit(self, event: str, **fields: Any) -> int:
+        """Queue a report; one sender keeps them in order and retries each.
+
+        Returns its place in the queue, for :meth:`_delivered`.
+        """
         if self._client is not None:
             self._outbox.put_nowait(self._client.body(event, **fields))
+            self._queued += 1
+        return self._queued
+
+    async def _delivered(self, seq: int, timeout: float) -> bool:
+        """Wait until the report at ``seq`` was handled (sent, or given up)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while self._handled < seq:
+                    self._progress.clear()
+                    await self._progress.wait()
+        return self._handled >= seq
 
     async def _sender(self) -> None:
         assert self._client is not None
@@ -176,6 +204,8 @@ class Agent:
                 if attempt < 4:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 30.0)
+            self._handled += 1
+            self._progress.set()
 
     @asynccontextmanager
     async def _step(self, name: str, **attrs: Any) -> AsyncIterator[trace.Span]:
@@ -205,46 +235,73 @@ class Agent:
             elapsed = time.monotonic() - t0
             span.set_attribute("llmgw.elapsed_s", elapsed)
         log.info("step %s: done in %.1fs", name, elapsed)
-        self._emit("step", step=name, status="done", elapsed_s=elapsed)
+        message, self._step_message = self._step_message, None
+        self._emit("step", step=name, status="done", elapsed_s=elapsed, message=message)
 
     # --- the run --------------------------------------------------------------
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._install_signals(loop)
-        carrier = {k.lower(): v for k, v in self.env.items() if k in ("TRACEPARENT", "TRACESTATE")}
-        parent = extract(carrier)
-        attrs = {
+        async with aiohttp.ClientSession() as session:
+            self._client = DaemonClient(
+                session,
+                self.job.daemon_url,
+                self.job.replica_id,
+                self.job.replica_secret,
+                node=self.hostname,
+                job_id=self.env.get("SLURM_JOB_ID", ""),
+                timeout_s=self.settings.report_timeout_s,
+            )
+            sender = asyncio.create_task(self._sender())
+            try:
+                return await self._run(session)
+            finally:
+                self._cleanup()
+                self._outbox.put_nowait(None)
+                # Final reports get a bounded chance: the job is ending, and
+                # Slurm's KillWait will not wait for an absent daemon.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(sender, self.settings.report_timeout_s)
+                if not sender.done():
+                    log.warning("daemon away: %d report(s) not delivered", self._outbox.qsize())
+                for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+
+    def _span_attrs(self) -> dict[str, Any]:
+        return {
             "llmgw.replica_id": self.job.replica_id,
             "llmgw.model": self.job.model,
             "llmgw.node": self.hostname,
             "llmgw.job_id": self.env.get("SLURM_JOB_ID", ""),
         }
-        with self.tracer.start_as_current_span("llmgw.agent", context=parent, attributes=attrs):
-            async with aiohttp.ClientSession() as session:
-                self._client = DaemonClient(
-                    session,
-                    self.job.daemon_url,
-                    self.job.replica_id,
-                    self.job.replica_secret,
-                    node=self.hostname,
-                    job_id=self.env.get("SLURM_JOB_ID", ""),
-                    timeout_s=self.settings.report_timeout_s,
-                )
-                sender = asyncio.create_task(self._sender())
-                try:
-                    return await self._run(session)
-                finally:
-                    self._cleanup()
-                    self._outbox.put_nowait(None)
-                    # Final reports get a bounded chance: the job is ending, and
-                    # Slurm's KillWait will not wait for an absent daemon.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(sender, self.settings.report_timeout_s)
-                    if not sender.done():
-                        log.warning("daemon away: %d report(s) not delivered", self._outbox.qsize())
-                    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-                        loop.remove_signal_handler(sig)
+
+    @contextlib.contextmanager
+    def _group(self, name: str) -> Iterator[trace.Span]:
+        """A span directly under the replica's start (TRACEPARENT), for one phase."""
+        with self.tracer.start_as_current_span(
+            name,
+            context=self._parent,
+            attributes=self._span_attrs(),
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                yield span
+            except _Drain:
+                span.set_attribute("llmgw.interrupted", True)
+                raise
+            except asyncio.CancelledError:
+                span.set_attribute("llmgw.interrupted", True)
+                raise
+            except Exception as err:
+                span.set_status(Status(StatusCode.ERROR, str(err)[:500]))
+                raise
+
+    async def _flush_spans(self) -> None:
+        if self._flush is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._flush)
 
     async def _run(self, session: aiohttp.ClientSession) -> int:
         t0 = time.monotonic()
@@ -255,7 +312,7 @@ class Agent:
             startup.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await startup
-            await self._stop_engine()
+            await self._stop_engine(traced=True)
             self._emit(
                 "stopped",
                 message=f"stopped before ready: {self.drain_reason}",
@@ -280,6 +337,11 @@ class Agent:
             await self._stop_engine()
 
     async def _startup(self, session: aiohttp.ClientSession) -> None:
+        with self._group("llmgw.agent"):
+            await self._startup_steps(session)
+        await self._flush_spans()
+
+    async def _startup_steps(self, session: aiohttp.ClientSession) -> None:
         spec = self.job.spec
         s = self.settings
         method = spec.weights.method if spec.weights else "none"
@@ -288,6 +350,8 @@ class Agent:
             span.set_attribute("llmgw.weights.fetched", result.fetched)
             span.set_attribute("llmgw.weights.bytes", result.bytes)
             model_path = result.model_path
+            if not result.fetched:
+                self._link_model_job(span)
 
         async with self._step("rendezvous") as span:
             role = rdzv.compute_role(self.env, self._expand)
@@ -340,6 +404,26 @@ class Agent:
             )
         self.url = f"http://{s.advertise_host or self.hostname}:{port}"
         self._metrics_url = f"http://{poll_host}:{port}{spec.engine.metrics_path}"
+        async with self._step("register", url=self.url) as span:
+            log.info("ready: %s serves %s", self.url, self.job.spec.served_name)
+            seq = self._emit("ready", url=self.url)
+            # Heartbeats carry the URL too: a daemon that is away learns it later,
+            # so this waits a bounded time and never fails the start.
+            delivered = await self._delivered(seq, s.report_timeout_s)
+            span.set_attribute("llmgw.register.delivered", delivered)
+
+    def _link_model_job(self, span: trace.Span) -> None:
+        """Weights a model job put in the cache: link to that job's trace."""
+        spec = self.job.spec
+        path = trace_marker_path(self.settings.fetch.cache_dir, spec.name, spec.weights)
+        sc = read_trace_marker(path) if path is not None else None
+        if sc is None:
+            return
+        span.add_link(sc, {"llmgw.link": "model_job"})
+        tp = traceparent_of(sc)
+        span.set_attribute("llmgw.weights.model_job_trace", tp)
+        # The daemon links the replica's start span to it too (it reads trace=...).
+        self._step_message = f"weights from a model job; trace={tp}"
 
     async def _rendezvous(self, role: rdzv.NodeRole) -> tuple[DistInfo | None, set[int]]:
         """Where the nodes meet, and ports the engine's API must not take."""
@@ -373,9 +457,6 @@ class Agent:
 
     async def _serve(self, session: aiohttp.ClientSession) -> int:
         assert self.engine is not None and self.role is not None
-        if self.role.is_head:
-            log.info("ready: %s serves %s", self.url, self.job.spec.served_name)
-            self._emit("ready", url=self.url)
         t_ready = time.monotonic()
         exit_task = asyncio.create_task(self.engine.wait())
         drain_task = asyncio.create_task(self._drain.wait())
@@ -391,7 +472,11 @@ class Agent:
                     tail = "\n".join(self.engine.tail()[-20:])
                     msg = f"engine exited with code {rc} while serving; last lines:\n{tail}"
                     log.error("%s", msg)
-                    with self.tracer.start_as_current_span("llmgw.agent.engine_exit") as span:
+                    with self.tracer.start_as_current_span(
+                        "llmgw.agent.engine_exit",
+                        context=self._parent,
+                        attributes=self._span_attrs(),
+                    ) as span:
                         span.set_status(Status(StatusCode.ERROR, f"exit {rc}"))
                     self._emit("failed", message=msg, elapsed_s=time.monotonic() - t_ready)
                     return EXIT_FAILED
@@ -420,17 +505,22 @@ class Agent:
         if self.role.is_head:
             # First, so that the daemon stops routing here before anything else.
             self._emit("draining", url=self.url, message=self.drain_reason)
-        async with self._step("drain", reason=self.drain_reason) as span:
-            if self.role.is_head:
-                waited = await self._wait_in_flight(session)
-                span.set_attribute("llmgw.drain.waited_s", waited)
-            else:
-                # A worker's engine is part of the head's: it must not go first.
-                # It ends when the head's engine does.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.engine.wait(), s.drain_timeout_s + s.stop_grace_s)
-            rc = await self.engine.stop(s.stop_grace_s)
-            span.set_attribute("llmgw.engine.exit_code", rc)
+        with self._group("llmgw.agent.shutdown") as group:
+            group.set_attribute("llmgw.reason", self.drain_reason)
+            async with self._step("drain", reason=self.drain_reason) as span:
+                if self.role.is_head:
+                    waited = await self._wait_in_flight(session)
+                    span.set_attribute("llmgw.drain.waited_s", waited)
+                else:
+                    # A worker's engine is part of the head's: it must not go first.
+                    # It ends when the head's engine does.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(
+                            self.engine.wait(), s.drain_timeout_s + s.stop_grace_s
+                        )
+            async with self._step("stop") as span:
+                rc = await self.engine.stop(s.stop_grace_s)
+                span.set_attribute("llmgw.engine.exit_code", rc)
 
     async def _wait_in_flight(self, session: aiohttp.ClientSession) -> float:
         """Until no request is running, or the drain limit; returns seconds waited."""
@@ -468,9 +558,17 @@ class Agent:
             log.info("drain: %d request(s) in flight", count)
             await asyncio.sleep(s.drain_poll_s)
 
-    async def _stop_engine(self) -> None:
-        if self.engine is not None and self.engine.returncode is None:
+    async def _stop_engine(self, *, traced: bool = False) -> None:
+        if self.engine is None or self.engine.returncode is not None:
+            return
+        if not traced:
             await self.engine.stop(self.settings.stop_grace_s)
+            return
+        with self._group("llmgw.agent.shutdown") as group:
+            group.set_attribute("llmgw.reason", self.drain_reason)
+            async with self._step("stop") as span:
+                rc = await self.engine.stop(self.settings.stop_grace_s)
+                span.set_attribute("llmgw.engine.exit_code", rc)
 
     def _cleanup(self) -> None:
         for f in self._log_files:

@@ -6,6 +6,8 @@ Layout under ``cache_dir``::
     models/{key}/.llmgw-manifest.json   sizes and sha256 of every file, written last
     locks/{key}.lock              one writer per model at a time
     tmp/{key}.{host}.{pid}.{rand}/  a fetch in progress
+    traces/{key}.traceparent      the trace of the model job that fetched it (a
+                                  replica start that uses the copy links to it)
 
 ``key`` is the model name plus a digest of the source (revision included),
 so a catalog change of source never reuses a stale copy.
@@ -46,6 +48,7 @@ __all__ = [
     "cache_key",
     "effective_method",
     "ensure_weights",
+    "trace_marker_path",
     "verify_manifest",
 ]
 
@@ -70,6 +73,13 @@ def cache_key(model: str, weights: WeightsSpec) -> str:
     # The source (revision included), not the method: a copy and an hf fetch
     # of different sources must never share a folder.
     return f"{model}-{hashlib.sha256(weights.source.encode()).hexdigest()[:12]}"
+
+
+def trace_marker_path(cache_dir: Path, model: str, weights: WeightsSpec | None) -> Path | None:
+    """Where a model job leaves its trace context for the weights it fetched."""
+    if weights is None:
+        return None
+    return cache_dir / "traces" / f"{cache_key(model, weights)}.traceparent"
 
 
 def effective_method(weights: WeightsSpec, site_method: str) -> str:

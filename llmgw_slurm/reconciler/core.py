@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any
 
 import aiohttp
+from opentelemetry import trace
 
 from llmgw_slurm.catalog import Catalog, Model
 from llmgw_slurm.config import ServerConfig
@@ -36,6 +37,7 @@ from llmgw_slurm.reconciler.plan import (
     ReplicaState,
     ReplicaView,
 )
+from llmgw_slurm.reconciler.spans import ReconcileTracing
 from llmgw_slurm.router.directory import Endpoint, ModelInfo
 from llmgw_slurm.secrets import constant_time_equal, engine_api_key, replica_secret
 from llmgw_slurm.slurm.types import Job, JobState, NodeInfo, SlurmBackend
@@ -70,7 +72,10 @@ class Replica:
     agent_failed: str = ""
     replaces: str = ""
     step: str = ""
+    # Seconds each agent step took, as the agent reported them (for status and cold-start figures).
+    step_seconds: dict[str, float] = field(default_factory=dict)
     last_report: float | None = None
+    first_report_at: float | None = None
     adopted: bool = False
 
     def state(self) -> ReplicaState:
@@ -120,6 +125,7 @@ class Reconciler:
         clock: Callable[[], float] = time.time,
         hold_timeout: float | None = None,
         agent_ready_timeout: float = 900.0,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.catalog = catalog
         self.server = server
@@ -157,6 +163,8 @@ class Reconciler:
         self.last_pass_error = ""
         self.last_observed: float | None = None
         self._consecutive_errors = 0
+        # Spans of passes and replica starts; no-ops (and no TRACEPARENT for jobs) when off.
+        self.tracing = ReconcileTracing(tracer, server.tracing.enabled)
         self._http: aiohttp.ClientSession | None = None
         self._probing: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -237,6 +245,10 @@ class Reconciler:
             d.event.clear()
             await d.event.wait()
 
+    def start_span_context(self, model: str) -> trace.SpanContext | None:
+        """The start span of a starting replica of ``model`` (held requests link to it)."""
+        return self.tracing.start_context(model)
+
     def _has_ready(self, model: str) -> bool:
         return any(
             r.model == model and r.state() is ReplicaState.READY for r in self.replicas.values()
@@ -305,14 +317,25 @@ class Reconciler:
     def _apply_report(self, r: Replica, body: Mapping[str, Any]) -> None:
         now = self.clock()
         r.last_report = now
+        if r.first_report_at is None:
+            r.first_report_at = now
+        self.tracing.agent_report(r.replica_id, body)
         event = str(body.get("event") or "")
         step = body.get("step")
         status = body.get("status")
         if step:
             r.step = f"{step} {status}" if status else str(step)
+            elapsed = body.get("elapsed_s")
+            if status == "done" and isinstance(elapsed, int | float):
+                r.step_seconds[str(step)] = float(elapsed)
         if event == "step":
             # A new run of the agent (after a requeue) is not the one that drained.
             r.agent_draining = ""
+        if event in ("step", "ready", "heartbeat") and r.job_state is JobState.PENDING:
+            # The agent runs, so the job does: do not wait for the next listing to say so
+            # (a held request would wait a whole pass interval). The listing corrects it.
+            r.job_state = JobState.RUNNING
+            r.started_at = r.started_at or now
         url = body.get("url")
         if event in ("ready", "heartbeat") and isinstance(url, str) and url:
             if r.base_url != url and url not in self._probing:
@@ -325,6 +348,7 @@ class Reconciler:
                 task.add_done_callback(self._tasks.discard)
         elif event == "failed":
             r.agent_failed = str(body.get("message") or step or "agent reported failure")
+            self.tracing.end_start(r.replica_id, "failed", error=r.agent_failed)
             self._wake.set()
         elif event == "draining" and not r.agent_draining:
             # The agent was signalled (cancel, preemption, time limit): no new requests,
@@ -355,6 +379,11 @@ class Reconciler:
             self._record("probe-failed", r.model, r.replica_id, f"{url}: {why}")
             return
         if not r.base_url:
+            # An adopted replica may have served before this daemon started; its
+            # start ends here all the same, said as such.
+            self.tracing.end_start(
+                r.replica_id, "serving (adopted)" if r.adopted else "ready", url=url
+            )
             r.ready_at = r.ready_at or self.clock()
             self._record("ready", r.model, r.replica_id, f"serving at {url}")
         r.base_url = url
@@ -371,6 +400,7 @@ class Reconciler:
 
     def _record(self, action: str, model: str, rid: str, reason: str, pass_id: str = "") -> None:
         self.decisions.append(Decision(self.clock(), action, model, rid, reason, pass_id))
+        self.tracing.record(action, model, rid, reason, pass_id)
         log.info("%s model=%s replica=%s: %s", action, model, rid, reason)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -391,6 +421,7 @@ class Reconciler:
 
     async def pass_once(self) -> list[Action]:
         pass_id = uuid.uuid4().hex[:8]
+        self.tracing.begin_pass()
         try:
             jobs, nodes = await asyncio.gather(
                 self.backend.list_jobs(self.prefix), self.backend.list_nodes()
@@ -401,6 +432,7 @@ class Reconciler:
             # Status may be stale; acting on a stale view could cancel what is running.
             log.warning("pass %s: Slurm did not answer, nothing done: %s", pass_id, exc)
             return []
+        self.tracing.observed()
         self._consecutive_errors = 0
         self.last_pass_error = ""
         self.passes += 1
@@ -433,8 +465,11 @@ class Reconciler:
             new_replica_id,
         )
         self.notes = result.notes
-        for action in result.actions:
-            await self._execute(action, pass_id)
+        self.tracing.notes(result.notes)
+        with self.tracing.pass_span(pass_id, result.actions, jobs=len(jobs), nodes=len(nodes)):
+            for action in result.actions:
+                with self.tracing.action(action, self.failures):
+                    await self._execute(action, pass_id)
         return result.actions
 
     def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> list[Replica]:
@@ -456,6 +491,7 @@ class Reconciler:
                     adopted=True,
                 )
                 self.replicas[rid] = r
+                self.tracing.adopt(rid, model, job)
                 self._record("adopt", model, rid, f"job {job.job_id} {job.state.value}", pass_id)
             seen.add(rid)
             if job.restarts > r.restarts or (
@@ -476,6 +512,7 @@ class Reconciler:
                 r.draining_since = None
                 r.agent_draining = ""
                 r.step = ""
+            self.tracing.job_seen(rid, job)
             r.restarts = job.restarts
             r.job_state = job.state
             r.reason = job.reason
@@ -543,7 +580,9 @@ class Reconciler:
 
     def _fail(self, model: str, cause: str) -> None:
         prev = self.failures.get(model)
-        self.failures[model] = Failures((prev.count if prev else 0) + 1, self.clock(), cause)
+        f = self.failures[model] = Failures((prev.count if prev else 0) + 1, self.clock(), cause)
+        backoff = planmod.backoff_left(f, self.plan_cfg, f.last_at)
+        self.tracing.failure(model, f, backoff, self.plan_cfg.give_up_after)
 
     def _view(self, r: Replica, now: float) -> ReplicaView:
         return ReplicaView(
@@ -573,8 +612,10 @@ class Reconciler:
         try:
             if a.kind is ActionKind.SUBMIT:
                 m = models[a.model]
-                spec = self.jobs.spec(m, a.replica_id)
+                env, traceparent = self.tracing.open_start(a.replica_id, a.model)
+                spec = self.jobs.spec(m, a.replica_id, env, traceparent=traceparent)
                 job_id = await self.backend.submit(spec)
+                self.tracing.submitted(a.replica_id, job_id)
                 self.replicas[a.replica_id] = Replica(
                     replica_id=a.replica_id,
                     model=a.model,
@@ -737,6 +778,8 @@ class Reconciler:
             "reason": r.reason,
             "nodes": list(r.nodes),
             "step": r.step,
+            "step_seconds": dict(r.step_seconds),
+            "started_at": r.started_at,
             "url": r.base_url,
             "in_flight": r.in_flight,
             "gpus": r.gpus_per_node * r.node_count,

@@ -53,8 +53,16 @@ class JobBuilder:
     python: str = sys.executable
 
     def spec(
-        self, model: Model, replica_id: str, extra_env: Mapping[str, str] | None = None
+        self,
+        model: Model,
+        replica_id: str,
+        extra_env: Mapping[str, str] | None = None,
+        *,
+        traceparent: str = "",
     ) -> JobSpec:
+        """The replica's job. ``extra_env`` carries TRACEPARENT/TRACESTATE when tracing is
+        on; ``traceparent`` (the start span's, not a secret) goes into the comment so
+        that a restarted daemon can continue the start's trace."""
         cfg = self.server
         res = model.resources.with_slurm_defaults(
             partition=cfg.slurm.partition, account=cfg.slurm.account, qos=cfg.slurm.qos
@@ -116,10 +124,8 @@ class JobBuilder:
             **(extra_env or {}),
         }
         gpus = res.gpus * res.nodes
-        return JobSpec(
-            name=name,
-            script=script,
-            env=env,
-            # For sacct audits: which model and replica, in a form `audit` parses back.
-            comment=f"llmgw model={model.name} replica={replica_id} gpus={gpus}",
-        )
+        # For sacct audits: which model and replica, in a form `audit` parses back.
+        comment = f"llmgw model={model.name} replica={replica_id} gpus={gpus}"
+        if traceparent:
+            comment += f" trace={traceparent}"
+        return JobSpec(name=name, script=script, env=env, comment=comment)

@@ -160,30 +160,44 @@ def fits(
     """
     res = model.resources
     part = _partition(model, cfg)
+    parts = part.split(",") if part else ()
     gpu_type = res.gpu_type or ""
     good: list[str] = []
+    # A pass may call this for hundreds of models over hundreds of nodes: stop at
+    # the first nodes that fit, and format only the refusals that are shown.
     refused: list[str] = []
+    n_refused = 0
     for n in nodes:
-        if part and not any(p in n.partitions for p in part.split(",")):
+        if parts and not any(p in n.partitions for p in parts):
             continue
+        why = ""
         if not n.usable:
-            refused.append(f"{n.name}: {n.state}")
+            why = "state"
+        else:
+            free = n.gpus_free(gpu_type) - taken.get(n.name, 0)
+            if free < res.gpus:
+                why = "gpus"
+            elif n.cpus_total - n.cpus_alloc < res.cpus:
+                why = "cpus"
+        if not why:
+            good.append(n.name)
+            if len(good) >= res.nodes:
+                return True, ",".join(good)
             continue
-        free = n.gpus_free(gpu_type) - taken.get(n.name, 0)
-        if free < res.gpus:
+        n_refused += 1
+        if n_refused > 8:
+            continue
+        if why == "state":
+            refused.append(f"{n.name}: {n.state}")
+        elif why == "gpus":
             what = f"gpu:{gpu_type}" if gpu_type else "gpu"
             refused.append(f"{n.name}: {max(free, 0)} {what} free")
-            continue
-        if n.cpus_total - n.cpus_alloc < res.cpus:
+        else:
             refused.append(f"{n.name}: {n.cpus_total - n.cpus_alloc} cpus free")
-            continue
-        good.append(n.name)
-    if len(good) >= res.nodes:
-        return True, ",".join(good[: res.nodes])
-    if not refused:
+    if not n_refused:
         return False, f"no node in partition {part or '(default)'}"
     need = f"needs {res.nodes} node(s) with {res.gpus} free gpu{':' + gpu_type if gpu_type else ''}"
-    return False, f"{need}; " + "; ".join(refused[:8]) + ("; ..." if len(refused) > 8 else "")
+    return False, f"{need}; " + "; ".join(refused) + ("; ..." if n_refused > 8 else "")
 
 
 def evictable(
@@ -432,12 +446,10 @@ def plan(
         counted = count_once(mine)
 
         fl = failures.get(name)
-        failed_now = [
-            a for a in out.actions if a.model == name and a.kind is ActionKind.CANCEL and a.failure
-        ]
+        failed_now = [a for a in out.actions if a.failure and a.model == name]
         if failed_now:
-            # A failure cancelled in this very pass counts now: replacing it at once
-            # would skip the backoff that the failure is about to start.
+            # A start that failed in this very pass counts before any replacement is
+            # planned; otherwise the first restart of every crash loop skips the backoff.
             fl = Failures((fl.count if fl else 0) + len(failed_now), now, failed_now[-1].reason)
         left = backoff_left(fl, cfg, now)
         if len(counted) < desired:

@@ -4,6 +4,12 @@ The router depends only on :class:`ModelDirectory`. The reconciler implements
 it over its replica table; :class:`StaticDirectory` implements it in memory
 for tests and benchmarks.
 
+Optional: ``start_span_context(model) -> opentelemetry.trace.SpanContext | None``,
+the start span of one of the model's starting replicas. A request held for a
+cold start links to it. Not part of the protocol, so that directories written
+before it (and :class:`StaticDirectory`) stay valid; the router looks it up
+with ``getattr``.
+
 Every method but :meth:`ModelDirectory.wait_ready` is called on the event
 loop, once or more per request: they must be cheap and must not block (no
 I/O, no Slurm calls). ``want`` is a request, not a command: the reconciler

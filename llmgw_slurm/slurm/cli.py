@@ -50,6 +50,7 @@ class CliBackend:
         self._bin_dir = bin_dir
         self._env = dict(env) if env is not None else None
         self.call_counts: collections.Counter[str] = collections.Counter()
+        self._squeue_cache: dict[str, dict[str, Job]] = {}
 
     @property
     def calls(self) -> int:
@@ -130,7 +131,9 @@ class CliBackend:
                 "--Format=" + parse.format_arg(parse.SQUEUE_FIELDS),
             ]
         )
-        return parse.parse_squeue(out, name_prefix)
+        # The row cache is per prefix: a listing for another prefix must not evict it.
+        cache = self._squeue_cache.setdefault(name_prefix, {})
+        return parse.parse_squeue(out, name_prefix, cache)
 
     async def list_nodes(self) -> list[NodeInfo]:
         out = await self._run(

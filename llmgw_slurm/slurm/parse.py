@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
+from dataclasses import replace
 from datetime import datetime
 
 from llmgw_slurm.errors import SlurmParseError
@@ -162,14 +163,26 @@ def _int(text: str, default: int = 0) -> int:
     return int(text) if text.isdigit() else default
 
 
-def parse_squeue(stdout: str, name_prefix: str = "") -> list[Job]:
+_TIME_LEFT = SQUEUE_FIELDS.index("TimeLeft")
+
+
+def parse_squeue(
+    stdout: str, name_prefix: str = "", cache: dict[str, Job] | None = None
+) -> list[Job]:
     """Fold squeue rows (one per heterogeneous component) into jobs.
 
     With ``name_prefix``, other jobs are dropped before they are parsed: a user
     who is also the service account may have thousands of unrelated jobs.
+
+    With ``cache`` (owned by the caller, refilled here), a single-component row
+    that is unchanged since the last call (apart from its time left, which moves
+    every second) reuses the job parsed then: in steady state a pass over two
+    thousand replicas parses only what changed. The cache holds only the rows
+    of this call afterwards, so it never grows past the queue.
     """
     rows: dict[str, list[list[str]]] = {}
-    order: list[str] = []
+    order: list[str | Job] = []
+    fresh: dict[str, Job] = {}
     for line in stdout.splitlines():
         if not line.strip():
             continue
@@ -182,17 +195,43 @@ def parse_squeue(stdout: str, name_prefix: str = "") -> list[Job]:
         if f is None:
             continue
         het = f[1].strip()
-        key = het if not _none(het) and het != "0" else f[0].strip()
+        single = _none(het) or het == "0"
+        if cache is not None and single:
+            ckey = SEP.join(f[:_TIME_LEFT] + f[_TIME_LEFT + 1 :])
+            job = cache.get(ckey)
+            if job is None:
+                try:
+                    job = _job_from_rows(f[0].strip(), [f])
+                except SlurmParseError as exc:
+                    log.warning("squeue: skipping job %s: %s", f[0].strip(), exc)
+                    continue
+            else:
+                try:
+                    left = parse_duration(f[_TIME_LEFT])
+                except SlurmParseError:
+                    left = None
+                if left != job.time_left_s:
+                    job = replace(job, time_left_s=left)
+            fresh[ckey] = job
+            order.append(job)
+            continue
+        key = f[0].strip() if single else het
         if key not in rows:
             rows[key] = []
             order.append(key)
         rows[key].append(f)
     jobs: list[Job] = []
-    for key in order:
+    for item in order:
+        if isinstance(item, Job):
+            jobs.append(item)
+            continue
         try:
-            jobs.append(_job_from_rows(key, rows[key]))
+            jobs.append(_job_from_rows(item, rows[item]))
         except SlurmParseError as exc:
-            log.warning("squeue: skipping job %s: %s", key, exc)
+            log.warning("squeue: skipping job %s: %s", item, exc)
+    if cache is not None:
+        cache.clear()
+        cache.update(fresh)
     return jobs
 
 
@@ -314,8 +353,6 @@ def parse_sinfo(stdout: str) -> list[NodeInfo]:
 
 
 def _replace_partitions(n: NodeInfo, parts: tuple[str, ...]) -> NodeInfo:
-    from dataclasses import replace
-
     return replace(n, partitions=parts)
 
 

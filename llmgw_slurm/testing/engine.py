@@ -20,7 +20,9 @@ Two test hooks, absent from real engines:
 Like a real engine, it rejects what it does not know: another model name is a
 404, ``n`` other than 1 is a 400, a body that is not a JSON object is a 400.
 
-Run: ``python -m llmgw_slurm.testing.engine --port 8001 --api-key K --served-name tiny``.
+Run: ``LLMGW_ENGINE_API_KEY=K python -m llmgw_slurm.testing.engine --port 8001 --served-name tiny``.
+The key comes from ``--api-key`` or, without it, from ``LLMGW_ENGINE_API_KEY``
+(what the agent sets): a command line is readable by every user of a node.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import sys
 import time
 import uuid
@@ -36,6 +39,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
+
+from llmgw_slurm.agent.engine import API_KEY_ENV
 
 __all__ = ["EngineOptions", "create_engine_app", "main"]
 
@@ -397,7 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--api-key", required=True)
+    parser.add_argument(
+        "--api-key",
+        help=f"the key clients must send (default: ${API_KEY_ENV}, which keeps it out of ps)",
+    )
     parser.add_argument("--served-name", required=True)
     parser.add_argument(
         "--token-delay", type=float, default=0.0, help="seconds between streamed tokens (default 0)"
@@ -409,9 +417,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="seconds /health answers 503 before 200 (default 0)",
     )
     args = parser.parse_args(argv)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV, "")
+    if not api_key:
+        parser.error(f"no API key: give --api-key or set {API_KEY_ENV}")
     app = create_engine_app(
         EngineOptions(
-            api_key=args.api_key,
+            api_key=api_key,
             served_name=args.served_name,
             token_delay=args.token_delay,
             ready_after=args.ready_after,

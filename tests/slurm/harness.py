@@ -41,8 +41,7 @@ TINY_ENGINE = [
     "{host}",
     "--port",
     "{port}",
-    "--api-key",
-    "{api_key}",
+    # The key comes from LLMGW_ENGINE_API_KEY: on argv, every node user would see it.
     "--served-name",
     "{served_name}",
 ]

@@ -242,9 +242,19 @@ async def test_ready_serve_and_drain_on_signal(
         "engine_launch:done",
         "readiness:started",
         "readiness:done",
+        "register:started",
     ]
     after = [e for e in ev[ev.index("ready") :] if e != "heartbeat"]
-    assert after == ["ready", "draining", "drain:started", "drain:done", "stopped"]
+    assert after == [
+        "ready",
+        "register:done",
+        "draining",
+        "drain:started",
+        "drain:done",
+        "stop:started",
+        "stop:done",
+        "stopped",
+    ]
     stopped = daemon.reports[-1]
     assert sig.name in stopped["message"]
     assert not engine_answers(url)

@@ -77,6 +77,17 @@ def test_site_config_catalog_loads() -> None:
     assert not single.scaling.on_demand
 
 
+@pytest.mark.parametrize("path", ["models.yaml", "dev/models.yaml"])
+def test_shipped_catalogs_keep_engine_keys_off_argv(path: str) -> None:
+    # Any user of a node can read a command line; the engines read the key from
+    # their environment instead (LLMGW_ENGINE_API_KEY, VLLM_API_KEY).
+    cat = load_catalog(SITE / path)
+    commands = [m for m in cat.models if m.engine.kind == "command"]
+    assert commands
+    for m in commands:
+        assert not any("{api_key}" in a for a in (*m.engine.command, *m.engine.args)), m.name
+
+
 def test_site_config_server_and_agent_load() -> None:
     server = load_server_config(SITE / "server.yaml")
     agent = load_agent_config(SITE / "agent.yaml")

@@ -130,39 +130,61 @@ async def test_health_waits_for_ready_after() -> None:
         assert r.status == 200
 
 
-def test_command_line_serves_until_sigterm() -> None:
-    port = free_port()
-    env = dict(os.environ)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llmgw_slurm.testing.engine",
-            "--port",
-            str(port),
-            "--api-key",
-            KEY,
-            "--served-name",
-            "tiny",
-            "--ready-after",
-            "0",
-        ],
-        env=env,
+def _serve(extra_args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmgw_slurm.testing.engine", *extra_args], env=env
     )
-    try:
-        import urllib.request
 
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as r:
-                    assert r.status == 200
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+
+def _models_status(port: int, key: str | None) -> int:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(req) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as err:
+            return err.code
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("key_in", ["argv", "env"])
+def test_command_line_serves_until_sigterm(key_in: str) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "LLMGW_ENGINE_API_KEY"}
+    args = ["--port", str(port), "--served-name", "tiny", "--ready-after", "0"]
+    if key_in == "argv":
+        args += ["--api-key", KEY]
+    else:
+        # What the agent does: the key in the environment, not in ps.
+        env["LLMGW_ENGINE_API_KEY"] = KEY
+    proc = _serve(args, env)
+    try:
+        assert _models_status(port, KEY) == 200
+        assert _models_status(port, None) == 401
+        assert _models_status(port, "other") == 401
         proc.terminate()
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
+
+
+def test_command_line_without_a_key_is_a_usage_error() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LLMGW_ENGINE_API_KEY"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmgw_slurm.testing.engine", "--port", "1", "--served-name", "t"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "LLMGW_ENGINE_API_KEY" in proc.stderr

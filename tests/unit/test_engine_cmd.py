@@ -108,6 +108,8 @@ def test_custom_placeholders() -> None:
     )
     cmd = build_engine_command(spec, P, KEY)
     assert cmd.argv == ["serve", "--port=23456", "/cache/m", "--key", KEY, "--name", "llama", "0/1"]
+    # Also in the environment, so a command can leave {api_key} out of its argv.
+    assert cmd.env["LLMGW_ENGINE_API_KEY"] == KEY
 
 
 def test_custom_unknown_placeholder_is_refused() -> None:

@@ -278,3 +278,17 @@ async def test_slurm_down_means_nothing_is_done(tmp_path: Path) -> None:
     assert await rec.pass_once() == []
     assert fake.submitted == [] and fake.cancelled == []
     assert "no answer" in rec.last_pass_error
+
+
+async def test_an_agent_report_shows_the_job_runs_before_the_next_listing(tmp_path: Path) -> None:
+    """A held request must not wait a whole pass interval for squeue to say RUNNING."""
+    rec, fake = make(tmp_path, {"min": 1, "max": 1})
+    rid = "0a1b2c3d"
+    fake.jobs = [job("7", "m", rid, JobState.PENDING)]
+    await rec.pass_once()
+    assert rec.replicas[rid].state().value == "pending"
+    rec.report(
+        rid, replica_secret(KEY, rid), {"event": "step", "step": "weights", "status": "started"}
+    )
+    assert rec.replicas[rid].state().value == "starting"
+    assert rec.replicas[rid].started_at is not None

@@ -188,3 +188,29 @@ def test_squeue_prefix_drops_other_jobs_before_parsing() -> None:
     jobs = parse.parse_squeue("not even a valid line but named otherwise\n" + text, "llmgw.big.")
     assert [j.name for j in jobs] == ["llmgw.big.11223344"]
     assert len(jobs[0].components) == 2
+
+
+def test_squeue_cache_reuses_unchanged_rows_and_updates_time_left() -> None:
+    text = (DATA / "squeue.txt").read_text()
+    cache: dict[str, object] = {}
+    first = parse.parse_squeue(text, "", cache)  # type: ignore[arg-type]
+    assert len(cache) == 2  # the two single-component jobs; het rows are not cached
+    again = parse.parse_squeue(text, "", cache)  # type: ignore[arg-type]
+    single = {j.job_id: j for j in first if not j.heterogeneous}
+    for j in again:
+        if not j.heterogeneous:
+            assert j is single[j.job_id]  # reused, not re-parsed
+    # A second passes: only the time left moves; the job is the same, with the new figure.
+    sep = parse.SEP
+    moved = text.replace(f"{sep}364-23:59:58{sep}", f"{sep}364-23:59:57{sep}")
+    assert moved != text
+    (m1,) = [j for j in parse.parse_squeue(moved, "llmgw.m1.", cache) if j.job_id == "9"]  # type: ignore[arg-type]
+    assert m1.time_left_s == 364 * 86400 + 23 * 3600 + 59 * 60 + 57
+    assert m1.name == "llmgw.m1.0a0b0c0d"
+    # A changed state is parsed afresh.
+    changed = text.replace(
+        f"{sep}RUNNING{sep}None{sep}gpunode1{sep}1{sep}llm{sep}gres:gpu:a100:2",
+        f"{sep}COMPLETING{sep}None{sep}gpunode1{sep}1{sep}llm{sep}gres:gpu:a100:2",
+    )
+    (m2,) = [j for j in parse.parse_squeue(changed, "", cache) if j.job_id == "9"]  # type: ignore[arg-type]
+    assert m2.state is JobState.COMPLETING

@@ -1,0 +1,398 @@
+"""The whole path with a real engine: the daemon starts vLLM (CPU build) as a
+Slurm job on demand, and the official openai client gets answers through the
+gateway.
+
+One test, in steps, because the engine takes half a minute or more to start
+and every step needs it running. The model is random noise: assertions are on
+shapes, counts and repeatability (temperature 0), never on words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import openai
+import pytest
+
+from llmgw_slurm.secrets import engine_api_key, load_or_create_server_key
+from llmgw_slurm.slurm.cli import CliBackend
+from tests.engine.conftest import FIGURES, TOP
+from tests.slurm.conftest import eventually
+
+MODEL = "tiny-vllm"
+# vLLM CPU flags that start fastest on a small machine (see DESIGN.md's engine facts).
+VLLM_ARGS = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "2048",
+    "--enforce-eager",
+    "--distributed-executor-backend",
+    "uni",
+]
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+START_TIMEOUT = 300.0  # engine start to healthy takes 30-80 s here; generous for a slow CI
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_configs(tmp: Path, prefix: str, vllm_python: str, model_dir: Path) -> Path:
+    gw, internal = free_port(), free_port()
+    # A port block of our own for the engine, away from the dev config's 21000s.
+    base = 24000 + (os.getpid() % 50) * 20
+    state = tmp / "state"
+    (tmp / "models.yaml").write_text(
+        json.dumps(
+            {
+                "models": [
+                    {
+                        "name": MODEL,
+                        "description": "a random-weight Llama for the engine test",
+                        "engine": {
+                            "kind": "vllm",
+                            "args": VLLM_ARGS,
+                            "ready_timeout": f"{int(START_TIMEOUT)}s",
+                        },
+                        # copy: the agent stages it into its cache, as for a
+                        # model on a shared filesystem.
+                        "weights": {"source": str(model_dir), "method": "copy"},
+                        "resources": {
+                            "partition": "llm",
+                            "gpu_type": "a100",
+                            "gpus": 1,
+                            "cpus": 2,
+                            "memory": "4G",
+                            "time_limit": "1:00:00",
+                        },
+                        "scaling": {"min": 0, "max": 1, "idle_timeout": "30m"},
+                    }
+                ]
+            }
+        )
+    )
+    (tmp / "agent.yaml").write_text(
+        json.dumps(
+            {
+                "weights": {"cache_dir": str(tmp / "weights"), "method": "auto"},
+                "engines": {
+                    "vllm": {
+                        "python": vllm_python,
+                        "env": {
+                            **VLLM_ENV,
+                            "VLLM_CACHE_ROOT": str(TOP / ".dev-cluster" / "engines" / "vllm-cache"),
+                        },
+                    }
+                },
+                "readiness": {"poll_interval": "1s", "timeout": f"{int(START_TIMEOUT)}s"},
+                "heartbeat_interval": "2s",
+                "port_range": f"{base}-{base + 19}",
+                "bind_host": "0.0.0.0",
+                "drain": {"timeout": "10s", "stop_grace": "10s"},
+            }
+        )
+    )
+    server = tmp / "server.yaml"
+    server.write_text(
+        json.dumps(
+            {
+                "slurm": {"backend": "cli", "partition": "llm", "job_prefix": prefix},
+                "listen": {
+                    "gateway": f"127.0.0.1:{gw}",
+                    "internal": f"127.0.0.1:{internal}",
+                    "daemon_url": f"http://127.0.0.1:{internal}",
+                },
+                "state_dir": str(state),
+                "models": str(tmp / "models.yaml"),
+                "agent_config": str(tmp / "agent.yaml"),
+                "reconcile": {
+                    "interval": "2s",
+                    "renewal_margin": "2m",
+                    "restart": {"initial_backoff": "5s", "give_up_after_failures": 1},
+                },
+                "router": {"hold_timeout": f"{int(START_TIMEOUT) + 60}s"},
+            }
+        )
+    )
+    return server
+
+
+@contextlib.asynccontextmanager
+async def daemon(server: Path, log: Path) -> AsyncIterator[subprocess.Popen[bytes]]:
+    env = dict(os.environ)
+    # The jobs inherit this environment (sbatch --export=ALL): the agent in the
+    # job imports this checkout, not whatever llmgw_slurm is installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TOP), env.get("PYTHONPATH")) if p)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from llmgw_slurm.cli.admin import main; main()",
+                "serve",
+                "--server",
+                str(server),
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            yield proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def tail(path: Path, n: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError as err:
+        return f"({path}: {err})"
+
+
+def job_logs(state: Path) -> str:
+    return "\n".join(f"--- {p}\n{tail(p)}" for p in sorted((state / "logs").glob("*.out")))
+
+
+def step_seconds(log_text: str, step: str) -> float | None:
+    m = re.search(rf"step {step}: done in ([0-9.]+)s", log_text)
+    return float(m.group(1)) if m else None
+
+
+def squeue_row(job_id: str) -> list[str]:
+    out = subprocess.run(
+        ["squeue", "--noheader", "--jobs", job_id, "--Format=State:|,NodeList:|,tres-per-node:"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    return [f.strip() for f in out.strip().split("|")][:3]
+
+
+def engine_process(port: int) -> int | None:
+    """The pid of the vLLM server listening on ``port`` (found by its argv)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and str(port).encode() in argv:
+            return int(d.name)
+    return None
+
+
+async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
+    tmp_path: Path, vllm_python: str, tiny_model: Path
+) -> None:
+    prefix = f"llmgwTvllm{os.getpid() % 100000}."
+    server = write_configs(tmp_path, prefix, vllm_python, tiny_model)
+    cfg = json.loads(server.read_text())
+    gw = "http://" + cfg["listen"]["gateway"]
+    state = Path(cfg["state_dir"])
+    dlog = tmp_path / "daemon.log"
+    backend = CliBackend(timeout=60)
+
+    async def status(s: aiohttp.ClientSession) -> dict[str, Any]:
+        async with s.get(gw + "/api/v1/status") as r:
+            assert r.status == 200
+            body: dict[str, Any] = await r.json()
+        return next(m for m in body["models"] if m["name"] == MODEL)
+
+    def diagnose() -> str:
+        return f"daemon log:\n{tail(dlog)}\njob logs:\n{job_logs(state)}"
+
+    try:
+        async with daemon(server, dlog) as proc, aiohttp.ClientSession() as s:
+
+            async def gateway_up() -> bool:
+                assert proc.poll() is None, f"the daemon exited:\n{tail(dlog)}"
+                try:
+                    async with s.get(gw + "/healthz") as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            await eventually(gateway_up, "the gateway to listen", timeout=60)
+            assert (await status(s))["replicas"] == [], "on demand: nothing runs before a request"
+
+            client = openai.AsyncOpenAI(
+                base_url=gw + "/v1", api_key="no-gateway-keys", max_retries=0, timeout=600
+            )
+            messages: list[Any] = [{"role": "user", "content": "Say hello."}]
+
+            # 1. The first request starts the model: it is held until a Slurm
+            # job's engine is ready. A failing start fails this test at once,
+            # with the logs, rather than after the hold timeout.
+            async def start_failed() -> str:
+                while True:
+                    await asyncio.sleep(2)
+                    m = await status(s)
+                    if m["state"] in ("failing", "backoff"):
+                        return f"{MODEL} did not start ({m}):\n{diagnose()}"
+
+            t0 = time.monotonic()
+            first = asyncio.ensure_future(
+                client.chat.completions.create(
+                    model=MODEL, messages=messages, temperature=0, max_tokens=8
+                )
+            )
+            watch = asyncio.ensure_future(start_failed())
+            await asyncio.wait({first, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if watch.done():
+                first.cancel()
+                pytest.fail(watch.result())
+            watch.cancel()
+            try:
+                chat = first.result()
+            except openai.APIError as err:
+                pytest.fail(f"the first request failed: {err!r}\n{diagnose()}")
+            FIGURES["cold request (job submit + engine start + answer)"] = (
+                f"{time.monotonic() - t0:.2f}s"
+            )
+
+            assert isinstance(chat.choices[0].message.content, str)
+            assert chat.choices[0].finish_reason in ("length", "stop")
+            assert chat.usage is not None and chat.usage.completion_tokens > 0
+            assert chat.usage.completion_tokens <= 8
+            assert chat.model == MODEL
+
+            # 2. Streamed, on the warm replica: chunks arrive one by one, and
+            # the client ends the stream on data: [DONE] (it raises otherwise).
+            t1 = time.monotonic()
+            first_token: float | None = None
+            pieces: list[str] = []
+            finish: list[str] = []
+            usage_tokens = 0
+            chunks = 0
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                temperature=0,
+                max_tokens=8,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            async for chunk in stream:
+                chunks += 1
+                if chunk.usage is not None:
+                    usage_tokens = chunk.usage.completion_tokens
+                for c in chunk.choices:
+                    if c.delta.content:
+                        if first_token is None:
+                            first_token = time.monotonic() - t1
+                        pieces.append(c.delta.content)
+                    if c.finish_reason:
+                        finish.append(c.finish_reason)
+            FIGURES["stream: first token through the gateway (warm)"] = f"{first_token or -1:.2f}s"
+            FIGURES["stream: whole answer, 8 tokens (warm)"] = f"{time.monotonic() - t1:.2f}s"
+            assert chunks >= 2 and first_token is not None
+            assert finish and finish[-1] in ("length", "stop")
+            assert usage_tokens == chat.usage.completion_tokens
+            # Greedy decoding: the streamed text is the plain answer, cut nowhere.
+            assert "".join(pieces) == chat.choices[0].message.content
+
+            # 3. /v1/models through the gateway lists it.
+            listed = [m.id async for m in client.models.list()]
+            assert MODEL in listed
+            await client.close()
+
+            # 4. The Slurm job is what serves: running on a GPU node, with a
+            # GPU gres, and its node is the engine URL's host.
+            m = await status(s)
+            assert m["state"] == "ready 1", m
+            (rep,) = m["replicas"]
+            job_id, url = rep["job_id"], rep["url"]
+            assert job_id and url, rep
+            st, node, tres = squeue_row(job_id)
+            assert st == "RUNNING", (st, node, tres)
+            assert node.startswith("gpunode") and node == urlsplit(url).hostname, (node, url)
+            assert "gpu" in tres, tres
+
+            log_text = "\n".join(
+                p.read_text(errors="replace") for p in sorted((state / "logs").glob("*.out"))
+            )
+            for step in ("weights", "engine_launch", "readiness"):
+                secs = step_seconds(log_text, step)
+                assert secs is not None, (
+                    f"no 'step {step}: done' in the job log:\n{job_logs(state)}"
+                )
+                FIGURES[f"agent step {step}"] = f"{secs:.1f}s"
+
+            # 5. The engine refuses whoever does not hold its key: nobody on a
+            # node can go around the gateway. Its key is the one the daemon
+            # derives for this replica, and it is in the engine's environment,
+            # never in its command line.
+            key = engine_api_key(load_or_create_server_key(state / "server.key"), rep["id"])
+            for headers, want in (
+                ({}, 401),
+                ({"Authorization": "Bearer not-the-key"}, 401),
+                ({"Authorization": f"Bearer {key}"}, 200),
+            ):
+                async with s.get(url + "/v1/models", headers=headers) as r:
+                    assert r.status == want, (headers.keys(), r.status)
+            port = urlsplit(url).port
+            assert port is not None
+            pid = engine_process(port)
+            assert pid is not None, "no vLLM server process with that port in its argv"
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert not any(key.encode() in a for a in argv)
+            # method copy: the engine reads the agent's cache, not the source folder.
+            model_arg = Path(argv[argv.index(b"--model") + 1].decode())
+            assert model_arg.is_relative_to(tmp_path / "weights"), model_arg
+            assert (model_arg / "model.safetensors").is_file()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"VLLM_API_KEY={key}".encode() in environ
+            assert not any(e.startswith(b"LLMGW_REPLICA_SECRET=") for e in environ)
+
+            # 6. Cancelling the job stops the engine: nothing outlives it.
+            rss_kb = int(
+                next(
+                    line.split()[1]
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("VmRSS:")
+                )
+            )
+            FIGURES["engine RSS"] = f"{rss_kb / 1024:.0f} MB"
+            t_cancel = time.monotonic()
+            subprocess.run(["scancel", job_id], check=True, timeout=30)
+
+            async def engine_gone() -> bool:
+                return engine_process(port) is None
+
+            await eventually(engine_gone, "the engine to exit after scancel", timeout=90)
+            FIGURES["scancel to engine gone"] = f"{time.monotonic() - t_cancel:.2f}s"
+    finally:
+        leftover = await backend.list_jobs(prefix)
+        if leftover:
+            subprocess.run(["scancel", *[j.job_id for j in leftover]], check=False, timeout=30)
