@@ -7,6 +7,7 @@ front of a reconciler whose Slurm is the fake from test_reconciler_core.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -188,21 +189,39 @@ async def test_a_host_name_slurm_does_not_know_is_not_taken_for_a_stale_agent(
     await rec.close()
 
 
-async def test_an_endpoint_reported_before_the_listing_shows_the_job_running_waits_a_pass(
+async def test_after_a_requeue_only_the_agent_on_the_new_node_is_routed(
     tmp_path: Path,
 ) -> None:
+    """Fault 3: a node's slurmd dies, Slurm requeues the job elsewhere, but the old
+    run's agent and engine live on (the node is down only to Slurm) and keep reporting."""
     rec, fake = make(tmp_path, {"min": 1, "max": 1})
-    fake.jobs = [job("7", "m", A, JobState.PENDING)]
+    fake.jobs = [job("7", "m", A, JobState.RUNNING)]  # on n0
     await rec.pass_once()
     good = EngineOptions(api_key=engine_api_key(KEY, A), served_name="m")
-    async with serve(create_engine_app(good)) as url:
-        answer = rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url))
-        assert answer == {"ok": True, "drain": False}
-        assert rec._tasks == set()  # nothing probed while the job is not known to run
-        fake.jobs = [job("7", "m", A, JobState.RUNNING)]
+    async with serve(create_engine_app(good)) as old, serve(create_engine_app(good)) as new:
+        secret = replica_secret(KEY, A)
+        rec.report(A, secret, _report(event="ready", url=old))
+        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        assert [e.base_url for e in rec.endpoints("m")] == [old]
+        fake.jobs = [job("7", "m", A, JobState.PENDING, restarts=1)]
+        await rec.pass_once()
+        assert rec.endpoints("m") == []
+        # The old agent heartbeats on: not routed, not taken for a running job.
+        assert rec.report(A, secret, _report(url=old)) == {"ok": True, "drain": False}
+        assert rec._tasks == set() and rec.endpoints("m") == []
+        assert rec.replicas[A].job_state is JobState.PENDING
+        # The job runs again, on n1; its new agent reports before the listing shows it.
+        rec.report(A, secret, _report(event="ready", url=new, node="n1"))
+        assert rec.endpoints("m") == []
+        running = job("7", "m", A, JobState.RUNNING, restarts=1)
+        fake.jobs = [dataclasses.replace(running, nodes=("n1",))]
         await rec.pass_once()
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
-        assert [e.base_url for e in rec.endpoints("m")] == [url]
+        assert [e.base_url for e in rec.endpoints("m")] == [new]
+        # The old agent is told to drain, and never routed to again.
+        assert rec.report(A, secret, _report(url=old)) == {"ok": True, "drain": True}
+        assert rec.decisions[-1].action == "stale-report"
+        assert [e.base_url for e in rec.endpoints("m")] == [new]
     await rec.close()
 
 
