@@ -77,6 +77,9 @@ class Replica:
     last_report: float | None = None
     first_report_at: float | None = None
     adopted: bool = False
+    # Seen back in the queue after running, and not yet seen running again: the
+    # previous run's agent may live on (a node whose slurmd died) and still report.
+    requeued: bool = False
 
     def state(self) -> ReplicaState:
         if self.stop_reason:
@@ -274,21 +277,18 @@ class Reconciler:
             return {"ok": True, "drain": False}
         stale = self._stale(r, body)
         if stale:
-            # An agent the listing says is not this replica's (an earlier run left behind
-            # on a node Slurm lost, then requeued elsewhere): never routed to, told to
-            # drain so that its engine stops holding GPUs Slurm has handed to others.
+            # An agent the listing says is not this replica's: never routed to. One of
+            # another job, or of an earlier run left behind on a node Slurm lost, is
+            # told to drain so that its engine stops holding GPUs Slurm has handed on.
             self._record("stale-report", r.model, replica_id, stale)
-            return {"ok": True, "drain": True}
-        if (
-            isinstance(body.get("url"), str)
-            and body.get("url")
-            and r.job_state not in (JobState.RUNNING, JobState.CONFIGURING)
-        ):
-            # The listing is behind (the job started since the last pass): where the
-            # job runs is not known yet, so the endpoint waits for the next pass.
+            return {"ok": True, "drain": not stale.startswith("report from node") or r.restarts > 0}
+        if r.requeued and body.get("event") in ("ready", "heartbeat"):
+            # Back in the queue, not yet seen running again: this is the previous run's
+            # agent, or the new run's before the listing says where it runs. The next
+            # pass tells them apart by node; until then nothing is routed.
             self._early_reports[replica_id] = dict(body)
             self._wake.set()
-            body = {k: v for k, v in body.items() if k != "url"}
+            return {"ok": True, "drain": False}
         self._apply_report(r, body)
         return {"ok": True, "drain": r.state() in (ReplicaState.DRAINING, ReplicaState.STOPPING)}
 
@@ -512,6 +512,7 @@ class Reconciler:
                 r.draining_since = None
                 r.agent_draining = ""
                 r.step = ""
+                r.requeued = True
             self.tracing.job_seen(rid, job)
             r.restarts = job.restarts
             r.job_state = job.state
@@ -526,12 +527,17 @@ class Reconciler:
             r.time_left_s = job.time_left_s
             if job.state in (JobState.RUNNING, JobState.CONFIGURING) and r.started_at is None:
                 r.started_at = job.start_time.timestamp() if job.start_time else now
+            if r.requeued and job.state in (JobState.RUNNING, JobState.CONFIGURING) and job.nodes:
+                r.requeued = False
             early = self._early_reports.pop(rid, None)
-            if early is not None and r.job_state in (JobState.RUNNING, JobState.CONFIGURING):
-                if not self._stale(r, early):
+            if early is not None and not (
+                r.requeued and early.get("event") in ("ready", "heartbeat")
+            ):
+                stale = self._stale(r, early)
+                if stale:
+                    self._record("stale-report", model, rid, stale, pass_id)
+                else:
                     self._apply_report(r, early)
-            elif early is not None and not early.get("url"):
-                self._apply_report(r, early)
         # Reap: a replica whose job is no longer listed (or listed as finished) is gone.
         gone = []
         for rid, r in list(self.replicas.items()):
