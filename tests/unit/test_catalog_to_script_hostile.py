@@ -203,3 +203,23 @@ def test_the_sandbox_catches_an_unquoted_value(tmp_path: Path) -> None:
     (tmp_path / "job.sh").write_text('v="x; touch PWNED"\neval "echo $v"\n')
     subprocess.run(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env={"PATH": os.defpath})
     assert (tmp_path / "PWNED").exists()
+
+
+def test_a_state_dir_or_agent_config_no_job_script_can_hold_is_a_config_error(
+    tmp_path: Path,
+) -> None:
+    """Found by the test above: such a server.yaml loaded, and then every replica
+    submission failed at rendering, with nothing said at `llmgw-admin config check`."""
+    for key, value in (
+        ("state_dir", str(tmp_path / "my state")),
+        ("state_dir", str(tmp_path / "s$HOME")),
+        ("agent_config", str(tmp_path / "agent $(x).yaml")),
+    ):
+        server = tmp_path / "server.yaml"
+        server.write_text(yaml.safe_dump({key: value}))
+        try:
+            load_server_config(server)
+        except ConfigError as exc:
+            assert key in str(exc) and "server.yaml" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{key}: {value!r} was taken")
