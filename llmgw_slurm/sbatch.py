@@ -330,6 +330,11 @@ class EngineInstallParams:
             raise TemplateError(f"kind: {self.kind!r} refused; valid: venv, apptainer")
 
 
+def check_job_path(path: str, what: str) -> None:
+    """Raise TemplateError unless ``path`` can go into a job script as is."""
+    _check_abs_path(path, what)
+
+
 def _check_agent_config(path: str) -> None:
     _check_abs_path(path, "agent_config")
 
