@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from _router_support import engine, eventually, serve
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_router import post, stack  # type: ignore[import-not-found]
@@ -303,3 +304,63 @@ def test_fuzzed_requests_get_no_5xx_from_the_gateway(
     assert r.status < 500, (r.status, data[:500])
     if r.status >= 400:
         assert isinstance(json.loads(data).get("error"), dict), data[:500]
+
+
+# ---- slow clients are cut off, not held forever ----------------------------------
+
+
+async def _closed_within(sock: socket.socket, seconds: float) -> bytes | None:
+    """What the server sent before closing, or None if it kept the connection open."""
+    loop = asyncio.get_running_loop()
+    sock.setblocking(False)
+    got = b""
+    deadline = loop.time() + seconds
+    while loop.time() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except BlockingIOError:
+            await asyncio.sleep(0.05)
+            continue
+        if not chunk:
+            return got
+        got += chunk
+    return None
+
+
+async def test_a_client_stalled_in_its_headers_is_disconnected() -> None:
+    from llmgw_slurm.daemon import RUNNER_OPTIONS
+
+    # The daemon's listeners close a connection that has not sent a whole request
+    # within the keep-alive timeout (aiohttp's own default is an hour).
+    assert 0 < RUNNER_OPTIONS["keepalive_timeout"] <= 120
+    opts = {**RUNNER_OPTIONS, "keepalive_timeout": 1.0}
+    app = create_app(StaticDirectory([ModelInfo("tiny")]))
+    runner = web.AppRunner(app, **opts)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        assert await _closed_within(s, 30) is not None
+        s.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_client_stalled_in_its_body_gets_a_408() -> None:
+    async with stack(config=RouterConfig(body_timeout_s=1.0)) as st_:
+        s = _connect(st_.url)
+        s.sendall(
+            f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            'Content-Length: 1000\r\n\r\n{"model": "tiny", '.encode()
+        )
+        answer = await _closed_within(s, 30)
+        s.close()
+        assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+        # Everyone else is served meanwhile and after.
+        r = await st_.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "fast"}]
+        )
+        assert r.choices[0].message.content
