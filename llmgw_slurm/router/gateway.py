@@ -58,6 +58,10 @@ class RouterConfig:
     # one runaway client fill memory: past either cap, 429.
     max_held_per_model: int = 256
     max_held_total: int = 1024
+    # Longest wait for a request body once its headers are in: a client that
+    # trickles or stalls its body (slow loris) gets a 408 instead of holding a
+    # connection and a handler forever. A 10 MiB body over a slow link fits.
+    body_timeout_s: float = 60.0
     # Retry-After on a 503 after the hold deadline.
     retry_after_s: int = 30
     # Connecting to an engine on the cluster network takes milliseconds; a
@@ -436,9 +440,19 @@ class Gateway:
         if (request.content_length or 0) > self.config.max_body_bytes:
             return too_large
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return too_large
+        except TimeoutError:
+            resp = _error(
+                408,
+                f"The request body did not arrive within {self.config.body_timeout_s:g} s.",
+                "invalid_request_error",
+                "request_timeout",
+            )
+            resp.force_close()
+            return resp
         try:
             # UTF-8 only, as OpenAI's API has it (json.loads would also take
             # UTF-16, which the splicing below does not handle).
