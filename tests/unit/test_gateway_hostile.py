@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from _router_support import engine, eventually, serve
+from _router_support import engine, eventually, free_port, serve
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -364,3 +364,22 @@ async def test_a_client_stalled_in_its_body_gets_a_408() -> None:
             model="tiny", messages=[{"role": "user", "content": "fast"}]
         )
         assert r.choices[0].message.content
+
+
+async def test_a_request_to_a_replica_that_just_died_is_held_for_the_next_one() -> None:
+    """Fault 4 (preemption) on the cluster: the engine was gone before the daemon
+    knew, and with no other replica every new request was a 502 at once."""
+    async with stack(replicas=0, config=RouterConfig(hold_timeout_s=30)) as st_:
+        dead = f"http://127.0.0.1:{free_port()}"
+        st_.directory.add_endpoint("tiny", Endpoint("gone", dead, "k"))
+        task = asyncio.create_task(
+            post(st_.url + CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+        )
+        await eventually(lambda: st_.gateway.held_total == 1, "the request held")
+        # The replica comes back (a requeued job: same id, a new address).
+        async with engine("tiny", key="k") as url:
+            st_.directory.remove_endpoint("tiny", "gone")
+            st_.directory.add_endpoint("tiny", Endpoint("gone", url, "k"))
+            status, body, headers = await asyncio.wait_for(task, 30)
+    assert status == 200, body
+    assert headers["X-Llmgw-Replica"] == "gone"
