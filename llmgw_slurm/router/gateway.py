@@ -245,11 +245,16 @@ class Gateway:
             parts.append(m.name + (f" (aliases: {', '.join(m.aliases)})" if m.aliases else ""))
         return "; ".join(parts) or "none"
 
-    def _pick(self, model: str, exclude: frozenset[str] = frozenset()) -> Endpoint | None:
+    def _pick(
+        self,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        unreachable: frozenset[str] = frozenset(),
+    ) -> Endpoint | None:
         eps = [
             e
             for e in self.directory.endpoints(model)
-            if not e.draining and e.replica_id not in exclude
+            if not e.draining and e.replica_id not in exclude and e.base_url not in unreachable
         ]
         if not eps:
             return None
@@ -280,7 +285,9 @@ class Gateway:
         linked.add(sc.span_id)
         trace.get_current_span().add_link(sc, {"llmgw.link": "replica.start"})
 
-    async def _hold(self, request: web.Request, model: str) -> Endpoint | web.Response:
+    async def _hold(
+        self, request: web.Request, model: str, unreachable: frozenset[str] = frozenset()
+    ) -> Endpoint | web.Response:
         cfg = self.config
         if (
             self.held.get(model, 0) >= cfg.max_held_per_model
@@ -305,7 +312,7 @@ class Gateway:
         try:
             while True:
                 self._link_cold_start(model, linked)
-                ep = self._pick(model)
+                ep = self._pick(model, unreachable=unreachable)
                 if ep is not None:
                     began = self._cold_since.pop(model, None)
                     if began is not None:
@@ -556,6 +563,7 @@ class Gateway:
     ) -> web.StreamResponse:
         assert self._session is not None, "the gateway app was not started"
         tried: set[str] = set()
+        unreachable: set[str] = set()
         while True:
             tried.add(ep.replica_id)
             headers = {
@@ -586,7 +594,17 @@ class Gateway:
                         "llmgw.upstream_connect_failed",
                         {"llmgw.replica_id": ep.replica_id, "error": repr(e)},
                     )
+                    unreachable.add(ep.base_url)
                     nxt = self._pick(model, frozenset(tried)) if len(tried) < 2 else None
+                    if nxt is None and len(unreachable) == 1:
+                        # No other replica: the one that failed is gone before the daemon
+                        # knew (preempted, crashed). The engine saw nothing, so the
+                        # request waits, as for a cold start, for a replica at another
+                        # address: the next one, or this one back from the queue.
+                        held = await self._hold(request, model, frozenset(unreachable))
+                        if isinstance(held, web.Response):
+                            return held
+                        nxt = held
                     if nxt is None:
                         return _error(
                             502,
