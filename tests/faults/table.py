@@ -1,6 +1,6 @@
 """Print the latest figures of each fault as the Markdown table in docs/reliability.md.
 
-    python -m tests.faults.table
+python -m tests.faults.table
 """
 
 from __future__ import annotations
