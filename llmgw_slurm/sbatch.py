@@ -32,6 +32,8 @@ from typing import Any
 
 import jinja2
 
+from llmgw_slurm.catalog import Model
+from llmgw_slurm.config import SlurmConfig
 from llmgw_slurm.errors import TemplateError
 
 __all__ = [
@@ -48,6 +50,8 @@ __all__ = [
     "render_model_job",
     "render_replica",
     "render_replica_hetjob",
+    "replica_script",
+    "time_limit_seconds",
 ]
 
 REPLICA_TEMPLATE = "replica.sbatch.j2"
@@ -77,14 +81,17 @@ DEFAULT_TEMPLATE_DIR = default_template_dir()
 # (comment-like), nothing non-printable. What remains is enough for names,
 # paths with Slurm's %j/%x patterns, and lists.
 _SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:=@%+/\-\[\]|&!*]+$")
-_WORD = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+# Slurm names as the catalog accepts them (partition may be a comma list:
+# Slurm takes the first that fits).
+_WORD = re.compile(r"^[A-Za-z0-9_.+\-]{1,64}$")
+_PARTITION = re.compile(r"^[A-Za-z0-9_.+\-]{1,64}(,[A-Za-z0-9_.+\-]{1,64})*$")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 _TIME = re.compile(
     r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$"
 )
 _MEM = re.compile(r"^\d+[KMGT]?$")
-# Slurm constraint syntax: features joined with & | , and [] () * digits.
-_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|,\[\]()*:]{1,256}$")
+# Slurm constraint syntax: features joined with & | , and [] () * ! digits.
+_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|,\[\]()*:!]{1,256}$")
 _PATH = re.compile(r"^[A-Za-z0-9_.,%+/\-=@:]{1,1024}$")
 # A pip requirement (name, extras, version spec) or an apptainer URI.
 _REQUIREMENT = re.compile(r"^[A-Za-z0-9_.\-\[\],<>=!~]{1,200}$")
@@ -151,7 +158,7 @@ class Resources:
     def validate(self, where: str) -> None:
         _check_int(self.gpus, f"{where}.gpus")
         if self.gpu_type:
-            _check(self.gpu_type, _WORD, f"{where}.gpu_type", "letters, digits, _ . -")
+            _check(self.gpu_type, _WORD, f"{where}.gpu_type", "letters, digits, _ . + -")
         if self.cpus_per_task is not None:
             _check_int(self.cpus_per_task, f"{where}.cpus_per_task", 1)
         if self.mem is not None:
@@ -177,7 +184,7 @@ class JobOptions:
     """
 
     job_name: str
-    time: str
+    time: str | None
     output: str
     python: str
     partition: str | None = None
@@ -188,11 +195,19 @@ class JobOptions:
 
     def validate(self) -> None:
         _check(self.job_name, _JOB_NAME, "job_name", "letters, digits, _ . - (at most 200)")
-        _check(self.time, _TIME, "time", "minutes, HH:MM:SS, or D-HH:MM:SS")
-        for name in ("partition", "account", "qos"):
+        if self.time is not None:
+            _check(self.time, _TIME, "time", "minutes, HH:MM:SS, or D-HH:MM:SS")
+        if self.partition is not None:
+            _check(
+                self.partition,
+                _PARTITION,
+                "partition",
+                "Slurm names (letters, digits, _ . + -), comma-separated",
+            )
+        for name in ("account", "qos"):
             value = getattr(self, name)
             if value is not None:
-                _check(value, _WORD, name, "letters, digits, _ . - (at most 128)")
+                _check(value, _WORD, name, "letters, digits, _ . + - (at most 64)")
         _check_abs_path(self.output, "output")
         if self.error is not None:
             _check_abs_path(self.error, "error")
@@ -225,6 +240,7 @@ class ReplicaParams:
             # Slurm stores the warning time in 16 bits.
             raise TemplateError(f"signal_before_s: {self.signal_before_s} refused; valid: 1..65535")
         _check_agent_config(self.agent_config)
+        _check_signal_lead(self.signal_before_s, self.job.time)
 
 
 @dataclass(frozen=True)
@@ -239,7 +255,12 @@ class HetComponent:
         _check_int(self.nodes, f"{where}.nodes", 1)
         self.resources.validate(f"{where}.resources")
         if self.partition is not None:
-            _check(self.partition, _WORD, f"{where}.partition", "letters, digits, _ . -")
+            _check(
+                self.partition,
+                _PARTITION,
+                f"{where}.partition",
+                "Slurm names (letters, digits, _ . + -), comma-separated",
+            )
 
 
 @dataclass(frozen=True)
@@ -275,14 +296,20 @@ class HetReplicaParams:
 
 @dataclass(frozen=True)
 class ModelJobParams:
-    """A job that fetches a model's weights into the shared cache ahead of use.
+    """A job that fetches a model's weights into the cache ahead of use.
 
-    The weights spec reaches the job as ``LLMGW_REPLICA_SPEC`` in its environment.
+    The weights spec reaches the job as ``LLMGW_REPLICA_SPEC`` in its
+    environment. Useful only with a cache every node sees (agent.yaml
+    ``weights.cache_dir`` on a shared filesystem): the default cache is
+    node-local.
     """
 
     job: JobOptions
     agent_config: str
     resources: Resources = field(default_factory=Resources)
+    # Compute nodes often may not download (agent.yaml weights.allow_download
+    # off); a model job sent where they may, says so for itself.
+    allow_download: bool = False
 
     def validate(self) -> None:
         self.job.validate()
@@ -333,6 +360,39 @@ class EngineInstallParams:
 def check_job_path(path: str, what: str) -> None:
     """Raise TemplateError unless ``path`` can go into a job script as is."""
     _check_abs_path(path, what)
+
+
+def time_limit_seconds(time: str) -> int:
+    """Slurm's time syntax in seconds (``minutes``, ``M:S``, ``H:M:S``, ``D-H[:M[:S]]``)."""
+    days = 0
+    rest = time
+    if "-" in time:
+        d, rest = time.split("-", 1)
+        days = int(d)
+        parts = [int(x) for x in rest.split(":")]
+        h, m, s = [*parts, 0, 0][:3]
+    else:
+        parts = [int(x) for x in rest.split(":")]
+        if len(parts) == 1:
+            h, m, s = 0, parts[0], 0
+        elif len(parts) == 2:
+            h, m, s = 0, parts[0], parts[1]
+        else:
+            h, m, s = parts
+    return ((days * 24 + h) * 60 + m) * 60 + s
+
+
+def _check_signal_lead(signal_before_s: int, time: str | None) -> None:
+    if time is None:
+        return  # the partition's DefaultTime, unknown here
+    limit = time_limit_seconds(time)
+    if limit and signal_before_s >= limit:
+        # Slurm would send the warning at once, and the replica would drain
+        # as soon as it started.
+        raise TemplateError(
+            f"signal_before_s: {signal_before_s}s is not less than the time limit "
+            f"{time} ({limit}s); give the job more time or warn it later"
+        )
 
 
 def _check_agent_config(path: str) -> None:
@@ -416,3 +476,53 @@ def render_engine_install(
     """The batch script of an engine install (venv or Apptainer image)."""
     params.validate()
     return _render(ENGINE_INSTALL_TEMPLATE, template_dir, {"p": params, "job": params.job})
+
+
+def replica_script(
+    model: Model,
+    *,
+    job_name: str,
+    python: str,
+    agent_config: str,
+    output: str,
+    slurm: SlurmConfig | None = None,
+    signal_before_s: int = 300,
+    template_dir: Path | str | None = None,
+) -> str:
+    """The batch script of one replica of a catalog model.
+
+    One node: a plain job. More: a heterogeneous job of one component per
+    node, component 0 the head. The server's ``slurm`` defaults fill the
+    partition, account and QOS a model leaves unset. A time limit shorter than
+    twice ``signal_before_s`` gets its warning at half the limit instead, so a
+    short job is not told to drain as it starts.
+    """
+    r = model.resources
+    if slurm is not None:
+        r = r.with_slurm_defaults(partition=slurm.partition, account=slurm.account, qos=slurm.qos)
+    time = r.time_limit.slurm if r.time_limit is not None else None
+    lead = signal_before_s
+    if r.time_limit is not None:
+        lead = max(1, min(signal_before_s, r.time_limit.seconds // 2))
+    job = JobOptions(
+        job_name=job_name,
+        time=time,
+        output=output,
+        python=python,
+        partition=r.partition,
+        account=r.account,
+        qos=r.qos,
+    )
+    res = Resources(
+        gpus=r.gpus,
+        gpu_type=r.gpu_type or "",
+        cpus_per_task=r.cpus,
+        mem=r.memory,
+        constraint=r.constraint,
+    )
+    if r.nodes == 1:
+        return render_replica(ReplicaParams(job, res, agent_config, lead), template_dir)
+    components = [HetComponent(1, res) for _ in range(r.nodes)]
+    return render_replica_hetjob(
+        HetReplicaParams(job, components, agent_config, lead), template_dir
+    )

@@ -252,13 +252,21 @@ def engine_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, s
 
 
 class EngineProcess:
-    """The engine, in a session of its own.
+    """The engine, in a session of its own, deaf to SIGUSR1.
 
-    Its own session: the USR1 that Slurm sends ahead of the time limit is for
-    the agent (which drains), and NCCL or the engine may act on it; and a
-    stop can signal every process the engine spawned at once.
-    Its output goes to the agent's stdout/stderr (the job log), line by line,
-    and the last lines are kept for failure reports.
+    SIGUSR1 is the agent's: Slurm sends it ahead of the time limit (--signal),
+    and the agent drains. But slurmstepd delivers a step's signals to every
+    process of the step, whatever their session (checked on Slurm 22.05 with
+    proctrack/linuxproc: an engine in its own session still got srun's
+    forwarded USR1), and USR1's default action is to terminate. So the engine
+    starts with USR1 ignored, a disposition that survives exec; a handler
+    the engine installs itself replaces it, which is as harmless.
+    SIGTERM is left alone: on scancel or preemption the engine gets it from
+    slurmstepd directly, and only KillWait remains anyway; the agent reports
+    draining at once so the daemon stops routing here.
+    Its own session lets a stop signal every process the engine spawned.
+    Its output goes to the agent's stdout/stderr (the job log) or a log file,
+    line by line, and the last lines are kept for failure reports.
     """
 
     def __init__(
@@ -297,6 +305,7 @@ class EngineProcess:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
+                preexec_fn=_ignore_usr1,
             )
         except OSError as err:
             raise EngineError(f"engine: cannot start {self.argv[0]}: {err}") from err
@@ -350,6 +359,11 @@ class EngineProcess:
         # Workers the engine spawned may outlive it; they share its group.
         self._signal_group(signal.SIGKILL)
         return await self.wait()
+
+
+def _ignore_usr1() -> None:
+    # Runs in the child between fork and exec: only async-signal-safe work.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 async def wait_ready(

@@ -26,6 +26,7 @@ from llmgw_slurm.agent.runner import Agent, job_context_from_env
 from llmgw_slurm.agent.settings import AgentSettings, EngineRuntime, FetchSettings
 from llmgw_slurm.agent.spec import parse_replica_spec
 from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
+from llmgw_slurm.config import AgentConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
 
 __all__ = ["build_settings", "main", "settings_from_agent_config"]
@@ -52,50 +53,48 @@ def _port_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def settings_from_agent_config(cfg: Any) -> AgentSettings:
-    """AgentSettings from a loaded ``llmgw_slurm.config.AgentConfig``.
-
-    Typed loosely on purpose: this module must import without the config
-    module (the agent runs in minimal environments), and the tests give it
-    the real AgentConfig once both are in one tree.
-    """
+def settings_from_agent_config(cfg: AgentConfig) -> AgentSettings:
+    """AgentSettings from a loaded ``agent.yaml``."""
     engines = {
-        kind: EngineRuntime(
-            python=getattr(cfg.engines, kind).python,
-            executable=getattr(cfg.engines, kind).executable,
-            env=dict(getattr(cfg.engines, kind).env),
+        kind: EngineRuntime(python=rt.python, executable=rt.executable, env=dict(rt.env))
+        for kind, rt in (
+            ("vllm", cfg.engines.vllm),
+            ("sglang", cfg.engines.sglang),
+            ("command", cfg.engines.command),
         )
-        for kind in ("vllm", "sglang", "command")
     }
     fetch = FetchSettings(
         cache_dir=Path(cfg.weights.cache_dir),
         method=cfg.weights.method,
-        allow_hf=bool(cfg.weights.allow_download),
+        allow_hf=cfg.weights.allow_download,
+        verify=cfg.weights.verify,
+        lock_timeout_s=cfg.weights.lock_timeout,
     )
-    rdzv_dir = getattr(cfg, "rendezvous_dir", None)
     return AgentSettings(
         fetch=fetch,
         engines=engines,
         apptainer=cfg.apptainer.binary,
         apptainer_binds=tuple(cfg.apptainer.binds),
+        bind_host=cfg.bind_host,
+        advertise_host=cfg.advertise_host,
         port_range=(cfg.port_range.first, cfg.port_range.last),
-        rendezvous_dir=Path(rdzv_dir) if rdzv_dir else None,
-        ready_timeout_s=float(cfg.readiness.timeout),
-        ready_poll_s=float(cfg.readiness.poll_interval),
-        heartbeat_interval_s=float(cfg.heartbeat_interval),
-        log_dir=Path(cfg.log_dir) if cfg.log_dir else None,
+        rendezvous_dir=cfg.rendezvous.dir,
+        rendezvous_timeout_s=cfg.rendezvous.timeout,
+        ready_timeout_s=cfg.readiness.timeout,
+        ready_poll_s=cfg.readiness.poll_interval,
+        heartbeat_interval_s=cfg.heartbeat_interval,
+        drain_timeout_s=cfg.drain.timeout,
+        drain_poll_s=cfg.drain.poll_interval,
+        drain_grace_s=cfg.drain.grace,
+        stop_grace_s=cfg.drain.stop_grace,
+        report_timeout_s=cfg.report_timeout,
+        log_dir=cfg.log_dir,
     )
 
 
 def _load_config(path: Path) -> tuple[AgentSettings, str | None]:
     try:
-        config = importlib.import_module("llmgw_slurm.config")
-    except ImportError as err:
-        raise click.ClickException(
-            f"--config {path}: llmgw_slurm.config is not installed with this agent ({err})"
-        ) from err
-    try:
-        cfg = config.load_agent_config(path)
+        cfg = load_agent_config(path)
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
     return settings_from_agent_config(cfg), cfg.daemon_url
@@ -110,9 +109,8 @@ def _setup_tracing(path: Path | None) -> Any:
     if path is None:
         return None
     try:
-        config = importlib.import_module("llmgw_slurm.config")
         tracing = importlib.import_module("llmgw_slurm.tracing")
-        cfg = config.load_agent_config(path)
+        cfg = load_agent_config(path)
         return tracing.setup_tracing(cfg.tracing, "llmgw-agent")
     except ImportError as err:
         log.warning("tracing: not available in this agent (%s); running without", err)

@@ -173,6 +173,10 @@ def compute_role(env: Mapping[str, str], expand: Callable[[str], list[str]]) -> 
 
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As the servers that will take the port do (uvicorn, aiohttp, torch's
+        # store): a port whose last connection lingers in TIME_WAIT is free to
+        # them, and only a listener makes the bind fail.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

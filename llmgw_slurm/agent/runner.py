@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import signal
 import socket
@@ -58,6 +57,8 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+_HEAD_EVENTS = frozenset({"ready", "heartbeat", "draining", "stopped"})
+_EXIT_SIGNAL_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -112,10 +113,6 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
     )
 
 
-class _Drain(Exception):
-    """Raised inside the startup when a drain was asked for."""
-
-
 class Agent:
     def __init__(
         self,
@@ -132,7 +129,7 @@ class Agent:
         self.job = job
         self.env = dict(env)
         self.tracer = tracer or trace.get_tracer("llmgw_slurm")
-        self.hostname = hostname or node_hostname()
+        self.hostname = hostname or node_hostname(env)
         self._expand = expand
         self.engine: EngineProcess | None = None
         self.role: rdzv.NodeRole | None = None
@@ -175,8 +172,12 @@ class Agent:
     def _emit(self, event: str, **fields: Any) -> int:
         """Queue a report; one sender keeps them in order and retries each.
 
-        Returns its place in the queue, for :meth:`_delivered`.
+        Returns its place in the queue, for :meth:`_delivered` (-1 when not queued).
+        A worker node reports its steps and its failure, never the replica's
+        life cycle (ready, draining, stopped): that is the head's to tell.
         """
+        if self.role is not None and not self.role.is_head and event in _HEAD_EVENTS:
+            return -1
         if self._client is not None:
             self._outbox.put_nowait(self._client.body(event, **fields))
             self._queued += 1
@@ -221,7 +222,7 @@ class Agent:
                 yield span
             except (Exception, asyncio.CancelledError) as err:
                 elapsed = time.monotonic() - t0
-                if isinstance(err, (_Drain, asyncio.CancelledError)):
+                if isinstance(err, asyncio.CancelledError):
                     log.info("step %s: interrupted by drain after %.1fs", name, elapsed)
                     span.set_attribute("llmgw.interrupted", True)
                 else:
@@ -288,9 +289,6 @@ class Agent:
         ) as span:
             try:
                 yield span
-            except _Drain:
-                span.set_attribute("llmgw.interrupted", True)
-                raise
             except asyncio.CancelledError:
                 span.set_attribute("llmgw.interrupted", True)
                 raise
@@ -469,6 +467,17 @@ class Agent:
                 )
                 if exit_task in done:
                     rc = exit_task.result()
+                    if not self._drain.is_set():
+                        # The engine may end just before this agent hears why:
+                        # on scancel slurmstepd sends SIGTERM to the engine as
+                        # well, and a worker's engine ends with the head's,
+                        # whose agent may have been signalled first (the nodes
+                        # are not signalled in step). Give the signal a moment.
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._drain.wait(), _EXIT_SIGNAL_GRACE_S)
+                    if self._drain.is_set():
+                        log.info("engine exited (code %s) as the job drains", rc)
+                        break
                     tail = "\n".join(self.engine.tail()[-20:])
                     msg = f"engine exited with code {rc} while serving; last lines:\n{tail}"
                     log.error("%s", msg)
@@ -529,11 +538,16 @@ class Agent:
         headers = {"Authorization": f"Bearer {self.job.engine_api_key}"}
         while True:
             elapsed = time.monotonic() - t0
-            if (
-                elapsed >= s.drain_timeout_s
-                or self.engine is None
-                or (self.engine.returncode is not None)
-            ):
+            if self.engine is None or self.engine.returncode is not None:
+                log.info(
+                    "drain: engine exited by itself (code %s)",
+                    self.engine.returncode if self.engine else None,
+                )
+                return elapsed
+            if elapsed >= s.drain_timeout_s:
+                log.warning(
+                    "drain: limit of %.0fs reached with requests in flight", s.drain_timeout_s
+                )
                 return elapsed
             count: int | None = None
             try:
@@ -547,11 +561,17 @@ class Agent:
             except (aiohttp.ClientError, TimeoutError):
                 count = None
             if count is None:
-                # No request metric: a fixed grace is the best we can do.
+                # No request metric (or the engine is already shutting down,
+                # as it does on a SIGTERM from slurmstepd): a fixed grace, cut
+                # short if the engine exits by itself.
                 grace = max(0.0, min(s.drain_grace_s, s.drain_timeout_s - elapsed))
-                log.info("drain: engine reports no request count, waiting %.0fs", grace)
-                await asyncio.sleep(grace)
-                return time.monotonic() - t0
+                log.info("drain: engine reports no request count, waiting %.1fs", grace)
+                exited = asyncio.create_task(self.engine.wait())
+                done, _ = await asyncio.wait({exited}, timeout=grace)
+                if not done:
+                    exited.cancel()
+                    return time.monotonic() - t0
+                continue
             if count == 0:
                 log.info("drain: no requests in flight")
                 return time.monotonic() - t0
@@ -583,7 +603,7 @@ def _redact(argv: list[str], secret: str) -> list[str]:
     return [a.replace(secret, "***") if secret else a for a in argv]
 
 
-def node_hostname() -> str:
+def node_hostname(env: Mapping[str, str]) -> str:
     """The name this node is reached by: Slurm's node name when it resolves.
 
     Several slurmd may share one machine (the dev cluster, or sites with
@@ -591,7 +611,7 @@ def node_hostname() -> str:
     and only the node name tells them apart. A node name that does not resolve
     falls back to the hostname (agent.yaml's advertise_host overrides both).
     """
-    name = os.environ.get("SLURMD_NODENAME", "")
+    name = env.get("SLURMD_NODENAME", "")
     if name:
         try:
             socket.getaddrinfo(name, None)

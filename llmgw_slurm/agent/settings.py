@@ -1,8 +1,10 @@
 """The agent's own settings, as plain typed values.
 
-Filled from ``agent.yaml`` (``llmgw_slurm.config.AgentConfig``) by
-:func:`llmgw_slurm.agent.main.settings_from_agent_config`; the agent's pieces
-take these explicitly and never read files themselves.
+Filled from ``agent.yaml`` (``llmgw_slurm.config.AgentConfig``, where each
+knob's default and reason are documented) by
+:func:`llmgw_slurm.agent.main.settings_from_agent_config`, then the
+command-line options; the agent's pieces take these explicitly and never
+read files themselves.
 """
 
 from __future__ import annotations

@@ -64,56 +64,23 @@ class JobBuilder:
         on; ``traceparent`` (the start span's, not a secret) goes into the comment so
         that a restarted daemon can continue the start's trace."""
         cfg = self.server
-        res = model.resources.with_slurm_defaults(
-            partition=cfg.slurm.partition, account=cfg.slurm.account, qos=cfg.slurm.qos
-        )
         name = job_name(cfg.slurm.job_prefix, model.name, replica_id)
         log_dir = Path(cfg.state_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        time_limit = res.time_limit.slurm if res.time_limit else "1-00:00:00"
-        job = sbatch.JobOptions(
-            job_name=name,
-            time=time_limit,
-            output=str(log_dir / "%x-%j.out"),
-            python=self.python,
-            partition=res.partition,
-            account=res.account,
-            qos=res.qos,
-        )
-        r = sbatch.Resources(
-            gpus=res.gpus,
-            gpu_type=res.gpu_type or "",
-            cpus_per_task=res.cpus,
-            mem=res.memory,
-            constraint=res.constraint,
-        )
         # Warn the agent ahead of the limit by the drain timeout plus a margin, so
-        # that it can finish in-flight requests before Slurm kills the job.
+        # that it can finish in-flight requests before Slurm kills the job (a short
+        # job is warned at half its limit instead: replica_script caps it).
         signal_before = int(min(65535, max(60, cfg.reconcile.drain_timeout + 60)))
-        templates = cfg.templates_dir
-        if res.nodes > 1:
-            script = sbatch.render_replica_hetjob(
-                sbatch.HetReplicaParams(
-                    job=job,
-                    components=[
-                        sbatch.HetComponent(nodes=1, resources=r, partition=res.partition)
-                        for _ in range(res.nodes)
-                    ],
-                    agent_config=str(cfg.agent_config),
-                    signal_before_s=signal_before,
-                ),
-                templates,
-            )
-        else:
-            script = sbatch.render_replica(
-                sbatch.ReplicaParams(
-                    job=job,
-                    resources=r,
-                    agent_config=str(cfg.agent_config),
-                    signal_before_s=signal_before,
-                ),
-                templates,
-            )
+        script = sbatch.replica_script(
+            model,
+            job_name=name,
+            python=self.python,
+            agent_config=str(cfg.agent_config),
+            output=str(log_dir / "%x-%j.out"),
+            slurm=cfg.slurm,
+            signal_before_s=signal_before,
+            template_dir=cfg.templates_dir,
+        )
         env = {
             "LLMGW_REPLICA_ID": replica_id,
             "LLMGW_MODEL": model.name,
@@ -123,7 +90,7 @@ class JobBuilder:
             "LLMGW_REPLICA_SPEC": model.to_spec_json(),
             **(extra_env or {}),
         }
-        gpus = res.gpus * res.nodes
+        gpus = model.resources.gpus * model.resources.nodes
         # For sacct audits: which model and replica, in a form `audit` parses back.
         comment = f"llmgw model={model.name} replica={replica_id} gpus={gpus}"
         if traceparent:

@@ -128,6 +128,9 @@ class CliBackend:
                 "squeue",
                 "--noheader",
                 f"--user={self.user}",
+                # Finished jobs too, while slurmctld keeps them (MinJobAge): a replica
+                # that ended is reaped with its real final state, without asking sacct.
+                "--states=all",
                 "--Format=" + parse.format_arg(parse.SQUEUE_FIELDS),
             ]
         )

@@ -293,7 +293,11 @@ class SlurmBackend(Protocol):
         """Submit; returns the job id. Raises SlurmError."""
 
     async def list_jobs(self, name_prefix: str = "") -> list[Job]:
-        """This user's jobs whose name starts with ``name_prefix``, in one call."""
+        """This user's jobs whose name starts with ``name_prefix``, in one call.
+
+        Jobs that ended recently (while slurmctld still keeps them, MinJobAge)
+        are listed too, with their final state.
+        """
 
     async def list_nodes(self) -> list[NodeInfo]:
         """Every node with total and used GPUs per type, in one call."""

@@ -9,89 +9,27 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from llmgw_slurm.agent.runner import Agent, job_context_from_env
 from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+from tests.agent_support import KEY, RID, SECRET, FakeDaemon, fake_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
-FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
-RID = "0123abcd"
-SECRET = "replica-secret-xyz"
-KEY = "engine-key-abc"
-BODY_KEYS = {"event", "step", "status", "url", "node", "job_id", "message", "elapsed_s"}
-EVENTS = {"step", "ready", "heartbeat", "draining", "failed", "stopped"}
-
-
-class FakeDaemon:
-    """Records reports; refuses what the protocol does not allow."""
-
-    def __init__(self) -> None:
-        self.reports: list[dict[str, Any]] = []
-        self.refused: list[str] = []
-        self.drain_after_ready = False
-        self.url = ""
-
-    async def handle(self, request: web.Request) -> web.Response:
-        if request.headers.get("Authorization") != f"Bearer {SECRET}":
-            self.refused.append("bad secret")
-            return web.json_response({"ok": False}, status=401)
-        if request.match_info["rid"] != RID:
-            self.refused.append("unknown replica")
-            return web.json_response({"ok": False}, status=404)
-        body = await request.json()
-        problems = []
-        if set(body) != BODY_KEYS:
-            problems.append(f"keys {sorted(set(body) ^ BODY_KEYS)}")
-        if body.get("event") not in EVENTS:
-            problems.append(f"event {body.get('event')!r}")
-        if body.get("status") not in (None, "started", "done", "failed"):
-            problems.append(f"status {body.get('status')!r}")
-        if body.get("event") in ("ready", "heartbeat") and not body.get("url"):
-            problems.append("ready/heartbeat without url")
-        if problems:
-            self.refused.append("; ".join(problems))
-            return web.json_response({"ok": False}, status=400)
-        self.reports.append(body)
-        ready_seen = any(r["event"] == "ready" for r in self.reports)
-        return web.json_response({"ok": True, "drain": self.drain_after_ready and ready_seen})
-
-    def events(self) -> list[str]:
-        return [
-            r["event"] if r["event"] != "step" else f"{r['step']}:{r['status']}"
-            for r in self.reports
-        ]
-
-    async def wait_for(self, pred: Callable[[], bool], limit_s: float = 60) -> None:
-        deadline = time.monotonic() + limit_s
-        while not pred():
-            assert time.monotonic() < deadline, f"timed out; reports: {self.events()}"
-            await asyncio.sleep(0.05)
+FAKE_ENGINE = ROOT / "tests" / "fake_engine.py"
 
 
 @pytest.fixture
 async def daemon() -> AsyncIterator[FakeDaemon]:
-    fake = FakeDaemon()
-    app = web.Application()
-    app.router.add_post("/internal/v1/replicas/{rid}/report", fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    fake.url = f"http://127.0.0.1:{port}"
-    yield fake
-    await runner.cleanup()
-    assert fake.refused == [], f"the fake daemon refused reports: {fake.refused}"
+    async with fake_daemon() as fake:
+        yield fake
 
 
 def make_weights(tmp_path: Path) -> Path:
@@ -167,7 +105,9 @@ AGENT_OPTS = [
 ]
 
 
-async def start_agent(tmp_path: Path, env: dict[str, str]) -> asyncio.subprocess.Process:
+async def start_agent(
+    tmp_path: Path, env: dict[str, str], name: str = "agent", extra: tuple[str, ...] = ()
+) -> asyncio.subprocess.Process:
     argv = [
         sys.executable,
         "-m",
@@ -175,19 +115,20 @@ async def start_agent(tmp_path: Path, env: dict[str, str]) -> asyncio.subprocess
         "--cache-dir",
         str(tmp_path / "cache"),
         *AGENT_OPTS,
+        *extra,
         "run",
     ]
-    out = (tmp_path / "agent.out").open("wb")
-    err = (tmp_path / "agent.err").open("wb")
+    out = (tmp_path / f"{name}.out").open("wb")
+    err = (tmp_path / f"{name}.err").open("wb")
     return await asyncio.create_subprocess_exec(*argv, env=env, stdout=out, stderr=err)
 
 
-async def wait_exit(proc: asyncio.subprocess.Process, tmp_path: Path) -> int:
+async def wait_exit(proc: asyncio.subprocess.Process, tmp_path: Path, name: str = "agent") -> int:
     try:
         return await asyncio.wait_for(proc.wait(), 60)
     except TimeoutError:
         proc.kill()
-        pytest.fail("agent did not exit; stderr:\n" + (tmp_path / "agent.err").read_text())
+        pytest.fail(f"{name} did not exit; stderr:\n" + (tmp_path / f"{name}.err").read_text())
 
 
 def engine_answers(url: str) -> bool:
@@ -224,6 +165,11 @@ async def test_ready_serve_and_drain_on_signal(
                     if 'vllm:num_requests_running{model_name="tiny"} 1.0' in await r.text():
                         break
                 await asyncio.sleep(0.05)
+            # slurmstepd delivers srun's forwarded signals to every process of
+            # the step, the engine's session included: do the same.
+            out = (tmp_path / "agent.out").read_text()
+            engine_pid = int(out.split("fake engine: pid ", 1)[1].split()[0])
+            os.killpg(engine_pid, sig)
             proc.send_signal(sig)
             resp = await slow
             assert resp.status == 200
@@ -259,9 +205,14 @@ async def test_ready_serve_and_drain_on_signal(
     assert sig.name in stopped["message"]
     assert not engine_answers(url)
     log = (tmp_path / "agent.err").read_text()
-    assert "drain: 1 request(s) in flight" in log
+    if sig == signal.SIGUSR1:
+        # The engine ignored the warning; the agent waited for the request.
+        assert "drain: 1 request(s) in flight" in log
+    else:
+        # The engine got SIGTERM too and finished the request as it stopped.
+        assert "drain: engine exited by itself" in log
     assert KEY not in log and SECRET not in log
-    assert "fake engine: loading" in (tmp_path / "agent.out").read_text()
+    assert "fake engine: pid" in (tmp_path / "agent.out").read_text()
 
 
 async def test_engine_crash_before_ready_is_reported(daemon: FakeDaemon, tmp_path: Path) -> None:
@@ -399,3 +350,128 @@ async def test_drain_asked_by_daemon_and_spans(daemon: FakeDaemon, tmp_path: Pat
     assert root.parent is not None and root.parent.span_id == int(parent_id, 16)
     assert spans["llmgw.agent.weights"].parent.span_id == root.context.span_id  # type: ignore[union-attr]
     assert spans["llmgw.agent"].attributes["llmgw.replica_id"] == RID  # type: ignore[index]
+
+
+@pytest.mark.parametrize("rendezvous_dir", [False, True], ids=["derived-port", "port-file"])
+async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_dir: bool) -> None:
+    spec = json.loads(spec_json(make_weights(tmp_path)))
+    spec["resources"]["nodes"] = 2
+    base = job_env(daemon.url, json.dumps(spec))
+    for k in ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES"):
+        del base[k]
+    # What srun gives each task of `srun --het-group=0-1` over a 1 + 1 node het job.
+    base.update(
+        SLURM_HET_JOB_ID="777",
+        SLURM_HET_SIZE="2",
+        SLURM_JOB_NUM_NODES_HET_GROUP_0="1",
+        SLURM_JOB_NUM_NODES_HET_GROUP_1="1",
+        SLURM_JOB_NODELIST_HET_GROUP_0="localhost",
+        SLURM_JOB_NODELIST_HET_GROUP_1="localhost",
+    )
+    head_env = {**base, "SLURM_JOB_ID": "777", "SLURM_PROCID": "0", "SLURM_HET_JOB_OFFSET": "0"}
+    worker_env = {**base, "SLURM_JOB_ID": "778", "SLURM_PROCID": "1", "SLURM_HET_JOB_OFFSET": "1"}
+    extra = ("--rendezvous-dir", str(tmp_path / "rdzv")) if rendezvous_dir else ()
+    worker = await start_agent(tmp_path, worker_env, "worker", extra)
+    head = await start_agent(tmp_path, head_env, "head", extra)
+    try:
+        await daemon.wait_for(lambda: "ready" in daemon.events())
+        url = next(r["url"] for r in daemon.reports if r["event"] == "ready")
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as r,
+        ):
+            assert r.status == 200
+        # The fake head is healthy only once the worker joined its master port.
+        assert "rank 1 joined localhost:" in (tmp_path / "worker.out").read_text()
+        # srun forwards the signal to every task, but not in step: here the
+        # head gets it and stops its engine first, so the worker's engine
+        # ends (its master is gone) before the worker's agent hears of it.
+        head.send_signal(signal.SIGTERM)
+        assert await wait_exit(head, tmp_path, "head") == 0
+        worker.send_signal(signal.SIGTERM)
+        assert await wait_exit(worker, tmp_path, "worker") == 0
+    finally:
+        for proc in (head, worker):
+            if proc.returncode is None:
+                proc.kill()
+    ev = daemon.events()
+    # Only the head tells the replica's life cycle; the worker only its steps.
+    assert ev.count("ready") == 1 and ev.count("stopped") == 1 and "failed" not in ev
+    assert ev.count("rendezvous:done") == 2 and ev.count("engine_launch:done") == 2
+    assert all(r["job_id"] in ("777", "778") for r in daemon.reports)
+    assert "master gone, worker exits" in (tmp_path / "worker.out").read_text()
+    if rendezvous_dir:
+        assert list((tmp_path / "rdzv" / "rendezvous").iterdir()) == []  # the head cleaned up
+
+
+async def test_shared_test_engine_without_metrics_drains_on_a_fixed_grace(
+    daemon: FakeDaemon, tmp_path: Path
+) -> None:
+    # llmgw_slurm.testing.engine has no /metrics: the drain waits drain_grace.
+    spec = {
+        "name": "tiny",
+        "engine": {
+            "kind": "command",
+            "command": [
+                sys.executable,
+                "-m",
+                "llmgw_slurm.testing.engine",
+                "--host",
+                "{host}",
+                "--port",
+                "{port}",
+                "--api-key",
+                "{api_key}",
+                "--served-name",
+                "{served_name}",
+                "--ready-after",
+                "0.5",
+            ],
+        },
+        "resources": {"gpus": 0},
+    }
+    env = job_env(daemon.url, json.dumps(spec))
+    proc = await start_agent(tmp_path, env, extra=("--drain-grace", "0.5"))
+    try:
+        await daemon.wait_for(lambda: "ready" in daemon.events())
+        url = next(r["url"] for r in daemon.reports if r["event"] == "ready")
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "a b c"}]}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+            ) as r,
+        ):
+            assert r.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await wait_exit(proc, tmp_path) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    assert "engine reports no request count, waiting 0.5s" in (tmp_path / "agent.err").read_text()
+    assert daemon.events()[-1] == "stopped"
+    assert "weights:done" in daemon.events()  # no weights: the step passes at once
+
+
+async def test_engine_stopped_by_the_cancel_before_the_agent_hears_of_it(
+    daemon: FakeDaemon, tmp_path: Path
+) -> None:
+    # scancel: slurmstepd sends SIGTERM to every process of the step; the
+    # engine may be gone before the agent's own SIGTERM is handled.
+    env = job_env(daemon.url, spec_json(make_weights(tmp_path)))
+    proc = await start_agent(tmp_path, env)
+    try:
+        await daemon.wait_for(lambda: "ready" in daemon.events())
+        url = next(r["url"] for r in daemon.reports if r["event"] == "ready")
+        out = (tmp_path / "agent.out").read_text()
+        os.killpg(int(out.split("fake engine: pid ", 1)[1].split()[0]), signal.SIGTERM)
+        while engine_answers(url):
+            await asyncio.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert await wait_exit(proc, tmp_path) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    ev = daemon.events()
+    assert "failed" not in ev
+    assert ev[-1] == "stopped" and "SIGTERM" in daemon.reports[-1]["message"]

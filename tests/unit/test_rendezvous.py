@@ -181,3 +181,25 @@ async def test_await_times_out_clearly(tmp_path: Path) -> None:
     role = rdzv.compute_role(het_env(1, 1, 0), fake_expand)
     with pytest.raises(RendezvousError, match="did not publish"):
         await rdzv.await_published(tmp_path / "nothing.json", role, timeout_s=0, poll_s=0.01)
+
+
+def test_derived_port_is_shared_by_every_node_of_a_run() -> None:
+    head = rdzv.compute_role(het_env(0, 0, 0), fake_expand)
+    worker = rdzv.compute_role(het_env(4, 2, 1), fake_expand)
+    port = rdzv.derived_port((20000, 29999), head)
+    assert port == rdzv.derived_port((20000, 29999), worker)
+    assert 20000 <= port <= 29999
+    # A requeued run (restart count + 1) gets another port.
+    again = rdzv.NodeRole(head.job_id, head.restart + 1, 0, head.nnodes, head.head_host)
+    ports = {rdzv.derived_port((20000, 29999), again), port}
+    assert len(ports) == 2
+
+
+def test_derived_port_taken_on_head_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(RendezvousError, match="rendezvous directory"):
+            rdzv.check_port_free(s.getsockname()[1], "127.0.0.1")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_slurm.catalog import Model, model_from_spec
+from llmgw_slurm.config import SlurmConfig
 from llmgw_slurm.errors import TemplateError
 from llmgw_slurm.sbatch import (
     EngineInstallParams,
@@ -24,6 +26,8 @@ from llmgw_slurm.sbatch import (
     render_model_job,
     render_replica,
     render_replica_hetjob,
+    replica_script,
+    time_limit_seconds,
 )
 
 EXPECTED = Path(__file__).parent / "expected"
@@ -105,6 +109,8 @@ def test_model_job_matches_record(tmp_path: Path) -> None:
     text = render_model_job(ModelJobParams(JOB, AGENT_CONFIG, Resources(cpus_per_task=4)))
     assert_matches_record("model-job.sbatch", text)
     bash_n(text, tmp_path)
+    allowed = render_model_job(ModelJobParams(JOB, AGENT_CONFIG, allow_download=True))
+    assert allowed.rstrip().endswith(f"--config {AGENT_CONFIG} --allow-hf fetch")
 
 
 def test_engine_install_matches_records(tmp_path: Path) -> None:
@@ -382,3 +388,95 @@ def test_engine_install_twice_installs_once(tmp_path: Path) -> None:
     second = _run_with_stubs(text, tmp_path, ["python"])
     assert any(c[1:3] == ["-m", "venv"] for c in first)
     assert second == []
+
+
+@pytest.mark.parametrize(
+    ("time", "seconds"),
+    [
+        ("30", 1800),
+        ("1:30", 90),
+        ("01:00:00", 3600),
+        ("2-0", 172800),
+        ("1-02:03:04", 93784),
+        ("1-2:30", 95400),
+    ],
+)
+def test_time_limit_seconds(time: str, seconds: int) -> None:
+    assert time_limit_seconds(time) == seconds
+
+
+def test_signal_lead_must_be_less_than_the_time_limit() -> None:
+    # A 5-minute job warned 300 s ahead would be told to drain as it starts.
+    with pytest.raises(TemplateError, match="not less than the time limit"):
+        render_replica(
+            ReplicaParams(replace(JOB, time="5"), Resources(), AGENT_CONFIG, signal_before_s=300)
+        )
+    render_replica(
+        ReplicaParams(replace(JOB, time="6"), Resources(), AGENT_CONFIG, signal_before_s=300)
+    )
+
+
+def test_partition_list_and_no_time_limit() -> None:
+    job = replace(JOB, partition="gpu,gpu-big", time=None, account="proj+x")
+    text = render_replica(ReplicaParams(job, Resources(constraint="a100&!slow"), AGENT_CONFIG))
+    assert "#SBATCH --partition=gpu,gpu-big\n" in text
+    assert "#SBATCH --account=proj+x\n" in text
+    assert "#SBATCH --constraint=a100&!slow\n" in text
+    assert "--time" not in text
+
+
+# --- from a catalog model -----------------------------------------------------------
+
+
+def _model(**resources: object) -> Model:
+    return model_from_spec(
+        {
+            "name": "llama-8b",
+            "engine": {"kind": "vllm"},
+            "weights": {"source": "/m"},
+            "resources": resources,
+        }
+    )
+
+
+def test_replica_script_from_a_single_node_model() -> None:
+    model = _model(gpus=2, gpu_type="a100", cpus=8, memory="64g", time_limit="4h", constraint="ib")
+    text = replica_script(
+        model,
+        job_name="llmgw.llama-8b.0123abcd",
+        python="/opt/llmgw/bin/python",
+        agent_config=AGENT_CONFIG,
+        output="/var/log/llmgw/%x-%j.out",
+        slurm=SlurmConfig(partition="llm", account="ai"),
+    )
+    for line in (
+        "--job-name=llmgw.llama-8b.0123abcd",
+        "--time=4:00:00",
+        "--partition=llm",
+        "--account=ai",
+        "--gres=gpu:a100:2",
+        "--cpus-per-task=8",
+        "--mem=64G",
+        "--constraint=ib",
+        "--signal=B:USR1@300",
+        "--requeue",
+    ):
+        assert f"#SBATCH {line}\n" in text
+    assert "--qos" not in text and "hetjob" not in text
+
+
+def test_replica_script_from_a_multi_node_model() -> None:
+    model = _model(gpus=4, nodes=3, partition="big", time_limit="5m")
+    text = replica_script(
+        model,
+        job_name="llmgw.llama-8b.0123abcd",
+        python="python3",
+        agent_config=AGENT_CONFIG,
+        output="/tmp/o.out",
+        slurm=SlurmConfig(partition="llm"),
+    )
+    assert text.count("#SBATCH hetjob") == 2
+    assert text.count("#SBATCH --partition=big\n") == 3  # the model's wins
+    assert "--het-group=0-2" in text
+    # A 5-minute job is warned at half its limit, not at once.
+    assert "#SBATCH --signal=B:USR1@150\n" in text

@@ -4,7 +4,12 @@
         [--startup-delay S] [--crash-at-start CODE]
 
 The API key comes from LLMGW_ENGINE_API_KEY, as the agent gives it. /health
-answers 503 until the startup delay has passed. A chat request may ask for a
+answers 503 until the startup delay has passed.
+
+Multi-node, torchrun-style from MASTER_ADDR/MASTER_PORT/NODE_RANK/WORLD_SIZE:
+rank 0 listens on MASTER_PORT and is healthy only once every other rank has
+connected; a rank > 0 serves no HTTP, connects to the master (retrying) and
+exits 0 when the master goes away, as a distributed worker does. A chat request may ask for a
 delay (``"llmgw_test_delay_s"`` in the body) so that tests hold requests in
 flight; /metrics reports them as vLLM does. Unknown paths are 404.
 """
@@ -25,12 +30,18 @@ def build(args: argparse.Namespace) -> web.Application:
     key = os.environ["LLMGW_ENGINE_API_KEY"]
     started = time.monotonic()
     state = {"running": 0}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    peers: list[asyncio.StreamWriter] = []
+
+    async def on_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.append(writer)
+        print(f"fake engine: worker {len(peers)} joined", flush=True)
 
     def authorized(request: web.Request) -> bool:
         return request.headers.get("Authorization") == f"Bearer {key}"
 
     async def health(request: web.Request) -> web.Response:
-        if time.monotonic() - started < args.startup_delay:
+        if time.monotonic() - started < args.startup_delay or len(peers) < world - 1:
             return web.Response(status=503, text="loading")
         return web.Response(text="")
 
@@ -75,12 +86,35 @@ def build(args: argparse.Namespace) -> web.Application:
         )
         return web.Response(text=text)
 
+    async def listen(app: web.Application) -> None:
+        if world > 1:
+            port = int(os.environ["MASTER_PORT"])
+            app["master"] = await asyncio.start_server(on_peer, "0.0.0.0", port)
+
     app = web.Application()
+    app.on_startup.append(listen)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+async def worker() -> None:
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            reader, _writer = await asyncio.open_connection(addr, port)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                print(f"fake engine: no master at {addr}:{port}", file=sys.stderr, flush=True)
+                sys.exit(3)
+            await asyncio.sleep(0.1)
+    print(f"fake engine: rank {os.environ['NODE_RANK']} joined {addr}:{port}", flush=True)
+    await reader.read()  # until the master goes away
+    print("fake engine: master gone, worker exits", flush=True)
 
 
 def main() -> None:
@@ -92,10 +126,13 @@ def main() -> None:
     ap.add_argument("--startup-delay", type=float, default=0.3)
     ap.add_argument("--crash-at-start", type=int, default=0)
     args = ap.parse_args()
-    print(f"fake engine: loading {args.model_path}", flush=True)
+    print(f"fake engine: pid {os.getpid()} loading {args.model_path}", flush=True)
     if not (Path(args.model_path) / "config.json").exists():
         print("fake engine: no config.json in the model path", file=sys.stderr, flush=True)
         sys.exit(2)
+    if int(os.environ.get("NODE_RANK", "0")) > 0:
+        asyncio.run(worker())
+        return
     if args.crash_at_start:
         print("fake engine: CUDA out of memory (pretend)", file=sys.stderr, flush=True)
         sys.exit(args.crash_at_start)

@@ -1,0 +1,84 @@
+"""A fake daemon for the agent's tests (unit and Slurm level)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp import web
+
+RID = "0123abcd"
+SECRET = "replica-secret-xyz"
+KEY = "engine-key-abc"
+BODY_KEYS = {"event", "step", "status", "url", "node", "job_id", "message", "elapsed_s"}
+EVENTS = {"step", "ready", "heartbeat", "draining", "failed", "stopped"}
+
+
+class FakeDaemon:
+    """Records reports; refuses what the protocol does not allow."""
+
+    def __init__(self, replica_id: str = RID, secret: str = SECRET) -> None:
+        self.replica_id = replica_id
+        self.secret = secret
+        self.reports: list[dict[str, Any]] = []
+        self.refused: list[str] = []
+        self.drain_after_ready = False
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != f"Bearer {self.secret}":
+            self.refused.append("bad secret")
+            return web.json_response({"ok": False}, status=401)
+        if request.match_info["rid"] != self.replica_id:
+            self.refused.append("unknown replica")
+            return web.json_response({"ok": False}, status=404)
+        body = await request.json()
+        problems = []
+        if set(body) != BODY_KEYS:
+            problems.append(f"keys {sorted(set(body) ^ BODY_KEYS)}")
+        if body.get("event") not in EVENTS:
+            problems.append(f"event {body.get('event')!r}")
+        if body.get("status") not in (None, "started", "done", "failed"):
+            problems.append(f"status {body.get('status')!r}")
+        if body.get("event") in ("ready", "heartbeat") and not body.get("url"):
+            problems.append("ready/heartbeat without url")
+        if problems:
+            self.refused.append("; ".join(problems))
+            return web.json_response({"ok": False}, status=400)
+        self.reports.append(body)
+        ready_seen = any(r["event"] == "ready" for r in self.reports)
+        return web.json_response({"ok": True, "drain": self.drain_after_ready and ready_seen})
+
+    def events(self) -> list[str]:
+        return [
+            r["event"] if r["event"] != "step" else f"{r['step']}:{r['status']}"
+            for r in self.reports
+        ]
+
+    async def wait_for(self, pred: Callable[[], bool], limit_s: float = 60) -> None:
+        deadline = time.monotonic() + limit_s
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out; reports: {self.events()}"
+            await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def fake_daemon(host: str = "127.0.0.1") -> AsyncIterator[FakeDaemon]:
+    """A FakeDaemon served on ``host``; on exit, fails if it refused any report."""
+    fake = FakeDaemon()
+    app = web.Application()
+    app.router.add_post("/internal/v1/replicas/{rid}/report", fake.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    fake.url = f"http://{host}:{port}"
+    try:
+        yield fake
+    finally:
+        await runner.cleanup()
+    assert fake.refused == [], f"the fake daemon refused reports: {fake.refused}"
