@@ -60,7 +60,8 @@ async def test_preempted_replica_fails_in_flight_requests_at_most_once(
         await h.start()
         await eventually(lambda: asyncio.sleep(0, ready(h, "preempted")), "ready", timeout=120)
         (rep,) = h.rec.replicas.values()
-        assert rep.nodes
+        # An agent's report marks the job running before the listing says where.
+        await eventually(lambda: asyncio.sleep(0, rep.nodes), "the node listed", timeout=60)
         first_job = rep.job_id
         async with load(h.url, "preempted", workers=4, max_tokens=10) as ld:
             await asyncio.sleep(4)
@@ -188,7 +189,7 @@ async def test_engine_crash_is_detected_restarted_with_backoff_and_a_loop_shown(
     assert notes[-1].startswith("failing: 3 failed start(s)"), notes
     # Backoff: each restart waited longer than the one before.
     gaps = [s.at - c.at for c, s in zip(cancels, submits[1:], strict=False)]
-    assert len(gaps) == 2 and gaps[0] < gaps[1], gaps
+    assert len(gaps) >= 2 and gaps == sorted(gaps) and gaps[0] < gaps[1], gaps
     record(
         "6 engine crash inside the job (x3)",
         **ld.figures(),
