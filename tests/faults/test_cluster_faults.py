@@ -59,12 +59,15 @@ async def test_slurmctld_down_for_a_minute(tmp_path: Path, prefix: str) -> None:
             before = collections.Counter(calls)
             os.kill(daemon_pid("slurmctld"), signal.SIGTERM)
             down_at = time.time()
-            await eventually(lambda: asyncio.sleep(0, not slurm_answers()), "slurmctld down")
+            # Slurm commands run in threads: the daemon and its gateway share this loop.
+            await eventually(
+                lambda: asyncio.to_thread(lambda: not slurm_answers()), "slurmctld down"
+            )
             await asyncio.sleep(60)
             during = collections.Counter(calls) - before
-            restore_cluster()
+            await asyncio.to_thread(restore_cluster)
             up_at = time.time()
-            await eventually(lambda: asyncio.sleep(0, slurm_answers()), "slurmctld up")
+            await eventually(lambda: asyncio.to_thread(slurm_answers), "slurmctld up")
             passes_at_up = h.rec.passes
 
             async def normal() -> bool:
@@ -104,7 +107,8 @@ def engine_alive(port: int) -> bool:
 
 
 async def test_a_nodes_slurmd_killed(tmp_path: Path, prefix: str) -> None:
-    model = tiny_model("survivor", scaling={"min": 1, "max": 1})
+    # A whole node: the slurmd killed is one no other user's GPU job runs on.
+    model = tiny_model("survivor", resources={"gpus": 4}, scaling={"min": 1, "max": 1})
     async with running(tmp_path, prefix, [model]) as h:
         await eventually(lambda: asyncio.sleep(0, ready(h, "survivor")), "ready", timeout=120)
         (rid,) = ready(h, "survivor")
@@ -117,7 +121,8 @@ async def test_a_nodes_slurmd_killed(tmp_path: Path, prefix: str) -> None:
             killed_at = time.time()
 
             async def lost() -> bool:
-                return "down" in nodes_state().get(node, "") or bool(
+                states = await asyncio.to_thread(nodes_state)
+                return "down" in states.get(node, "") or bool(
                     h.decisions("requeued", "survivor") or h.decisions("reap", "survivor")
                 )
 
@@ -139,7 +144,7 @@ async def test_a_nodes_slurmd_killed(tmp_path: Path, prefix: str) -> None:
             # The previous run's engine lives on (one machine): it is never routed to,
             # and its agent, told to drain, stops it.
             await eventually(
-                lambda: asyncio.sleep(0, not engine_alive(old_port)),
+                lambda: asyncio.to_thread(lambda: not engine_alive(old_port)),
                 "the orphaned engine stopped",
                 timeout=120,
             )
@@ -181,13 +186,13 @@ async def test_slurmdbd_down(tmp_path: Path, prefix: str) -> None:
     model = tiny_model("accounted", scaling={"min": 1, "max": 1})
     async with running(tmp_path, prefix, [model]) as h:
         await eventually(lambda: asyncio.sleep(0, ready(h, "accounted")), "ready", timeout=120)
-        assert audit(h).returncode == 0
+        assert (await asyncio.to_thread(audit, h)).returncode == 0
         (job,) = h.jobs()
         async with load(h.url, "accounted", workers=4) as ld:
             await asyncio.sleep(3)
             kill_cluster_daemon("slurmdbd")
             passes = h.rec.passes
-            out = audit(h)
+            out = await asyncio.to_thread(audit, h)
             # Reconciling goes on: a job killed from outside is reaped and replaced.
             subprocess.run(["scancel", job[0]], check=True)
             await eventually(
