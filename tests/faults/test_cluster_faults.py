@@ -113,6 +113,8 @@ async def test_a_nodes_slurmd_killed(tmp_path: Path, prefix: str) -> None:
         await eventually(lambda: asyncio.sleep(0, ready(h, "survivor")), "ready", timeout=120)
         (rid,) = ready(h, "survivor")
         rep = h.rec.replicas[rid]
+        # An agent's report marks the job running before the listing says where.
+        await eventually(lambda: asyncio.sleep(0, rep.nodes), "the node listed", timeout=60)
         node, job_id, old_url = rep.nodes[0], rep.job_id, rep.base_url
         old_port = int(old_url.rsplit(":", 1)[1])
         async with load(h.url, "survivor", workers=4) as ld:
