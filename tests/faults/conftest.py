@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from tests.faults.support import restore_cluster
@@ -17,7 +19,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
-def restore() -> object:
+def restore() -> Iterator[None]:
     """For tests that stop a Slurm daemon: whatever happens, the cluster is whole after."""
     yield None
     restore_cluster()

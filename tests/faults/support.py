@@ -314,10 +314,3 @@ def with_router(h: Harness, **router: Any) -> None:
 
 def job_ids_seen(h: Harness) -> set[str]:
     return {j[0] for j in h.jobs()}
-
-
-async def poll(probe: Any, what: str, timeout: float = 120.0, every: float = 0.5) -> Any:
-    """Like tests.slurm.conftest.eventually, for probes that are plain async functions."""
-    from tests.slurm.conftest import eventually
-
-    return await eventually(probe, what, timeout=timeout)
