@@ -162,7 +162,7 @@ def add_admin_routes(
     async def _target(request: web.Request) -> tuple[str, str, str] | web.Response:
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
             return _error(400, "body is not JSON", "bad_request")
         if not isinstance(body, dict):
             return _error(400, "body must be an object", "bad_request")

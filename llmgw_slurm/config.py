@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from llmgw_slurm import _schema
 from llmgw_slurm._schema import Ctx, FrozenMap, Invalid, rule
 from llmgw_slurm.catalog import load_catalog
-from llmgw_slurm.errors import ConfigError, ConfigErrors
+from llmgw_slurm.errors import ConfigError, ConfigErrors, TemplateError
 from llmgw_slurm.yamlsrc import YNode, YScalar, YSeq, describe
 
 __all__ = [
@@ -573,12 +573,28 @@ def load_server_config(path: str | Path) -> ServerConfig:
     cfg = _schema.load_file(ServerConfig, path, "server config")
     assert isinstance(cfg, ServerConfig)
     base, file = Path(path).absolute().parent, str(path)
-    return dataclasses.replace(
+    cfg = dataclasses.replace(
         cfg,
         state_dir=_absolute(cfg.state_dir, base, file, "state_dir"),
         models=_absolute(cfg.models, base, file, "models"),
         agent_config=_absolute(cfg.agent_config, base, file, "agent_config"),
     )
+    # Both reach every replica's batch script (the job log goes under state_dir on an
+    # #SBATCH line; agent_config on the agent's command line): a path no script can
+    # hold would let the daemon start and then fail every submission.
+    from llmgw_slurm.sbatch import check_job_path
+
+    errors = []
+    for key in ("state_dir", "agent_config"):
+        try:
+            check_job_path(str(getattr(cfg, key)), key)
+        except TemplateError as exc:
+            errors.append(ConfigError(str(exc), file=file, field=key))
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
+    return cfg
 
 
 def load_agent_config(path: str | Path) -> AgentConfig:

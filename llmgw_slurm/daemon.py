@@ -40,6 +40,18 @@ log = logging.getLogger(__name__)
 
 RECONCILER_KEY = web.AppKey("reconciler", Reconciler)
 
+# How both listeners run. handler_cancellation: a client that goes away stops
+# being held at once. keepalive_timeout: a connection that has not sent a whole
+# request (a slow-loris client, or one idle between requests) is closed after
+# it; aiohttp's own default is an hour, which lets stalled connections pile up
+# until the process runs out of files. A body that stalls is the gateway's
+# body timeout's (RouterConfig.body_timeout_s).
+RUNNER_OPTIONS: dict[str, Any] = {
+    "handler_cancellation": True,
+    "access_log": None,
+    "keepalive_timeout": 75.0,
+}
+
 
 def internal_app(rec: Reconciler) -> web.Application:
     app = web.Application(client_max_size=64 * 1024)
@@ -51,7 +63,7 @@ def internal_app(rec: Reconciler) -> web.Application:
             return web.json_response({"ok": False, "error": "missing bearer secret"}, status=401)
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
             return web.json_response({"ok": False, "error": "body is not JSON"}, status=400)
         if not isinstance(body, dict):
             return web.json_response({"ok": False, "error": "body must be an object"}, status=400)
@@ -235,8 +247,7 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
             (d.gateway, d.server.listen.gateway),
             (d.internal, d.server.listen.internal),
         ):
-            # handler_cancellation: a client that goes away stops being held at once.
-            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            runner = web.AppRunner(app, **RUNNER_OPTIONS)
             await runner.setup()
             runners.append(runner)
             await web.TCPSite(runner, hp.host, hp.port).start()

@@ -357,6 +357,11 @@ class EngineInstallParams:
             raise TemplateError(f"kind: {self.kind!r} refused; valid: venv, apptainer")
 
 
+def check_job_path(path: str, what: str) -> None:
+    """Raise TemplateError unless ``path`` can go into a job script as is."""
+    _check_abs_path(path, what)
+
+
 def time_limit_seconds(time: str) -> int:
     """Slurm's time syntax in seconds (``minutes``, ``M:S``, ``H:M:S``, ``D-H[:M[:S]]``)."""
     days = 0

@@ -78,6 +78,9 @@ class Replica:
     last_report: float | None = None
     first_report_at: float | None = None
     adopted: bool = False
+    # Seen back in the queue after running, and not yet seen running again: the
+    # previous run's agent may live on (a node whose slurmd died) and still report.
+    requeued: bool = False
 
     def state(self) -> ReplicaState:
         if self.stop_reason:
@@ -275,8 +278,44 @@ class Reconciler:
             self._early_reports[replica_id] = dict(body)
             self._wake.set()
             return {"ok": True, "drain": False}
+        stale = self._stale(r, body)
+        if stale:
+            # An agent the listing says is not this replica's: never routed to. One of
+            # another job, or of an earlier run left behind on a node Slurm lost, is
+            # told to drain so that its engine stops holding GPUs Slurm has handed on.
+            self._record("stale-report", r.model, replica_id, stale)
+            return {"ok": True, "drain": not stale.startswith("report from node") or r.restarts > 0}
+        if r.requeued and body.get("event") in ("ready", "heartbeat"):
+            # Back in the queue, not yet seen running again: this is the previous run's
+            # agent, or the new run's before the listing says where it runs. The next
+            # pass tells them apart by node; until then nothing is routed.
+            self._early_reports[replica_id] = dict(body)
+            self._wake.set()
+            return {"ok": True, "drain": False}
         self._apply_report(r, body)
         return {"ok": True, "drain": r.state() in (ReplicaState.DRAINING, ReplicaState.STOPPING)}
+
+    def _stale(self, r: Replica, body: Mapping[str, Any]) -> str:
+        """Why this report cannot come from the replica's current job, or "" when it may."""
+        jid = body.get("job_id")
+        other_job = isinstance(jid, str | int) and not isinstance(jid, bool) and str(jid)
+        if other_job and str(jid) != r.job_id:
+            return f"report from job {jid}; the replica's job is {r.job_id}"
+        node = body.get("node")
+        if (
+            isinstance(node, str)
+            and node
+            and r.nodes
+            and r.job_state in (JobState.RUNNING, JobState.CONFIGURING)
+        ):
+            short = node.split(".", 1)[0]
+            here = {n.split(".", 1)[0] for n in r.nodes}
+            # A name Slurm does not know as a node (an agent that reports its host name
+            # where node names do not resolve) proves nothing either way.
+            known = {n.name.split(".", 1)[0] for n in self.nodes}
+            if short not in here and short in known:
+                return f"report from node {node}; job {r.job_id} runs on {','.join(r.nodes)}"
+        return ""
 
     def _apply_report(self, r: Replica, body: Mapping[str, Any]) -> None:
         now = self.clock()
@@ -350,7 +389,6 @@ class Reconciler:
             )
             r.ready_at = r.ready_at or self.clock()
             self._record("ready", r.model, r.replica_id, f"serving at {url}")
-            self.failures.pop(r.model, None)
         r.base_url = url
         r.step = "ready"
         self._signal_ready(r.model)
@@ -411,6 +449,18 @@ class Reconciler:
         self.last_observed = now
         self.nodes = nodes
         await self._reap(self._observe(jobs, now, pass_id), now, pass_id)
+        for r in self.replicas.values():
+            # Ready is not yet proof that the engine stays up (one that dies at its
+            # first request would otherwise restart at once, forever): a model's
+            # failures are forgiven once a replica has served its minimum lifetime.
+            if (
+                r.model in self.failures
+                and r.ready_at is not None
+                and r.base_url
+                and not r.agent_failed
+                and now - r.ready_at >= self.plan_cfg.min_lifetime
+            ):
+                self.failures.pop(r.model, None)
         views = [self._view(r, now) for r in self.replicas.values()]
         wanted = {k: d.wanted_at for k, d in self._demand.items() if d.wanted_at is not None}
         result = planmod.plan(
@@ -472,6 +522,7 @@ class Reconciler:
                 r.draining_since = None
                 r.agent_draining = ""
                 r.step = ""
+                r.requeued = True
             self.tracing.job_seen(rid, job)
             r.restarts = job.restarts
             r.job_state = job.state
@@ -486,9 +537,17 @@ class Reconciler:
             r.time_left_s = job.time_left_s
             if job.state in (JobState.RUNNING, JobState.CONFIGURING) and r.started_at is None:
                 r.started_at = job.start_time.timestamp() if job.start_time else now
+            if r.requeued and job.state in (JobState.RUNNING, JobState.CONFIGURING) and job.nodes:
+                r.requeued = False
             early = self._early_reports.pop(rid, None)
-            if early is not None:
-                self._apply_report(r, early)
+            if early is not None and not (
+                r.requeued and early.get("event") in ("ready", "heartbeat")
+            ):
+                stale = self._stale(r, early)
+                if stale:
+                    self._record("stale-report", model, rid, stale, pass_id)
+                else:
+                    self._apply_report(r, early)
         # Reap: a replica whose job is no longer listed (or listed as finished) is gone.
         gone = []
         for rid, r in list(self.replicas.items()):

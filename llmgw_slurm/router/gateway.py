@@ -58,6 +58,10 @@ class RouterConfig:
     # one runaway client fill memory: past either cap, 429.
     max_held_per_model: int = 256
     max_held_total: int = 1024
+    # Longest wait for a request body once its headers are in: a client that
+    # trickles or stalls its body (slow loris) gets a 408 instead of holding a
+    # connection and a handler forever. A 10 MiB body over a slow link fits.
+    body_timeout_s: float = 60.0
     # Retry-After on a 503 after the hold deadline.
     retry_after_s: int = 30
     # Connecting to an engine on the cluster network takes milliseconds; a
@@ -266,11 +270,16 @@ class Gateway:
             parts.append(m.name + (f" (aliases: {', '.join(m.aliases)})" if m.aliases else ""))
         return "; ".join(parts) or "none"
 
-    def _pick(self, model: str, exclude: frozenset[str] = frozenset()) -> Endpoint | None:
+    def _pick(
+        self,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        unreachable: frozenset[str] = frozenset(),
+    ) -> Endpoint | None:
         eps = [
             e
             for e in self.directory.endpoints(model)
-            if not e.draining and e.replica_id not in exclude
+            if not e.draining and e.replica_id not in exclude and e.base_url not in unreachable
         ]
         if not eps:
             return None
@@ -301,7 +310,9 @@ class Gateway:
         linked.add(sc.span_id)
         trace.get_current_span().add_link(sc, {"llmgw.link": "replica.start"})
 
-    async def _hold(self, request: web.Request, model: str) -> Endpoint | web.Response:
+    async def _hold(
+        self, request: web.Request, model: str, unreachable: frozenset[str] = frozenset()
+    ) -> Endpoint | web.Response:
         cfg = self.config
         if (
             self.held.get(model, 0) >= cfg.max_held_per_model
@@ -326,7 +337,7 @@ class Gateway:
         try:
             while True:
                 self._link_cold_start(model, linked)
-                ep = self._pick(model)
+                ep = self._pick(model, unreachable=unreachable)
                 if ep is not None:
                     began = self._cold_since.pop(model, None)
                     if began is not None:
@@ -455,9 +466,19 @@ class Gateway:
         if (request.content_length or 0) > self.config.max_body_bytes:
             return self._too_large()
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._too_large()
+        except TimeoutError:
+            resp = _error(
+                408,
+                f"The request body did not arrive within {self.config.body_timeout_s:g} s.",
+                "invalid_request_error",
+                "request_timeout",
+            )
+            resp.force_close()
+            return resp
         try:
             # UTF-8 only, as OpenAI's API has it (json.loads would also take
             # UTF-16, which the splicing below does not handle).
@@ -465,6 +486,14 @@ class Gateway:
         except ValueError as e:  # UnicodeDecodeError is a ValueError
             return _error(
                 400, f"The body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
+            )
+        except RecursionError:
+            # A few kilobytes of "[[[[..." exhaust the parser's stack.
+            return _error(
+                400,
+                "The body's JSON is nested too deeply.",
+                "invalid_request_error",
+                "invalid_json",
             )
         if not isinstance(obj, dict):
             return _error(
@@ -492,6 +521,15 @@ class Gateway:
         fields: dict[str, Any] = {}
         if name != model:
             fields["model"] = model
+        if obj.get("stream") is not None and not isinstance(obj.get("stream"), bool):
+            # Engines read "yes" or 1 as true and would stream without the usage the
+            # gateway asks for when it sees a stream coming: tokens nobody counts.
+            return _error(
+                400,
+                "'stream' must be true or false.",
+                "invalid_request_error",
+                "invalid_type",
+            )
         stream = obj.get("stream") is True
         strip_usage = False
         if stream and endpoint != "embeddings":
@@ -544,6 +582,7 @@ class Gateway:
     ) -> web.StreamResponse:
         assert self._session is not None, "the gateway app was not started"
         tried: set[str] = set()
+        unreachable: set[str] = set()
         while True:
             tried.add(ep.replica_id)
             headers = {
@@ -574,7 +613,17 @@ class Gateway:
                         "llmgw.upstream_connect_failed",
                         {"llmgw.replica_id": ep.replica_id, "error": repr(e)},
                     )
+                    unreachable.add(ep.base_url)
                     nxt = self._pick(model, frozenset(tried)) if len(tried) < 2 else None
+                    if nxt is None and len(unreachable) == 1:
+                        # No other replica: the one that failed is gone before the daemon
+                        # knew (preempted, crashed). The engine saw nothing, so the
+                        # request waits, as for a cold start, for a replica at another
+                        # address: the next one, or this one back from the queue.
+                        held = await self._hold(request, model, frozenset(unreachable))
+                        if isinstance(held, web.Response):
+                            return held
+                        nxt = held
                     if nxt is None:
                         return _error(
                             502,

@@ -143,7 +143,7 @@ class Harness:
             (self.d.gateway, self.gateway_port),
             (self.d.internal, self.internal_port),
         ):
-            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            runner = web.AppRunner(app, **daemonmod.RUNNER_OPTIONS)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             self._runners.append(runner)

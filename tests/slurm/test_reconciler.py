@@ -327,8 +327,9 @@ async def test_job_killed_from_outside_is_reaped_with_its_cause_and_restarted(
         await eventually(lambda: asyncio.sleep(0, ready_replicas(h, "victim")), "ready again")
         (again,) = h.jobs()
         assert again[0] != job[0]
-        # Ready again: the failure count is cleared.
-        assert "victim" not in h.rec.failures
+        # Ready again, but not yet for its minimum lifetime: the failure still counts
+        # (an engine that dies at its first request must back off, not loop).
+        assert h.rec.failures["victim"].count == 1
 
 
 async def test_a_job_submitted_just_before_the_daemon_died_is_adopted_not_duplicated(
