@@ -204,3 +204,26 @@ async def running(
         ids = [j[0] for j in h.jobs()]
         if ids:
             subprocess.run(["scancel", *ids], check=False)
+
+
+def fill_nodes(prefix: str, count: int) -> list[str]:
+    """Occupy ``count`` whole nodes (4 GPUs each) with somebody else's jobs; returns their ids."""
+    return [
+        subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                "llm",
+                f"--job-name={prefix}filler",
+                "--gres=gpu:a100:4",
+                "--output=/dev/null",
+                "--wrap",
+                "sleep 900",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for _ in range(count)
+    ]
