@@ -339,6 +339,8 @@ class Reconciler:
             # (a held request would wait a whole pass interval). The listing corrects it.
             r.job_state = JobState.RUNNING
             r.started_at = r.started_at or now
+            # And have the listing catch up now (nodes, time left) rather than next interval.
+            self._wake.set()
         url = body.get("url")
         if event in ("ready", "heartbeat") and isinstance(url, str) and url:
             if r.base_url != url and url not in self._probing:

@@ -271,7 +271,11 @@ async def test_two_node_replica_ranks_meet_before_rank_0_serves_through_the_daem
         # Rank 0's health waited on this barrier: rank 1 really joined it.
         assert stats["ranks"] == [0, 1]
         (rep,) = h.rec.replicas.values()
-        assert rep.node_count == 2 and len(set(rep.nodes)) == 2
+        # Ready can come from the agent's report before the listing names the nodes.
+        await eventually(
+            lambda: asyncio.sleep(0, len(set(rep.nodes)) == 2), "the listing to name both nodes"
+        )
+        assert rep.node_count == 2
 
 
 async def test_a_failed_weights_fetch_reaches_the_daemons_status_with_its_cause(

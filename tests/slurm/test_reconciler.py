@@ -194,6 +194,8 @@ async def test_preempted_replica_is_requeued_and_serves_again(tmp_path: Path, pr
     async with running(tmp_path, prefix, [model]) as h:
         await eventually(lambda: asyncio.sleep(0, ready_replicas(h, "preemptee")), "ready")
         (rep,) = h.rec.replicas.values()
+        # Ready can come from the agent's report before the listing names the node.
+        await eventually(lambda: asyncio.sleep(0, rep.nodes), "the listing to name the node")
         node = rep.nodes[0]
         research = subprocess.run(
             [
