@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import openai
 
 from bench.common import median, print_table, result, write
-from tests.slurm.harness import Harness, running, tiny_model
+from tests.slurm.harness import Harness, fill_nodes, running, tiny_model
 
 WHOLE = {"gpus": 4}
 
@@ -68,25 +68,7 @@ async def wait_gone(job_id: str) -> None:
 
 async def one(folder: Path) -> dict[str, float]:
     prefix = f"llmgwbench{secrets.token_hex(2)}."
-    fillers = [
-        subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "-p",
-                "llm",
-                f"--job-name={prefix}filler",
-                "--gres=gpu:a100:4",
-                "--output=/dev/null",
-                "--wrap",
-                "sleep 900",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        for _ in range(3)
-    ]
+    fillers = fill_nodes(prefix, 3)
     try:
         models = [tiny_model("a", resources=WHOLE), tiny_model("b", resources=WHOLE)]
         async with running(

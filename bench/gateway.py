@@ -1,37 +1,51 @@
 """What the gateway adds: latency and throughput through it against direct calls.
 
-Starts the test engine (no token delay, so the engine's own cost is small and
-the gateway's overhead shows), the gateway in front of it (its own process,
-as the daemon runs it), a bare aiohttp proxy (what aiohttp alone costs, so the
-gateway's own logic shows apart from the framework), and nginx as a reverse
-proxy when it is installed (one worker, upstream keep-alive, buffering off: the
-fair comparison for one Python process). Then, for 1, 64 and 256 concurrent clients, sends
-non-streamed chat completions for a fixed time to each target and reports
-p50/p99 latency and throughput, each as a ratio to direct calls.
+Two test engines on localhost: a paced one that behaves like a real model
+(20 ms to the first token, then a token every 5 ms, 50 tokens: 265 ms a
+request) and an instant one (the same 50 tokens at once, so that only the
+proxies' own cost shows). In front of both, each as one process with one
+worker: the gateway (as the daemon runs it), nginx as a plain reverse proxy
+(upstream keep-alive, buffering off: the near-zero-cost reference; Debian's
+nginx-light is installed if no nginx is found), LiteLLM's proxy (installed
+into .dev-cluster/bench-venv, not into the project's environment) and, with
+``--bare``, the least an aiohttp proxy can do (what the framework alone costs).
 
-The load generator runs in this process on the same machine: on a small
-machine it competes with the servers for CPU, so the absolute numbers are
-lower bounds; the ratios are what to compare. Other work on the machine adds
-noise: the load average at the start is recorded with the results.
+For each engine, non-streamed and streamed, at 1, 64 and 256 concurrent
+clients, each target gets ``duration`` seconds of closed-loop load after a
+0.5 s warm-up: p50/p99 latency, p50/p99 time to the first token (streams) and
+requests per second, each against direct calls to the engine in the same run.
+Rounds interleave the targets, so that a burst of load from elsewhere on the
+machine spreads over all of them; a target's samples are pooled over rounds.
 
-    python bench/gateway.py [--duration 2] [--rounds 2] [--out bench/results/gateway.json]
-                            [--tracing]
+On a machine with two or more CPUs the proxies are pinned to the last CPU and
+the engines and this load generator to the others (``--no-pin`` to turn it
+off): the proxy on a core of its own, so that what it costs shows as its own
+saturation, not as CPU taken from the engine. The load generator is Python on
+the same machine: the absolute numbers are lower bounds, the ratios are what
+to compare; the load average at the start is printed.
 
-``--tracing`` adds a second gateway with tracing on (sampling 1.0, every
-request a span, OTLP/HTTP to a sink process that accepts and drops), to set
-its cost against the gateway with tracing off.
+    python bench/gateway.py [--duration 2] [--rounds 2] [--bare] [--tracing]
+                            [--no-litellm] [--no-nginx]
 
-Bounded in time: a few seconds of set-up plus ``rounds`` x 12 runs of
-``duration + 0.5`` s: about 70 s with the defaults.
+``--tracing`` adds a gateway with tracing on (every request a span, exported
+over OTLP/HTTP to a sink process that accepts and drops), and one whose spans
+are made and batched but never exported, to set their cost against the
+gateway with tracing off.
+
+Bounded: about 40 s of set-up the first time (LiteLLM's install takes longer,
+once), then rounds x 12 x targets runs of duration + 0.5 s plus a settling
+pause after each: about 4 minutes with the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import platform
+import random
+import re
 import shutil
 import socket
 import statistics
@@ -40,23 +54,43 @@ import sys
 import tempfile
 import time
 import urllib.request
-from datetime import UTC, datetime
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import result, write
+
 ENGINE_KEY = "bench-engine-key"
-MODEL = "tiny"
+# LiteLLM refuses to start without a master key (it must start with sk-).
+LITELLM_KEY = "sk-bench-litellm-master-key"
 CLIENTS = (1, 64, 256)
-BODY = json.dumps(
-    {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "the quick brown fox jumps"}],
-        "max_tokens": 8,
-    }
-).encode()
+TOKENS = 50
+# name -> test engine options (first token delay, token delay)
+ENGINES = {"paced": (0.020, 0.005), "instant": (0.0, 0.0)}
+MODES = ("plain", "stream")
+VENV = ROOT / ".dev-cluster" / "bench-venv"
+# Goals from the issue, at 64 clients with the paced engine.
+GOAL_ADDED_P50_MS = 1.0
+GOAL_ADDED_P99_MS = 5.0
+GOAL_THROUGHPUT = 0.95
+GOAL_MAX_RPS_VS_NGINX = 0.5
+
+
+def body(model: str, stream: bool) -> bytes:
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "the quick brown fox jumps"}],
+            "max_tokens": TOKENS,
+            "stream": stream,
+        }
+    ).encode()
 
 
 def _free_port() -> int:
@@ -65,23 +99,35 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_http(url: str, timeout: float = 30.0) -> None:
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
         except OSError as e:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server for {url} exited with {proc.returncode}") from None
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url} did not answer in {timeout} s: {e}") from None
-            time.sleep(0.05)
+            time.sleep(0.1)
 
 
-def serve_gateway(port: int, engine_url: str, collector: str | None = None) -> None:
-    """The gateway process: one model, one replica, no keys, as the daemon would run it."""
+# ---- the servers (each its own process) ------------------------------------------------
+
+
+def serve_gateway(
+    port: int, engines: dict[str, str], profile: str = "", collector: str = ""
+) -> None:
+    """The gateway process: one replica a model, no keys, as the daemon would run it.
+
+    ``collector``: tracing on, every request a span, exported over OTLP/HTTP
+    to that URL; "drop": spans made and batched, never encoded or sent (what
+    the spans themselves cost, apart from the export).
+    """
     from aiohttp import web
 
-    from llmgw_slurm.router import Endpoint, ModelInfo, StaticDirectory, create_app
+    from llmgw_slurm.router import Endpoint, ModelInfo, RouterConfig, StaticDirectory, create_app
 
     if collector:
         from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -93,21 +139,34 @@ def serve_gateway(port: int, engine_url: str, collector: str | None = None) -> N
             def export(self, spans: Any) -> SpanExportResult:
                 return SpanExportResult.SUCCESS
 
-        # "drop": spans made and batched, never encoded or sent (what the spans
-        # themselves cost, apart from the export).
         setup_tracing(
             TracingConfig(enabled=True, endpoint=None if collector == "drop" else collector),
             "llmgw-bench",
             exporter=_Drop() if collector == "drop" else None,
         )
 
-    directory = StaticDirectory([ModelInfo(MODEL)])
-    directory.add_endpoint(MODEL, Endpoint("bench0001", engine_url, ENGINE_KEY))
-    app = create_app(directory)
-    app.router.add_get("/health", lambda _: web.Response(text="ok"))  # type: ignore[arg-type, return-value]
+    directory = StaticDirectory([ModelInfo(name) for name in engines])
+    for i, (name, url) in enumerate(engines.items()):
+        directory.add_endpoint(name, Endpoint(f"bench{i:04d}", url, ENGINE_KEY))
+    # The load sends no traceparent: "all" gives every request its span when traced.
+    app = create_app(directory, RouterConfig(trace_requests="all" if collector else "sampled"))
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/health", health)
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     web.run_app(
         app, host="127.0.0.1", port=port, print=None, access_log=None, handler_cancellation=True
     )
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(profile)
 
 
 def serve_sink(port: int) -> None:
@@ -137,13 +196,18 @@ def serve_bare(port: int, engine_url: str) -> None:
         nonlocal session
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
-    async def proxy(request: web.Request) -> web.Response:
+    async def proxy(request: web.Request) -> web.StreamResponse:
         assert session is not None
-        body = await request.read()
+        data = await request.read()
         headers = {"Authorization": f"Bearer {ENGINE_KEY}", "Content-Type": "application/json"}
-        async with session.post(engine_url + request.path, data=body, headers=headers) as r:
-            data = await r.read()
-            return web.Response(status=r.status, body=data, content_type="application/json")
+        async with session.post(engine_url + request.path, data=data, headers=headers) as r:
+            ctype = r.headers.get("Content-Type", "application/json")
+            resp = web.StreamResponse(status=r.status, headers={"Content-Type": ctype})
+            await resp.prepare(request)
+            async for chunk in r.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -160,7 +224,7 @@ def serve_bare(port: int, engine_url: str) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-_NGINX_CONF = """
+_NGINX_HTTP = """
 worker_processes 1;
 pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
@@ -172,122 +236,271 @@ http {{
     fastcgi_temp_path {dir}/fastcgi;
     uwsgi_temp_path {dir}/uwsgi;
     scgi_temp_path {dir}/scgi;
-    upstream engine {{ server 127.0.0.1:{engine_port}; keepalive 512; }}
+{servers}
+}}
+"""
+
+_NGINX_SERVER = """
+    upstream {name} {{ server 127.0.0.1:{engine_port}; keepalive 512; }}
     server {{
         listen 127.0.0.1:{port};
         location / {{
-            proxy_pass http://engine;
+            proxy_pass http://{name};
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header Authorization "Bearer {key}";
             proxy_buffering off;
         }}
     }}
-}}
 """
 
 
-def start_nginx(tmp: Path, port: int, engine_port: int) -> subprocess.Popen[bytes] | None:
-    nginx = shutil.which("nginx") or (
+def _nginx_path() -> str | None:
+    # /usr/sbin is not on every PATH (a non-root shell).
+    return shutil.which("nginx") or (
         "/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None
     )
-    if nginx is None:
-        return None
-    conf = tmp / "nginx.conf"
-    conf.write_text(_NGINX_CONF.format(dir=tmp, port=port, engine_port=engine_port, key=ENGINE_KEY))
-    return subprocess.Popen(
-        [nginx, "-p", str(tmp), "-c", str(conf), "-g", "daemon off;"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+
+
+def find_nginx(install: bool) -> str | None:
+    found = _nginx_path()
+    if found or not install or not shutil.which("apt-get"):
+        return found
+    print("nginx not found: installing Debian's nginx-light", flush=True)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    quiet = {"env": env, "stdout": subprocess.DEVNULL, "check": False}
+    subprocess.run(["apt-get", "update", "-q"], **quiet)  # type: ignore[call-overload]
+    light = subprocess.run(["apt-get", "install", "-y", "-q", "nginx-light"], **quiet)  # type: ignore[call-overload]
+    if light.returncode:
+        # nginx-light is gone from newer Debian releases; plain nginx is as light.
+        subprocess.run(["apt-get", "install", "-y", "-q", "nginx"], **quiet)  # type: ignore[call-overload]
+    return _nginx_path()
+
+
+def litellm_binary(install: bool) -> Path | None:
+    exe = VENV / "bin" / "litellm"
+    if exe.exists() or not install:
+        return exe if exe.exists() else None
+    print(f"installing LiteLLM's proxy into {VENV} (once; a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    subprocess.run(
+        [str(VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"],
+        check=True,
     )
+    return exe if exe.exists() else None
 
 
-async def load(url: str, clients: int, duration: float) -> tuple[list[float], int]:
-    """``clients`` loops sending requests back to back; warm-up 0.5 s, then ``duration`` s.
+def litellm_config(engines: dict[str, str]) -> str:
+    lines = ["model_list:"]
+    for name, url in engines.items():
+        lines += [
+            f"  - model_name: {name}",
+            "    litellm_params:",
+            f"      model: openai/{name}",
+            f"      api_base: {url}/v1",
+            f"      api_key: {ENGINE_KEY}",
+        ]
+    # No retries, no callbacks: the least LiteLLM does per request.
+    lines += ["litellm_settings:", "  num_retries: 0", "  telemetry: false"]
+    lines += ["general_settings:", f"  master_key: {LITELLM_KEY}", ""]
+    return "\n".join(lines)
 
-    Returns the latencies (s) of the requests that began and ended in the
-    measured window, and the number of errors.
+
+# ---- the load -----------------------------------------------------------------------------
+
+_FIRST_TOKEN = re.compile(rb'"content":\s*"[^"]')
+
+
+@dataclass
+class Samples:
+    latency: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+    # Over the whole run, warm-up included: requests answered, and the CPU
+    # time the server (the proxy, or the engine for direct calls) spent.
+    answered: int = 0
+    cpu_s: float = 0.0
+
+    def add(self, other: Samples) -> None:
+        self.latency += other.latency
+        self.ttft += other.ttft
+        self.errors += other.errors
+        self.seconds += other.seconds
+        self.answered += other.answered
+        self.cpu_s += other.cpu_s
+
+
+async def load(
+    url: str,
+    data: bytes,
+    stream: bool,
+    clients: int,
+    duration: float,
+    key: str = ENGINE_KEY,
+    warmup: float = 0.5,
+) -> Samples:
+    """``clients`` loops sending requests back to back for ``warmup + duration`` s.
+
+    Counts the requests that ended in the measured window (after the warm-up):
+    in a closed loop at a steady state that is the throughput, and their
+    latencies are what a client saw. Requests still running at the end are
+    cut; a proxy that falls far behind (LiteLLM at 256 streams) shows as few
+    completions, not as a run that never ends.
     """
-    headers = {"Authorization": f"Bearer {ENGINE_KEY}", "Content-Type": "application/json"}
-    latencies: list[float] = []
-    errors = 0
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    out = Samples(seconds=duration)
     loop = asyncio.get_running_loop()
-    t_measure = loop.time() + 0.5
+    t_measure = loop.time() + warmup
     t_end = t_measure + duration
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+    ) as session:
+
+        async def one() -> None:
+            t0 = loop.time()
+            first: float | None = None
+            try:
+                async with session.post(url, data=data, headers=headers) as r:
+                    if stream:
+                        async for chunk in r.content.iter_any():
+                            if first is None and _FIRST_TOKEN.search(chunk):
+                                first = loop.time()
+                    else:
+                        await r.read()
+                    ok = r.status == 200 and (first is not None or not stream)
+            except aiohttp.ClientError:
+                ok = False
+            t1 = loop.time()
+            out.answered += ok
+            if t_measure <= t1 <= t_end:
+                if ok:
+                    out.latency.append(t1 - t0)
+                    if first is not None:
+                        out.ttft.append(first - t0)
+                else:
+                    out.errors += 1
 
         async def worker() -> None:
-            nonlocal errors
-            while True:
-                t0 = loop.time()
-                if t0 >= t_end:
-                    return
-                try:
-                    async with session.post(url, data=BODY, headers=headers) as r:
-                        await r.read()
-                        ok = r.status == 200
-                except aiohttp.ClientError:
-                    ok = False
-                t1 = loop.time()
-                if t0 >= t_measure and t1 <= t_end:
-                    if ok:
-                        latencies.append(t1 - t0)
-                    else:
-                        errors += 1
+            # Clients that all start at once stay in step with a paced engine
+            # (265 ms a request): each then answers 7 or 8 times in a 2 s
+            # window depending on the phase, and the throughput jumps by 14 %
+            # with a millisecond of latency. Random starts within the warm-up
+            # spread them out.
+            await asyncio.sleep(random.uniform(0, warmup))
+            while loop.time() < t_end:
+                await one()
 
-        await asyncio.gather(*(worker() for _ in range(clients)))
-    return latencies, errors
+        tasks = [asyncio.create_task(worker()) for _ in range(clients)]
+        await asyncio.wait(tasks, timeout=max(0.0, t_end - loop.time()) + 0.05)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return out
 
 
-def summarize(latencies: list[float], errors: int, seconds: float) -> dict[str, float]:
-    if not latencies:
-        raise RuntimeError(f"no successful request ({errors} errors)")
-    latencies = sorted(latencies)
-    q = statistics.quantiles(latencies, n=100, method="inclusive")
+def _tree(pid: int) -> list[int]:
+    """A process and its descendants (nginx's worker, LiteLLM's)."""
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            for child in task.read_text().split():
+                out += _tree(int(child))
+    return out
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_ticks(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total
+
+
+def settle(pids: list[int], limit: float = 15.0) -> None:
+    """Wait until the servers are idle: a proxy still working off the requests
+    cut at the end of a run would take CPU from the next run's target."""
+    deadline = time.monotonic() + limit
+    before = _cpu_ticks(pids)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = _cpu_ticks(pids)
+        if now - before <= 1:  # 10 ms of CPU in 200 ms
+            return
+        before = now
+
+
+def pct(xs: list[float], q: int) -> float:
+    if not xs:
+        return float("nan")
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(sorted(xs), n=100, method="inclusive")[q - 1]
+
+
+def summarize(s: Samples) -> dict[str, float]:
     return {
-        "p50_ms": statistics.median(latencies) * 1000,
-        "p99_ms": q[98] * 1000,
-        "rps": len(latencies) / seconds,
-        "errors": float(errors),
+        "p50_ms": statistics.median(s.latency) * 1000 if s.latency else float("nan"),
+        "p99_ms": pct(s.latency, 99) * 1000,
+        "ttft_p50_ms": statistics.median(s.ttft) * 1000 if s.ttft else float("nan"),
+        "ttft_p99_ms": pct(s.ttft, 99) * 1000,
+        "rps": len(s.latency) / s.seconds if s.seconds else 0.0,
+        "errors": float(s.errors),
+        "n": float(len(s.latency)),
+        "cpu_us": s.cpu_s / s.answered * 1e6 if s.answered else float("nan"),
     }
 
 
-def _machine() -> str:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{platform.node()}: {os.cpu_count()} CPUs {cpu}, {platform.system()} "
-        f"{platform.release()}, Python {platform.python_version()}, "
-        f"load average at start {os.getloadavg()[0]:.2f}"
-    )
+# ---- the run ------------------------------------------------------------------------------
+
+
+def _pinned(cpus: set[int] | None) -> Callable[[], None] | None:
+    if not cpus:
+        return None
+
+    def pin() -> None:
+        os.sched_setaffinity(0, cpus)
+
+    return pin
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--duration", type=float, default=2.0, help="measured seconds per run")
-    p.add_argument("--rounds", type=int, default=2, help="runs per target and client count")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway.json")
+    p.add_argument("--rounds", type=int, default=2, help="runs per target and case")
+    p.add_argument("--bare", action="store_true", help="also a bare aiohttp proxy")
     p.add_argument("--no-nginx", action="store_true")
+    p.add_argument("--no-litellm", action="store_true")
+    p.add_argument("--no-install", action="store_true", help="use nginx/LiteLLM only if present")
+    p.add_argument("--no-pin", action="store_true", help="do not pin proxies to a CPU of their own")
+    p.add_argument("--only", default="", help="comma-separated targets to run (and direct)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="engines to run (paced,instant)")
+    p.add_argument("--modes", default=",".join(MODES), help="modes to run (plain,stream)")
+    p.add_argument("--clients", default=",".join(map(str, CLIENTS)), help="client counts")
+    p.add_argument("--profile", default="", help="write the gateway's cProfile stats here")
     p.add_argument(
-        "--serve-gateway", nargs=2, metavar=("PORT", "ENGINE_URL"), help=argparse.SUPPRESS
+        "--tracing",
+        action="store_true",
+        help="also a gateway with tracing on (every request a span, exported to a sink "
+        "process that drops them) and one whose spans are made but never exported",
     )
-    p.add_argument("--serve-bare", nargs=2, help=argparse.SUPPRESS)
-    p.add_argument("--tracing", action="store_true", help="also a gateway with tracing on")
-    p.add_argument("--serve-gateway-traced", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--collector", default="", help=argparse.SUPPRESS)
     p.add_argument("--serve-sink", help=argparse.SUPPRESS)
+    p.add_argument("--serve-gateway", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--serve-bare", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_gateway:
-        serve_gateway(int(args.serve_gateway[0]), args.serve_gateway[1])
-        return 0
-    if args.serve_gateway_traced:
-        port_s, engine, sink = args.serve_gateway_traced
-        serve_gateway(int(port_s), engine, sink)
+        serve_gateway(
+            int(args.serve_gateway[0]),
+            json.loads(args.serve_gateway[1]),
+            args.profile,
+            args.collector,
+        )
         return 0
     if args.serve_sink:
         serve_sink(int(args.serve_sink))
@@ -296,108 +509,178 @@ def main() -> int:
         serve_bare(int(args.serve_bare[0]), args.serve_bare[1])
         return 0
 
+    cpus = sorted(os.sched_getaffinity(0))
+    proxy_cpus: set[int] | None = None
+    other_cpus: set[int] | None = None
+    if len(cpus) >= 2 and not args.no_pin:
+        proxy_cpus, other_cpus = {cpus[-1]}, set(cpus[:-1])
+        os.sched_setaffinity(0, other_cpus)
+    load_avg = os.getloadavg()[0]
+
+    nginx = None if args.no_nginx else find_nginx(not args.no_install)
+    litellm = None if args.no_litellm else litellm_binary(not args.no_install)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     procs: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmpd:
-        try:
-            e_port, g_port, n_port, b_port = (_free_port() for _ in range(4))
-            engine_url = f"http://127.0.0.1:{e_port}"
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "llmgw_slurm.testing.engine",
-                        "--port",
-                        str(e_port),
-                        "--api-key",
-                        ENGINE_KEY,
-                        "--served-name",
-                        MODEL,
-                    ],
-                    env=env,
-                )
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, "--serve-gateway", str(g_port), engine_url],
-                    env=env,
-                )
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, "--serve-bare", str(b_port), engine_url],
-                    env=env,
-                )
-            )
-            targets = {
-                "direct": f"{engine_url}/v1/chat/completions",
-                "gateway": f"http://127.0.0.1:{g_port}/v1/chat/completions",
-                "aiohttp-bare": f"http://127.0.0.1:{b_port}/v1/chat/completions",
-            }
-            _wait_http(engine_url + "/health")
-            _wait_http(f"http://127.0.0.1:{g_port}/health")
-            _wait_http(f"http://127.0.0.1:{b_port}/health")
-            if args.tracing:
-                s_port, t_port = _free_port(), _free_port()
-                sink = f"http://127.0.0.1:{s_port}"
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, __file__, "--serve-sink", str(s_port)], env=env
-                    )
-                )
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            __file__,
-                            "--serve-gateway-traced",
-                            str(t_port),
-                            engine_url,
-                            sink,
-                        ],
-                        env=env,
-                    )
-                )
-                _wait_http(sink + "/health")
-                _wait_http(f"http://127.0.0.1:{t_port}/health")
-                targets["gateway-traced"] = f"http://127.0.0.1:{t_port}/v1/chat/completions"
-                d_port = _free_port()
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            __file__,
-                            "--serve-gateway-traced",
-                            str(d_port),
-                            engine_url,
-                            "drop",
-                        ],
-                        env=env,
-                    )
-                )
-                _wait_http(f"http://127.0.0.1:{d_port}/health")
-                targets["gateway-spans-only"] = f"http://127.0.0.1:{d_port}/v1/chat/completions"
-            ng = None if args.no_nginx else start_nginx(Path(tmpd), n_port, e_port)
-            if ng is not None:
-                procs.append(ng)
-                _wait_http(f"http://127.0.0.1:{n_port}/health")
-                targets["nginx"] = f"http://127.0.0.1:{n_port}/v1/chat/completions"
+    # target -> engine name -> chat completions URL
+    targets: dict[str, dict[str, str]] = {}
+    # (target, engine) -> the process that serves it, for its CPU time.
+    server_pid: dict[tuple[str, str], int] = {}
 
-            # Rounds interleave the targets, so that a burst of load from
-            # elsewhere on the machine spreads over all of them; each
-            # target's latencies are pooled over the rounds.
-            pooled: dict[tuple[str, int], tuple[list[float], int]] = {}
-            for _ in range(args.rounds):
-                for clients in CLIENTS:
-                    for name, url in targets.items():
-                        lat, err = asyncio.run(load(url, clients, args.duration))
-                        prev = pooled.get((name, clients), ([], 0))
-                        pooled[(name, clients)] = (prev[0] + lat, prev[1] + err)
-            measured = {
-                k: summarize(lat, err, args.duration * args.rounds)
-                for k, (lat, err) in pooled.items()
+    def start(cmd: list[str], cpus_: set[int] | None, **kw: Any) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, env=kw.pop("env", env), preexec_fn=_pinned(cpus_), **kw)
+        procs.append(proc)
+        return proc
+
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmpd:
+        tmp = Path(tmpd)
+        try:
+            engines: dict[str, str] = {}
+            waits: list[tuple[str, subprocess.Popen[bytes]]] = []
+            for name, (first, delay) in ENGINES.items():
+                port = _free_port()
+                engines[name] = f"http://127.0.0.1:{port}"
+                cmd = [
+                    sys.executable, "-m", "llmgw_slurm.testing.engine", "--port", str(port),
+                    "--api-key", ENGINE_KEY, "--served-name", name,
+                    "--token-delay", str(delay), "--first-token-delay", str(first),
+                ]  # fmt: skip
+                # Its stderr is noise: a traceback for each stream cut at the end of a run.
+                proc = start(cmd, other_cpus, stderr=subprocess.DEVNULL)
+                server_pid[("direct", name)] = proc.pid
+                waits.append((engines[name] + "/health", proc))
+            targets["direct"] = {n: f"{u}/v1/chat/completions" for n, u in engines.items()}
+
+            g_port = _free_port()
+            cmd = [sys.executable, __file__, "--serve-gateway", str(g_port), json.dumps(engines)]
+            if args.profile:
+                cmd += ["--profile", str(Path(args.profile).resolve())]
+            gw = start(cmd, proxy_cpus)
+            waits.append((f"http://127.0.0.1:{g_port}/health", gw))
+            server_pid |= {("gateway", n): gw.pid for n in engines}
+            targets["gateway"] = {
+                n: f"http://127.0.0.1:{g_port}/v1/chat/completions" for n in engines
             }
+
+            if args.tracing:
+                s_port = _free_port()
+                sink = f"http://127.0.0.1:{s_port}"
+                cmd = [sys.executable, __file__, "--serve-sink", str(s_port)]
+                waits.append((sink + "/health", start(cmd, other_cpus)))
+                for target, collector in (("gateway-traced", sink), ("gateway-spans-only", "drop")):
+                    t_port = _free_port()
+                    cmd = [
+                        sys.executable, __file__, "--serve-gateway", str(t_port),
+                        json.dumps(engines), "--collector", collector,
+                    ]  # fmt: skip
+                    traced = start(cmd, proxy_cpus)
+                    waits.append((f"http://127.0.0.1:{t_port}/health", traced))
+                    server_pid |= {(target, n): traced.pid for n in engines}
+                    targets[target] = {
+                        n: f"http://127.0.0.1:{t_port}/v1/chat/completions" for n in engines
+                    }
+
+            if args.bare:
+                targets["aiohttp-bare"] = {}
+                for name, url in engines.items():
+                    b_port = _free_port()
+                    cmd = [sys.executable, __file__, "--serve-bare", str(b_port), url]
+                    bare = start(cmd, proxy_cpus)
+                    server_pid[("aiohttp-bare", name)] = bare.pid
+                    waits.append((f"http://127.0.0.1:{b_port}/health", bare))
+                    targets["aiohttp-bare"][name] = f"http://127.0.0.1:{b_port}/v1/chat/completions"
+
+            if nginx is not None:
+                servers, urls = [], {}
+                for name, url in engines.items():
+                    n_port = _free_port()
+                    servers.append(
+                        _NGINX_SERVER.format(
+                            name=name,
+                            port=n_port,
+                            engine_port=url.rsplit(":", 1)[1],
+                            key=ENGINE_KEY,
+                        )
+                    )
+                    urls[name] = f"http://127.0.0.1:{n_port}"
+                conf = tmp / "nginx.conf"
+                conf.write_text(_NGINX_HTTP.format(dir=tmp, servers="".join(servers)))
+                ng = start(
+                    [nginx, "-p", str(tmp), "-c", str(conf), "-g", "daemon off;"],
+                    proxy_cpus,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                waits += [(url + "/health", ng) for url in urls.values()]
+                server_pid |= {("nginx", n): ng.pid for n in engines}
+                targets["nginx"] = {n: f"{u}/v1/chat/completions" for n, u in urls.items()}
+
+            if litellm is not None:
+                l_port = _free_port()
+                cfg = tmp / "litellm.yaml"
+                cfg.write_text(litellm_config(engines))
+                l_env = dict(
+                    os.environ,
+                    # The model price map ships with the package: no fetch at start-up.
+                    LITELLM_LOCAL_MODEL_COST_MAP="True",
+                    LITELLM_LOG="ERROR",
+                    DISABLE_SCHEMA_UPDATE="True",
+                )
+                l_env.pop("PYTHONPATH", None)
+                lp = start(
+                    [str(litellm), "--config", str(cfg), "--host", "127.0.0.1",
+                     "--port", str(l_port), "--num_workers", "1"],
+                    proxy_cpus,
+                    env=l_env,
+                    stdout=open(tmp / "litellm.log", "wb"),  # noqa: SIM115
+                    stderr=subprocess.STDOUT,
+                )  # fmt: skip
+                waits.append((f"http://127.0.0.1:{l_port}/health/liveliness", lp))
+                server_pid |= {("litellm", n): lp.pid for n in engines}
+                targets["litellm"] = {
+                    n: f"http://127.0.0.1:{l_port}/v1/chat/completions" for n in engines
+                }
+
+            for url, proc in waits:
+                try:
+                    _wait_http(url, proc, timeout=120)
+                except RuntimeError:
+                    log = tmp / "litellm.log"
+                    if proc is procs[-1] and log.exists():
+                        print(log.read_text()[-3000:], file=sys.stderr)
+                    raise
+            if args.only:
+                keep = {"direct", *args.only.split(",")}
+                targets = {k: v for k, v in targets.items() if k in keep}
+
+            pids = [pr.pid for pr in procs]
+            print(
+                f"targets: {', '.join(targets)}; {len(cpus)} CPUs"
+                + (f", proxies on CPU {sorted(proxy_cpus)}" if proxy_cpus else "")
+                + f"; load average {load_avg:.2f}",
+                flush=True,
+            )
+            pooled: dict[tuple[str, str, str, int], Samples] = {}
+            t_start = time.monotonic()
+            for rnd in range(args.rounds):
+                for engine in args.engines.split(","):
+                    for mode in args.modes.split(","):
+                        for clients in map(int, args.clients.split(",")):
+                            for target, urls in targets.items():
+                                data = body(engine, mode == "stream")
+                                key = LITELLM_KEY if target == "litellm" else ENGINE_KEY
+                                tree = _tree(server_pid[(target, engine)])
+                                cpu0 = _cpu_ticks(tree)
+                                s = asyncio.run(
+                                    load(urls[engine], data, mode == "stream", clients,
+                                         args.duration, key)
+                                )  # fmt: skip
+                                s.cpu_s = (_cpu_ticks(tree) - cpu0) * _TICK_S
+                                pooled.setdefault((target, engine, mode, clients), Samples()).add(s)
+                                settle(pids)
+                print(
+                    f"round {rnd + 1}/{args.rounds} done at {time.monotonic() - t_start:.0f} s",
+                    flush=True,
+                )
         finally:
             for proc in procs:
                 proc.terminate()
@@ -407,56 +690,114 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     proc.kill()
 
-    results: list[dict[str, Any]] = []
-    rows = []
-    for clients in CLIENTS:
-        ref = measured[("direct", clients)]
-        for name in targets:
-            if name == "direct":
-                continue
-            m = measured[(name, clients)]
-            for metric, unit in (("p50_ms", "ms"), ("p99_ms", "ms"), ("rps", "req/s")):
-                results.append(
-                    {
-                        "name": f"{name}.clients{clients}.{metric.removesuffix('_ms')}",
-                        "value": round(m[metric], 3),
-                        "unit": unit,
-                        "reference": f"direct.clients{clients}.{metric.removesuffix('_ms')}",
-                        "reference_value": round(ref[metric], 3),
-                        "ratio": round(m[metric] / ref[metric], 3),
-                    }
-                )
-            rows.append((name, clients, m, ref))
-    print(
-        f"{'target':12s} {'clients':>7s} {'p50 ms':>9s} {'x direct':>9s} {'p99 ms':>9s} "
-        f"{'x direct':>9s} {'req/s':>8s} {'x direct':>9s}"
-    )
-    for name, clients, m, ref in rows:
-        print(
-            f"{name:12s} {clients:7d} {m['p50_ms']:9.2f} {m['p50_ms'] / ref['p50_ms']:9.2f} "
-            f"{m['p99_ms']:9.2f} {m['p99_ms'] / ref['p99_ms']:9.2f} {m['rps']:8.0f} "
-            f"{m['rps'] / ref['rps']:9.2f}"
-        )
-    for clients in CLIENTS:
-        ref = measured[("direct", clients)]
-        print(
-            f"{'direct':12s} {clients:7d} {ref['p50_ms']:9.2f} {'':9s} {ref['p99_ms']:9.2f} "
-            f"{'':9s} {ref['rps']:8.0f}"
-        )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "machine": _machine(),
-                "when": datetime.now(UTC).isoformat(timespec="seconds"),
-                "results": results,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"wrote {args.out}")
+    measured = {k: summarize(v) for k, v in pooled.items()}
+    report(measured, list(targets), load_avg)
     return 0
+
+
+def report(
+    measured: dict[tuple[str, str, str, int], dict[str, float]], targets: list[str], load_avg: float
+) -> None:
+    results: list[dict[str, Any]] = []
+    print(
+        f"\n{'target':18s} {'engine':7s} {'mode':6s} {'clients':>7s} {'p50 ms':>8s} {'+ms':>7s} "
+        f"{'p99 ms':>8s} {'+ms':>7s} {'ttft50':>7s} {'+ms':>7s} {'ttft99':>7s} {'+ms':>7s} "
+        f"{'req/s':>7s} {'x direct':>8s} {'cpu us':>7s} {'err':>4s}"
+    )
+    for engine in ENGINES:
+        for mode in MODES:
+            for clients in CLIENTS:
+                if ("direct", engine, mode, clients) not in measured:
+                    continue
+                ref = measured[("direct", engine, mode, clients)]
+                for target in targets:
+                    m = measured[(target, engine, mode, clients)]
+                    case = f"{engine}.{mode}.c{clients}"
+                    d = {
+                        k: m[k] - ref[k] for k in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms")
+                    }
+                    ratio = m["rps"] / ref["rps"] if ref["rps"] else float("nan")
+                    print(
+                        f"{target:18s} {engine:7s} {mode:6s} {clients:7d} {m['p50_ms']:8.2f} "
+                        f"{d['p50_ms']:7.2f} {m['p99_ms']:8.2f} {d['p99_ms']:7.2f} "
+                        f"{m['ttft_p50_ms']:7.2f} {d['ttft_p50_ms']:7.2f} {m['ttft_p99_ms']:7.2f} "
+                        f"{d['ttft_p99_ms']:7.2f} {m['rps']:7.0f} {ratio:8.2f} "
+                        f"{m['cpu_us']:7.0f} {m['errors']:4.0f}"
+                    )
+                    if target == "direct":
+                        continue
+                    metrics = [
+                        ("p50_ms", "p50"),
+                        ("p99_ms", "p99"),
+                        ("rps", "rps"),
+                        ("cpu_us", "cpu"),
+                    ]
+                    if mode == "stream":
+                        metrics += [("ttft_p50_ms", "ttft_p50"), ("ttft_p99_ms", "ttft_p99")]
+                    for key, short in metrics:
+                        if m[key] == m[key] and ref[key] == ref[key]:  # not NaN
+                            unit = {"rps": "req/s", "cpu_us": "us/request"}.get(key, "ms")
+                            results.append(
+                                result(f"{target}.{case}.{short}", m[key], unit,
+                                       f"direct.{case}.{short}", ref[key])
+                            )  # fmt: skip
+                    if engine == "paced" and clients == 64:
+                        for key, goal in (
+                            ("p50_ms", GOAL_ADDED_P50_MS),
+                            ("p99_ms", GOAL_ADDED_P99_MS),
+                        ):
+                            results.append(
+                                result(f"{target}.{case}.added_{key}", d[key], "ms", "goal", goal)
+                            )
+            print()
+    # (b): the most requests per second each proxy sustains with the instant engine.
+    best: dict[str, float] = {}
+    for target in targets:
+        for mode, sfx in (("plain", ""), ("stream", ".stream")):
+            best[target + sfx] = max(
+                (
+                    measured[k]["rps"]
+                    for c in CLIENTS
+                    if (k := (target, "instant", mode, c)) in measured
+                ),
+                default=float("nan"),
+            )
+    if "nginx" in targets:
+        for target in targets:
+            if target in ("direct", "nginx"):
+                continue
+            for sfx in ("", ".stream"):
+                results.append(
+                    result(f"{target}.instant{sfx}.max_rps", best[target + sfx], "req/s",
+                           f"nginx.instant{sfx}.max_rps", best["nginx" + sfx])
+                )  # fmt: skip
+    print("most req/s with the instant engine (plain, stream): " + "; ".join(
+        f"{t} {best[t]:.0f}, {best[t + '.stream']:.0f}" for t in targets
+    ))  # fmt: skip
+
+    # The goals, for the gateway.
+    if "gateway" in targets:
+        print("\ngoals (gateway, paced engine, 64 clients):")
+        for mode in MODES:
+            if ("gateway", "paced", mode, 64) not in measured:
+                continue
+            g = measured[("gateway", "paced", mode, 64)]
+            r = measured[("direct", "paced", mode, 64)]
+            added = g["p50_ms"] - r["p50_ms"]
+            print(
+                f"  {mode:6s}: added p50 {added:+.2f} ms (goal < {GOAL_ADDED_P50_MS}), "
+                f"added p99 {g['p99_ms'] - r['p99_ms']:+.2f} ms (goal < {GOAL_ADDED_P99_MS}), "
+                f"throughput {g['rps'] / r['rps']:.3f} of direct (goal >= {GOAL_THROUGHPUT})"
+            )
+        if "nginx" in targets:
+            for sfx in ("", ".stream"):
+                print(
+                    f"  instant{sfx or '.plain'}: {best['gateway' + sfx]:.0f} req/s = "
+                    f"{best['gateway' + sfx] / best['nginx' + sfx]:.2f} of nginx's "
+                    f"{best['nginx' + sfx]:.0f} (goal >= {GOAL_MAX_RPS_VS_NGINX})"
+                )
+    path = write("gateway", results)
+    print(f"wrote {path} (load average at start {load_avg:.2f})")
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def add_admin_routes(
     token: str,
     reload: Callable[[], str | None],
 ) -> None:
-    """Drain, stop and reload on the internal app, each behind the admin token."""
+    """Drain, stop, reload and job announcements on the internal app, behind the admin token."""
 
     def guarded(
         fn: Callable[[web.Request], Awaitable[web.Response]],
@@ -201,4 +201,24 @@ def add_admin_routes(
 
     app.router.add_post(f"{ADMIN_PREFIX}/drain", guarded(drain))
     app.router.add_post(f"{ADMIN_PREFIX}/stop", guarded(stop))
+
+    async def jobs(request: web.Request) -> web.Response:
+        # llmgw-admin fetch / install-engine announce what they submitted.
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body is not JSON", "bad_request")
+        if not isinstance(body, dict):
+            return _error(400, "body must be an object", "bad_request")
+        job_id, name, target = (str(body.get(k) or "") for k in ("job_id", "name", "target"))
+        if not rec.service_jobs.expect(job_id, name, target, rec.clock()):
+            return _error(
+                400,
+                f"job {job_id!r} named {name!r} is not a model job or engine install of "
+                f"this daemon (prefix {rec.prefix!r})",
+                "bad_request",
+            )
+        return web.json_response({"ok": True})
+
     app.router.add_post(f"{ADMIN_PREFIX}/reload", guarded(do_reload))
+    app.router.add_post(f"{ADMIN_PREFIX}/jobs", guarded(jobs))

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
+from llmgw_slurm.catalog import MODEL_NAME_RE
 from llmgw_slurm.slurm.types import AccountingRecord, JobState
 
 __all__ = [
@@ -79,7 +80,9 @@ def model_of(rec: AccountingRecord, prefix: str) -> str | None:
     # "{prefix}{model}.{replica_id}".
     rest = rec.name[len(prefix) :]
     model, dot, rid = rest.rpartition(".")
-    if dot and model and re.fullmatch(r"[0-9a-f]{8}", rid):
+    # A model name never starts with "_": the service's model jobs and engine
+    # installs ("{prefix}_job.KIND...") are not any model's.
+    if dot and MODEL_NAME_RE.fullmatch(model) and re.fullmatch(r"[0-9a-f]{8}", rid):
         return model
     return None
 

@@ -11,10 +11,11 @@ never blocks a request.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,11 @@ from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
 from llmgw_slurm.reconciler.core import Reconciler
+from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.router import RouterConfig, create_app
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.usage import UsageStore
+from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import admin_token, load_or_create_server_key
 from llmgw_slurm.slurm import make_backend
 from llmgw_slurm.tracing import setup_tracing
@@ -112,18 +115,37 @@ class Daemon:
     internal: web.Application
     # None when tracing is off (no exporter thread exists then).
     tracer_provider: TracerProvider | None = None
+    # systemd's Type=notify; a no-op outside systemd.
+    notifier: Notifier = field(default_factory=Notifier)
+    # The last reload's refusal, kept in systemd's status line until a good reload.
+    reload_error: str = ""
 
     def reload(self) -> str | None:
-        """Re-read the catalog; a bad one is refused (its errors returned), the last good kept."""
+        """Re-read the catalog; a bad one is refused (its errors returned), the last good kept.
+
+        systemd is told (RELOADING=1, then READY=1) whether it came from SIGHUP
+        or from ``llmgw-admin reload``: either way the unit is reloading.
+        """
+        # Before the first READY=1 systemd is still starting the unit: a READY=1
+        # from a reload would end the start before the first pass.
+        announce = self.notifier.readied
+        if announce:
+            self.notifier.reloading()
         try:
-            catalog = load_catalog(self.server.models)
-        except LlmgwError as exc:
-            log.error("catalog reload refused, keeping the last good one:\n%s", exc)
-            return f"catalog reload refused, keeping the last good one:\n{exc}"
-        self.catalog = catalog
-        self.reconciler.set_catalog(catalog)
-        log.info("catalog reloaded: %d models", len(catalog.models))
-        return None
+            try:
+                catalog = load_catalog(self.server.models)
+            except LlmgwError as exc:
+                log.error("catalog reload refused, keeping the last good one:\n%s", exc)
+                self.reload_error = "last catalog reload refused (see the log)"
+                return f"catalog reload refused, keeping the last good one:\n{exc}"
+            self.catalog = catalog
+            self.reconciler.set_catalog(catalog)
+            self.reload_error = ""
+            log.info("catalog reloaded: %d models", len(catalog.models))
+            return None
+        finally:
+            if announce:
+                self.notifier.ready(status_line(self))
 
 
 def build(server: ServerConfig, server_path: Path) -> Daemon:
@@ -172,13 +194,54 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     return d
 
 
-async def serve(d: Daemon) -> None:
-    stop = asyncio.Event()
+def status_line(d: Daemon) -> str:
+    """One line for ``systemctl status``: models, ready replicas, what is wrong."""
+    rec = d.reconciler
+    states = [(r.model, r.state()) for r in rec.replicas.values()]
+    ready = collections.Counter(m for m, st in states if st is ReplicaState.READY)
+    coming = sum(1 for _, st in states if st in (ReplicaState.PENDING, ReplicaState.STARTING))
+    n = len(rec.catalog.models)
+    parts = [f"{n} model{'s' if n != 1 else ''}", f"{sum(ready.values())} ready"]
+    if ready:
+        parts[-1] += " (" + ", ".join(f"{m} {k}" for m, k in sorted(ready.items())) + ")"
+    if coming:
+        parts.append(f"{coming} starting")
+    if rec.last_pass_error:
+        parts.append(f"Slurm not answering: {rec.last_pass_error}")
+    if d.reload_error:
+        parts.append(d.reload_error)
+    return "; ".join(parts)
+
+
+async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM or SIGINT (or ``stop``, for tests), telling systemd each stage."""
+    if stop is None:
+        stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def shutdown() -> None:
+        # At once, not after the pass in progress: systemd's stop timeout runs from here.
+        d.notifier.stopping()
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, shutdown)
+    loop.add_signal_handler(signal.SIGINT, shutdown)
     loop.add_signal_handler(signal.SIGHUP, d.reload)
     runners: list[web.AppRunner] = []
+    first = True
+
+    def after_pass() -> None:
+        # READY=1 only now: both ports answer and the first pass has looked at Slurm
+        # (or said why it could not), so `systemctl start` returning means the
+        # gateway serves with a real view of the cluster.
+        nonlocal first
+        if first:
+            first = False
+            d.notifier.ready(status_line(d))
+        else:
+            d.notifier.status(status_line(d))
+
     try:
         for app, hp in (
             (d.gateway, d.server.listen.gateway),
@@ -196,8 +259,11 @@ async def serve(d: Daemon) -> None:
             d.server.listen.internal.port,
             len(d.catalog.models),
         )
-        await d.reconciler.run(stop)
+        await d.reconciler.run(stop, on_pass=after_pass)
     finally:
+        d.notifier.stopping()
+        for sig in handled:
+            loop.remove_signal_handler(sig)
         await d.reconciler.close()
         for r in runners:
             await r.cleanup()

@@ -322,7 +322,8 @@ class EngineInstallParams:
     """A job that installs an engine version: a venv with pip, or an Apptainer pull.
 
     ``kind`` is ``"venv"`` (``target`` is the venv directory, ``packages`` the
-    pip requirements, ``pip_args`` extra pip options such as an index) or
+    pip requirements, none for a bare venv, ``pip_args`` extra pip options such
+    as an index, ``system_site_packages`` to see the interpreter's packages) or
     ``"apptainer"`` (``target`` is the .sif file, ``image_uri`` what to pull).
     Both are safe to run twice at once: a lock file serialises them and a
     marker (venv) or an atomic rename (image) shows completion.
@@ -336,14 +337,13 @@ class EngineInstallParams:
     image_uri: str = ""
     apptainer: str = "apptainer"
     resources: Resources = field(default_factory=Resources)
+    system_site_packages: bool = False
 
     def validate(self) -> None:
         self.job.validate()
         self.resources.validate("resources")
         _check_abs_path(self.target, "target")
         if self.kind == "venv":
-            if not self.packages:
-                raise TemplateError("packages: empty; a venv install needs pip requirements")
             for i, req in enumerate(self.packages):
                 _check(req, _REQUIREMENT, f"packages[{i}]", "a pip requirement like vllm==0.6.3")
             for i, arg in enumerate(self.pip_args):

@@ -90,10 +90,10 @@ def serve(server_path: Path, log_level: str) -> None:
     """Run the daemon: reconciler, gateway and internal API (SIGHUP reloads the catalog)."""
     from llmgw_slurm import daemon
     from llmgw_slurm.config import load_server_config
+    from llmgw_slurm.sdnotify import log_handler
 
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # Without a timestamp under systemd: the journal stamps each line itself.
+    logging.basicConfig(level=log_level.upper(), handlers=[log_handler(sys.stderr)])
     server = load_server_config(server_path)
     d = daemon.build(server, server_path)
     run(daemon.serve(d))
@@ -274,6 +274,7 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
         )
     else:
         click.echo("no replicas")
+    _print_service_jobs(st.get("jobs") or [])
     nodes_ = st.get("nodes") or []
     if nodes_:
         click.echo()
@@ -300,6 +301,35 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
             ago = fmt_age(now - float(d.get("at") or now))
             rid = f" {d['replica']}" if d.get("replica") else ""
             click.echo(f"{ago:>7} ago  {d.get('action')} {d.get('model')}{rid}: {d.get('reason')}")
+
+
+def _print_service_jobs(jobs: list[dict[str, Any]]) -> None:
+    """Model jobs and engine installs: queued, running, and those that ended within the hour."""
+    if not jobs:
+        return
+    click.echo()
+    click.echo(
+        table(
+            ("JOB", "KIND", "TARGET", "STATE", "ELAPSED", "REASON"),
+            [
+                (
+                    j.get("job_id"),
+                    j.get("kind"),
+                    j.get("target"),
+                    j.get("state"),
+                    "-" if j.get("elapsed_s") is None else fmt_age(float(j["elapsed_s"])),
+                    j.get("reason") if j.get("reason") not in (None, "", "None") else "-",
+                )
+                for j in jobs
+            ],
+        )
+    )
+    # Lines, not a column: the last line of a job's log is its cause, worth reading whole.
+    for j in jobs:
+        if j.get("ended_at") and j.get("message"):
+            click.echo(
+                f"  job {j.get('job_id')} ({j.get('kind')} {j.get('target')}): {j['message']}"
+            )
 
 
 def _target_body(target: str | None, node: str | None, reason: str | None) -> dict[str, str]:
@@ -610,6 +640,7 @@ def script(model: str, server_path: Path) -> None:
 
     from llmgw_slurm.catalog import load_catalog
     from llmgw_slurm.reconciler.jobs import JobBuilder
+
     server = _load_server(server_path)
     catalog = load_catalog(server.models)
     m = catalog.resolve(model)
@@ -631,3 +662,206 @@ def script(model: str, server_path: Path) -> None:
         click.echo(f"{k}={shlex.quote(shown)}")
     click.echo("\n# the batch script")
     click.echo(spec.script, nl=False)
+
+
+# ---- model jobs and engine installs --------------------------------------------------
+
+_wait_option = click.option(
+    "--wait",
+    is_flag=True,
+    help="Follow the job to its end, printing its state; exit 1 unless it completes.",
+)
+_time_option = click.option(
+    "--time",
+    "time_limit",
+    help="Slurm time limit (minutes, HH:MM:SS, D-HH:MM:SS); default the partition's.",
+)
+
+
+def _svc_backend(server: ServerConfig) -> Any:
+    from llmgw_slurm.slurm import make_backend
+
+    return make_backend(server.slurm.backend, timeout=max(server.slurm.command_timeout, 30))
+
+
+def _submit_service_job(server: ServerConfig, spec: Any, wait: bool, poll: float) -> None:
+    from llmgw_slurm.svcjobs import job_log_path
+
+    backend = _svc_backend(server)
+    job_id: str = run(backend.submit(spec))
+    click.echo(f"submitted job {job_id} ({spec.name})")
+    click.echo(f"log: {job_log_path(server, spec.name, job_id)}")
+    # The daemon lists the job in its next pass anyway; told now, it also shows
+    # one that ends before that pass. Not running is fine: the job runs regardless.
+    target = next((w[7:] for w in spec.comment.split() if w.startswith("target=")), "")
+    try:
+        _admin_call(server, "jobs", {"job_id": job_id, "name": spec.name, "target": target})
+    except click.ClickException as exc:
+        click.echo(f"note: the daemon was not told ({exc.message})", err=True)
+    if wait:
+        run(_follow(server, backend, spec.name, job_id, poll))
+
+
+async def _follow(server: ServerConfig, backend: Any, name: str, job_id: str, poll: float) -> None:
+    """Print each state the job passes through; its final state comes from accounting.
+
+    One ``squeue -u`` per poll (this user's jobs, the cheap listing), not a
+    query per job; the daemon, if it runs, sees the same job in its own pass.
+    """
+    import asyncio
+
+    from llmgw_slurm.errors import SlurmError
+    from llmgw_slurm.slurm.types import JobState
+    from llmgw_slurm.svcjobs import job_log_path, last_log_line
+
+    t0 = time.monotonic()
+    last = ""
+    submitted = datetime.now() - timedelta(minutes=5)
+    final: JobState | None = None
+    exit_code = ""
+    while final is None:
+        jobs = [j for j in await backend.list_jobs(name) if j.job_id == job_id]
+        if jobs and not jobs[0].state.is_finished:
+            j = jobs[0]
+            where = f" on {','.join(j.nodes)}" if j.nodes else ""
+            shown = f"{j.state.value}{where}" + (
+                f" ({j.reason})" if j.reason and j.reason != "None" else ""
+            )
+            if shown != last:
+                click.echo(f"{fmt_age(time.monotonic() - t0):>6}  {shown}")
+                last = shown
+            await asyncio.sleep(poll)
+            continue
+        # Out of the listing: accounting has the end (slurmdbd may lag a moment).
+        for _ in range(10):
+            try:
+                recs = await backend.accounting(submitted, name_prefix=name)
+            except SlurmError as exc:
+                raise click.ClickException(
+                    f"job {job_id} left the queue; its final state is unknown: sacct failed: {exc}"
+                ) from None
+            rec = next((r for r in recs if r.job_id == job_id), None)
+            if rec is not None and rec.state.is_finished:
+                final, exit_code = rec.state, rec.exit_code
+                break
+            await asyncio.sleep(1.0)
+        else:
+            raise click.ClickException(
+                f"job {job_id} left the queue but accounting has no end for it yet; "
+                f"see {job_log_path(server, name, job_id)}"
+            )
+    line = last_log_line(job_log_path(server, name, job_id))
+    click.echo(
+        f"{fmt_age(time.monotonic() - t0):>6}  {final.value}"
+        + (f" (exit {exit_code})" if exit_code not in ("", "0:0") else "")
+    )
+    if final is not JobState.COMPLETED:
+        raise click.ClickException(f"job {job_id} {final.value}: {line or 'no output'}")
+    if line:
+        click.echo(line)
+
+
+@main.command()
+@click.argument("model")
+@_server_option
+@_time_option
+@click.option(
+    "--allow-download", is_flag=True, help="This job may download (hf) even if agent.yaml says no."
+)
+@_wait_option
+@click.option("--poll", default=2.0, show_default=True, help="Seconds between looks with --wait.")
+@friendly_errors
+def fetch(
+    model: str,
+    server_path: Path,
+    time_limit: str | None,
+    allow_download: bool,
+    wait: bool,
+    poll: float,
+) -> None:
+    """Fetch MODEL's weights into the agent's cache in a Slurm job, ahead of its first start.
+
+    Run it as the daemon's user: the job is the service's, shown in `llmgw-admin
+    status`. The cache is agent.yaml's weights.cache_dir (shared by the nodes).
+    """
+    from llmgw_slurm.catalog import load_catalog
+    from llmgw_slurm.svcjobs import ServiceJobBuilder
+
+    server = _load_server(server_path)
+    catalog = load_catalog(server.models)
+    m = catalog.resolve(model)
+    if m is None:
+        raise click.ClickException(
+            f"unknown model {model!r}; known: {', '.join(catalog.names) or '(none)'}"
+        )
+    spec = ServiceJobBuilder(server).fetch(m, time=time_limit, allow_download=allow_download)
+    _submit_service_job(server, spec, wait, poll)
+
+
+@main.command("install-engine")
+@click.argument("kind", type=click.Choice(["venv", "apptainer"]))
+@click.argument("target")
+@click.option("--package", "packages", multiple=True, help="A pip requirement (venv; repeatable).")
+@click.option(
+    "--pip-arg",
+    "pip_args",
+    multiple=True,
+    help="An option for pip, e.g. --index-url=URL (repeatable).",
+)
+@click.option(
+    "--system-site-packages", is_flag=True, help="The venv sees the interpreter's packages."
+)
+@click.option(
+    "--image",
+    "image_uri",
+    default="",
+    help="What to pull (apptainer), e.g. docker://vllm/vllm-openai:v0.6.3.",
+)
+@click.option("--apptainer", "apptainer_bin", default="apptainer", show_default=True)
+@_server_option
+@_time_option
+@_wait_option
+@click.option("--poll", default=2.0, show_default=True, help="Seconds between looks with --wait.")
+@friendly_errors
+def install_engine(
+    kind: str,
+    target: str,
+    packages: tuple[str, ...],
+    pip_args: tuple[str, ...],
+    system_site_packages: bool,
+    image_uri: str,
+    apptainer_bin: str,
+    server_path: Path,
+    time_limit: str | None,
+    wait: bool,
+    poll: float,
+) -> None:
+    """Install an engine version at TARGET in a Slurm job: a venv, or an Apptainer image.
+
+    \b
+      llmgw-admin install-engine venv /opt/engines/vllm-0.6.3 --package vllm==0.6.3
+      llmgw-admin install-engine apptainer /opt/images/vllm.sif --image docker://vllm/vllm-openai:v0.6.3
+
+    TARGET is an absolute path the compute nodes see. Installing twice is safe:
+    a lock serialises installs of one target, and a finished one is kept.
+    """
+    from llmgw_slurm.svcjobs import ServiceJobBuilder
+
+    if kind == "venv" and image_uri:
+        raise click.UsageError("--image is for apptainer; a venv takes --package")
+    if kind == "apptainer" and (packages or pip_args or system_site_packages):
+        raise click.UsageError("--package/--pip-arg/--system-site-packages are for venv")
+    if kind == "apptainer" and not image_uri:
+        raise click.UsageError("apptainer needs --image URI")
+    server = _load_server(server_path)
+    spec = ServiceJobBuilder(server).install(
+        kind,
+        target,
+        packages=packages,
+        pip_args=pip_args,
+        system_site_packages=system_site_packages,
+        image_uri=image_uri,
+        apptainer=apptainer_bin,
+        time=time_limit,
+    )
+    _submit_service_job(server, spec, wait, poll)

@@ -40,7 +40,8 @@ from llmgw_slurm.reconciler.plan import (
 from llmgw_slurm.reconciler.spans import ReconcileTracing
 from llmgw_slurm.router.directory import Endpoint, ModelInfo
 from llmgw_slurm.secrets import constant_time_equal, engine_api_key, replica_secret
-from llmgw_slurm.slurm.types import Job, JobState, NodeInfo, SlurmBackend
+from llmgw_slurm.slurm.types import AccountingRecord, Job, JobState, NodeInfo, SlurmBackend
+from llmgw_slurm.svcjobs import ServiceJobs
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,8 @@ class Reconciler:
             default_partition=server.slurm.partition,
         )
         self.replicas: dict[str, Replica] = {}
+        # Model jobs and engine installs (llmgw-admin fetch / install-engine), for status.
+        self.service_jobs = ServiceJobs(server)
         self.failures: dict[str, Failures] = {}
         self.notes: dict[str, str] = {}
         self.nodes: list[NodeInfo] = []
@@ -403,11 +406,17 @@ class Reconciler:
         self.tracing.record(action, model, rid, reason, pass_id)
         log.info("%s model=%s replica=%s: %s", action, model, rid, reason)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Pass after pass until ``stop`` is set; a want() or a report wakes it early."""
+    async def run(self, stop: asyncio.Event, on_pass: Callable[[], None] | None = None) -> None:
+        """Pass after pass until ``stop`` is set; a want() or a report wakes it early.
+
+        ``on_pass`` is called after every pass, a failed one included (the daemon
+        tells systemd it is ready after the first).
+        """
         interval = self.server.reconcile.interval
         while not stop.is_set():
             await self.pass_once()
+            if on_pass is not None:
+                on_pass()
             # Back off when Slurm does not answer: a storm of commands at a slurmctld
             # that is restarting helps nobody.
             delay = interval * min(2**self._consecutive_errors, 12)
@@ -473,6 +482,7 @@ class Reconciler:
         return result.actions
 
     def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> list[Replica]:
+        self.service_jobs.observe(jobs, now)
         seen: set[str] = set()
         for job in jobs:
             ident = parse_job_name(self.prefix, job.name)
@@ -559,15 +569,22 @@ class Reconciler:
         """
         final: dict[str, str] = {}
         vanished = [r for r in gone if not r.job_state.is_finished]
-        if vanished:
-            since = datetime.fromtimestamp(min(r.submitted_at for r in vanished) - 60)
+        # Service jobs that left the listing are settled by the same one call.
+        svc_since = self.service_jobs.unsettled_since()
+        if vanished or svc_since is not None:
+            starts = [r.submitted_at for r in vanished] + ([svc_since] if svc_since else [])
+            since = datetime.fromtimestamp(min(starts) - 60)
+            records: list[AccountingRecord] | None = None
             try:
-                for rec in await self.backend.accounting(since, name_prefix=self.prefix):
-                    final[rec.job_id] = rec.state.value + (
-                        f" exit {rec.exit_code}" if rec.exit_code not in ("", "0:0") else ""
-                    )
+                records = await self.backend.accounting(since, name_prefix=self.prefix)
             except SlurmError as exc:
                 log.warning("pass %s: accounting unreachable, causes unknown: %s", pass_id, exc)
+            for rec in records or ():
+                final[rec.job_id] = rec.state.value + (
+                    f" exit {rec.exit_code}" if rec.exit_code not in ("", "0:0") else ""
+                )
+            if svc_since is not None:
+                self.service_jobs.settle(records, now)
         for r in gone:
             if r.job_state.is_finished:
                 cause = f"job {r.job_id} ended: {r.job_state.value}"
@@ -757,6 +774,7 @@ class Reconciler:
                 }
                 for d in list(self.decisions)[-50:]
             ],
+            "jobs": self.service_jobs.status(now),
         }
 
     def _model_state(self, m: Model, reps: list[Replica]) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw_slurm import sbatch
-from llmgw_slurm.catalog import Model
+from llmgw_slurm.catalog import MODEL_NAME_RE, Model
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.types import JobSpec
@@ -33,12 +33,18 @@ def job_name(prefix: str, model: str, replica_id: str) -> str:
 
 
 def parse_job_name(prefix: str, name: str) -> tuple[str, str] | None:
-    """``llmgw.llama-8b.0a1b2c3d`` -> ``("llama-8b", "0a1b2c3d")``; None when not ours."""
+    """``llmgw.llama-8b.0a1b2c3d`` -> ``("llama-8b", "0a1b2c3d")``; None when not a replica.
+
+    The model part must be a valid model name: the service's other jobs
+    (``{prefix}_job.fetch.MODEL.ID``, see llmgw_slurm.svcjobs) share the prefix
+    and end the same way, and a replica taken from one would be adopted and
+    reaped as a replica of a model called ``_job.fetch.MODEL``.
+    """
     if not name.startswith(prefix):
         return None
     rest = name[len(prefix) :]
     model, dot, rid = rest.rpartition(".")
-    if not dot or not model or not _RID.fullmatch(rid):
+    if not dot or not MODEL_NAME_RE.fullmatch(model) or not _RID.fullmatch(rid):
         return None
     return model, rid
 

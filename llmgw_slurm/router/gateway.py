@@ -104,6 +104,11 @@ def _error(
     return web.json_response(body, status=status, headers=headers)
 
 
+def _sse_error(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
 
 
@@ -120,19 +125,31 @@ class _SseRelay:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        if not self._buf and chunk.endswith((b"\n\n", b"\r\n\r\n")):
+            # The common case, a chunk of whole events with no usage in it
+            # (or only "usage": null), passes as it is: splitting it into
+            # events would cost more than the relay itself.
+            n = chunk.count(b'"usage"')
+            if n == 0 or n == len(_USAGE_NULL.findall(chunk)):
+                return chunk
         buf = self._buf + chunk if self._buf else chunk
         out: list[bytes] = []
         start = 0
-        while True:
-            i = buf.find(b"\n\n", start)
-            j = buf.find(b"\r\n\r\n", start)
-            if i < 0 and j < 0:
-                break
+        # The next separator of each kind, -1 for none: each is searched for
+        # again only once passed, so that a chunk of many events is scanned
+        # once, not once per event.
+        i = buf.find(b"\n\n")
+        j = buf.find(b"\r\n\r\n")
+        while i >= 0 or j >= 0:
             end = i + 2 if j < 0 or (0 <= i < j) else j + 4
             event = buf[start:end]
             if self._keep(event):
                 out.append(event)
             start = end
+            if 0 <= i < start:
+                i = buf.find(b"\n\n", start)
+            if 0 <= j < start:
+                j = buf.find(b"\r\n\r\n", start)
         self._buf = buf[start:]
         return b"".join(out)
 
@@ -238,6 +255,14 @@ class Gateway:
                 "invalid_api_key",
             )
         return rec, None
+
+    def _too_large(self) -> web.Response:
+        return _error(
+            413,
+            f"The request body is larger than {self.config.max_body_bytes} bytes.",
+            "invalid_request_error",
+            "request_too_large",
+        )
 
     def _known_names(self) -> str:
         parts = []
@@ -438,19 +463,13 @@ class Gateway:
         key, denied = self._authenticate(request)
         if denied is not None:
             return denied
-        too_large = _error(
-            413,
-            f"The request body is larger than {self.config.max_body_bytes} bytes.",
-            "invalid_request_error",
-            "request_too_large",
-        )
         if (request.content_length or 0) > self.config.max_body_bytes:
-            return too_large
+            return self._too_large()
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return too_large
+            return self._too_large()
         except TimeoutError:
             resp = _error(
                 408,
@@ -663,15 +682,24 @@ class Gateway:
                         aiohttp.ClientPayloadError,
                         aiohttp.ClientConnectionError,
                         TimeoutError,
-                    ):
+                    ) as e:
                         # The engine failed after the answer began: pass that
-                        # on as it is, an answer cut short, instead of
-                        # inventing an ending.
+                        # on, an answer cut short, instead of inventing an
+                        # ending. First an error event, as vLLM sends when it
+                        # fails mid-answer (OpenAI's clients raise it with its
+                        # message, where a bare cut reads "Connection error");
+                        # the incomplete event before it is dropped, as no
+                        # client could parse it and it would garble the error.
                         self.metrics.upstream_errors.labels(model, "stream").inc()
                         call.outcome = 502
-                        rest = relay.rest()
-                        if rest:
-                            await resp.write(rest)
+                        relay.rest()
+                        await resp.write(
+                            _sse_error(
+                                f"The replica of model '{model}' failed after the answer "
+                                f"began ({type(e).__name__}); the answer is incomplete.",
+                                "upstream_failed",
+                            )
+                        )
                         if request.transport is not None:
                             request.transport.abort()
                         return resp

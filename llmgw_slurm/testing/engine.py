@@ -17,6 +17,15 @@ Two test hooks, absent from real engines:
 - a request body field ``"test_abort_after": N`` makes a streamed answer drop
   the connection after N tokens, to test failures after the first byte.
 
+With ``--rendezvous`` it takes part in a multi-node start the way a
+torchrun-style engine does, from ``MASTER_ADDR``, ``MASTER_PORT``,
+``NODE_RANK`` and ``WORLD_SIZE`` (what the agent sets for command engines):
+rank 0 listens on ``MASTER_PORT`` and answers ``/health`` with 503 until every
+other rank has connected and said its rank (a TCP barrier), and
+``/debug/stats`` lists the ranks it saw; a rank above 0 serves no HTTP,
+connects to the master (retrying), says its rank, and idles until the master
+goes away, then exits 0.
+
 Like a real engine, it rejects what it does not know: another model name is a
 404, ``n`` other than 1 is a 400, a body that is not a JSON object is a 400.
 
@@ -35,7 +44,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -57,12 +66,27 @@ class EngineOptions:
         api_key: str,
         served_name: str,
         token_delay: float = 0.0,
+        first_token_delay: float | None = None,
         ready_after: float = 0.0,
+        world_size: int = 1,
+        master_port: int | None = None,
     ) -> None:
         self.api_key = api_key
         self.served_name = served_name
         self.token_delay = token_delay
+        # None: the first token comes after token_delay like the others. A
+        # real model's first token costs the prompt's prefill, usually longer.
+        self.first_token_delay = first_token_delay
         self.ready_after = ready_after
+        # Rendezvous (rank 0 of a multi-node start): health waits for every rank.
+        self.world_size = world_size
+        self.master_port = master_port
+
+    def delay_before(self, i: int) -> float:
+        """Seconds to wait before token ``i`` (0-based)."""
+        if i == 0 and self.first_token_delay is not None:
+            return self.first_token_delay
+        return self.token_delay
 
 
 class _EngineState:
@@ -72,6 +96,8 @@ class _EngineState:
         self.in_flight = 0
         self.last_headers: dict[str, str] = {}
         self.last_body: Any = None
+        self.ranks: set[int] = {0}
+        self.peers: list[asyncio.StreamWriter] = []
 
 
 _OPTIONS = web.AppKey("options", EngineOptions)
@@ -144,6 +170,8 @@ async def _health(request: web.Request) -> web.Response:
     started = request.app[_STATE].started
     if time.monotonic() - started < opts.ready_after:
         return web.Response(status=503, text="starting")
+    if len(request.app[_STATE].ranks) < opts.world_size:
+        return web.Response(status=503, text="waiting for ranks")
     return web.Response(status=200, text="")
 
 
@@ -167,7 +195,56 @@ async def _debug_body(request: web.Request) -> web.Response:
 
 async def _debug_stats(request: web.Request) -> web.Response:
     st = request.app[_STATE]
-    return web.json_response({"requests": st.requests, "in_flight": st.in_flight})
+    return web.json_response(
+        {"requests": st.requests, "in_flight": st.in_flight, "ranks": sorted(st.ranks)}
+    )
+
+
+async def _barrier(app: web.Application) -> AsyncIterator[None]:
+    """Rank 0's side of the rendezvous: count the ranks that connect to MASTER_PORT."""
+    opts, st = app[_OPTIONS], app[_STATE]
+    if opts.master_port is None:
+        yield
+        return
+
+    async def on_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line = await reader.readline()
+        try:
+            rank = int(line.decode().removeprefix("rank ").strip())
+        except ValueError:
+            writer.close()
+            return
+        # Kept open: a worker's connection closing is how it learns the master is gone.
+        st.peers.append(writer)
+        st.ranks.add(rank)
+        print(f"test engine: rank {rank} joined ({len(st.ranks)}/{opts.world_size})", flush=True)
+
+    server = await asyncio.start_server(on_peer, "0.0.0.0", opts.master_port)  # noqa: S104
+    yield
+    for w in st.peers:
+        w.close()
+    server.close()
+    await server.wait_closed()
+
+
+async def _worker(addr: str, port: int, rank: int, timeout: float = 60.0) -> int:
+    """A rank above 0: join the master, then idle until it goes away."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(addr, port)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                print(f"test engine: no master at {addr}:{port}", file=sys.stderr, flush=True)
+                return 3
+            await asyncio.sleep(0.1)
+    writer.write(f"rank {rank}\n".encode())
+    await writer.drain()
+    print(f"test engine: rank {rank} joined {addr}:{port}", flush=True)
+    await reader.read()
+    print("test engine: master gone, worker exits", flush=True)
+    return 0
 
 
 async def _read_body(request: web.Request) -> dict[str, Any] | web.Response:
@@ -263,8 +340,9 @@ async def _generate_inner(
     name = opts.served_name
 
     if not body.get("stream"):
-        if opts.token_delay:
-            await asyncio.sleep(opts.token_delay * len(tokens))
+        total = sum(opts.delay_before(i) for i in range(len(tokens)))
+        if total:
+            await asyncio.sleep(total)
         text = "".join(tokens)
         choice: dict[str, Any]
         if kind == "chat":
@@ -322,8 +400,9 @@ async def _generate_inner(
             if request.transport is not None:
                 request.transport.abort()
             return resp
-        if opts.token_delay:
-            await asyncio.sleep(opts.token_delay)
+        delay = opts.delay_before(i)
+        if delay:
+            await asyncio.sleep(delay)
         await resp.write(_sse(chunk({"content": tok} if kind == "chat" else tok, None)))
     await resp.write(_sse(chunk({} if kind == "chat" else "", "length")))
     if include_usage:
@@ -392,6 +471,7 @@ def create_engine_app(options: EngineOptions) -> web.Application:
     app.router.add_get("/debug/last-headers", _debug_headers)
     app.router.add_get("/debug/last-body", _debug_body)
     app.router.add_get("/debug/stats", _debug_stats)
+    app.cleanup_ctx.append(_barrier)
     return app
 
 
@@ -411,12 +491,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--token-delay", type=float, default=0.0, help="seconds between streamed tokens (default 0)"
     )
     parser.add_argument(
+        "--first-token-delay",
+        type=float,
+        default=None,
+        help="seconds before the first token (default: the token delay)",
+    )
+    parser.add_argument(
         "--ready-after",
         type=float,
         default=0.0,
         help="seconds /health answers 503 before 200 (default 0)",
     )
+    parser.add_argument(
+        "--rendezvous",
+        action="store_true",
+        help="join a multi-node start from MASTER_ADDR/MASTER_PORT/NODE_RANK/WORLD_SIZE",
+    )
     args = parser.parse_args(argv)
+    world, master_port = 1, None
+    if args.rendezvous and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        try:
+            world = int(os.environ["WORLD_SIZE"])
+            rank = int(os.environ["NODE_RANK"])
+            master_addr, master_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except (KeyError, ValueError) as err:
+            parser.error(f"--rendezvous: MASTER_ADDR/MASTER_PORT/NODE_RANK/WORLD_SIZE: {err}")
+        if rank > 0:
+            return asyncio.run(_worker(master_addr, master_port, rank))
     api_key = args.api_key or os.environ.get(API_KEY_ENV, "")
     if not api_key:
         parser.error(f"no API key: give --api-key or set {API_KEY_ENV}")
@@ -425,7 +526,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             api_key=api_key,
             served_name=args.served_name,
             token_delay=args.token_delay,
+            first_token_delay=args.first_token_delay,
             ready_after=args.ready_after,
+            world_size=world,
+            master_port=master_port,
         )
     )
     # run_app turns SIGTERM and SIGINT into a graceful exit.

@@ -77,6 +77,7 @@ class Harness:
     gateway_port: int = field(default_factory=free_port)
     internal_port: int = field(default_factory=free_port)
     reconcile: dict[str, Any] = field(default_factory=dict)
+    router: dict[str, Any] = field(default_factory=dict)
     d: daemonmod.Daemon | None = None
     _task: asyncio.Task[None] | None = None
     _stop: asyncio.Event | None = None
@@ -112,7 +113,7 @@ class Harness:
             "models": "models.yaml",
             "agent_config": "agent.yaml",
             "reconcile": reconcile,
-            "router": {"hold_timeout": "90s"},
+            "router": {"hold_timeout": "90s", **self.router},
         }
         self.server_yaml.write_text(yaml.safe_dump(server, sort_keys=False))
         self.write_models(models)
@@ -185,9 +186,15 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def running(
-    tmp_path: Path, prefix: str, models: list[dict[str, Any]], **reconcile: Any
+    tmp_path: Path,
+    prefix: str,
+    models: list[dict[str, Any]],
+    *,
+    router: dict[str, Any] | None = None,
+    **reconcile: Any,
 ) -> AsyncIterator[Harness]:
-    h = Harness(tmp_path / "daemon", prefix, reconcile=reconcile)
+    """A started daemon; ``router`` and ``reconcile`` override server.yaml's sections."""
+    h = Harness(tmp_path / "daemon", prefix, reconcile=reconcile, router=router or {})
     h.write(models)
     await h.start()
     try:
@@ -197,3 +204,26 @@ async def running(
         ids = [j[0] for j in h.jobs()]
         if ids:
             subprocess.run(["scancel", *ids], check=False)
+
+
+def fill_nodes(prefix: str, count: int) -> list[str]:
+    """Occupy ``count`` whole nodes (4 GPUs each) with somebody else's jobs; returns their ids."""
+    return [
+        subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                "llm",
+                f"--job-name={prefix}filler",
+                "--gres=gpu:a100:4",
+                "--output=/dev/null",
+                "--wrap",
+                "sleep 900",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for _ in range(count)
+    ]

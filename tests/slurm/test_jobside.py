@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -245,3 +246,57 @@ async def test_model_job_fetches_into_the_cache_once(
     assert log.count("(fetched,") == 1 and log.count("(already there,") == 1, log
     (copy,) = (tmp_path / "cache" / "models").iterdir()
     assert (copy / ".llmgw-manifest.json").exists() and (copy / "config.json").exists()
+
+
+async def test_two_node_replica_ranks_meet_before_rank_0_serves_through_the_daemon(
+    tmp_path: Path, prefix: str
+) -> None:
+    from tests.slurm.harness import TINY_ENGINE, running, tiny_model
+
+    model = tiny_model(
+        "duo",
+        engine={"kind": "command", "command": [*TINY_ENGINE, "--rendezvous"]},
+        resources={"nodes": 2, "cpus": 1},
+    )
+    async with running(tmp_path, prefix, [model]) as h, aiohttp.ClientSession() as s:
+        body = {"model": "duo", "messages": [{"role": "user", "content": "two nodes"}]}
+        async with s.post(f"{h.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            answer = await resp.json()
+        assert answer["choices"][0]["message"]["content"].startswith("two nodes")
+        (ep,) = h.rec.endpoints("duo")
+        headers = {"Authorization": f"Bearer {ep.api_key}"}
+        async with s.get(f"{ep.base_url}/debug/stats", headers=headers) as resp:
+            stats = await resp.json()
+        # Rank 0's health waited on this barrier: rank 1 really joined it.
+        assert stats["ranks"] == [0, 1]
+        (rep,) = h.rec.replicas.values()
+        assert rep.node_count == 2 and len(set(rep.nodes)) == 2
+
+
+async def test_a_failed_weights_fetch_reaches_the_daemons_status_with_its_cause(
+    tmp_path: Path, prefix: str
+) -> None:
+    from tests.slurm.harness import running, tiny_model
+
+    missing = tmp_path / "no-weights-here"
+    model = tiny_model(
+        "unfetched",
+        weights={"source": str(missing), "method": "copy"},
+        scaling={"min": 1, "max": 1},
+    )
+    async with running(tmp_path, prefix, [model]) as h:
+
+        async def failed() -> dict[str, Any] | None:
+            for d in h.rec.status()["decisions"]:
+                if d["model"] == "unfetched" and "does not exist" in d["reason"]:
+                    return dict(d)
+            return None
+
+        # The agent reports the failed step; the daemon cancels the job as a failed start.
+        d = await eventually(failed, "the fetch failure in the daemon's status", 120)
+        assert d["action"] == "cancel", d
+        assert d["reason"].startswith("start failed:"), d
+        assert f"copy source {missing} does not exist" in d["reason"], d
+        assert h.rec.failures["unfetched"].count >= 1
+        assert "does not exist" in h.rec.failures["unfetched"].cause

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.slurm.conftest import eventually
-from tests.slurm.harness import Harness, running, tiny_model
+from tests.slurm.harness import Harness, fill_nodes, running, tiny_model
 
 
 def client(h: Harness) -> openai.AsyncOpenAI:
@@ -98,25 +98,7 @@ async def test_eviction_makes_room_for_a_wanted_model(tmp_path: Path, prefix: st
         tiny_model("pinned", resources=whole_node, scaling={"min": 1, "max": 1}),
     ]
     # Fill two of the four nodes with somebody else's jobs, so that only two replicas fit.
-    fillers = [
-        subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "-p",
-                "llm",
-                f"--job-name={prefix}filler",
-                "--gres=gpu:a100:4",
-                "--output=/dev/null",
-                "--wrap",
-                "sleep 600",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        for _ in range(2)
-    ]
+    fillers = fill_nodes(prefix, 2)
     try:
         async with running(tmp_path, prefix + "d.", models) as h:
             await eventually(lambda: asyncio.sleep(0, ready_replicas(h, "pinned")), "pinned ready")
@@ -138,25 +120,7 @@ async def test_eviction_makes_room_for_a_wanted_model(tmp_path: Path, prefix: st
 
 async def test_nothing_idle_enough_is_said_and_nothing_evicted(tmp_path: Path, prefix: str) -> None:
     whole_node = {"gpus": 4}
-    fillers = [
-        subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "-p",
-                "llm",
-                f"--job-name={prefix}filler",
-                "--gres=gpu:a100:4",
-                "--output=/dev/null",
-                "--wrap",
-                "sleep 600",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        for _ in range(3)
-    ]
+    fillers = fill_nodes(prefix, 3)
     try:
         models = [
             tiny_model("busy", resources=whole_node),

@@ -177,6 +177,15 @@ def test_command_line_serves_until_sigterm(key_in: str) -> None:
         proc.kill()
 
 
+def test_first_token_delay_paces_the_first_token_apart() -> None:
+    from llmgw_slurm.testing.engine import EngineOptions
+
+    paced = EngineOptions(api_key="k", served_name="m", token_delay=0.005, first_token_delay=0.02)
+    assert [paced.delay_before(i) for i in range(3)] == [0.02, 0.005, 0.005]
+    even = EngineOptions(api_key="k", served_name="m", token_delay=0.005)
+    assert [even.delay_before(i) for i in range(2)] == [0.005, 0.005]
+
+
 def test_command_line_without_a_key_is_a_usage_error() -> None:
     env = {k: v for k, v in os.environ.items() if k != "LLMGW_ENGINE_API_KEY"}
     proc = subprocess.run(

@@ -408,11 +408,13 @@ async def test_failure_after_first_byte_is_passed_on_not_retried() -> None:
             extra_body={"test_abort_after": 1},
         )
         got = []
-        with pytest.raises(openai.APIError):
+        with pytest.raises(openai.APIError) as e:
             async for chunk in stream:
                 got.append(chunk.choices[0].text)
         stats = [await st.engine_get(r, "/debug/stats") for r in ("r0", "r1")]
     assert got == ["a"]
+    assert "replica of model 'tiny' failed after the answer began" in e.value.message
+    assert e.value.code == "upstream_failed"
     assert sum(s["requests"] for s in stats) == 1  # type: ignore[index]
 
 

@@ -64,3 +64,14 @@ def test_incomplete_tail_is_kept_until_complete() -> None:
     assert relay.feed(b"data: {}\n\ndata: {") == b"data: {}\n\n"
     assert relay.feed(b"}\n\n") == b"data: {}\n\n"
     assert relay.rest() == b""
+
+
+def test_many_whole_events_in_one_chunk_still_give_up_their_usage() -> None:
+    for sep in (b"\n\n", b"\r\n\r\n"):
+        events = _events(40, True, sep)
+        relay = _SseRelay(True)
+        out = relay.feed(b"".join(events))
+        assert out == b"".join(e for e in events if b'"choices": []' not in e)
+        assert relay.usage == {"prompt_tokens": 2, "completion_tokens": 40}
+        plain = b"".join(_events(40, False, sep))
+        assert _SseRelay(True).feed(plain) == plain
