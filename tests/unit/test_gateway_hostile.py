@@ -14,7 +14,6 @@ import http.client
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -164,19 +163,20 @@ async def test_slow_loris_clients_do_not_hold_back_others() -> None:
             s.sendall(head[: 20 + i % 40] if i % 2 else head)
             socks.append(s)
         try:
-            t0 = time.monotonic()
             for _ in range(20):
                 r = await st_.client().chat.completions.create(
                     model="tiny", messages=[{"role": "user", "content": "fast client"}]
                 )
                 assert r.choices[0].message.content
-            elapsed = time.monotonic() - t0
+            # Served while every slow client still waits, unanswered and connected:
+            # the slow ones did not hold the fast ones back.
+            for s in socks:
+                s.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    s.recv(1)
         finally:
             for s in socks:
                 s.close()
-    # Not a threshold: the slow clients did not serialize the fast ones behind them
-    # (each request above would otherwise wait for a slow client that never finishes).
-    assert elapsed < 60
 
 
 async def test_client_vanishing_mid_stream_leaves_nothing_in_flight() -> None:
