@@ -123,12 +123,16 @@ def serve_gateway(
 
     ``collector``: tracing on, every request a span, exported over OTLP/HTTP
     to that URL; "drop": spans made and batched, never encoded or sent (what
-    the spans themselves cost, apart from the export).
+    the spans themselves cost, apart from the export); "sampled:URL": tracing
+    on as shipped (only requests that ask for a trace get a span).
     """
     from aiohttp import web
 
     from llmgw_slurm.router import Endpoint, ModelInfo, RouterConfig, StaticDirectory, create_app
 
+    policy = "all"
+    if collector.startswith("sampled:"):
+        policy, collector = "sampled", collector.removeprefix("sampled:")
     if collector:
         from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -149,7 +153,7 @@ def serve_gateway(
     for i, (name, url) in enumerate(engines.items()):
         directory.add_endpoint(name, Endpoint(f"bench{i:04d}", url, ENGINE_KEY))
     # The load sends no traceparent: "all" gives every request its span when traced.
-    app = create_app(directory, RouterConfig(trace_requests="all" if collector else "sampled"))
+    app = create_app(directory, RouterConfig(trace_requests=policy if collector else "sampled"))
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -566,7 +570,12 @@ def main() -> int:
                 sink = f"http://127.0.0.1:{s_port}"
                 cmd = [sys.executable, __file__, "--serve-sink", str(s_port)]
                 waits.append((sink + "/health", start(cmd, other_cpus)))
-                for target, collector in (("gateway-traced", sink), ("gateway-spans-only", "drop")):
+                for target, collector in (
+                    ("gateway-traced", sink),
+                    ("gateway-spans-only", "drop"),
+                    # Tracing on as shipped: router.trace_requests "sampled".
+                    ("gateway-traced-default", "sampled:" + sink),
+                ):
                     t_port = _free_port()
                     cmd = [
                         sys.executable, __file__, "--serve-gateway", str(t_port),
