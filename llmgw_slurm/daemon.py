@@ -273,7 +273,3 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
         if d.tracer_provider is not None:
             # Blocking (the last export, bounded by the exporter's timeout).
             await asyncio.to_thread(d.tracer_provider.shutdown)
-
-
-def status_summary(d: Daemon) -> dict[str, Any]:
-    return d.reconciler.status()

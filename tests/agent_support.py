@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -15,6 +18,43 @@ SECRET = "replica-secret-xyz"
 KEY = "engine-key-abc"
 BODY_KEYS = {"event", "step", "status", "url", "node", "job_id", "message", "elapsed_s"}
 EVENTS = {"step", "ready", "heartbeat", "draining", "failed", "stopped"}
+FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
+
+
+def fake_engine_spec(
+    weights: Path,
+    *engine_extra: str,
+    nodes: int = 1,
+    gpus: int = 0,
+    ready_timeout: float | None = None,
+) -> str:
+    """LLMGW_REPLICA_SPEC of a command engine running tests/fake_engine.py on ``weights``."""
+    engine: dict[str, Any] = {
+        "kind": "command",
+        "command": [
+            sys.executable,
+            str(FAKE_ENGINE),
+            "--host",
+            "{host}",
+            "--port",
+            "{port}",
+            "--model-path",
+            "{model_path}",
+            "--served-name",
+            "{served_name}",
+            *engine_extra,
+        ],
+    }
+    if ready_timeout is not None:
+        engine["ready_timeout"] = ready_timeout
+    return json.dumps(
+        {
+            "name": "tiny",
+            "engine": engine,
+            "weights": {"method": "copy", "source": str(weights)},
+            "resources": {"nodes": nodes, "gpus": gpus},
+        }
+    )
 
 
 class FakeDaemon:

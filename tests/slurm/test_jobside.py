@@ -8,7 +8,6 @@ report to a fake daemon on localhost. The engine is tests/fake_engine.py.
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +28,8 @@ from llmgw_slurm.sbatch import (
 )
 from llmgw_slurm.slurm import JobSpec, JobState
 from llmgw_slurm.slurm.cli import CliBackend
-from tests.agent_support import KEY, RID, SECRET, FakeDaemon, fake_daemon
+from tests.agent_support import KEY, RID, SECRET, FakeDaemon, fake_daemon, fake_engine_spec
 from tests.slurm.conftest import TOP, eventually
-
-FAKE_ENGINE = TOP / "tests" / "fake_engine.py"
 
 AGENT_YAML = """\
 weights:
@@ -50,27 +47,7 @@ def setup_files(tmp_path: Path, nodes: int = 1) -> tuple[Path, str]:
     (weights / "config.json").write_text("{}")
     agent_yaml = tmp_path / "agent.yaml"
     agent_yaml.write_text(AGENT_YAML.format(cache=tmp_path / "cache"))
-    spec = {
-        "name": "tiny",
-        "engine": {
-            "kind": "command",
-            "command": [
-                sys.executable,
-                str(FAKE_ENGINE),
-                "--host",
-                "{host}",
-                "--port",
-                "{port}",
-                "--model-path",
-                "{model_path}",
-                "--served-name",
-                "{served_name}",
-            ],
-        },
-        "weights": {"source": str(weights), "method": "copy"},
-        "resources": {"nodes": nodes, "gpus": 1},
-    }
-    return agent_yaml, json.dumps(spec)
+    return agent_yaml, fake_engine_spec(weights, nodes=nodes, gpus=1)
 
 
 def job_env(daemon: FakeDaemon, spec: str) -> dict[str, str]:

@@ -20,10 +20,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from llmgw_slurm.agent.runner import Agent, job_context_from_env
 from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
-from tests.agent_support import KEY, RID, SECRET, FakeDaemon, fake_daemon
+from tests.agent_support import KEY, RID, SECRET, FakeDaemon, fake_daemon, fake_engine_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-FAKE_ENGINE = ROOT / "tests" / "fake_engine.py"
 
 
 @pytest.fixture
@@ -41,30 +40,7 @@ def make_weights(tmp_path: Path) -> Path:
 
 
 def spec_json(weights: Path, *engine_extra: str) -> str:
-    return json.dumps(
-        {
-            "name": "tiny",
-            "engine": {
-                "kind": "command",
-                "command": [
-                    sys.executable,
-                    str(FAKE_ENGINE),
-                    "--host",
-                    "{host}",
-                    "--port",
-                    "{port}",
-                    "--model-path",
-                    "{model_path}",
-                    "--served-name",
-                    "{served_name}",
-                    *engine_extra,
-                ],
-                "ready_timeout": 60,
-            },
-            "weights": {"method": "copy", "source": str(weights)},
-            "resources": {"nodes": 1, "gpus": 0},
-        }
-    )
+    return fake_engine_spec(weights, *engine_extra, ready_timeout=60)
 
 
 def job_env(daemon_url: str, spec: str) -> dict[str, str]:
