@@ -64,6 +64,9 @@ class Replica:
     started_at: float | None = None
     ready_at: float | None = None
     base_url: str = ""
+    # Times the daemon has seen this replica become reachable (a requeued job's next
+    # run is a new endpoint to the router, even at the same address).
+    epoch: int = 0
     last_used: float | None = None
     in_flight: int = 0
     draining_since: float | None = None
@@ -221,6 +224,7 @@ class Reconciler:
                     base_url=r.base_url,
                     api_key=engine_api_key(self.server_key, r.replica_id),
                     draining=st is ReplicaState.DRAINING,
+                    epoch=r.epoch,
                 )
             )
         return out
@@ -390,6 +394,7 @@ class Reconciler:
                 r.replica_id, "serving (adopted)" if r.adopted else "ready", url=url
             )
             r.ready_at = r.ready_at or self.clock()
+            r.epoch += 1
             self._record("ready", r.model, r.replica_id, f"serving at {url}")
         r.base_url = url
         r.step = "ready"

@@ -36,12 +36,23 @@ class Endpoint:
     (``http://host:port``, no ``/v1``); ``api_key`` is the replica's own engine
     key, sent instead of the client's key. A ``draining`` replica finishes the
     requests it has and gets no new ones.
+
+    ``epoch`` counts the times this replica became ready. A replica requeued
+    after a preemption comes back under the same id, often at the same address
+    (the same node, the same port); the router, which stops sending to an
+    endpoint it could not reach, must not take the new run for the dead one.
     """
 
     replica_id: str
     base_url: str
     api_key: str
     draining: bool = False
+    epoch: int = 0
+
+    @property
+    def identity(self) -> tuple[str, str, int]:
+        """One run of one replica at one address: what "unreachable" is said of."""
+        return (self.replica_id, self.base_url, self.epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +141,7 @@ class StaticDirectory:
         self.in_flight: Counter[tuple[str, str]] = Counter()
         self.started: Counter[tuple[str, str]] = Counter()
         self.last_used: dict[str, float] = {}
+        self._epochs = 0
         for m in models:
             self.add_model(m.name, aliases=m.aliases, hold_timeout_s=m.hold_timeout_s)
 
@@ -155,6 +167,10 @@ class StaticDirectory:
         eps = self._known(model)
         if any(e.replica_id == endpoint.replica_id for e in eps):
             raise ValueError(f"replica {endpoint.replica_id} of {model} already present")
+        if not endpoint.epoch:
+            # Added again after a removal is a new run, as the reconciler counts them.
+            self._epochs += 1
+            endpoint = replace(endpoint, epoch=self._epochs)
         eps.append(endpoint)
         self._changed(model)
 

@@ -274,12 +274,12 @@ class Gateway:
         self,
         model: str,
         exclude: frozenset[str] = frozenset(),
-        unreachable: frozenset[str] = frozenset(),
+        unreachable: frozenset[tuple[str, str, int]] = frozenset(),
     ) -> Endpoint | None:
         eps = [
             e
             for e in self.directory.endpoints(model)
-            if not e.draining and e.replica_id not in exclude and e.base_url not in unreachable
+            if not e.draining and e.replica_id not in exclude and e.identity not in unreachable
         ]
         if not eps:
             return None
@@ -311,7 +311,10 @@ class Gateway:
         trace.get_current_span().add_link(sc, {"llmgw.link": "replica.start"})
 
     async def _hold(
-        self, request: web.Request, model: str, unreachable: frozenset[str] = frozenset()
+        self,
+        request: web.Request,
+        model: str,
+        unreachable: frozenset[tuple[str, str, int]] = frozenset(),
     ) -> Endpoint | web.Response:
         cfg = self.config
         if (
@@ -582,7 +585,7 @@ class Gateway:
     ) -> web.StreamResponse:
         assert self._session is not None, "the gateway app was not started"
         tried: set[str] = set()
-        unreachable: set[str] = set()
+        unreachable: set[tuple[str, str, int]] = set()
         while True:
             tried.add(ep.replica_id)
             headers = {
@@ -613,13 +616,14 @@ class Gateway:
                         "llmgw.upstream_connect_failed",
                         {"llmgw.replica_id": ep.replica_id, "error": repr(e)},
                     )
-                    unreachable.add(ep.base_url)
+                    unreachable.add(ep.identity)
                     nxt = self._pick(model, frozenset(tried)) if len(tried) < 2 else None
                     if nxt is None and len(unreachable) == 1:
                         # No other replica: the one that failed is gone before the daemon
                         # knew (preempted, crashed). The engine saw nothing, so the
-                        # request waits, as for a cold start, for a replica at another
-                        # address: the next one, or this one back from the queue.
+                        # request waits, as for a cold start, for another replica or
+                        # for this one's next run (back from the queue, often at the
+                        # same address: the endpoint's epoch tells the runs apart).
                         held = await self._hold(request, model, frozenset(unreachable))
                         if isinstance(held, web.Response):
                             return held

@@ -169,12 +169,16 @@ def test_script_prints_the_job_without_secrets(tmp_path: Path) -> None:
     dev = Path(__file__).resolve().parents[2] / "site-config" / "dev"
     for name in ("server.yaml", "models.yaml", "agent.yaml"):
         shutil.copy(dev / name, tmp_path / name)
-    res = CliRunner().invoke(admin_main, ["script", "test/tiny-chat", "--server", str(tmp_path / "server.yaml")])
+    res = CliRunner().invoke(
+        admin_main, ["script", "test/tiny-chat", "--server", str(tmp_path / "server.yaml")]
+    )
     assert res.exit_code == 0, res.output
     assert "sbatch --parsable --job-name=llmgw.tiny.0123abcd" in res.output
     assert "#SBATCH --gres=gpu:a100:1" in res.output
     assert "LLMGW_REPLICA_SECRET='***'" in res.output
     assert "LLMGW_ENGINE_API_KEY='***'" in res.output
-    res = CliRunner().invoke(admin_main, ["script", "nope", "--server", str(tmp_path / "server.yaml")])
+    res = CliRunner().invoke(
+        admin_main, ["script", "nope", "--server", str(tmp_path / "server.yaml")]
+    )
     assert res.exit_code == 1
     assert "unknown model 'nope'; known: tiny" in res.output

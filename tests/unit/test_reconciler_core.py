@@ -233,6 +233,38 @@ async def test_requeued_job_loses_its_endpoint_and_is_not_replaced(tmp_path: Pat
     assert "requeued" in [d.action for d in rec.decisions]
 
 
+async def test_a_requeued_replica_back_at_its_old_address_is_a_new_endpoint(
+    tmp_path: Path,
+) -> None:
+    rec, fake = make(tmp_path, {"min": 1, "max": 1})
+    rid = "0a1b2c3d"
+    secret = replica_secret(KEY, rid)
+    fake.jobs = [job("7", "m", rid, JobState.RUNNING)]
+    await rec.pass_once()
+    app = create_engine_app(EngineOptions(api_key=engine_api_key(KEY, rid), served_name="m"))
+    async with serve(app) as url:
+
+        async def ready() -> Any:
+            rec.report(rid, secret, {"event": "ready", "url": url, "job_id": "7", "node": "n0"})
+            await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+            (ep,) = rec.endpoints("m")
+            return ep
+
+        first = await ready()
+        fake.jobs = [job("7", "m", rid, JobState.PENDING, restarts=1)]
+        await rec.pass_once()
+        assert rec.endpoints("m") == []
+        fake.jobs = [job("7", "m", rid, JobState.RUNNING, restarts=1)]
+        await rec.pass_once()
+        second = await ready()
+        # A heartbeat of the same run is the same endpoint.
+        again = await ready()
+    assert (second.replica_id, second.base_url) == (first.replica_id, first.base_url)
+    assert second.identity != first.identity
+    assert again.identity == second.identity
+    await rec.close()
+
+
 async def test_reaped_job_names_its_final_state_from_accounting(tmp_path: Path) -> None:
     rec, fake = make(tmp_path, {"min": 1, "max": 1})
     rid = "0a1b2c3d"

@@ -398,6 +398,27 @@ async def test_connection_refused_is_retried_on_another_replica() -> None:
     assert status == 503 and body["error"]["code"] == "model_not_ready"  # type: ignore[index]
 
 
+async def test_request_to_a_dead_replica_is_served_by_its_next_run_at_the_same_address() -> None:
+    # A preempted replica is requeued: same replica id, same node, same port. The
+    # request that found it dead waits, and must be sent to the new run, not
+    # refused it as "the address that did not answer" until its hold runs out.
+    port = free_port()
+    addr = f"http://127.0.0.1:{port}"
+    async with stack(replicas=0, config=RouterConfig(hold_timeout_s=60)) as st:
+        st.directory.add_endpoint("tiny", Endpoint("r0", addr, "key-r0"))
+        request = asyncio.create_task(
+            post(st.url + "/v1/completions", {"model": "tiny", "prompt": "a"})
+        )
+        # Held after the refused connection; the daemon then sees the job requeued.
+        await eventually(lambda: st.gateway.held.get("tiny") == 1, "the request held")
+        st.directory.remove_endpoint("tiny", "r0")
+        async with engine("tiny", key="key-r0", port=port):
+            st.directory.add_endpoint("tiny", Endpoint("r0", addr, "key-r0"))
+            status, body, headers = await request
+    assert status == 200, body
+    assert headers["X-Llmgw-Replica"] == "r0"
+
+
 async def test_failure_after_first_byte_is_passed_on_not_retried() -> None:
     async with stack(replicas=2) as st:
         stream = await st.client().completions.create(
