@@ -27,9 +27,12 @@ to compare; the load average at the start is printed.
     python bench/gateway.py [--duration 2] [--rounds 2] [--bare] [--tracing]
                             [--no-litellm] [--no-nginx]
 
-``--tracing`` adds a gateway with tracing on (every request a span, exported
-over OTLP/HTTP to a sink process that accepts and drops), and one whose spans
-are made and batched but never exported, to set their cost against the
+``--tracing`` adds gateways with tracing on, exported over OTLP/HTTP to a
+sink process that accepts and drops: every request a span, sampled at 1.0
+(``gateway-traced``) and at 0.05 (``gateway-traced-5pct``); as shipped, where
+only a request whose client asks for a trace gets a span
+(``gateway-traced-default``); and one whose spans are made and batched but
+never exported (``gateway-spans-only``), to set their cost against the
 gateway with tracing off.
 
 Bounded: about 40 s of set-up the first time (LiteLLM's install takes longer,
@@ -124,15 +127,19 @@ def serve_gateway(
     ``collector``: tracing on, every request a span, exported over OTLP/HTTP
     to that URL; "drop": spans made and batched, never encoded or sent (what
     the spans themselves cost, apart from the export); "sampled:URL": tracing
-    on as shipped (only requests that ask for a trace get a span).
+    on as shipped (only requests that ask for a trace get a span); "ratio:R:URL":
+    every request a span, sampled at ratio R (a busy site's setting).
     """
     from aiohttp import web
 
     from llmgw_slurm.router import Endpoint, ModelInfo, RouterConfig, StaticDirectory, create_app
 
-    policy = "all"
+    policy, ratio = "all", 1.0
     if collector.startswith("sampled:"):
         policy, collector = "sampled", collector.removeprefix("sampled:")
+    elif collector.startswith("ratio:"):
+        r, collector = collector.removeprefix("ratio:").split(":", 1)
+        ratio = float(r)
     if collector:
         from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -144,7 +151,11 @@ def serve_gateway(
                 return SpanExportResult.SUCCESS
 
         setup_tracing(
-            TracingConfig(enabled=True, endpoint=None if collector == "drop" else collector),
+            TracingConfig(
+                enabled=True,
+                endpoint=None if collector == "drop" else collector,
+                sampling_ratio=ratio,
+            ),
             "llmgw-bench",
             exporter=_Drop() if collector == "drop" else None,
         )
@@ -575,6 +586,8 @@ def main() -> int:
                     ("gateway-spans-only", "drop"),
                     # Tracing on as shipped: router.trace_requests "sampled".
                     ("gateway-traced-default", "sampled:" + sink),
+                    # Every request a span, one trace in twenty kept.
+                    ("gateway-traced-5pct", "ratio:0.05:" + sink),
                 ):
                     t_port = _free_port()
                     cmd = [
@@ -691,9 +704,9 @@ def main() -> int:
                     flush=True,
                 )
         finally:
-            for proc in procs:
+            # Last started first: the traced gateways flush to the sink as they stop.
+            for proc in reversed(procs):
                 proc.terminate()
-            for proc in procs:
                 try:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
@@ -785,7 +798,7 @@ def report(
     ))  # fmt: skip
 
     # The goals, for the gateway.
-    if "gateway" in targets:
+    if "gateway" in targets and any(k[1:] == ("paced", m, 64) for k in measured for m in MODES):
         print("\ngoals (gateway, paced engine, 64 clients):")
         for mode in MODES:
             if ("gateway", "paced", mode, 64) not in measured:
@@ -805,6 +818,21 @@ def report(
                     f"{best['gateway' + sfx] / best['nginx' + sfx]:.2f} of nginx's "
                     f"{best['nginx' + sfx]:.0f} (goal >= {GOAL_MAX_RPS_VS_NGINX})"
                 )
+    # Tracing's cost: each traced gateway against the untraced one, same cases.
+    traced = [t for t in targets if t.startswith(("gateway-traced", "gateway-spans"))]
+    if traced and "gateway" in targets:
+        print("\ntracing (req/s and CPU per request, against the gateway with tracing off):")
+        for (target, engine, mode, clients), m in sorted(measured.items()):
+            if target not in traced:
+                continue
+            off = measured[("gateway", engine, mode, clients)]
+            case = f"{engine}.{mode}.c{clients}"
+            print(
+                f"  {target:24s} {case:20s} req/s {m['rps'] / off['rps']:.3f}, "
+                f"CPU/request {m['cpu_us'] / off['cpu_us']:.3f}"
+            )
+            results.append(result(f"{target}.{case}.rps_vs_off", m["rps"], "req/s",
+                                  f"gateway.{case}.rps", off["rps"]))  # fmt: skip
     path = write("gateway", results)
     print(f"wrote {path} (load average at start {load_avg:.2f})")
 
