@@ -325,8 +325,8 @@ class EngineInstallParams:
     pip requirements, none for a bare venv, ``pip_args`` extra pip options such
     as an index, ``system_site_packages`` to see the interpreter's packages) or
     ``"apptainer"`` (``target`` is the .sif file, ``image_uri`` what to pull).
-    Both are safe to run twice at once: a lock file serialises them and a
-    marker (venv) or an atomic rename (image) shows completion.
+    The job runs ``llmgw-agent install`` (llmgw_slurm/agent/install.py), safe
+    to run twice at once.
     """
 
     job: JobOptions
@@ -338,11 +338,15 @@ class EngineInstallParams:
     apptainer: str = "apptainer"
     resources: Resources = field(default_factory=Resources)
     system_site_packages: bool = False
+    # agent.yaml, for its tracing block: the install is a trace of its own.
+    agent_config: str = ""
 
     def validate(self) -> None:
         self.job.validate()
         self.resources.validate("resources")
         _check_abs_path(self.target, "target")
+        if self.agent_config:
+            _check_agent_config(self.agent_config)
         if self.kind == "venv":
             for i, req in enumerate(self.packages):
                 _check(req, _REQUIREMENT, f"packages[{i}]", "a pip requirement like vllm==0.6.3")

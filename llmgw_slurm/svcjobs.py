@@ -165,6 +165,7 @@ class ServiceJobBuilder:
                 image_uri=image_uri,
                 apptainer=apptainer,
                 system_site_packages=system_site_packages,
+                agent_config=str(self.server.agent_config),
             ),
             self.server.templates_dir,
         )

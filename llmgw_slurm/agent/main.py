@@ -261,6 +261,54 @@ def fetch(ctx: click.Context) -> None:
     click.echo(f"{spec.name}: {where} ({what}, {elapsed:.1f}s)")
 
 
+@main.command()
+@click.option("--kind", type=click.Choice(["venv", "apptainer"]), required=True)
+@click.option("--target", required=True, help="The venv directory, or the image file.")
+@click.option("--python", "venv_python", default=sys.executable, show_default=True)
+@click.option("--package", "packages", multiple=True, help="A pip requirement (repeatable).")
+@click.option("--pip-arg", "pip_args", multiple=True, help="A pip option (repeatable).")
+@click.option("--system-site-packages", is_flag=True)
+@click.option("--image-uri", default="")
+@click.option("--apptainer", default="apptainer", show_default=True)
+@click.pass_context
+def install(
+    ctx: click.Context,
+    /,
+    kind: str,
+    target: str,
+    venv_python: str,
+    packages: tuple[str, ...],
+    pip_args: tuple[str, ...],
+    system_site_packages: bool,
+    image_uri: str,
+    apptainer: str,
+) -> None:
+    """Install an engine (a venv with pip, or an Apptainer image), once, and exit."""
+    from llmgw_slurm.agent.install import InstallRequest, install_engine
+
+    req = InstallRequest(
+        kind=kind,
+        target=Path(target),
+        python=venv_python,
+        packages=packages,
+        pip_args=pip_args,
+        system_site_packages=system_site_packages,
+        image_uri=image_uri,
+        apptainer=apptainer,
+    )
+    provider = _setup_tracing(ctx.obj[0])
+    try:
+        result = install_engine(req)
+    except LlmgwError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        _shutdown_tracing(provider)
+    if result.installed:
+        click.echo(f"llmgw: installed {target} ({result.seconds:.1f}s)")
+    else:
+        click.echo(f"llmgw: {target} already installed")
+
+
 def _traced_fetch(settings: AgentSettings) -> tuple[Any, Any, float]:
     """A model job: its own trace (or the one in TRACEPARENT), a span per step.
 

@@ -44,6 +44,7 @@ from llmgw_slurm.agent.engine import (
     wait_ready,
 )
 from llmgw_slurm.agent.errors import AgentError
+from llmgw_slurm.agent.install import install_marker_for
 from llmgw_slurm.agent.report import DaemonClient
 from llmgw_slurm.agent.settings import AgentSettings
 from llmgw_slurm.agent.spec import ReplicaSpec, parse_replica_spec
@@ -365,7 +366,7 @@ class Agent:
                 rdzv.pick_free_port(s.port_range, seed, s.bind_host, taken) if role.is_head else 0
             )
 
-        async with self._step("engine_launch", engine=spec.engine.kind):
+        async with self._step("engine_launch", engine=spec.engine.kind) as span:
             binds = (model_path,) if model_path.startswith("/") else ()
             launch = LaunchParams(
                 model_path=model_path,
@@ -380,6 +381,7 @@ class Agent:
                 binds=binds,
             )
             cmd = build_engine_command(spec.engine, launch, self.job.engine_api_key)
+            self._link_engine_install(span, spec.engine.apptainer_image or cmd.argv[0])
             log.info("engine: %s", _redact(cmd.argv, self.job.engine_api_key))
             out, err = self._engine_log_files(role)
             self.engine = EngineProcess(
@@ -422,6 +424,17 @@ class Agent:
         span.set_attribute("llmgw.weights.model_job_trace", tp)
         # The daemon links the replica's start span to it too (it reads trace=...).
         self._step_message = f"weights from a model job; trace={tp}"
+
+    def _link_engine_install(self, span: trace.Span, program: str) -> None:
+        """An engine an install job put in place: link to that job's trace."""
+        path = install_marker_for(program)
+        sc = read_trace_marker(path) if path is not None else None
+        if sc is None:
+            return
+        span.add_link(sc, {"llmgw.link": "engine_install"})
+        tp = traceparent_of(sc)
+        span.set_attribute("llmgw.engine.install_trace", tp)
+        self._step_message = f"engine from an install job; trace={tp}"
 
     async def _rendezvous(self, role: rdzv.NodeRole) -> tuple[DistInfo | None, set[int]]:
         """Where the nodes meet, and ports the engine's API must not take."""

@@ -395,14 +395,16 @@ class ReconcileTracing:
             if isinstance(body.get("elapsed_s"), (int, float)):
                 attrs["llmgw.elapsed_s"] = float(body["elapsed_s"])
             st.span.add_event("agent.step", attrs)
-            # The agent found weights a model job fetched and names that job's
-            # trace ("...; trace=00-..."): the start links to it.
+            # The agent found weights a model job fetched, or an engine an install
+            # job put in place, and names that job's trace ("...; trace=00-..."):
+            # the start links to it.
             message = body.get("message")
-            if step == "weights" and status == "done" and isinstance(message, str):
+            what = {"weights": "model_job", "engine_launch": "engine_install"}.get(str(step))
+            if what and status == "done" and isinstance(message, str):
                 tp = traceparent_from_comment(message)
                 sc = context_from_traceparent(tp) if tp else None
                 if sc is not None:
-                    self.link_start(rid, sc, "model_job")
+                    self.link_start(rid, sc, what)
 
     def end_start(self, rid: str, outcome: str, *, error: str = "", url: str = "") -> None:
         """End a replica's start span: it serves (``outcome`` "ready"), or it does not."""

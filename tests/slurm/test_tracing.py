@@ -221,3 +221,69 @@ async def test_one_trace_from_placement_to_the_agent_steps_in_the_job(
     assert col.named("llmgw.router.request") == []
     (held,) = col.named("llmgw.router.held")
     assert (trace_id, start.span_id) in held.links
+
+
+async def test_an_engine_install_is_a_trace_and_a_replica_running_it_links_to_it(
+    tmp_path: Path, prefix: str
+) -> None:
+    from tests.slurm.test_jobs import admin
+
+    target = tmp_path / "engines" / "bare-1.0"
+    engine_cmd = [str(target / "bin" / "python"), *tiny_model("x")["engine"]["command"][1:]]
+    async with collector() as col:
+        h = Harness(tmp_path / "daemon", prefix)
+        h.write([tiny_model("installed", engine={"command": engine_cmd})])
+        enable_tracing(h, col.url)
+        await h.start()
+        try:
+            assert h.d is not None and h.d.tracer_provider is not None
+            # The venv sees this interpreter's packages, the project among them.
+            rc, out, err = await admin(
+                "install-engine",
+                "venv",
+                str(target),
+                "--system-site-packages",
+                "--server",
+                str(h.server_yaml),
+                "--wait",
+            )
+            assert rc == 0, out + err
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    f"{h.url}/v1/chat/completions",
+                    json={"model": "installed", "messages": [{"role": "user", "content": "hi"}]},
+                    timeout=aiohttp.ClientTimeout(total=120),
+                ) as resp,
+            ):
+                assert resp.status == 200, await resp.text()
+            provider = h.d.tracer_provider
+
+            async def complete() -> bool:
+                await asyncio.to_thread(provider.force_flush)
+                have = {s.name for s in col.spans}
+                return {"replica.start", "llmgw.agent.engine_launch", "llmgw.engine_install"} <= have
+
+            await eventually(complete, "the install's, the daemon's and the agent's spans")
+        finally:
+            await h.stop()
+            ids = [j[0] for j in h.jobs()]
+            if ids:
+                subprocess.run(["scancel", *ids], check=False)
+            if h.d is not None and h.d.tracer_provider is not None:
+                await asyncio.to_thread(h.d.tracer_provider.shutdown)
+
+    (install,) = col.named("llmgw.engine_install")
+    assert install.service == "llmgw-agent" and install.parent_id == ""
+    assert install.attrs["llmgw.install.installed"] is True
+    steps = {s.name for s in col.spans if s.trace_id == install.trace_id} - {install.name}
+    assert steps == {
+        "llmgw.engine_install.lock",
+        "llmgw.engine_install.venv",
+        "llmgw.engine_install.mark",
+    }
+    print(render(col.spans, install.trace_id))
+    (launch,) = col.named("llmgw.agent.engine_launch")
+    (start,) = col.named("replica.start")
+    for linked in (launch, start):
+        assert (install.trace_id, install.span_id) in linked.links, linked.name

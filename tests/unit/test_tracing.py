@@ -639,3 +639,52 @@ def test_weights_from_a_model_job_link_the_replica_weights_span(tmp_path: Path) 
     # And the daemon hears of it in the weights step's report (see the start-span test).
     assert agent._step_message is not None
     assert traceparent_from_comment(agent._step_message) == traceparent_of(model_job)
+
+
+# ---- engine installs: the replica's engine launch links to the job that installed it ----
+
+
+def test_an_engine_from_an_install_job_links_the_launch_span(tmp_path: Path) -> None:
+    from test_agent_run import job_env, make_weights, spec_json
+
+    from llmgw_slurm.agent.install import marker_path
+    from llmgw_slurm.agent.runner import Agent, job_context_from_env
+    from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+
+    env = job_env("http://127.0.0.1:1", spec_json(make_weights(tmp_path)))
+    settings = AgentSettings(fetch=FetchSettings(cache_dir=tmp_path / "cache"))
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    agent = Agent(settings, job_context_from_env(env), env, tracer=provider.get_tracer("t"))
+    venv = tmp_path / "engines" / "vllm"
+    (venv / "bin").mkdir(parents=True)
+    python = str(venv / "bin" / "python")
+    # An engine nobody installed (no marker): no link, nothing said.
+    with provider.get_tracer("t").start_as_current_span("a") as span:
+        agent._link_engine_install(span, python)
+    assert agent._step_message is None
+    install = SpanContext(0x99, 0xAA, is_remote=False, trace_flags=TraceFlags(1))
+    write_trace_marker(marker_path(venv), install)
+    with provider.get_tracer("t").start_as_current_span("b") as span:
+        agent._link_engine_install(span, python)
+    plain, linked = exporter.get_finished_spans()
+    assert plain.links == ()
+    (link,) = linked.links
+    assert (link.context.trace_id, link.context.span_id) == (0x99, 0xAA)
+    assert link.attributes is not None and link.attributes["llmgw.link"] == "engine_install"
+    assert agent._step_message is not None
+    assert traceparent_from_comment(agent._step_message) == traceparent_of(install)
+
+
+async def test_install_trace_in_an_engine_launch_report_links_the_start(w: World) -> None:
+    rid, _ = await start_alpha(w)
+    tp = "00-33333333333333333333333333333333-4444444444444444-01"
+    w.report(
+        rid, event="step", step="engine_launch", status="done", message=f"install; trace={tp}"
+    )
+    await w.ready(rid)
+    start = only(w.named("replica.start"))
+    (link,) = start.links
+    assert link.context.trace_id == 0x33333333333333333333333333333333
+    assert link.attributes is not None and link.attributes["llmgw.link"] == "engine_install"
