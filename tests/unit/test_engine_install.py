@@ -151,7 +151,7 @@ def test_a_failed_pip_fails_the_install_marks_nothing_and_says_why(w: World) -> 
 
 def test_a_missing_interpreter_is_a_clear_error(w: World) -> None:
     req = InstallRequest("venv", w.tmp / "e", python=str(w.tmp / "no-such-python"))
-    with pytest.raises(AgentError, match="creating the venv: cannot run .*no-such-python"):
+    with pytest.raises(AgentError, match=r"creating the venv: cannot run .*no-such-python"):
         w.install(req)
 
 
