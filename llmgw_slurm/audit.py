@@ -13,9 +13,12 @@ How each figure is counted:
 - jobs: counted once (components together) in the period it started (or was
   submitted, if it never started);
 - failed (FAILED, NODE_FAIL, OUT_OF_MEMORY, BOOT_FAIL, DEADLINE), timeout
-  (TIMEOUT) and preempted (PREEMPTED): counted once per job in the period it ended.
-  ``sacct`` lists a requeued job's latest attempt, so a job preempted and then
-  run again to its end shows its final state, not the preemption.
+  (TIMEOUT) and preempted (PREEMPTED): counted once per run of a job (the
+  components of a heterogeneous job together) in the period the run ended. A
+  requeued job runs more than once under one job id: with every run in the
+  input (``sacct --duplicates``, which ``llmgw-admin audit`` asks for), a job
+  preempted twice and then completed counts two preemptions, and the GPU
+  hours of all three runs.
 """
 
 from __future__ import annotations
@@ -129,7 +132,8 @@ def aggregate(
     """Rows per (period, model), sorted by period then model; see the module docstring."""
     gpu_h: dict[tuple[str, str], float] = {}
     jobs: dict[tuple[str, str], set[str]] = {}
-    ended: dict[tuple[str, str, str], dict[str, JobState]] = {}
+    # (period, model, job, end of the run) -> the states its components ended in.
+    ended: dict[tuple[str, str, str, datetime], set[JobState]] = {}
     keys: set[tuple[str, str]] = set()
 
     def inside(t: datetime | None) -> bool:
@@ -159,15 +163,13 @@ def aggregate(
         if rec.state.is_finished and inside(rec.end):
             assert rec.end is not None
             label = period_label(period_start(rec.end, by), by)
-            states = ended.setdefault((label, model, base), {})
-            states[rec.job_id] = rec.state
+            ended.setdefault((label, model, base, rec.end), set()).add(rec.state)
             keys.add((label, model))
 
     counts: dict[tuple[str, str], dict[str, int]] = {}
-    for (label, model, _), states in ended.items():
+    for (label, model, _, _), seen in ended.items():
         c = counts.setdefault((label, model), {"failed": 0, "timeout": 0, "preempted": 0})
-        seen = set(states.values())
-        # One job, one count, whichever component carries the state.
+        # One run, one count, whichever component carries the state.
         if seen & FAILED_STATES:
             c["failed"] += 1
         if JobState.TIMEOUT in seen:

@@ -469,7 +469,8 @@ def audit(
     prefix = server.slurm.job_prefix
     try:
         # All users, then only the service's: a name prefix alone can be copied by anyone.
-        recs = run(backend.accounting(t0, t1, name_prefix=prefix, all_users=True))
+        # Every run of a requeued job: a preempted run's GPU hours and its preemption.
+        recs = run(backend.accounting(t0, t1, name_prefix=prefix, all_users=True, duplicates=True))
     except SlurmError as exc:
         detail = (exc.stderr.strip().splitlines() or [str(exc)])[-1]
         if _DBD_DOWN.search(exc.stderr or ""):

@@ -172,6 +172,7 @@ class CliBackend:
         end: datetime | None = None,
         name_prefix: str = "",
         all_users: bool = False,
+        duplicates: bool = False,
     ) -> list[AccountingRecord]:
         args = [
             "sacct",
@@ -184,6 +185,8 @@ class CliBackend:
             f"--endtime={(end or datetime.now()).strftime('%Y-%m-%dT%H:%M:%S')}",
         ]
         args.append("--allusers" if all_users else f"--user={self.user}")
+        if duplicates:
+            args.append("--duplicates")
         # --parsable2 with a custom delimiter leaves no trailing one; add it so the
         # shared splitter sees the same shape as squeue's.
         out = await self._run(args)

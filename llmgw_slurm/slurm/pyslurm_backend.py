@@ -549,7 +549,14 @@ class PyslurmBackend:
         end: datetime | None = None,
         name_prefix: str = "",
         all_users: bool = False,
+        duplicates: bool = False,
     ) -> list[AccountingRecord]:
+        if duplicates:
+            # pyslurm's db.Jobs is keyed by job id: one run of each job, the latest.
+            # Every run (an audit's preemptions) is sacct's --duplicates.
+            return await self._cli.accounting(
+                start, end, name_prefix=name_prefix, all_users=all_users, duplicates=True
+            )
         m = self._m
         filt: dict[str, Any] = {"start_time": start, "end_time": end or datetime.now()}
         if not all_users:

@@ -316,8 +316,14 @@ class SlurmBackend(Protocol):
         end: datetime | None = None,
         name_prefix: str = "",
         all_users: bool = False,
+        duplicates: bool = False,
     ) -> list[AccountingRecord]:
-        """Finished and running jobs from the accounting database."""
+        """Finished and running jobs from the accounting database.
+
+        ``duplicates``: every run of a requeued job, one record each (a
+        preempted run ends PREEMPTED, the next one has the same job id); by
+        default only each job's latest run, as ``sacct`` lists them.
+        """
 
     @property
     def calls(self) -> int:

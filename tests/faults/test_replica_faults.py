@@ -12,8 +12,10 @@ import os
 import signal
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
+from llmgw_slurm.slurm.cli import CliBackend
 from tests.faults.support import load, record, with_router
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import Harness, running, tiny_model
@@ -99,6 +101,19 @@ async def test_preempted_replica_fails_in_flight_requests_at_most_once(
             await asyncio.sleep(3)
         submits = h.decisions("submit", "preempted")
         jobs = h.jobs()
+        # Accounting: the latest run only by default; every run (the audit's view) with
+        # duplicates: the preempted one, and the one that serves again.
+        since = datetime.fromtimestamp(preempted_at - 3600)
+
+        async def runs() -> list[str] | None:
+            recs = await CliBackend().accounting(since, name_prefix=prefix, duplicates=True)
+            states = sorted(r.state.value for r in recs if r.job_id == first_job)
+            return states if len(states) == 2 else None
+
+        every_run = await eventually(runs, "accounting to list both runs", timeout=60)
+        latest = await CliBackend().accounting(since, name_prefix=prefix)
+    assert every_run == ["PREEMPTED", "RUNNING"]
+    assert [r.state.value for r in latest if r.job_id == first_job] == ["RUNNING"]
     # Each request that failed failed once, with a retryable error, and its retry
     # (held until the replica came back) succeeded.
     assert all(o.retryable for o in ld.failed), [(o.kind, o.t - preempted_at) for o in ld.failed]

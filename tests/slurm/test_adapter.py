@@ -190,24 +190,16 @@ async def test_research_job_preempts_a_service_job_which_is_requeued(
     job = await eventually(requeued, "the service job to be requeued")
     assert job.restarts == 1
 
-    # sacct lists the latest attempt; ask for duplicates to see the preempted one.
-    out = subprocess.run(
-        ["sacct", "-X", "--duplicates", "-n", "-P", "-j", svc, "--format=JobID,State"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    # Accounting with duplicates lists the preempted run (the faults level shows it
+    # beside the next run, once that one has started: tests/faults/test_replica_faults.py).
+    since = datetime.now() - timedelta(hours=1)
 
-    async def preempted_dup() -> bool:
-        o = subprocess.run(
-            ["sacct", "-X", "--duplicates", "-n", "-P", "-j", svc, "--format=JobID,State"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
-        return "PREEMPTED" in o
+    async def runs() -> list[JobState] | None:
+        recs = await backend.accounting(since, name_prefix=prefix, duplicates=True)
+        states = [r.state for r in recs if r.job_id == svc]
+        return states if JobState.PREEMPTED in states else None
 
-    await eventually(preempted_dup, "sacct to record PREEMPTED: " + out.stdout)
+    await eventually(runs, "accounting to list the preempted run")
 
 
 async def test_accounting_keeps_the_comment(backend: CliBackend, prefix: str) -> None:

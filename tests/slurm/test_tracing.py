@@ -262,7 +262,11 @@ async def test_an_engine_install_is_a_trace_and_a_replica_running_it_links_to_it
             async def complete() -> bool:
                 await asyncio.to_thread(provider.force_flush)
                 have = {s.name for s in col.spans}
-                return {"replica.start", "llmgw.agent.engine_launch", "llmgw.engine_install"} <= have
+                return {
+                    "replica.start",
+                    "llmgw.agent.engine_launch",
+                    "llmgw.engine_install",
+                } <= have
 
             await eventually(complete, "the install's, the daemon's and the agent's spans")
         finally:

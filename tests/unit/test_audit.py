@@ -94,6 +94,21 @@ def test_het_job_components_count_as_one_job() -> None:
     assert (row.period, row.jobs, row.gpu_hours, row.failed) == ("2024-05", 1, 8.0, 1)
 
 
+def test_every_run_of_a_requeued_job_counts_its_hours_and_its_preemption() -> None:
+    # sacct --duplicates: job 7 preempted twice, then run to its end; one job.
+    h = timedelta(hours=1)
+    recs = [
+        rec("7", "m1", D, D + h, gpus=2, state=JobState.PREEMPTED),
+        rec("7", "m1", D + 2 * h, D + 3 * h, gpus=2, state=JobState.PREEMPTED),
+        rec("7", "m1", D + 4 * h, D + 6 * h, gpus=2, state=JobState.COMPLETED),
+        # A heterogeneous job's two components, preempted in the same run: one count.
+        rec("8+0", "m1", D, D + h, state=JobState.PREEMPTED),
+        rec("8+1", "m1", D, D + h, state=JobState.PREEMPTED),
+    ]
+    (row,) = aggregate(recs, P, SINCE, UNTIL, "day", NOW)
+    assert (row.jobs, row.gpu_hours, row.preempted, row.failed) == (2, 10.0, 3, 0)
+
+
 def test_other_jobs_are_left_out_and_name_is_the_fallback() -> None:
     recs = [
         rec("1", "m1", D, D + timedelta(hours=1), name="research-job"),

@@ -436,10 +436,25 @@ class FakeJobHandle:
 class FakeCli:
     def __init__(self) -> None:
         self.specs: list[JobSpec] = []
+        self.accounting_asked: list[dict[str, Any]] = []
 
     async def submit(self, spec: JobSpec) -> str:
         self.specs.append(spec)
         return "999"
+
+    async def accounting(
+        self,
+        start: datetime,
+        end: datetime | None = None,
+        *,
+        name_prefix: str = "",
+        all_users: bool = False,
+        duplicates: bool = False,
+    ) -> list[Any]:
+        self.accounting_asked.append(
+            {"name_prefix": name_prefix, "all_users": all_users, "duplicates": duplicates}
+        )
+        return []
 
     @property
     def calls(self) -> int:
@@ -588,6 +603,19 @@ async def test_accounting_filters_on_user_unless_all_users() -> None:
     assert filters == [
         {"start_time": start, "end_time": end, "users": ["alice"]},
         {"start_time": start, "end_time": end},
+    ]
+
+
+async def test_every_run_of_requeued_jobs_comes_from_sacct() -> None:
+    # pyslurm's db.Jobs holds one record per job id: the runs before a requeue
+    # (a preemption) are only in sacct --duplicates.
+    filters: list[dict[str, Any]] = []
+    cli = FakeCli()
+    b = backend(fake_module(db_jobs=[dbjob()], filters=filters), cli=cli)
+    recs = await b.accounting(datetime(2025, 1, 1), name_prefix="llmgw.", duplicates=True)
+    assert recs == [] and filters == []
+    assert cli.accounting_asked == [
+        {"name_prefix": "llmgw.", "all_users": False, "duplicates": True}
     ]
 
 

@@ -680,9 +680,7 @@ def test_an_engine_from_an_install_job_links_the_launch_span(tmp_path: Path) -> 
 async def test_install_trace_in_an_engine_launch_report_links_the_start(w: World) -> None:
     rid, _ = await start_alpha(w)
     tp = "00-33333333333333333333333333333333-4444444444444444-01"
-    w.report(
-        rid, event="step", step="engine_launch", status="done", message=f"install; trace={tp}"
-    )
+    w.report(rid, event="step", step="engine_launch", status="done", message=f"install; trace={tp}")
     await w.ready(rid)
     start = only(w.named("replica.start"))
     (link,) = start.links
