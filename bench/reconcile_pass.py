@@ -501,7 +501,9 @@ async def part_breakdown(
             catalog, server_config(BASE, out_dir), backend, b"k" * 32, "http://127.0.0.1:1"
         )
         await rec.pass_once()
-        row_cache: dict[str, Any] = {}
+        # The adapter's own cache: the jobs it returns are then the very objects the
+        # passes see, as in a daemon where every listing goes through it.
+        row_cache = backend._squeue_cache.setdefault(BASE, parse.SqueueCache())
         for _ in range(repeats):
             t0 = time.perf_counter()
             await bare_squeue()
@@ -529,8 +531,8 @@ async def part_breakdown(
             rec._observe(jobs, now, "bench")
             steps["_observe (join with the daemon's memory)"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            views = [rec._view(r, now) for r in rec.replicas.values()]
-            steps["ReplicaViews"].append(time.perf_counter() - t0)
+            views = [rec._view(r) for r in rec.replicas.values()]
+            steps["ReplicaViews (kept ones reused)"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             plan(rec._models(), views, rec.nodes, {}, rec.failures, rec.plan_cfg, now, str)
             steps["plan()"].append(time.perf_counter() - t0)
