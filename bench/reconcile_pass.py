@@ -24,10 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import cProfile
 import dataclasses
 import getpass
 import itertools
 import json
+import pstats
 import random
 import subprocess
 import sys
@@ -48,8 +50,11 @@ from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import GpuCount, NodeInfo
 
 TOP = Path(__file__).resolve().parents[1]
-BASE = "llmgwbench."  # every service job of this benchmark starts with it
-FOREIGN = "llmgwbenchother-"  # the user's other jobs: not the reconciler's prefix
+# Every service job of this benchmark starts with BASE, and the user's other jobs
+# with FOREIGN (not the reconciler's prefix); --prefix changes both, so that a run
+# never touches the jobs of someone else's run on a shared cluster.
+BASE = "llmgwbench."
+FOREIGN = "llmgwbenchother-"
 HOLD = "#!/bin/bash\n#SBATCH --partition=llm\n#SBATCH --hold\n#SBATCH --output=/dev/null\ntrue\n"
 
 # ---------------------------------------------------------------------- catalogs
@@ -385,7 +390,7 @@ async def measure_pass(
 
 
 async def part_pass(
-    repeats: int, scale: float, out_dir: Path, purge_wait: bool
+    repeats: int, scale: float, out_dir: Path, purge_wait: bool, foreign: bool = True
 ) -> list[dict[str, Any]]:
     backend = CliBackend(timeout=300)
     stale = [j.job_id for j in await backend.list_jobs(BASE)]
@@ -442,6 +447,11 @@ async def part_pass(
         await run("no foreign", f"{BASE}z.", empty_models, 0)
         a.ids = await submit_held(backend, a.names())
         await run("no foreign", a.prefix, small_mins, len(a.ids))
+        if not foreign:
+            # Only the rows without the user's other jobs: no MinJobAge wait.
+            b.ids = await submit_held(backend, b.names())
+            await run("no foreign", BASE, big_mins, len(a.ids) + len(b.ids))
+            return results
         print(f"submitting {n_foreign} foreign jobs", flush=True)
         foreign_ids = await submit_held(backend, [f"{FOREIGN}{i:05d}" for i in range(n_foreign)])
         # Group a is foreign to this reconciler too: 5,000 + 100 others.
@@ -457,20 +467,23 @@ async def part_pass(
         await run("no foreign", BASE, big_mins, len(a.ids) + len(b.ids))
     finally:
         cancel(a.ids + b.ids + foreign_ids)
-    print()
-    print(
-        f"{'replicas':>8} {'models':>6} {'others':>6} {'pass ms':>8} "
-        f"{'bare ms':>8} {'ratio':>6} calls"
-    )
-    for m in rows:
+        print()
         print(
-            f"{m['replicas']:>8} {m['models']:>6} {m['other_jobs']:>6} {m['pass'] * 1000:>8.1f} "
-            f"{m['bare'] * 1000:>8.1f} {m['pass'] / m['bare']:>6.2f} {m['calls']}"
+            f"{'replicas':>8} {'models':>6} {'others':>6} {'pass ms':>8} "
+            f"{'bare ms':>8} {'ratio':>6} calls"
         )
+        for m in rows:
+            print(
+                f"{m['replicas']:>8} {m['models']:>6} {m['other_jobs']:>6} "
+                f"{m['pass'] * 1000:>8.1f} {m['bare'] * 1000:>8.1f} "
+                f"{m['pass'] / m['bare']:>6.2f} {m['calls']}"
+            )
     return results
 
 
-async def part_breakdown(repeats: int, scale: float, out_dir: Path) -> list[dict[str, Any]]:
+async def part_breakdown(
+    repeats: int, scale: float, out_dir: Path, profile: bool = False
+) -> list[dict[str, Any]]:
     """Where a pass's time goes, with 2,000 replicas (held jobs) and nothing else queued."""
     backend = CliBackend(timeout=300)
     n = max(20, round(2000 * scale))
@@ -488,6 +501,9 @@ async def part_breakdown(repeats: int, scale: float, out_dir: Path) -> list[dict
             catalog, server_config(BASE, out_dir), backend, b"k" * 32, "http://127.0.0.1:1"
         )
         await rec.pass_once()
+        # The adapter's own cache: the jobs it returns are then the very objects the
+        # passes see, as in a daemon where every listing goes through it.
+        row_cache = backend._squeue_cache.setdefault(BASE, parse.SqueueCache())
         for _ in range(repeats):
             t0 = time.perf_counter()
             await bare_squeue()
@@ -501,8 +517,12 @@ async def part_breakdown(repeats: int, scale: float, out_dir: Path) -> list[dict
             raw_nodes = (await proc.communicate())[0].decode()
             steps["sinfo, the adapter's format"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            jobs = parse.parse_squeue(raw, BASE)
-            steps["parse_squeue"].append(time.perf_counter() - t0)
+            parse.parse_squeue(raw, BASE)
+            steps["parse_squeue, no row cache"].append(time.perf_counter() - t0)
+            # As the adapter parses: with its row cache, warm from the previous listing.
+            t0 = time.perf_counter()
+            jobs = parse.parse_squeue(raw, BASE, row_cache)
+            steps["parse_squeue, the adapter's row cache"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             parse.parse_sinfo(raw_nodes)
             steps["parse_sinfo"].append(time.perf_counter() - t0)
@@ -511,14 +531,22 @@ async def part_breakdown(repeats: int, scale: float, out_dir: Path) -> list[dict
             rec._observe(jobs, now, "bench")
             steps["_observe (join with the daemon's memory)"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            views = [rec._view(r, now) for r in rec.replicas.values()]
-            steps["ReplicaViews"].append(time.perf_counter() - t0)
+            views = [rec._view(r) for r in rec.replicas.values()]
+            steps["ReplicaViews (kept ones reused)"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             plan(rec._models(), views, rec.nodes, {}, rec.failures, rec.plan_cfg, now, str)
             steps["plan()"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             await rec.pass_once()
             steps["pass_once() (squeue and sinfo concurrent)"].append(time.perf_counter() - t0)
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(repeats):
+                await rec.pass_once()
+            prof.disable()
+            print(f"\nprofile of {repeats} passes, {len(g.ids)} replicas:")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     finally:
         cancel(g.ids)
     print(f"\nwhere a pass's time goes, {len(g.ids)} replicas (medians of {repeats}):")
@@ -561,27 +589,48 @@ async def wait_purged(limit: float = 600.0) -> None:
 
 
 async def main() -> None:
+    global BASE, FOREIGN
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--part", choices=("plan", "pass", "breakdown", "all"), default="all")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--nodes", type=int, default=500, help="synthetic nodes for the plan part")
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the jobs to submit")
     ap.add_argument(
+        "--no-foreign",
+        action="store_true",
+        help="pass part: only the rows without the user's other jobs (0, 100, 2,000 replicas)",
+    )
+    ap.add_argument(
+        "--prefix",
+        default=BASE,
+        help=f"job name prefix of this run's jobs (default {BASE}); cleared of earlier runs' jobs",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="breakdown part: also print cProfile's top functions over the passes",
+    )
+    ap.add_argument(
         "--no-purge-wait",
         action="store_true",
         help="do not wait for cancelled foreign jobs to leave slurmctld (dry runs)",
     )
     args = ap.parse_args()
+    if not args.prefix.endswith("."):
+        ap.error("--prefix must end with a dot (the reconciler's prefix ends in one)")
+    BASE, FOREIGN = args.prefix, args.prefix.rstrip(".") + "other-"
     print(json.dumps(machine()))
     results: list[dict[str, Any]] = []
     if args.part in ("plan", "all"):
         results += part_plan(args.repeats, args.nodes)
     if args.part in ("pass", "all"):
         with tempfile.TemporaryDirectory(prefix="llmgwbench-") as tmp:
-            results += await part_pass(args.repeats, args.scale, Path(tmp), not args.no_purge_wait)
+            results += await part_pass(
+                args.repeats, args.scale, Path(tmp), not args.no_purge_wait, not args.no_foreign
+            )
     if args.part == "breakdown":
         with tempfile.TemporaryDirectory(prefix="llmgwbench-") as tmp:
-            results += await part_breakdown(args.repeats, args.scale, Path(tmp))
+            results += await part_breakdown(args.repeats, args.scale, Path(tmp), args.profile)
     print()
     print_table(results)
     path = write(f"reconcile_pass_{args.part}", results)

@@ -50,7 +50,7 @@ class CliBackend:
         self._bin_dir = bin_dir
         self._env = dict(env) if env is not None else None
         self.call_counts: collections.Counter[str] = collections.Counter()
-        self._squeue_cache: dict[str, dict[str, Job]] = {}
+        self._squeue_cache: dict[str, parse.SqueueCache] = {}
 
     @property
     def calls(self) -> int:
@@ -135,7 +135,7 @@ class CliBackend:
             ]
         )
         # The row cache is per prefix: a listing for another prefix must not evict it.
-        cache = self._squeue_cache.setdefault(name_prefix, {})
+        cache = self._squeue_cache.setdefault(name_prefix, parse.SqueueCache())
         return parse.parse_squeue(out, name_prefix, cache)
 
     async def list_nodes(self) -> list[NodeInfo]:

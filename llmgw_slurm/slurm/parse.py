@@ -166,24 +166,62 @@ def _int(text: str, default: int = 0) -> int:
 _TIME_LEFT = SQUEUE_FIELDS.index("TimeLeft")
 
 
-def parse_squeue(
-    stdout: str, name_prefix: str = "", cache: dict[str, Job] | None = None
-) -> list[Job]:
+class SqueueCache:
+    """The single-component jobs one caller's last ``parse_squeue`` built, to reuse.
+
+    Owned by the caller (one per name prefix; a call with another prefix starts
+    it afresh) and refilled by every call, so it holds only the last listing's
+    rows and never grows past the queue.
+    """
+
+    __slots__ = ("lines", "prefix", "rows")
+
+    def __init__(self) -> None:
+        self.prefix: str | None = None
+        # The whole row -> its job and the row without its time left (the key of ``rows``).
+        self.lines: dict[str, tuple[Job, str]] = {}
+        # The row without its time left -> the job parsed from it.
+        self.rows: dict[str, Job] = {}
+
+
+def _with_time_left(job: Job, left: int | None) -> Job:
+    # dataclasses.replace costs 3 us (the frozen __init__ again); a running job's
+    # time left moves every second, so this runs for every running replica per pass.
+    new = object.__new__(Job)
+    new.__dict__.update(job.__dict__)
+    object.__setattr__(new, "time_left_s", left)
+    return new
+
+
+def parse_squeue(stdout: str, name_prefix: str = "", cache: SqueueCache | None = None) -> list[Job]:
     """Fold squeue rows (one per heterogeneous component) into jobs.
 
     With ``name_prefix``, other jobs are dropped before they are parsed: a user
     who is also the service account may have thousands of unrelated jobs.
 
-    With ``cache`` (owned by the caller, refilled here), a single-component row
-    that is unchanged since the last call (apart from its time left, which moves
-    every second) reuses the job parsed then: in steady state a pass over two
-    thousand replicas parses only what changed. The cache holds only the rows
-    of this call afterwards, so it never grows past the queue.
+    With ``cache``, a single-component row identical to one of the last call
+    returns the very job parsed then (held and pending jobs: nothing is split or
+    parsed), and one that differs only in its time left (a running job: that
+    moves every second) returns a copy of it with the new figure. Every other
+    row is parsed afresh. Jobs are frozen, so reusing one is safe, and a caller
+    may take "the same object as last time" to mean "the same row".
     """
     rows: dict[str, list[list[str]]] = {}
     order: list[str | Job] = []
-    fresh: dict[str, Job] = {}
+    if cache is not None and cache.prefix != name_prefix:
+        cache.prefix, cache.lines, cache.rows = name_prefix, {}, {}
+    old_lines = cache.lines if cache is not None else {}
+    old_rows = cache.rows if cache is not None else {}
+    new_lines: dict[str, tuple[Job, str]] = {}
+    new_rows: dict[str, Job] = {}
     for line in stdout.splitlines():
+        hit = old_lines.get(line)
+        if hit is not None:
+            # Seen last time: it passed the prefix check then (same prefix) and parsed.
+            new_lines[line] = hit
+            new_rows[hit[1]] = hit[0]
+            order.append(hit[0])
+            continue
         if not line.strip():
             continue
         # The name is the 4th field: a cheap check before the whole line is parsed.
@@ -198,7 +236,7 @@ def parse_squeue(
         single = _none(het) or het == "0"
         if cache is not None and single:
             ckey = SEP.join(f[:_TIME_LEFT] + f[_TIME_LEFT + 1 :])
-            job = cache.get(ckey)
+            job = old_rows.get(ckey)
             if job is None:
                 try:
                     job = _job_from_rows(f[0].strip(), [f])
@@ -211,8 +249,9 @@ def parse_squeue(
                 except SlurmParseError:
                     left = None
                 if left != job.time_left_s:
-                    job = replace(job, time_left_s=left)
-            fresh[ckey] = job
+                    job = _with_time_left(job, left)
+            new_lines[line] = (job, ckey)
+            new_rows[ckey] = job
             order.append(job)
             continue
         key = f[0].strip() if single else het
@@ -230,8 +269,7 @@ def parse_squeue(
         except SlurmParseError as exc:
             log.warning("squeue: skipping job %s: %s", item, exc)
     if cache is not None:
-        cache.clear()
-        cache.update(fresh)
+        cache.lines, cache.rows = new_lines, new_rows
     return jobs
 
 

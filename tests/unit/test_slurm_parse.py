@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -192,25 +193,91 @@ def test_squeue_prefix_drops_other_jobs_before_parsing() -> None:
 
 def test_squeue_cache_reuses_unchanged_rows_and_updates_time_left() -> None:
     text = (DATA / "squeue.txt").read_text()
-    cache: dict[str, object] = {}
-    first = parse.parse_squeue(text, "", cache)  # type: ignore[arg-type]
-    assert len(cache) == 2  # the two single-component jobs; het rows are not cached
-    again = parse.parse_squeue(text, "", cache)  # type: ignore[arg-type]
+    cache = parse.SqueueCache()
+    first = parse.parse_squeue(text, "", cache)
+    assert len(cache.lines) == 2  # the two single-component jobs; het rows are not cached
+    again = parse.parse_squeue(text, "", cache)
+    assert again == parse.parse_squeue(text)  # what an uncached parse gives
     single = {j.job_id: j for j in first if not j.heterogeneous}
     for j in again:
         if not j.heterogeneous:
             assert j is single[j.job_id]  # reused, not re-parsed
-    # A second passes: only the time left moves; the job is the same, with the new figure.
+    # A second passes: only the time left moves; a job with the new figure, the rest kept.
     sep = parse.SEP
     moved = text.replace(f"{sep}364-23:59:58{sep}", f"{sep}364-23:59:57{sep}")
     assert moved != text
-    (m1,) = [j for j in parse.parse_squeue(moved, "llmgw.m1.", cache) if j.job_id == "9"]  # type: ignore[arg-type]
+    (m1,) = [j for j in parse.parse_squeue(moved, "", cache) if j.job_id == "9"]
+    assert m1 is not single["9"]
     assert m1.time_left_s == 364 * 86400 + 23 * 3600 + 59 * 60 + 57
-    assert m1.name == "llmgw.m1.0a0b0c0d"
+    assert single["9"].time_left_s == m1.time_left_s + 1  # the cached job is left as it was
+    assert dataclasses.replace(m1, time_left_s=single["9"].time_left_s) == single["9"]
+    assert parse.parse_squeue(moved, "", cache) == parse.parse_squeue(moved)
+    # The same moved listing again: the copy is what is kept.
+    (m1b,) = [j for j in parse.parse_squeue(moved, "", cache) if j.job_id == "9"]
+    assert m1b is m1
     # A changed state is parsed afresh.
-    changed = text.replace(
+    changed = moved.replace(
         f"{sep}RUNNING{sep}None{sep}gpunode1{sep}1{sep}llm{sep}gres:gpu:a100:2",
         f"{sep}COMPLETING{sep}None{sep}gpunode1{sep}1{sep}llm{sep}gres:gpu:a100:2",
     )
-    (m2,) = [j for j in parse.parse_squeue(changed, "", cache) if j.job_id == "9"]  # type: ignore[arg-type]
+    (m2,) = [j for j in parse.parse_squeue(changed, "", cache) if j.job_id == "9"]
     assert m2.state is JobState.COMPLETING
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field", "want"),
+    [
+        ("{s}PENDING{s}Resources{s}", "{s}PENDING{s}Priority{s}", "reason", "Priority"),
+        ("{s}PENDING{s}Resources{s}", "{s}RUNNING{s}None{s}", "state", JobState.RUNNING),
+        (
+            "{s}Resources{s}{s}4{s}",
+            "{s}Resources{s}gpunode[1-2]{s}4{s}",
+            "nodes",
+            ("gpunode1", "gpunode2"),
+        ),
+        ("{s}UNLIMITED{s}UNLIMITED{s}2027", "{s}1:00:00{s}UNLIMITED{s}2027", "time_limit_s", 3600),
+        (
+            "{s}2026-12-02T16:48:54{s}0{s}root{s}(null){s}",
+            "{s}2026-12-02T16:48:54{s}2{s}root{s}(null){s}",
+            "restarts",
+            2,
+        ),
+        ("llmgw.pend.55667788{s}", "llmgw.pend.99999999{s}", "name", "llmgw.pend.99999999"),
+        ("{s}root{s}(null){s}", "{s}root{s}model=x{s}", "comment", "model=x"),
+    ],
+)
+def test_squeue_cache_reparses_a_row_when_any_field_but_time_left_changes(
+    old: str, new: str, field: str, want: object
+) -> None:
+    # A cached job handed back for a row that changed would be a stale listing: the
+    # reconciler skips a job it has already applied, so it would never see the change.
+    s = parse.SEP
+    text = (DATA / "squeue.txt").read_text()
+    old, new = old.format(s=s), new.format(s=s)
+    lines = text.splitlines(keepends=True)
+    (i,) = [k for k, ln in enumerate(lines) if ln.startswith("12" + s)]  # a single-row job
+    assert lines[i].count(old) == 1
+    cache = parse.SqueueCache()
+    (before,) = [j for j in parse.parse_squeue(text, "", cache) if j.job_id == "12"]
+    lines[i] = lines[i].replace(old, new)
+    changed = "".join(lines)
+    (after,) = [j for j in parse.parse_squeue(changed, "", cache) if j.job_id == "12"]
+    assert getattr(after, field) == want != getattr(before, field)
+    assert parse.parse_squeue(changed, "", cache) == parse.parse_squeue(changed)
+
+
+def test_squeue_cache_keeps_only_the_last_listing_and_follows_the_prefix() -> None:
+    text = (DATA / "squeue.txt").read_text()
+    cache = parse.SqueueCache()
+    parse.parse_squeue(text, "", cache)
+    # A row seen under another prefix is not taken to have passed this one's filter.
+    assert [j.name for j in parse.parse_squeue(text, "llmgw.m1.", cache)] == ["llmgw.m1.0a0b0c0d"]
+    assert len(cache.lines) == len(cache.rows) == 1
+    # A job that left the listing leaves the cache.
+    assert parse.parse_squeue("", "llmgw.m1.", cache) == []
+    assert cache.lines == {} and cache.rows == {}
+    # And a row that did not parse is not kept to be handed back later.
+    bad = text.replace("2026-12-02T16:48:54", "yesterday", 1)
+    jobs = parse.parse_squeue(bad, "", cache)
+    assert "12" not in [j.job_id for j in jobs]
+    assert all(j.job_id != "12" for j, _ in cache.lines.values())
