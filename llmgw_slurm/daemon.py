@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import signal
 import socket
@@ -32,7 +33,7 @@ from llmgw_slurm.router import RouterConfig, create_app
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
-from llmgw_slurm.secrets import admin_token, load_or_create_server_key
+from llmgw_slurm.secrets import REPORT_SCHEME, admin_token, load_or_create_server_key
 from llmgw_slurm.slurm import make_backend
 from llmgw_slurm.tracing import setup_tracing
 
@@ -59,18 +60,26 @@ def internal_app(rec: Reconciler) -> web.Application:
     async def report(request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
         auth = request.headers.get("Authorization", "")
-        if not auth.startswith("Bearer "):
-            return web.json_response({"ok": False, "error": "missing bearer secret"}, status=401)
+        signed = auth.startswith(REPORT_SCHEME + " ")
+        if not signed and not auth.startswith("Bearer "):
+            return web.json_response(
+                {"ok": False, "error": f"missing signature ({REPORT_SCHEME})"}, status=401
+            )
+        raw = await request.read()
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
             return web.json_response({"ok": False, "error": "body is not JSON"}, status=400)
         if not isinstance(body, dict):
             return web.json_response({"ok": False, "error": "body must be an object"}, status=400)
         try:
-            answer = rec.report(rid, auth[len("Bearer ") :], body)
-        except PermissionError:
-            return web.json_response({"ok": False, "error": "bad replica secret"}, status=401)
+            if signed:
+                answer = rec.report_signed(rid, auth, raw, body)
+            else:
+                # Agents from before signed reports, still running across an upgrade.
+                answer = rec.report(rid, auth[len("Bearer ") :], body)
+        except PermissionError as err:
+            return web.json_response({"ok": False, "error": str(err)}, status=401)
         return web.json_response(answer)
 
     async def health(_: web.Request) -> web.Response:

@@ -10,16 +10,28 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets as _secrets
 from pathlib import Path
 
 __all__ = [
+    "REPORT_SCHEME",
     "admin_token",
     "constant_time_equal",
     "engine_api_key",
     "load_or_create_server_key",
+    "parse_report_auth",
     "replica_secret",
+    "report_signature",
+    "sign_report",
 ]
+
+# The Authorization scheme of an agent's report: the replica secret signs the
+# report and never travels, so that whoever reads the cluster network (the
+# internal API is plain HTTP) learns nothing that lets them report as the replica.
+REPORT_SCHEME = "LLMGW-HMAC"
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _derive(server_key: bytes, purpose: str, replica_id: str) -> str:
@@ -49,6 +61,35 @@ def admin_token(server_key: bytes) -> str:
     CLI re-derives it from the key file in the state directory.
     """
     return _derive(server_key, "admin", "")
+
+
+def report_signature(secret: str, replica_id: str, ts: int, nonce: str, body: bytes) -> str:
+    """HMAC-SHA256 of one report: its time, its nonce, the replica and the exact body bytes."""
+    msg = f"{ts}\n{nonce}\n{replica_id}\n".encode() + body
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def sign_report(secret: str, replica_id: str, ts: int, body: bytes, nonce: str = "") -> str:
+    """The Authorization header value of a signed report (a fresh nonce unless given).
+
+    The nonce makes each attempt unique: a retry of a report whose answer was
+    lost must not look like a replay of the first attempt.
+    """
+    nonce = nonce or _secrets.token_hex(8)
+    sig = report_signature(secret, replica_id, ts, nonce, body)
+    return f"{REPORT_SCHEME} ts={ts},nonce={nonce},sig={sig}"
+
+
+def parse_report_auth(header: str) -> tuple[int, str, str] | None:
+    """``(ts, nonce, sig)`` of a signed report's Authorization header; None if malformed."""
+    scheme, _, params = header.partition(" ")
+    if scheme != REPORT_SCHEME:
+        return None
+    fields = dict(p.partition("=")[::2] for p in params.split(","))
+    ts, nonce, sig = fields.get("ts", ""), fields.get("nonce", ""), fields.get("sig", "")
+    if not (ts.isdigit() and len(ts) <= 12 and _HEX16.fullmatch(nonce) and _HEX64.fullmatch(sig)):
+        return None
+    return int(ts), nonce, sig
 
 
 def constant_time_equal(a: str, b: str) -> bool:

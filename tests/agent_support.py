@@ -13,6 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw_slurm.secrets import parse_report_auth, report_signature
+
 RID = "0123abcd"
 SECRET = "replica-secret-xyz"
 KEY = "engine-key-abc"
@@ -69,13 +71,22 @@ class FakeDaemon:
         self.url = ""
 
     async def handle(self, request: web.Request) -> web.Response:
-        if request.headers.get("Authorization") != f"Bearer {self.secret}":
-            self.refused.append("bad secret")
+        raw = await request.read()
+        auth = request.headers.get("Authorization", "")
+        parsed = parse_report_auth(auth)
+        rid = request.match_info["rid"]
+        # The secret signs the report and is never sent: not as a bearer, not anywhere.
+        if self.secret in auth or self.secret.encode() in raw or parsed is None:
+            self.refused.append("not signed, or the secret was sent")
             return web.json_response({"ok": False}, status=401)
-        if request.match_info["rid"] != self.replica_id:
+        ts, nonce, sig = parsed
+        if sig != report_signature(self.secret, rid, ts, nonce, raw):
+            self.refused.append("bad signature")
+            return web.json_response({"ok": False}, status=401)
+        if rid != self.replica_id:
             self.refused.append("unknown replica")
             return web.json_response({"ok": False}, status=404)
-        body = await request.json()
+        body = json.loads(raw)
         problems = []
         if set(body) != BODY_KEYS:
             problems.append(f"keys {sorted(set(body) ^ BODY_KEYS)}")

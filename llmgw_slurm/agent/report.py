@@ -1,21 +1,28 @@
 """Reports to the daemon: steps, ready, heartbeats, draining, failed, stopped.
 
-``POST {daemon_url}/internal/v1/replicas/{replica_id}/report`` with the
-replica secret as a bearer token. The daemon being away (restarting, or the
-login node rebooting) is normal: a report is retried with backoff, and a
-report that never gets through is logged, never raised. The engine keeps
-serving either way; the daemon adopts the replica when it comes back.
+``POST {daemon_url}/internal/v1/replicas/{replica_id}/report``, signed with
+the replica secret (``Authorization: LLMGW-HMAC ts=,nonce=,sig=``, see
+:func:`llmgw_slurm.secrets.sign_report`): the secret itself never travels,
+and the daemon refuses a report that is old or seen before. The daemon being
+away (restarting, or the login node rebooting) is normal: a report is
+retried with backoff, and a report that never gets through is logged, never
+raised. The engine keeps serving either way; the daemon adopts the replica
+when it comes back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from llmgw_slurm.secrets import sign_report
 
 __all__ = ["EVENTS", "DaemonClient", "ReportAnswer"]
 
@@ -44,6 +51,7 @@ class DaemonClient:
     ) -> None:
         self._session = session
         self.url = f"{daemon_url.rstrip('/')}/internal/v1/replicas/{replica_id}/report"
+        self.replica_id = replica_id
         self._secret = secret
         self.node = node
         self.job_id = job_id
@@ -76,10 +84,16 @@ class DaemonClient:
 
     async def send_once(self, body: dict[str, Any]) -> ReportAnswer | None:
         """One attempt; None when the daemon did not take it."""
-        headers = {"Authorization": f"Bearer {self._secret}"}
+        # Signed per attempt: a retry is a new report to the daemon, which refuses
+        # one it has seen (a replay), and the time in it must be recent.
+        raw = json.dumps(body, separators=(",", ":")).encode()
+        headers = {
+            "Authorization": sign_report(self._secret, self.replica_id, int(time.time()), raw),
+            "Content-Type": "application/json",
+        }
         try:
             async with self._session.post(
-                self.url, json=body, headers=headers, timeout=self._timeout
+                self.url, data=raw, headers=headers, timeout=self._timeout
             ) as resp:
                 if resp.status == 200:
                     data = await resp.json(content_type=None)
@@ -88,7 +102,11 @@ class DaemonClient:
                     )
                 text = (await resp.text())[:200]
                 if resp.status == 401:
-                    log.error("report %s: daemon refused the replica secret (401)", body["event"])
+                    log.error(
+                        "report %s: daemon refused the report's signature (401): %s",
+                        body["event"],
+                        text,
+                    )
                 elif resp.status == 404:
                     log.error("report %s: daemon does not know this replica (404)", body["event"])
                 else:

@@ -39,9 +39,20 @@ from llmgw_slurm.reconciler.plan import (
 )
 from llmgw_slurm.reconciler.spans import ReconcileTracing
 from llmgw_slurm.router.directory import Endpoint, ModelInfo
-from llmgw_slurm.secrets import constant_time_equal, engine_api_key, replica_secret
+from llmgw_slurm.secrets import (
+    REPORT_SCHEME,
+    constant_time_equal,
+    engine_api_key,
+    parse_report_auth,
+    replica_secret,
+    report_signature,
+)
 from llmgw_slurm.slurm.types import AccountingRecord, Job, JobState, NodeInfo, SlurmBackend
 from llmgw_slurm.svcjobs import ServiceJobs
+
+# How far a signed report's time may be from the daemon's clock (NTP keeps a
+# cluster's clocks within a second; five minutes allows a slow one).
+REPORT_MAX_AGE_S = 300.0
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +209,9 @@ class Reconciler:
         # Reports from agents whose job the daemon has not listed yet (right after a
         # restart, or a report racing the first listing): joined on the next pass.
         self._early_reports: dict[str, dict[str, Any]] = {}
+        # Nonces of signed reports accepted lately: a replayed report is refused.
+        self._nonces: set[str] = set()
+        self._nonces_order: collections.deque[tuple[float, str]] = collections.deque()
         # Job name -> (model, replica id), or None when not a replica's: a job keeps its
         # name, and parsing 2,000 names per pass cost 3 ms.
         self._idents: dict[str, tuple[str, str] | None] = {}
@@ -307,9 +321,48 @@ class Reconciler:
     # ---- agent reports -------------------------------------------------------------
 
     def report(self, replica_id: str, secret: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Handle an agent's report; raises PermissionError on a bad secret."""
+        """An agent's report with its secret as a bearer token (agents before signed
+        reports); raises PermissionError on a bad secret."""
         if not constant_time_equal(secret, replica_secret(self.server_key, replica_id)):
             raise PermissionError("bad replica secret")
+        return self._report(replica_id, body)
+
+    def report_signed(
+        self, replica_id: str, authorization: str, raw: bytes, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """An agent's signed report (``raw``: the body's exact bytes, ``body`` them parsed).
+
+        Raises PermissionError, saying why, on a malformed, wrong, old or replayed
+        signature: a report copied off the network is refused, and the secret that
+        signs it was never on the network.
+        """
+        parsed = parse_report_auth(authorization)
+        if parsed is None:
+            raise PermissionError(
+                f"malformed signature; expected '{REPORT_SCHEME} ts=,nonce=,sig='"
+            )
+        ts, nonce, sig = parsed
+        now = time.time()
+        if abs(now - ts) > REPORT_MAX_AGE_S:
+            raise PermissionError(
+                f"report signed at {ts}, {now - ts:+.0f} s from the daemon's clock "
+                f"(limit {REPORT_MAX_AGE_S:g} s): are the login and compute nodes' clocks set?"
+            )
+        secret = replica_secret(self.server_key, replica_id)
+        if not constant_time_equal(sig, report_signature(secret, replica_id, ts, nonce, raw)):
+            raise PermissionError("bad signature")
+        key = f"{replica_id}:{nonce}"
+        # Forget nonces older than any report still accepted (in order of arrival,
+        # which follows their times to within the allowed skew).
+        while self._nonces_order and self._nonces_order[0][0] < now - 2 * REPORT_MAX_AGE_S:
+            self._nonces.discard(self._nonces_order.popleft()[1])
+        if key in self._nonces:
+            raise PermissionError("replayed report")
+        self._nonces.add(key)
+        self._nonces_order.append((now, key))
+        return self._report(replica_id, body)
+
+    def _report(self, replica_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
         r = self.replicas.get(replica_id)
         if r is None:
             # The secret proves the agent runs this replica; its job is simply not

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from test_reconciler_core import KEY, job, make  # type: ignore[import-not-found
 
 from llmgw_slurm.daemon import internal_app
 from llmgw_slurm.reconciler.core import Reconciler
-from llmgw_slurm.secrets import engine_api_key, replica_secret
+from llmgw_slurm.secrets import engine_api_key, replica_secret, sign_report
 from llmgw_slurm.slurm.types import JobState
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 
@@ -90,6 +92,44 @@ async def test_missing_wrong_and_other_replicas_secrets_are_refused(tmp_path: Pa
         status, answer = await _post(url, A, body, f"Bearer {replica_secret(KEY, A)}")
         assert status == 200 and answer == {"ok": True, "drain": False}
         assert rec.replicas[A].step == "weights started"
+
+
+async def test_signed_reports_wrong_old_tampered_and_replayed_are_refused(
+    tmp_path: Path,
+) -> None:
+    rec, _ = await _listed(tmp_path)
+    secret = replica_secret(KEY, A)
+    raw = json.dumps(_report(event="step", step="weights", status="started")).encode()
+    now = int(time.time())
+
+    async def post(auth: str, data: bytes = raw, rid: str = A) -> tuple[int, Any]:
+        return await _post(url, rid, None, auth, raw=data)
+
+    async with serve(internal_app(rec)) as url:
+        good = sign_report(secret, A, now, raw)
+        # Signed with B's secret, or for B's path, or another server key's: refused.
+        assert (await post(sign_report(replica_secret(KEY, B), A, now, raw)))[0] == 401
+        assert (await post(sign_report(secret, B, now, raw)))[0] == 401
+        assert (await post(sign_report(replica_secret(b"x" * 64, A), A, now, raw)))[0] == 401
+        # The body changed after signing (a heartbeat turned into "failed").
+        tampered = raw.replace(b'"step"', b'"failed"', 1)
+        status, answer = await post(good, tampered)
+        assert status == 401 and answer["error"] == "bad signature"
+        # Signed ten minutes ago or ahead: refused, saying why.
+        status, answer = await post(sign_report(secret, A, now - 600, raw))
+        assert status == 401 and "from the daemon's clock" in answer["error"]
+        assert (await post(sign_report(secret, A, now + 600, raw)))[0] == 401
+        for malformed in ("LLMGW-HMAC ts=1", "LLMGW-HMAC ts=x,nonce=y,sig=z", "LLMGW-HMAC"):
+            assert (await post(malformed))[0] == 401
+        assert rec.replicas[A].step == ""
+        status, answer = await post(good)
+        assert status == 200 and answer == {"ok": True, "drain": False}
+        assert rec.replicas[A].step == "weights started"
+        # The same report again, copied off the network: refused.
+        status, answer = await post(good)
+        assert status == 401 and answer["error"] == "replayed report"
+        # A retry of it is signed anew (a fresh nonce): taken.
+        assert (await post(sign_report(secret, A, now, raw)))[0] == 200
 
 
 async def test_malformed_and_oversized_reports_are_4xx_never_5xx(tmp_path: Path) -> None:
@@ -233,3 +273,25 @@ async def test_deeply_nested_json_is_a_400_not_a_500(tmp_path: Path) -> None:
         assert (await _post(url, A, None, "Bearer x", raw=deep))[0] in (400, 401)
         status, _ = await _post(url, A, None, f"Bearer {replica_secret(KEY, A)}", raw=deep)
         assert status == 400
+
+
+async def test_nonces_are_forgotten_once_their_reports_are_too_old_anyway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmgw_slurm.reconciler import core
+
+    rec, _ = await _listed(tmp_path)
+    secret = replica_secret(KEY, A)
+    raw = json.dumps(_report()).encode()
+    t0 = 1_900_000_000
+    monkeypatch.setattr(core.time, "time", lambda: float(t0))
+    first = sign_report(secret, A, t0, raw)
+    rec.report_signed(A, first, raw, json.loads(raw))
+    assert len(rec._nonces) == 1
+    later = t0 + 2 * int(core.REPORT_MAX_AGE_S) + 1
+    monkeypatch.setattr(core.time, "time", lambda: float(later))
+    rec.report_signed(A, sign_report(secret, A, later, raw), raw, json.loads(raw))
+    assert len(rec._nonces) == 1
+    # The forgotten one is still refused: by its age.
+    with pytest.raises(PermissionError, match="from the daemon's clock"):
+        rec.report_signed(A, first, raw, json.loads(raw))
