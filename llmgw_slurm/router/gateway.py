@@ -110,6 +110,10 @@ def _sse_error(message: str, code: str) -> bytes:
 
 
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
+# A "usage" key with something other than null: every event that can carry
+# token counts has one (possessive, so that the spaces before "null" are not
+# given back to let the lookahead pass).
+_USAGE_SET = re.compile(rb'"usage"\s*+:\s*+(?!null)')
 # A chunk-size line: hex digits, then optional extensions (ignored), as
 # RFC 9112 7.1 has it; 64-bit sizes at most.
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}(?=[;\t ]|\r\n)")
@@ -129,16 +133,24 @@ class _SseRelay:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
-        if not self._buf and chunk.endswith((b"\n\n", b"\r\n\r\n")):
+        if (
+            not self._buf
+            and chunk.endswith((b"\n\n", b"\r\n\r\n"))
+            and _USAGE_SET.search(chunk) is None
+        ):
             # The common case, a chunk of whole events with no usage in it
             # (or only "usage": null), passes as it is: splitting it into
             # events would cost more than the relay itself.
-            n = chunk.count(b'"usage"')
-            if n == 0 or n == len(_USAGE_NULL.findall(chunk)):
-                return chunk
+            return chunk
         buf = self._buf + chunk if self._buf else chunk
         out: list[bytes] = []
         start = 0
+        # Events are kept in runs: only one with a usage object in it is
+        # looked at, and a dropped one ends a run (a burst of many events, the
+        # whole answer in one read, has one usage event among dozens).
+        run = 0
+        m = _USAGE_SET.search(buf)
+        u = m.start() if m else -1
         # The next separator of each kind, -1 for none: each is searched for
         # again only once passed, so that a chunk of many events is scanned
         # once, not once per event.
@@ -146,15 +158,21 @@ class _SseRelay:
         j = buf.find(b"\r\n\r\n")
         while i >= 0 or j >= 0:
             end = i + 2 if j < 0 or (0 <= i < j) else j + 4
-            event = buf[start:end]
-            if self._keep(event):
-                out.append(event)
+            if 0 <= u < end:
+                if not self._keep(buf[start:end]):
+                    out.append(buf[run:start])
+                    run = end
+                m = _USAGE_SET.search(buf, end)
+                u = m.start() if m else -1
             start = end
             if 0 <= i < start:
                 i = buf.find(b"\n\n", start)
             if 0 <= j < start:
                 j = buf.find(b"\r\n\r\n", start)
         self._buf = buf[start:]
+        if not out:
+            return buf[:start] if start < len(buf) else buf
+        out.append(buf[run:start])
         return b"".join(out)
 
     def rest(self) -> bytes:
