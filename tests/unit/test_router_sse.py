@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw_slurm.router.gateway import _SseRelay
+from llmgw_slurm.router.gateway import _USAGE_SET, _SseRelay
 
 
 def _events(n: int, with_usage: bool, sep: bytes) -> list[bytes]:
@@ -49,6 +49,63 @@ def test_any_chunking_gives_the_same_events(
     expected = [e for e in events if not (strip and b'"choices": []' in e)]
     assert out == b"".join(expected)
     assert relay.usage == {"prompt_tokens": 2, "completion_tokens": n}
+
+
+def _event_by_event(chunks: list[bytes], relay: _SseRelay) -> bytes:
+    """The relay's output the plain way: every event split off and looked at."""
+    buf, out = b"", []
+    for c in chunks:
+        buf += c
+        start = 0
+        while True:
+            ends = [e + len(s) for s in (b"\n\n", b"\r\n\r\n") if (e := buf.find(s, start)) >= 0]
+            if not ends:
+                break
+            end = min(ends)
+            if relay._keep(buf[start:end]):
+                out.append(buf[start:end])
+            start = end
+        buf = buf[start:]
+    return b"".join(out) + buf
+
+
+_USAGE_EVENT = b'data: {"choices": [], "usage": {"prompt_tokens": 1}}'
+_PIECES = [
+    b"\n",
+    b"\r",
+    b"\n\n",
+    b"\r\n\r\n",
+    b"data: x",
+    b'"usage": null',
+    b'"usage" :\t null',
+    b'"usage"',
+    _USAGE_EVENT,
+    b'data: {"choices": [], "usage" :  {"prompt_tokens": 2}}',
+]
+
+
+@given(
+    pieces=st.lists(st.sampled_from(_PIECES), max_size=30),
+    cuts=st.lists(st.integers(0, 10_000), max_size=8),
+    strip=st.booleans(),
+)
+def test_runs_of_events_give_what_event_by_event_gives(
+    pieces: list[bytes], cuts: list[int], strip: bool
+) -> None:
+    chunks = _split(b"".join(pieces), cuts)
+    relay = _SseRelay(strip)
+    out = b"".join(relay.feed(c) for c in chunks) + relay.rest()
+    reference = _SseRelay(strip)
+    assert out == _event_by_event(chunks, reference)
+    assert relay.usage == reference.usage
+
+
+def test_a_null_usage_however_spaced_needs_no_look() -> None:
+    # Events of the common kind must take the fast path (the spaces before
+    # null must not let the lookahead through).
+    for text in (b'"usage":null', b'"usage": null', b'"usage" :\t\r\n null'):
+        assert _USAGE_SET.search(b'data: {"choices": [], ' + text + b"}\n\n") is None
+    assert _USAGE_SET.search(b'"usage" : {"prompt_tokens": 1}')
 
 
 def test_usage_text_inside_content_is_not_taken_for_usage() -> None:
