@@ -520,14 +520,15 @@ class Reconciler:
             # About to place or evict on an earlier pass's nodes: list them now and
             # plan again (plan() is pure and cheap), so the decision follows what is
             # free now. sinfo runs after squeue here, not beside it: only passes that
-            # act pay for it.
+            # would act pay for it (and every pass while a queued replica fits on
+            # the kept listing and something could be evicted for it).
             self.tracing.listing_nodes()
             try:
                 nodes = await self.backend.list_nodes()
             except SlurmError as exc:
                 # The jobs are applied (and what they showed is traced below), but
                 # acting on nodes that may be wrong is what this listing prevents:
-                # nothing is done until a pass lists them (the next one will).
+                # nothing is done this pass; the next one that would act tries again.
                 self._unanswered(pass_id, exc)
                 result = planmod.PlanResult(notes=self.notes)
             else:
