@@ -10,9 +10,11 @@ replica per interval, run one after the other, for the same time.
 
 Both are reported as measured (commands per minute at the benchmark's
 interval), and scaled to the default ``reconcile.interval`` of 10 s (commands
-per interval x 6). slurmctld's CPU time over each window is read from /proc
-when slurmctld runs on this machine; on the shared dev cluster it includes
-whatever else runs, so it is indicative only.
+per interval x 6). The nodes' listing is due every sixth pass, as at the
+defaults (``nodes_max_age`` 60 s), whatever ``--interval``. slurmctld's CPU
+time over each window is read from /proc when slurmctld runs on this machine;
+on the shared dev cluster it includes whatever else runs, so it is indicative
+only.
 
     python3 bench/slurm_load.py [--duration 60] [--interval 1]
 """
@@ -39,6 +41,7 @@ from llmgw_slurm.slurm.cli import CliBackend
 
 PREFIX = "llmgwload."
 DEFAULT_INTERVAL = 10.0  # ReconcileConfig.interval's default
+DEFAULT_NODES_MAX_AGE = 60.0  # ReconcileConfig.nodes_max_age's default
 
 
 def slurmctld_cpu() -> float | None:
@@ -70,7 +73,13 @@ async def daemon_window(
         server = ServerConfig(
             slurm=SlurmConfig(partition="llm", job_prefix=PREFIX),
             state_dir=Path(tmp),
-            reconcile=ReconcileConfig(interval=interval, max_pending_time=None),
+            # The nodes are due as often, in passes, as at the defaults (every sixth
+            # pass), so that commands per pass scale to the default interval.
+            reconcile=ReconcileConfig(
+                interval=interval,
+                nodes_max_age=interval * DEFAULT_NODES_MAX_AGE / DEFAULT_INTERVAL,
+                max_pending_time=None,
+            ),
         )
         catalog = load_yaml_catalog(catalog_yaml(sorted(mins), mins))
         rec = Reconciler(catalog, server, backend, b"k" * 32, "http://127.0.0.1:1")

@@ -250,6 +250,10 @@ class ReconcileConfig:
 
     # Default 10s: how often a pass runs (also after any agent report).
     interval: float = field(default=10.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 1m: the longest a pass plans with an earlier pass's node listing (one
+    # sinfo); a pass about to place or evict lists the nodes afresh whatever its age.
+    # Bounds how old status's node view and a queued model's note can be. 0: every pass.
+    nodes_max_age: float = field(default=60.0, metadata=rule(ge=0, parse=_schema.parse_duration))
     # Default 5m: a replica idle less than this is never evicted for another
     # model; a pause in a user's work must not cost them a cold start.
     eviction_grace: float = field(default=300.0, metadata=rule(parse=_schema.parse_duration))

@@ -1,7 +1,9 @@
 """The reconciler: observe, plan, execute, once per pass; and the router's view of replicas.
 
 Slurm is the source of truth for what runs: every pass starts from one
-``squeue`` of the service's jobs and one ``sinfo``. What Slurm does not know
+``squeue`` of the service's jobs, and from the nodes of a ``sinfo`` at most
+``reconcile.nodes_max_age`` old, listed again before any placement or
+eviction (see ``pass_once``). What Slurm does not know
 is kept here, in memory, per replica: what its agent reported (the engine's
 URL, its steps), what the router saw (requests in flight, last use), and the
 drain or stop the daemon asked for. After a daemon restart that memory is
@@ -204,6 +206,8 @@ class Reconciler:
         self.failures: dict[str, Failures] = {}
         self.notes: dict[str, str] = {}
         self.nodes: list[NodeInfo] = []
+        # When self.nodes was listed (the reconciler's clock); None: never.
+        self._nodes_listed_at: float | None = None
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=200)
         self._demand: dict[str, _ModelDemand] = {}
         # Reports from agents whose job the daemon has not listed yet (right after a
@@ -526,23 +530,30 @@ class Reconciler:
     async def pass_once(self) -> list[Action]:
         pass_id = uuid.uuid4().hex[:8]
         self.tracing.begin_pass()
+        # The nodes are listed with the jobs only when the last listing is too old;
+        # otherwise the pass plans with it and lists them again only if the plan
+        # says the nodes decide an action (below). A pass that changes nothing then
+        # costs one squeue: on a quiet cluster sinfo was half of a pass's cost.
+        listed_at = self._nodes_listed_at
+        age = self.clock() - listed_at if listed_at is not None else None
+        with_jobs = age is None or not 0 <= age < self.server.reconcile.nodes_max_age
         try:
-            jobs, nodes = await asyncio.gather(
-                self.backend.list_jobs(self.prefix), self.backend.list_nodes()
-            )
+            if with_jobs:
+                jobs, nodes = await asyncio.gather(
+                    self.backend.list_jobs(self.prefix), self.backend.list_nodes()
+                )
+            else:
+                jobs, nodes = await self.backend.list_jobs(self.prefix), self.nodes
         except SlurmError as exc:
-            self._consecutive_errors += 1
-            self.last_pass_error = str(exc)
-            # Status may be stale; acting on a stale view could cancel what is running.
-            log.warning("pass %s: Slurm did not answer, nothing done: %s", pass_id, exc)
-            return []
-        self.tracing.observed()
+            return self._unanswered(pass_id, exc)
+        self.tracing.observed(nodes_listed=with_jobs)
         self._consecutive_errors = 0
         self.last_pass_error = ""
         self.passes += 1
         now = self.clock()
         self.last_observed = now
-        self.nodes = nodes
+        if with_jobs:
+            self.nodes, self._nodes_listed_at = nodes, now
         await self._reap(self._observe(jobs, now, pass_id), now, pass_id)
         for r in self.replicas.values():
             # Ready is not yet proof that the engine stays up (one that dies at its
@@ -556,25 +567,62 @@ class Reconciler:
                 and now - r.ready_at >= self.plan_cfg.min_lifetime
             ):
                 self.failures.pop(r.model, None)
+        result = self._plan(now)
+        refreshed = False
+        if result.nodes_decide and not with_jobs:
+            # About to place or evict on an earlier pass's nodes: list them now and
+            # plan again (plan() is pure and cheap), so the decision follows what is
+            # free now. sinfo runs after squeue here, not beside it: only passes that
+            # would act pay for it (and every pass while a queued replica fits on
+            # the kept listing and something could be evicted for it).
+            self.tracing.listing_nodes()
+            try:
+                nodes = await self.backend.list_nodes()
+            except SlurmError as exc:
+                # The jobs are applied (and what they showed is traced below), but
+                # acting on nodes that may be wrong is what this listing prevents:
+                # nothing is done this pass; the next one that would act tries again.
+                self._unanswered(pass_id, exc)
+                result = planmod.PlanResult(notes=self.notes)
+            else:
+                self.nodes, self._nodes_listed_at = nodes, self.clock()
+                self.tracing.nodes_listed(len(nodes))
+                refreshed = True
+                result = self._plan(now)
+        self.notes = result.notes
+        self.tracing.notes(result.notes)
+        with self.tracing.pass_span(
+            pass_id,
+            result.actions,
+            jobs=len(jobs),
+            nodes=len(self.nodes),
+            nodes_listed="with the jobs" if with_jobs else "before acting" if refreshed else "",
+        ):
+            for action in result.actions:
+                with self.tracing.action(action, self.failures):
+                    await self._execute(action, pass_id)
+        return result.actions
+
+    def _unanswered(self, pass_id: str, exc: SlurmError) -> list[Action]:
+        self._consecutive_errors += 1
+        self.last_pass_error = str(exc)
+        # Status may be stale; acting on a stale view could cancel what is running.
+        log.warning("pass %s: Slurm did not answer, nothing done: %s", pass_id, exc)
+        return []
+
+    def _plan(self, now: float) -> planmod.PlanResult:
         views = [self._view(r) for r in self.replicas.values()]
         wanted = {k: d.wanted_at for k, d in self._demand.items() if d.wanted_at is not None}
-        result = planmod.plan(
+        return planmod.plan(
             self._models(),
             views,
-            nodes,
+            self.nodes,
             wanted,
             self.failures,
             self.plan_cfg,
             now,
             new_replica_id,
         )
-        self.notes = result.notes
-        self.tracing.notes(result.notes)
-        with self.tracing.pass_span(pass_id, result.actions, jobs=len(jobs), nodes=len(nodes)):
-            for action in result.actions:
-                with self.tracing.action(action, self.failures):
-                    await self._execute(action, pass_id)
-        return result.actions
 
     def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> list[Replica]:
         self.service_jobs.observe(jobs, now)

@@ -2,8 +2,10 @@
 
 No I/O and no clock of its own: everything comes in as arguments (``now``
 included), so every rule below is unit-tested with a fake clock. The
-reconciler observes (one squeue, one sinfo, agent reports, router counters),
-calls :func:`plan`, and executes the actions idempotently.
+reconciler observes (one squeue, its last sinfo, agent reports, router
+counters), calls :func:`plan` (again on a fresh sinfo when
+``PlanResult.nodes_decide`` says the nodes matter), and executes the actions
+idempotently.
 
 Rules, in the order they are applied each pass:
 
@@ -141,6 +143,13 @@ class PlanResult:
     # Per model, a short human status note for `llmgw models` and the status page
     # ("queued: Resources; nothing idle enough to stop", "backoff 2m: engine exited 1").
     notes: dict[str, str] = field(default_factory=dict)
+    # The nodes decided an action, or could have: a submission (its placement), an
+    # eviction, or a queued replica that fit on these nodes while an eviction for it
+    # was possible (on nodes that say it does not fit, it would evict). The
+    # reconciler plans with the last node listing and, when this is set and that
+    # listing is older than the pass, lists the nodes again and plans anew, so that a
+    # stale listing never drives an action. Notes alone do not set it.
+    nodes_decide: bool = False
 
     def of(self, kind: ActionKind) -> list[Action]:
         return [a for a in self.actions if a.kind is kind]
@@ -353,17 +362,21 @@ def plan(
         r.state is ReplicaState.STOPPING and r.stop_reason.startswith("evicted") for r in replicas
     )
 
+    def candidates_for(m: Model) -> list[ReplicaView]:
+        return [
+            c for c in evictable(m.name, live, models, cfg, now) if c.replica_id not in stopping
+        ]
+
     def try_evict(m: Model, why: str) -> str:
         nonlocal evicted_this_pass
         if evicted_this_pass or eviction_in_progress:
             return "waiting for an evicted replica to give its GPUs back"
-        candidates = [
-            c for c in evictable(m.name, live, models, cfg, now) if c.replica_id not in stopping
-        ]
+        candidates = candidates_for(m)
         if not candidates:
             return "nothing idle enough to stop"
         best = candidates[0]
         evicted_this_pass = True
+        out.nodes_decide = True
         stopping.add(best.replica_id)
         idle = now - (best.last_used or now)
         out.actions.append(
@@ -385,6 +398,7 @@ def plan(
         return f"evicting {best.model} replica {best.replica_id} (idle {_fmt_s(idle)})"
 
     def submit(m: Model, reason: str, replaces: str = "") -> None:
+        out.nodes_decide = True
         ok, where = fits(m, nodes, cfg, taken)
         note = ""
         if ok:
@@ -512,5 +526,7 @@ def plan(
                     out.notes[name] = f"queued ({r.reason}): {where}; {try_evict(m, where)}"
                 else:
                     out.notes[name] = f"queued ({r.reason})"
+                    if not (evicted_this_pass or eviction_in_progress) and candidates_for(m):
+                        out.nodes_decide = True
 
     return out

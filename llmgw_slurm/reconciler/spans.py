@@ -6,8 +6,12 @@ happened (a few calls) and this module decides what that looks like as spans.
 A pass that does something is a trace::
 
     reconcile.pass                  llmgw.pass_id, llmgw.actions
-      reconcile.observe             the squeue + sinfo call (timed before the
-      reconcile.plan                pass knew it would be a trace)
+      reconcile.observe             the squeue (+ sinfo when the last node
+                                    listing is old) (timed before the pass
+                                    knew it would be a trace)
+      reconcile.plan                planned on the last node listing, and
+        reconcile.list_nodes        when that wanted to place or evict, on
+                                    nodes listed afresh
       replica.adopt / .requeue / .reap / .gone, model.backoff   what the
                                     listing showed
       replica.place                 where it went, or every node turned down
@@ -129,6 +133,9 @@ class ReconcileTracing:
         self._pending: list[_Pending] = []
         self._pass: Span | None = None
         self._t0 = self._t1 = 0
+        self._nodes_with_jobs = False
+        # A re-listing of the nodes during the plan: start, end (ns) and node count.
+        self._t_nodes = (0, 0, 0)
 
     # ---- the pass --------------------------------------------------------------
 
@@ -136,12 +143,27 @@ class ReconcileTracing:
         self._t0 = time.time_ns()
         self._pending.clear()
 
-    def observed(self) -> None:
+    def observed(self, *, nodes_listed: bool) -> None:
         self._t1 = time.time_ns()
+        self._nodes_with_jobs = nodes_listed
+        self._t_nodes = (0, 0, 0)
+
+    def listing_nodes(self) -> None:
+        """The pass lists the nodes again, after planning on an earlier listing."""
+        self._t_nodes = (time.time_ns(), 0, 0)
+
+    def nodes_listed(self, count: int) -> None:
+        self._t_nodes = (self._t_nodes[0], time.time_ns(), count)
 
     @contextlib.contextmanager
     def pass_span(
-        self, pass_id: str, actions: Sequence[Action], *, jobs: int, nodes: int
+        self,
+        pass_id: str,
+        actions: Sequence[Action],
+        *,
+        jobs: int,
+        nodes: int,
+        nodes_listed: str = "",
     ) -> Iterator[None]:
         """The pass's trace around execution; nothing when the pass did nothing."""
         if not self.enabled or (not actions and not self._pending):
@@ -157,6 +179,8 @@ class ReconcileTracing:
                 "llmgw.pass_id": pass_id,
                 "llmgw.actions": len(actions),
                 "llmgw.observed_changes": len(self._pending),
+                # "with the jobs", "before acting", or "" (planned on an earlier listing).
+                "llmgw.slurm.nodes_listed": nodes_listed,
             },
         )
         ctx = trace.set_span_in_context(span)
@@ -164,11 +188,28 @@ class ReconcileTracing:
             "reconcile.observe",
             context=ctx,
             start_time=self._t0,
-            attributes={"llmgw.slurm.jobs": jobs, "llmgw.slurm.nodes": nodes},
+            # The squeue alone when the nodes were not listed with it.
+            attributes={"llmgw.slurm.jobs": jobs, "llmgw.slurm.nodes_listed": False}
+            if not self._nodes_with_jobs
+            else {
+                "llmgw.slurm.jobs": jobs,
+                "llmgw.slurm.nodes_listed": True,
+                "llmgw.slurm.nodes": nodes,
+            },
         ).end(end_time=max(self._t1, self._t0))
-        self.tracer.start_span("reconcile.plan", context=ctx, start_time=self._t1).end(
-            end_time=max(t2, self._t1)
-        )
+        plan = self.tracer.start_span("reconcile.plan", context=ctx, start_time=self._t1)
+        n0, n1, count = self._t_nodes
+        if n1:
+            # Planned on an earlier listing, which wanted to place or evict: the
+            # nodes listed afresh, then planned again (both plans in this span).
+            self.tracer.start_span(
+                "reconcile.list_nodes",
+                context=trace.set_span_in_context(plan),
+                start_time=n0,
+                attributes={"llmgw.slurm.nodes": count},
+            ).end(end_time=max(n1, n0))
+        plan.set_attribute("llmgw.slurm.nodes", nodes)
+        plan.end(end_time=max(t2, self._t1))
         for p in self._pending:
             child = self.tracer.start_span(
                 p.name, context=ctx, start_time=p.at_ns, attributes=p.attrs, links=p.links

@@ -91,6 +91,16 @@ def test_null_blocks_are_defaults_but_null_values_are_refused(tmp_path: Path) ->
     assert cfg.reconcile.max_pending_time is None
 
 
+def test_nodes_max_age_is_a_duration_and_zero_is_every_pass(tmp_path: Path) -> None:
+    assert load_server_config(write(tmp_path, "{}\n")).reconcile.nodes_max_age == 60.0
+    cfg = load_server_config(write(tmp_path, "reconcile: {nodes_max_age: 2m}\n"))
+    assert cfg.reconcile.nodes_max_age == 120.0
+    cfg = load_server_config(write(tmp_path, "reconcile: {nodes_max_age: 0}\n"))
+    assert cfg.reconcile.nodes_max_age == 0.0
+    errors = server_errors(tmp_path, "reconcile: {nodes_max_age: -5}\n")
+    assert len(errors) == 1 and errors[0].startswith("F:1: reconcile.nodes_max_age: ")
+
+
 def test_unknown_user_in_a_path(tmp_path: Path) -> None:
     assert server_errors(tmp_path, "state_dir: ~no-such-user-llmgw/x\n") == [
         "F:1: state_dir: cannot expand '~no-such-user-llmgw/x': no such user or no home directory"

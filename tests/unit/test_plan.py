@@ -949,3 +949,51 @@ def test_multi_node_replica_is_never_evicted_in_the_plan(tmp_path: Path) -> None
     res = run(ms, [wide], nodes=full_node(), wanted={"want": NOW - 1})
     assert brief(res) == [("submit", "want", "00000001")]
     assert res.notes["want"].endswith("nothing idle enough to stop")
+
+
+# ---------------------------------------------------------------- when the nodes decide
+# The reconciler plans on its last node listing and lists the nodes afresh (and plans
+# again) only when nodes_decide says that listing chose or could have chosen an action.
+
+
+def test_nodes_do_not_decide_a_pass_that_only_keeps_or_cancels(tmp_path: Path) -> None:
+    ms = _eviction_catalog(tmp_path)
+    reps = [idle_rv("aaaaaaaa", "od1", 5000), rv("pppppppp", "od2", P, reason="JobHeldUser")]
+    res = run(ms, reps, nodes=full_node())
+    assert [(a.kind, a.replica_id) for a in res.actions] == [(ActionKind.CANCEL, "pppppppp")]
+    assert res.nodes_decide is False
+
+
+def test_nodes_decide_a_submission_whether_it_fits_or_not(tmp_path: Path) -> None:
+    ms = _eviction_catalog(tmp_path)
+    for nodes in ([node("n1", gpus=4)], full_node()):
+        res = run(ms, [], nodes=nodes, wanted={"want": NOW - 1})
+        assert brief(res) == [("submit", "want", "00000001")]
+        assert res.nodes_decide is True
+
+
+def test_nodes_decide_an_eviction_for_a_queued_replica(tmp_path: Path) -> None:
+    ms = _eviction_catalog(tmp_path)
+    reps = [
+        rv("pppppppp", "want", P, reason="Resources", gpus_per_node=4),
+        idle_rv("aaaaaaaa", "od1", 5000),
+    ]
+    res = run(ms, reps, nodes=full_node(), wanted={"want": NOW - 1})
+    assert brief(res) == [("evict", "od1", "aaaaaaaa")]
+    assert res.nodes_decide is True
+
+
+def test_nodes_decide_a_queued_replica_that_fits_while_it_could_evict(tmp_path: Path) -> None:
+    # No action: but on nodes that say it does not fit, the plan would evict od1.
+    ms = _eviction_catalog(tmp_path)
+    reps = [
+        rv("pppppppp", "want", P, reason="Resources", gpus_per_node=4),
+        idle_rv("aaaaaaaa", "od1", 5000),
+    ]
+    res = run(ms, reps, nodes=[node("n1", gpus=4)], wanted={"want": NOW - 1})
+    assert res.actions == [] and res.nodes_decide is True
+    # Nothing it could evict (od1 idle only a minute): no node listing changes a thing.
+    reps[1] = idle_rv("aaaaaaaa", "od1", 60)
+    for nodes in ([node("n1", gpus=4)], full_node()):
+        res = run(ms, reps, nodes=nodes, wanted={"want": NOW - 1})
+        assert res.actions == [] and res.nodes_decide is False

@@ -8,6 +8,7 @@ it is asked; it refuses any call it does not implement. The Slurm-level tests
 from __future__ import annotations
 
 import asyncio
+import collections
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from _router_support import serve  # type: ignore[import-not-found]
 
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import load_server_config
+from llmgw_slurm.errors import SlurmUnavailable
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.jobs import job_name, parse_job_name
 from llmgw_slurm.secrets import engine_api_key, replica_secret
@@ -45,26 +47,19 @@ class FakeSlurm:
         self.cancelled: list[str] = []
         self.accounting_records: list[AccountingRecord] = []
         self.calls = 0
+        self.listings: collections.Counter[str] = collections.Counter()
         self.next_id = 100
+        self.nodes = [node(f"n{i}", used=0) for i in range(2)]
 
     async def list_jobs(self, name_prefix: str = "") -> list[Job]:
         self.calls += 1
+        self.listings["jobs"] += 1
         return [j for j in self.jobs if j.name.startswith(name_prefix)]
 
     async def list_nodes(self) -> list[NodeInfo]:
         self.calls += 1
-        return [
-            NodeInfo(
-                name=f"n{i}",
-                state="idle",
-                partitions=("llm",),
-                cpus_total=16,
-                cpus_alloc=0,
-                memory_mb=64000,
-                gpus=(GpuCount("a100", 4, 0),),
-            )
-            for i in range(2)
-        ]
+        self.listings["nodes"] += 1
+        return list(self.nodes)
 
     async def submit(self, spec: JobSpec) -> str:
         self.calls += 1
@@ -90,6 +85,18 @@ class FakeSlurm:
         return self.accounting_records
 
 
+def node(name: str, used: int) -> NodeInfo:
+    return NodeInfo(
+        name=name,
+        state="idle" if not used else "mixed",
+        partitions=("llm",),
+        cpus_total=16,
+        cpus_alloc=0,
+        memory_mb=64000,
+        gpus=(GpuCount("a100", 4, used),),
+    )
+
+
 def job(job_id: str, model: str, rid: str, state: JobState, restarts: int = 0) -> Job:
     return Job(
         job_id=job_id,
@@ -109,20 +116,28 @@ def job(job_id: str, model: str, rid: str, state: JobState, restarts: int = 0) -
     )
 
 
-def make(tmp_path: Path, scaling: dict[str, Any] | None = None) -> tuple[Reconciler, FakeSlurm]:
+def make(
+    tmp_path: Path,
+    scaling: dict[str, Any] | None = None,
+    *,
+    names: tuple[str, ...] = ("m",),
+    gpus: int = 1,
+    reconcile: dict[str, Any] | None = None,
+) -> tuple[Reconciler, FakeSlurm]:
     models = {
         "models": [
             {
-                "name": "m",
+                "name": name,
                 "engine": {"kind": "command", "command": ["true", "{port}"]},
                 "resources": {
-                    "gpus": 1,
+                    "gpus": gpus,
                     "gpu_type": "a100",
                     "partition": "llm",
                     "time_limit": "1h",
                 },
                 "scaling": scaling or {"min": 0, "max": 1},
             }
+            for name in names
         ]
     }
     (tmp_path / "models.yaml").write_text(yaml.safe_dump(models))
@@ -131,7 +146,7 @@ def make(tmp_path: Path, scaling: dict[str, Any] | None = None) -> tuple[Reconci
             {
                 "slurm": {"job_prefix": PREFIX, "partition": "llm"},
                 "state_dir": str(tmp_path / "state"),
-                "reconcile": {"min_lifetime": "10m"},
+                "reconcile": {"min_lifetime": "10m", **(reconcile or {})},
             }
         )
     )
@@ -166,12 +181,135 @@ async def test_submitted_job_carries_identity_in_name_and_secrets_in_env(tmp_pat
     assert fake.calls == 3  # squeue, sinfo, sbatch
 
 
-async def test_a_pass_with_nothing_to_do_makes_only_the_two_listing_calls(tmp_path: Path) -> None:
+async def test_a_pass_with_nothing_to_do_lists_the_jobs_only(tmp_path: Path) -> None:
     rec, fake = make(tmp_path)
+    fake.jobs = [job("7", "m", "0a1b2c3d", JobState.PENDING)]
+    rec.want("m")  # someone waits: the pending replica is kept
     for _ in range(3):
         assert await rec.pass_once() == []
-    assert fake.calls == 6
+    # The first pass after start lists the nodes; the next ones plan on that listing.
+    assert fake.listings == {"jobs": 3, "nodes": 1}
+    assert fake.calls == 4
     assert fake.submitted == [] and fake.cancelled == []
+    assert [n.name for n in rec.nodes] == ["n0", "n1"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_the_nodes_are_listed_again_once_older_than_nodes_max_age(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path, reconcile={"nodes_max_age": "1m"})
+    rec.clock = clock = Clock()
+    await rec.pass_once()
+    fake.nodes = [node("n0", used=4)]
+    clock.t += 59
+    await rec.pass_once()
+    assert fake.listings == {"jobs": 2, "nodes": 1}
+    assert rec.nodes[0].gpus_free() == 4  # status still shows the first listing
+    clock.t += 1
+    await rec.pass_once()
+    assert fake.listings == {"jobs": 3, "nodes": 2}
+    assert [(n.name, n.gpus_free()) for n in rec.nodes] == [("n0", 0)]
+    # A clock that went back proves nothing about the listing's age.
+    clock.t -= 10
+    await rec.pass_once()
+    assert fake.listings == {"jobs": 4, "nodes": 3}
+
+
+async def test_nodes_max_age_zero_lists_the_nodes_every_pass(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path, reconcile={"nodes_max_age": 0})
+    for _ in range(3):
+        await rec.pass_once()
+    assert fake.listings == {"jobs": 3, "nodes": 3}
+
+
+async def test_a_pass_that_places_lists_the_nodes_afresh_before_submitting(
+    tmp_path: Path,
+) -> None:
+    rec, fake = make(tmp_path)
+    await rec.pass_once()  # lists n0 and n1, both free
+    fake.nodes = [node("n0", used=4), node("n1", used=3)]
+    listed_before_submit = []
+    submit = fake.submit
+
+    async def counting_submit(spec: JobSpec) -> str:
+        listed_before_submit.append(fake.listings["nodes"])
+        return await submit(spec)
+
+    fake.submit = counting_submit  # type: ignore[method-assign]
+    rec.want("m")
+    (a,) = await rec.pass_once()
+    assert fake.listings == {"jobs": 2, "nodes": 2}
+    assert listed_before_submit == [2]
+    # Placed with the fresh capacity: only n1 has a GPU left.
+    assert a.placement == "n1"
+    (d,) = [d for d in rec.decisions if d.action == "submit"]
+    assert d.reason.endswith("; n1")
+
+
+async def evicting_world(tmp_path: Path, first: list[NodeInfo]) -> tuple[Reconciler, FakeSlurm]:
+    """Models a and b, one 4-GPU node for either; a's replica ready and idle an hour."""
+    # Idle for a day before a scale-down: only an eviction stops a here.
+    rec, fake = make(tmp_path, {"min": 0, "max": 1, "idle_timeout": "1d"}, names=("a", "b"), gpus=4)
+    rec.clock = clock = Clock()
+    fake.nodes = first
+    fake.jobs = [job("7", "a", "0a1b2c3d", JobState.RUNNING)]
+    await rec.pass_once()
+    r = rec.replicas["0a1b2c3d"]
+    r.base_url = "http://127.0.0.1:1"
+    r.ready_at = r.last_used = clock.t - 3600
+    assert fake.listings == {"jobs": 1, "nodes": 1}
+    return rec, fake
+
+
+async def test_an_eviction_planned_on_old_nodes_is_not_made_when_fresh_ones_have_room(
+    tmp_path: Path,
+) -> None:
+    rec, fake = await evicting_world(tmp_path, [node("n0", used=4)])
+    fake.nodes = [node("n0", used=0)]  # a's GPUs are free again (say, another job ended)
+    rec.want("b")
+    actions = await rec.pass_once()
+    assert fake.listings == {"jobs": 2, "nodes": 2}
+    assert [(x.kind.value, x.model, x.placement) for x in actions] == [("submit", "b", "n0")]
+    assert fake.cancelled == []
+
+
+async def test_an_eviction_the_old_nodes_did_not_call_for_is_made_when_fresh_ones_are_full(
+    tmp_path: Path,
+) -> None:
+    rec, fake = await evicting_world(tmp_path, [node("n0", used=0)])
+    fake.nodes = [node("n0", used=4)]
+    rec.want("b")
+    actions = await rec.pass_once()
+    assert fake.listings == {"jobs": 2, "nodes": 2}
+    assert [(x.kind.value, x.model) for x in actions] == [("evict", "a"), ("submit", "b")]
+    assert fake.cancelled == ["7"]
+    assert actions[1].placement.startswith("no room now: ")
+
+
+async def test_no_action_when_the_fresh_node_listing_fails(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path)
+    await rec.pass_once()
+    list_nodes = fake.list_nodes
+
+    async def unanswered() -> list[NodeInfo]:
+        fake.listings["nodes"] += 1
+        raise SlurmUnavailable("no answer within 30s", command=["sinfo"])
+
+    fake.list_nodes = unanswered  # type: ignore[method-assign]
+    rec.want("m")
+    assert await rec.pass_once() == []
+    assert fake.submitted == [] and fake.listings == {"jobs": 2, "nodes": 2}
+    assert "sinfo" in rec.last_pass_error
+    fake.list_nodes = list_nodes  # type: ignore[method-assign]
+    (a,) = await rec.pass_once()
+    assert a.kind.value == "submit" and len(fake.submitted) == 1
+    assert rec.last_pass_error == ""
 
 
 async def test_wrong_secret_is_refused_and_unknown_replicas_are_kept_for_later(

@@ -266,6 +266,37 @@ async def test_pass_with_nothing_to_do_makes_no_trace(w: World) -> None:
     assert len(w.named("reconcile.pass")) == 1
 
 
+async def test_a_pass_says_whether_it_listed_the_nodes_and_when(w: World) -> None:
+    # The first pass lists the nodes with the jobs.
+    await start_alpha(w)
+    first = only(w.named("reconcile.pass"))
+    assert first.attributes is not None
+    assert first.attributes["llmgw.slurm.nodes_listed"] == "with the jobs"
+    observe = only(w.named("reconcile.observe"))
+    assert observe.attributes is not None
+    assert observe.attributes["llmgw.slurm.nodes_listed"] is True
+    assert observe.attributes["llmgw.slurm.nodes"] == 1
+    assert w.named("reconcile.list_nodes") == []
+    w.exporter.clear()
+    # The next one plans on that listing, then lists the nodes again before placing.
+    w.rec.want("beta")
+    await w.rec.pass_once()
+    root = only(w.named("reconcile.pass"))
+    assert root.attributes is not None
+    assert root.attributes["llmgw.slurm.nodes_listed"] == "before acting"
+    observe = only(w.named("reconcile.observe"))
+    assert observe.attributes is not None
+    assert observe.attributes["llmgw.slurm.nodes_listed"] is False
+    assert "llmgw.slurm.nodes" not in observe.attributes
+    plan = only(w.named("reconcile.plan"))
+    listing = only(w.named("reconcile.list_nodes"))
+    assert listing.parent is not None and listing.parent.span_id == plan.context.span_id
+    assert listing.attributes is not None and listing.attributes["llmgw.slurm.nodes"] == 1
+    assert plan.start_time is not None and listing.start_time is not None
+    assert plan.end_time is not None and listing.end_time is not None
+    assert plan.start_time <= listing.start_time <= listing.end_time <= plan.end_time
+
+
 async def test_eviction_span_has_the_reference_attributes_and_placement_follows(
     w: World,
 ) -> None:
