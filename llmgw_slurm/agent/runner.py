@@ -416,25 +416,23 @@ class Agent:
         """Weights a model job put in the cache: link to that job's trace."""
         spec = self.job.spec
         path = trace_marker_path(self.settings.fetch.cache_dir, spec.name, spec.weights)
-        sc = read_trace_marker(path) if path is not None else None
-        if sc is None:
-            return
-        span.add_link(sc, {"llmgw.link": "model_job"})
-        tp = traceparent_of(sc)
-        span.set_attribute("llmgw.weights.model_job_trace", tp)
-        # The daemon links the replica's start span to it too (it reads trace=...).
-        self._step_message = f"weights from a model job; trace={tp}"
+        self._link_marker(span, path, "model_job", "weights from a model job")
 
     def _link_engine_install(self, span: trace.Span, program: str) -> None:
         """An engine an install job put in place: link to that job's trace."""
         path = install_marker_for(program)
+        self._link_marker(span, path, "engine_install", "engine from an install job")
+
+    def _link_marker(self, span: trace.Span, path: Path | None, what: str, said: str) -> None:
+        """Link ``span`` to the trace a marker file names, if there is one."""
         sc = read_trace_marker(path) if path is not None else None
         if sc is None:
             return
-        span.add_link(sc, {"llmgw.link": "engine_install"})
+        span.add_link(sc, {"llmgw.link": what})
         tp = traceparent_of(sc)
-        span.set_attribute("llmgw.engine.install_trace", tp)
-        self._step_message = f"engine from an install job; trace={tp}"
+        span.set_attribute(f"llmgw.link.{what}", tp)
+        # The daemon links the replica's start span to it too (it reads trace=...).
+        self._step_message = f"{said}; trace={tp}"
 
     async def _rendezvous(self, role: rdzv.NodeRole) -> tuple[DistInfo | None, set[int]]:
         """Where the nodes meet, and ports the engine's API must not take."""

@@ -136,50 +136,75 @@ def enable_tracing(h: Harness, endpoint: str) -> None:
     agent_yaml.write_text(yaml.safe_dump(agent, sort_keys=False))
 
 
+@contextlib.asynccontextmanager
+async def traced_daemon(
+    tmp_path: Path, prefix: str, models: list[dict[str, Any]], col: Collector
+) -> AsyncIterator[Harness]:
+    """A daemon with tracing on, sending to ``col``; its jobs cancelled and its spans
+    flushed on the way out."""
+    h = Harness(tmp_path / "daemon", prefix)
+    h.write(models)
+    enable_tracing(h, col.url)
+    await h.start()
+    try:
+        assert h.d is not None and h.d.tracer_provider is not None
+        yield h
+    finally:
+        await h.stop()
+        ids = [j[0] for j in h.jobs()]
+        if ids:
+            subprocess.run(["scancel", *ids], check=False)
+        if h.d is not None and h.d.tracer_provider is not None:
+            await asyncio.to_thread(h.d.tracer_provider.shutdown)
+
+
+async def chat(h: Harness, model: str) -> None:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"{h.url}/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=aiohttp.ClientTimeout(total=120),
+        ) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+
+
+async def spans_arrive(h: Harness, col: Collector, names: set[str], what: str) -> None:
+    assert h.d is not None and h.d.tracer_provider is not None
+    provider = h.d.tracer_provider
+
+    async def complete() -> bool:
+        # In a thread: the collector answers on this event loop.
+        await asyncio.to_thread(provider.force_flush)
+        return names <= {s.name for s in col.spans}
+
+    await eventually(complete, what)
+
+
 async def test_one_trace_from_placement_to_the_agent_steps_in_the_job(
     tmp_path: Path, prefix: str
 ) -> None:
-    async with collector() as col:
-        h = Harness(tmp_path / "daemon", prefix)
-        h.write([tiny_model("tiny")])
-        enable_tracing(h, col.url)
-        await h.start()
-        try:
-            assert h.d is not None and h.d.tracer_provider is not None
-            async with (
-                aiohttp.ClientSession() as s,
-                s.post(
-                    f"{h.url}/v1/chat/completions",
-                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
-                    timeout=aiohttp.ClientTimeout(total=120),
-                ) as resp,
-            ):
-                assert resp.status == 200, await resp.text()
-            provider = h.d.tracer_provider
-            names = ("llmgw.agent.weights", "llmgw.agent.engine_launch", "llmgw.agent.readiness")
-
-            async def complete() -> bool:
-                # In a thread: the collector answers on this event loop.
-                await asyncio.to_thread(provider.force_flush)
-                have = {s.name for s in col.spans}
-                return all(n in have for n in ("replica.start", "llmgw.agent", *names))
-
-            await eventually(complete, "the daemon's and the agent's spans at the collector")
-            # The job's environment held the start's context, never its command line.
-            (job,) = [j for j in h.jobs() if j[1].startswith(prefix + "tiny.")]
-            comment = subprocess.run(
-                ["squeue", "-h", "-j", job[0], "-o", "%k"], capture_output=True, text=True
-            ).stdout
-            command = subprocess.run(
-                ["squeue", "-h", "-j", job[0], "-o", "%o"], capture_output=True, text=True
-            ).stdout
-        finally:
-            await h.stop()
-            ids = [j[0] for j in h.jobs()]
-            if ids:
-                subprocess.run(["scancel", *ids], check=False)
-            if h.d is not None and h.d.tracer_provider is not None:
-                await asyncio.to_thread(h.d.tracer_provider.shutdown)
+    names = ("llmgw.agent.weights", "llmgw.agent.engine_launch", "llmgw.agent.readiness")
+    async with (
+        collector() as col,
+        traced_daemon(tmp_path, prefix, [tiny_model("tiny")], col) as h,
+    ):
+        await chat(h, "tiny")
+        await spans_arrive(
+            h,
+            col,
+            {"replica.start", "llmgw.agent", *names},
+            "the daemon's and the agent's spans at the collector",
+        )
+        # The job's environment held the start's context, never its command line.
+        (job,) = [j for j in h.jobs() if j[1].startswith(prefix + "tiny.")]
+        comment = subprocess.run(
+            ["squeue", "-h", "-j", job[0], "-o", "%k"], capture_output=True, text=True
+        ).stdout
+        command = subprocess.run(
+            ["squeue", "-h", "-j", job[0], "-o", "%o"], capture_output=True, text=True
+        ).stdout
 
     (start,) = col.named("replica.start")
     trace_id = start.trace_id
@@ -231,12 +256,8 @@ async def test_an_engine_install_is_a_trace_and_a_replica_running_it_links_to_it
     target = tmp_path / "engines" / "bare-1.0"
     engine_cmd = [str(target / "bin" / "python"), *tiny_model("x")["engine"]["command"][1:]]
     async with collector() as col:
-        h = Harness(tmp_path / "daemon", prefix)
-        h.write([tiny_model("installed", engine={"command": engine_cmd})])
-        enable_tracing(h, col.url)
-        await h.start()
-        try:
-            assert h.d is not None and h.d.tracer_provider is not None
+        models = [tiny_model("installed", engine={"command": engine_cmd})]
+        async with traced_daemon(tmp_path, prefix, models, col) as h:
             # The venv sees this interpreter's packages, the project among them.
             rc, out, err = await admin(
                 "install-engine",
@@ -248,34 +269,13 @@ async def test_an_engine_install_is_a_trace_and_a_replica_running_it_links_to_it
                 "--wait",
             )
             assert rc == 0, out + err
-            async with (
-                aiohttp.ClientSession() as s,
-                s.post(
-                    f"{h.url}/v1/chat/completions",
-                    json={"model": "installed", "messages": [{"role": "user", "content": "hi"}]},
-                    timeout=aiohttp.ClientTimeout(total=120),
-                ) as resp,
-            ):
-                assert resp.status == 200, await resp.text()
-            provider = h.d.tracer_provider
-
-            async def complete() -> bool:
-                await asyncio.to_thread(provider.force_flush)
-                have = {s.name for s in col.spans}
-                return {
-                    "replica.start",
-                    "llmgw.agent.engine_launch",
-                    "llmgw.engine_install",
-                } <= have
-
-            await eventually(complete, "the install's, the daemon's and the agent's spans")
-        finally:
-            await h.stop()
-            ids = [j[0] for j in h.jobs()]
-            if ids:
-                subprocess.run(["scancel", *ids], check=False)
-            if h.d is not None and h.d.tracer_provider is not None:
-                await asyncio.to_thread(h.d.tracer_provider.shutdown)
+            await chat(h, "installed")
+            await spans_arrive(
+                h,
+                col,
+                {"replica.start", "llmgw.agent.engine_launch", "llmgw.engine_install"},
+                "the install's, the daemon's and the agent's spans",
+            )
 
     (install,) = col.named("llmgw.engine_install")
     assert install.service == "llmgw-agent" and install.parent_id == ""
