@@ -13,7 +13,7 @@ import contextlib
 import socket
 import subprocess
 import textwrap
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,11 +191,15 @@ async def running(
     models: list[dict[str, Any]],
     *,
     router: dict[str, Any] | None = None,
+    configure: Callable[[Harness], None] | None = None,
     **reconcile: Any,
 ) -> AsyncIterator[Harness]:
-    """A started daemon; ``router`` and ``reconcile`` override server.yaml's sections."""
+    """A started daemon; ``router`` and ``reconcile`` override server.yaml's sections,
+    ``configure`` may change the written files before it starts."""
     h = Harness(tmp_path / "daemon", prefix, reconcile=reconcile, router=router or {})
     h.write(models)
+    if configure is not None:
+        configure(h)
     await h.start()
     try:
         yield h

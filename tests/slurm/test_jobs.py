@@ -84,19 +84,26 @@ async def test_fetch_job_copies_weights_into_the_cache_and_shows_completed(
         assert job["job_id"] in text and "COMPLETED" in text, text
 
 
+async def install_bare_venv(h: Harness, target: Path) -> str:
+    """``llmgw-admin install-engine`` of a venv that sees this interpreter's packages
+    (the project among them), waited for; its output."""
+    rc, out, err = await admin(
+        "install-engine",
+        "venv",
+        str(target),
+        "--system-site-packages",
+        "--server",
+        str(h.server_yaml),
+        "--wait",
+    )
+    assert rc == 0, out + err
+    return out
+
+
 async def test_engine_install_venv_completes(tmp_path: Path, prefix: str) -> None:
     target = tmp_path / "engines" / "bare-1.0"
     async with running(tmp_path, prefix, [tiny_model("unused")]) as h:
-        rc, out, err = await admin(
-            "install-engine",
-            "venv",
-            str(target),
-            "--system-site-packages",
-            "--server",
-            str(h.server_yaml),
-            "--wait",
-        )
-        assert rc == 0, out + err
+        out = await install_bare_venv(h, target)
         assert "COMPLETED" in out and f"installed {target}" in out, out
         assert (target / ".llmgw-installed").exists() and (target / "bin" / "python").exists()
         assert "include-system-site-packages = true" in (target / "pyvenv.cfg").read_text()

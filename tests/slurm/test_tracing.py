@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gzip
 import subprocess
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from tests.slurm.conftest import eventually
-from tests.slurm.harness import Harness, free_port, tiny_model
+from tests.slurm.harness import Harness, free_port, running, tiny_model
 
 pytestmark = pytest.mark.slurm
 
@@ -140,22 +141,17 @@ def enable_tracing(h: Harness, endpoint: str) -> None:
 async def traced_daemon(
     tmp_path: Path, prefix: str, models: list[dict[str, Any]], col: Collector
 ) -> AsyncIterator[Harness]:
-    """A daemon with tracing on, sending to ``col``; its jobs cancelled and its spans
-    flushed on the way out."""
-    h = Harness(tmp_path / "daemon", prefix)
-    h.write(models)
-    enable_tracing(h, col.url)
-    await h.start()
+    """A daemon with tracing on, sending to ``col``; its spans flushed once it stopped."""
+    provider = None
     try:
-        assert h.d is not None and h.d.tracer_provider is not None
-        yield h
+        configure = functools.partial(enable_tracing, endpoint=col.url)
+        async with running(tmp_path, prefix, models, configure=configure) as h:
+            assert h.d is not None and h.d.tracer_provider is not None
+            provider = h.d.tracer_provider
+            yield h
     finally:
-        await h.stop()
-        ids = [j[0] for j in h.jobs()]
-        if ids:
-            subprocess.run(["scancel", *ids], check=False)
-        if h.d is not None and h.d.tracer_provider is not None:
-            await asyncio.to_thread(h.d.tracer_provider.shutdown)
+        if provider is not None:
+            await asyncio.to_thread(provider.shutdown)
 
 
 async def chat(h: Harness, model: str) -> None:
@@ -251,24 +247,14 @@ async def test_one_trace_from_placement_to_the_agent_steps_in_the_job(
 async def test_an_engine_install_is_a_trace_and_a_replica_running_it_links_to_it(
     tmp_path: Path, prefix: str
 ) -> None:
-    from tests.slurm.test_jobs import admin
+    from tests.slurm.test_jobs import install_bare_venv
 
     target = tmp_path / "engines" / "bare-1.0"
     engine_cmd = [str(target / "bin" / "python"), *tiny_model("x")["engine"]["command"][1:]]
     async with collector() as col:
         models = [tiny_model("installed", engine={"command": engine_cmd})]
         async with traced_daemon(tmp_path, prefix, models, col) as h:
-            # The venv sees this interpreter's packages, the project among them.
-            rc, out, err = await admin(
-                "install-engine",
-                "venv",
-                str(target),
-                "--system-site-packages",
-                "--server",
-                str(h.server_yaml),
-                "--wait",
-            )
-            assert rc == 0, out + err
+            await install_bare_venv(h, target)
             await chat(h, "installed")
             await spans_arrive(
                 h,
