@@ -384,15 +384,24 @@ async def test_adopted_replica_continues_the_start_trace_from_the_comment(w: Wor
     assert other.attributes["llmgw.start.outcome"] == "daemon stopped"
 
 
-async def test_model_job_trace_in_a_weights_report_links_the_start(w: World) -> None:
+@pytest.mark.parametrize(
+    ("step", "what"), [("weights", "model_job"), ("engine_launch", "engine_install")]
+)
+async def test_a_trace_named_in_a_step_report_links_the_start(
+    w: World, step: str, what: str
+) -> None:
+    # The agent found weights a model job fetched, or an engine an install job put
+    # in place, and names that job's trace in the step's report.
     rid, _ = await start_alpha(w)
     tp = "00-11111111111111111111111111111111-2222222222222222-01"
-    w.report(rid, event="step", step="weights", status="done", message=f"model job; trace={tp}")
+    w.report(rid, event="step", step="rendezvous", status="done", message=f"x; trace={tp}")
+    w.report(rid, event="step", step=step, status="done", message=f"job; trace={tp}")
     await w.ready(rid)
     start = only(w.named("replica.start"))
+    # Linked once, from the step that names it (not from any step's message).
     (link,) = start.links
     assert link.context.trace_id == 0x11111111111111111111111111111111
-    assert link.attributes is not None and link.attributes["llmgw.link"] == "model_job"
+    assert link.attributes is not None and link.attributes["llmgw.link"] == what
 
 
 async def test_tracing_off_no_spans_and_no_trace_context_in_the_job(tmp_path: Path) -> None:
@@ -706,14 +715,3 @@ def test_an_engine_from_an_install_job_links_the_launch_span(tmp_path: Path) -> 
     assert link.attributes is not None and link.attributes["llmgw.link"] == "engine_install"
     assert agent._step_message is not None
     assert traceparent_from_comment(agent._step_message) == traceparent_of(install)
-
-
-async def test_install_trace_in_an_engine_launch_report_links_the_start(w: World) -> None:
-    rid, _ = await start_alpha(w)
-    tp = "00-33333333333333333333333333333333-4444444444444444-01"
-    w.report(rid, event="step", step="engine_launch", status="done", message=f"install; trace={tp}")
-    await w.ready(rid)
-    start = only(w.named("replica.start"))
-    (link,) = start.links
-    assert link.context.trace_id == 0x33333333333333333333333333333333
-    assert link.attributes is not None and link.attributes["llmgw.link"] == "engine_install"
