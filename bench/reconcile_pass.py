@@ -143,7 +143,7 @@ def synthetic_replicas(
                 ready_at=started + 60 if ready and started else None,
                 last_used=now - rng.uniform(0, 3_600) if ready else None,
                 in_flight=rng.choice((0, 0, 0, 1, 3, 9)) if ready else 0,
-                time_left_s=rng.uniform(600, 28_000) if state is not ReplicaState.PENDING else None,
+                ends_at=None if state is ReplicaState.PENDING else now + rng.uniform(600, 28_000),
             )
         )
     return out

@@ -73,7 +73,7 @@ class Replica:
     node_count: int = 1
     gpus_per_node: int = 0
     restarts: int = 0
-    time_left_s: float | None = None
+    ends_at: float | None = None  # Slurm's end time for the job (Unix time), None if unlimited
     started_at: float | None = None
     ready_at: float | None = None
     base_url: str = ""
@@ -140,7 +140,7 @@ _LISTED = frozenset(
         "node_count",
         "gpus_per_node",
         "restarts",
-        "time_left_s",
+        "ends_at",
         "started_at",
         "requeued",
     )
@@ -693,7 +693,7 @@ class Reconciler:
                 else max(1, job.components[0].node_count if job.components else 1)
             )
             r.gpus_per_node = _gpus_in(job.components[0].tres_per_node) if job.components else 0
-            r.time_left_s = job.time_left_s
+            r.ends_at = job.end_time.timestamp() if job.end_time is not None else None
             if job.state in (JobState.RUNNING, JobState.CONFIGURING) and r.started_at is None:
                 r.started_at = job.start_time.timestamp() if job.start_time else now
             if r.requeued and job.state in (JobState.RUNNING, JobState.CONFIGURING) and job.nodes:
@@ -800,7 +800,7 @@ class Reconciler:
             draining_since=r.draining_since,
             drain_reason=r.drain_reason or r.agent_draining,
             self_draining=bool(r.agent_draining) and r.draining_since is None,
-            time_left_s=r.time_left_s,
+            ends_at=r.ends_at,
             agent_failed=r.agent_failed,
             replaces=r.replaces,
             stop_reason=r.stop_reason,
@@ -987,7 +987,7 @@ class Reconciler:
             "ready_since": r.ready_at,
             "last_used": r.last_used,
             "idle_s": None if r.last_used is None else round(now - r.last_used, 1),
-            "time_left_s": r.time_left_s,
+            "time_left_s": None if r.ends_at is None else max(0, round(r.ends_at - now)),
             "adopted": r.adopted,
         }
 

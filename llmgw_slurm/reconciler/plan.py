@@ -83,7 +83,7 @@ class ReplicaView:
     in_flight: int = 0
     draining_since: float | None = None
     drain_reason: str = ""
-    time_left_s: float | None = None  # until Slurm's time limit, None when unlimited
+    ends_at: float | None = None  # when Slurm ends the job (Unix time), None when unlimited
     agent_failed: str = ""  # the agent's failure message, if it reported one
     replaces: str = ""  # the replica this one renews
     stop_reason: str = ""  # why it is stopping (for STOPPING)
@@ -440,12 +440,13 @@ def plan(
 
         # Renewal first: hand over before the time limit.
         for r in ready:
-            if r.time_left_s is None or r.replica_id in renewing:
+            if r.ends_at is None or r.replica_id in renewing:
                 continue
-            if r.time_left_s < cfg.renewal_margin and len(counted) <= m.scaling.max:
+            left = r.ends_at - now
+            if left < cfg.renewal_margin and len(counted) <= m.scaling.max:
                 submit(
                     m,
-                    f"renewal: {r.replica_id} has {_fmt_s(r.time_left_s)} left",
+                    f"renewal: {r.replica_id} has {_fmt_s(max(0.0, left))} left",
                     replaces=r.replica_id,
                 )
         for r in ready:

@@ -45,7 +45,9 @@ SQUEUE_FIELDS = (
     "Partition",
     "tres-per-node",
     "TimeLimit",
-    "TimeLeft",
+    # Not TimeLeft: that moves every second, so no running job's row would ever
+    # repeat and the row cache (below) would miss on every running replica.
+    "EndTime",
     "StartTime",
     "SubmitTime",
     "RestartCnt",
@@ -163,9 +165,6 @@ def _int(text: str, default: int = 0) -> int:
     return int(text) if text.isdigit() else default
 
 
-_TIME_LEFT = SQUEUE_FIELDS.index("TimeLeft")
-
-
 class SqueueCache:
     """The single-component jobs one caller's last ``parse_squeue`` built, to reuse.
 
@@ -174,23 +173,11 @@ class SqueueCache:
     rows and never grows past the queue.
     """
 
-    __slots__ = ("lines", "prefix", "rows")
+    __slots__ = ("lines", "prefix")
 
     def __init__(self) -> None:
         self.prefix: str | None = None
-        # The whole row -> its job and the row without its time left (the key of ``rows``).
-        self.lines: dict[str, tuple[Job, str]] = {}
-        # The row without its time left -> the job parsed from it.
-        self.rows: dict[str, Job] = {}
-
-
-def _with_time_left(job: Job, left: int | None) -> Job:
-    # dataclasses.replace costs 3 us (the frozen __init__ again); a running job's
-    # time left moves every second, so this runs for every running replica per pass.
-    new = object.__new__(Job)
-    new.__dict__.update(job.__dict__)
-    object.__setattr__(new, "time_left_s", left)
-    return new
+        self.lines: dict[str, Job] = {}
 
 
 def parse_squeue(stdout: str, name_prefix: str = "", cache: SqueueCache | None = None) -> list[Job]:
@@ -200,27 +187,23 @@ def parse_squeue(stdout: str, name_prefix: str = "", cache: SqueueCache | None =
     who is also the service account may have thousands of unrelated jobs.
 
     With ``cache``, a single-component row identical to one of the last call
-    returns the very job parsed then (held and pending jobs: nothing is split or
-    parsed), and one that differs only in its time left (a running job: that
-    moves every second) returns a copy of it with the new figure. Every other
-    row is parsed afresh. Jobs are frozen, so reusing one is safe, and a caller
-    may take "the same object as last time" to mean "the same row".
+    returns the very job parsed then: nothing is split or parsed. Rows carry a
+    job's end time, not its time left, so a running job's row repeats until
+    something about it changes. Jobs are frozen, so reusing one is safe, and a
+    caller may take "the same object as last time" to mean "the same row".
     """
     rows: dict[str, list[list[str]]] = {}
     order: list[str | Job] = []
     if cache is not None and cache.prefix != name_prefix:
-        cache.prefix, cache.lines, cache.rows = name_prefix, {}, {}
+        cache.prefix, cache.lines = name_prefix, {}
     old_lines = cache.lines if cache is not None else {}
-    old_rows = cache.rows if cache is not None else {}
-    new_lines: dict[str, tuple[Job, str]] = {}
-    new_rows: dict[str, Job] = {}
+    new_lines: dict[str, Job] = {}
     for line in stdout.splitlines():
         hit = old_lines.get(line)
         if hit is not None:
             # Seen last time: it passed the prefix check then (same prefix) and parsed.
             new_lines[line] = hit
-            new_rows[hit[1]] = hit[0]
-            order.append(hit[0])
+            order.append(hit)
             continue
         if not line.strip():
             continue
@@ -235,23 +218,12 @@ def parse_squeue(stdout: str, name_prefix: str = "", cache: SqueueCache | None =
         het = f[1].strip()
         single = _none(het) or het == "0"
         if cache is not None and single:
-            ckey = SEP.join(f[:_TIME_LEFT] + f[_TIME_LEFT + 1 :])
-            job = old_rows.get(ckey)
-            if job is None:
-                try:
-                    job = _job_from_rows(f[0].strip(), [f])
-                except SlurmParseError as exc:
-                    log.warning("squeue: skipping job %s: %s", f[0].strip(), exc)
-                    continue
-            else:
-                try:
-                    left = parse_duration(f[_TIME_LEFT])
-                except SlurmParseError:
-                    left = None
-                if left != job.time_left_s:
-                    job = _with_time_left(job, left)
-            new_lines[line] = (job, ckey)
-            new_rows[ckey] = job
+            try:
+                job = _job_from_rows(f[0].strip(), [f])
+            except SlurmParseError as exc:
+                log.warning("squeue: skipping job %s: %s", f[0].strip(), exc)
+                continue
+            new_lines[line] = job
             order.append(job)
             continue
         key = f[0].strip() if single else het
@@ -269,7 +241,7 @@ def parse_squeue(stdout: str, name_prefix: str = "", cache: SqueueCache | None =
         except SlurmParseError as exc:
             log.warning("squeue: skipping job %s: %s", item, exc)
     if cache is not None:
-        cache.lines, cache.rows = new_lines, new_rows
+        cache.lines = new_lines
     return jobs
 
 
@@ -292,6 +264,7 @@ def _job_from_rows(key: str, rows: list[list[str]]) -> Job:
     nodes: list[str] = []
     for c in comps:
         nodes.extend(n for n in c.nodes if n not in nodes)
+    pending = comps[0].state is JobState.PENDING
     # A het job's state is its head's; Slurm moves components together.
     return Job(
         job_id=key,
@@ -303,9 +276,10 @@ def _job_from_rows(key: str, rows: list[list[str]]) -> Job:
         comment="" if head[16] == "(null)" else head[16],
         nodes=tuple(nodes),
         submit_time=parse_time(head[13]),
-        start_time=parse_time(head[12]) if comps[0].state is not JobState.PENDING else None,
+        start_time=parse_time(head[12]) if not pending else None,
         time_limit_s=parse_duration(head[10]),
-        time_left_s=parse_duration(head[11]),
+        # A pending job's end time is the scheduler's guess; only a started job's counts.
+        end_time=parse_time(head[11]) if not pending else None,
         restarts=_int(head[14], 0),
         components=tuple(comps),
     )

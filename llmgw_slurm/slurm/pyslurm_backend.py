@@ -35,7 +35,7 @@ import signal as _signal
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from llmgw_slurm.errors import SlurmError, SlurmParseError, SlurmUnavailable
@@ -156,11 +156,11 @@ def _job_from_components(key: str, objs: list[Any]) -> Job:
         nodes.extend(n for n in c.nodes if n not in nodes)
     limit_min = head.time_limit
     limit_s = _int(limit_min) * 60 if limit_min is not None else None
-    left = _attr(head, "run_time_remaining")
-    if left is None and limit_s is not None:
-        run = _attr(head, "run_time")
-        left = limit_s - _int(run) if run is not None else None
     pending = head_comp.state is JobState.PENDING
+    start = None if pending else _time(head.start_time)
+    end = None if pending else _time(_attr(head, "end_time"))
+    if end is None and start is not None and limit_s is not None:
+        end = start + timedelta(seconds=limit_s)
     return Job(
         job_id=key,
         name=_text(head.name),
@@ -172,9 +172,10 @@ def _job_from_components(key: str, objs: list[Any]) -> Job:
         nodes=tuple(nodes),
         submit_time=_time(head.submit_time),
         # Slurm fills an expected start time for pending jobs; squeue's parser drops it too.
-        start_time=None if pending else _time(head.start_time),
+        start_time=start,
         time_limit_s=limit_s,
-        time_left_s=max(0, _int(left)) if left is not None else None,
+        # As squeue's EndTime: a pending job's is the scheduler's guess, not used.
+        end_time=end,
         restarts=_int(_attr(head, "requeue_count", "restart_cnt"), 0),
         components=comps,
     )

@@ -214,7 +214,10 @@ class Job:
     submit_time: datetime | None
     start_time: datetime | None
     time_limit_s: int | None
-    time_left_s: int | None
+    # When Slurm will end it: start plus time limit, moved by suspensions and limit
+    # changes. None while pending or without a limit. A time, not a time left, so
+    # that a running job's listing does not change every second.
+    end_time: datetime | None
     restarts: int
     components: tuple[JobComponent, ...]
 

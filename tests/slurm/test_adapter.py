@@ -122,6 +122,33 @@ async def test_cancel_is_idempotent(backend: CliBackend, prefix: str) -> None:
     await backend.cancel("999999")  # never existed: no error
 
 
+async def test_a_running_jobs_row_repeats_until_its_limit_moves(
+    backend: CliBackend, prefix: str
+) -> None:
+    # The listing gives an end time, not a time left: a running job's row must repeat
+    # from one pass to the next (the row cache hands back the same job), and a limit
+    # an admin extends must move the end the renewal rule reads.
+    job_id = await backend.submit(
+        JobSpec(
+            name=prefix + "end.00000009",
+            script=script("sleep 300", directives=("--partition=llm", "--time=10")),
+        )
+    )
+    job = await wait_state(backend, prefix, job_id, JobState.RUNNING)
+    assert job.start_time is not None and job.end_time is not None
+    assert job.end_time - job.start_time == timedelta(minutes=10)
+    await asyncio.sleep(1.1)  # a time left would have moved by now
+    (again,) = [j for j in await backend.list_jobs(prefix) if j.job_id == job_id]
+    assert again is job
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job_id}", "TimeLimit=20"], check=True, timeout=30
+    )
+    (moved,) = [j for j in await backend.list_jobs(prefix) if j.job_id == job_id]
+    assert moved.end_time is not None
+    assert moved.end_time - job.end_time == timedelta(minutes=10)
+    assert moved.time_limit_s == 1200
+
+
 async def test_signal_reaches_the_batch_shell(
     backend: CliBackend, prefix: str, tmp_path: Path
 ) -> None:

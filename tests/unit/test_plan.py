@@ -78,7 +78,13 @@ def node(
 
 
 def rv(rid: str, model: str, state: ReplicaState, **kw: object) -> ReplicaView:
-    """A replica; starting ones started just now, ready ones ready long ago and used just now."""
+    """A replica; starting ones started just now, ready ones ready long ago and used just now.
+
+    ``time_left_s`` (not a field) sets its job to end that long after NOW (None: no limit).
+    """
+    if "time_left_s" in kw:
+        left = kw.pop("time_left_s")
+        kw["ends_at"] = None if left is None else NOW + float(left)  # type: ignore[arg-type]
     defaults: dict[str, object] = {"job_id": f"j{rid}", "submitted_at": NOW - 10_000.0}
     if state is S:
         defaults["started_at"] = NOW - 10.0

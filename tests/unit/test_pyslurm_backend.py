@@ -75,7 +75,7 @@ def pjob(**over: Any) -> Fake:
         "submit_time": SUBMIT,
         "start_time": START,
         "time_limit": 60,
-        "run_time_remaining": 3000,
+        "end_time": START + 3600,
         "requeue_count": 1,
     }
     attrs.update(over)
@@ -98,7 +98,7 @@ def test_plain_job_translates_every_field() -> None:
     assert job.submit_time == datetime.fromtimestamp(SUBMIT)
     assert job.start_time == datetime.fromtimestamp(START)
     assert job.time_limit_s == 3600
-    assert job.time_left_s == 3000
+    assert job.end_time == datetime.fromtimestamp(START + 3600)
     assert job.restarts == 1
     assert not job.heterogeneous
     [comp] = job.components
@@ -150,9 +150,9 @@ def test_filters_by_user_name_when_the_uid_is_unknown() -> None:
     assert [j.job_id for j in jobs] == ["2"]
 
 
-def test_pending_job_older_attribute_names_and_time_left_fallback() -> None:
-    # Older pyslurm names (het_job_*, restart_cnt, nodes) and no run_time_remaining:
-    # the fallbacks must find them. Pending: Slurm's expected start is dropped.
+def test_pending_job_older_attribute_names() -> None:
+    # Older pyslurm names (het_job_*, restart_cnt, nodes): the fallbacks must find
+    # them. Pending: Slurm's expected start and end are dropped.
     old = Fake(
         id=5,
         name="llmgw.x.00000000",
@@ -170,7 +170,7 @@ def test_pending_job_older_attribute_names_and_time_left_fallback() -> None:
         submit_time=SUBMIT,
         start_time=START,
         time_limit=10,
-        run_time=0,
+        end_time=START + 600,
         restart_cnt=0,
     )
     [job] = jobs_from_pyslurm([old], uid=1000)
@@ -180,14 +180,19 @@ def test_pending_job_older_attribute_names_and_time_left_fallback() -> None:
     assert job.comment == ""
     assert job.nodes == ()
     assert job.time_limit_s == 600
-    assert job.time_left_s == 600
+    assert job.end_time is None
     assert job.components[0].tres_per_node == ""
 
 
 def test_unlimited_time_reads_as_none() -> None:
-    [job] = jobs_from_pyslurm([pjob(time_limit=None, run_time_remaining=None)], uid=1000)
+    [job] = jobs_from_pyslurm([pjob(time_limit=None, end_time=0)], uid=1000)
     assert job.time_limit_s is None
-    assert job.time_left_s is None
+    assert job.end_time is None
+
+
+def test_a_running_job_without_an_end_time_ends_at_start_plus_limit() -> None:
+    [job] = jobs_from_pyslurm([pjob(end_time=None)], uid=1000)
+    assert job.end_time == datetime.fromtimestamp(START + 3600)
 
 
 def test_a_job_missing_a_required_attribute_is_skipped_not_fatal(

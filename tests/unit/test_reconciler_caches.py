@@ -9,6 +9,7 @@ and check that the next pass sees the change.
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ OTHER: dict[str, Any] = {
     "node_count": 2,
     "gpus_per_node": 4,
     "restarts": 3,
-    "time_left_s": 42.0,
+    "ends_at": 42.0,
     "started_at": 5.0,
     "ready_at": 6.0,
     "base_url": "http://n1:9",
@@ -90,7 +91,7 @@ def test_each_input_of_the_view_reaches_it() -> None:
         "reason",
         "node_count",
         "gpus_per_node",
-        "time_left_s",
+        "ends_at",
         "started_at",
         "ready_at",
         "last_used",
@@ -148,17 +149,21 @@ async def test_the_same_listed_job_is_skipped_but_a_change_is_applied(tmp_path: 
     assert rec.replicas[RID].view is not None
     assert rec.replicas[RID].view.state is ReplicaState.PENDING  # type: ignore[union-attr]
     # Any listed field assigned by someone else is put back by the next listing.
-    for name, value in (("time_left_s", 1.0), ("restarts", 5), ("nodes", ("nX",))):
+    for name, value, listed in (
+        ("ends_at", 1.0, None),
+        ("restarts", 5, pending.restarts),
+        ("nodes", ("nX",), pending.nodes),
+    ):
         setattr(r, name, value)
         await rec.pass_once()
-        assert getattr(r, name) == getattr(pending, name), name
+        assert getattr(r, name) == listed, name
         assert r.listed is pending
-    # A new listing of the job (its time left moved) is applied, and reaches the view.
-    moved = dataclasses.replace(pending, time_left_s=100)
+    # A new listing of the job (its limit extended) is applied, and reaches the view.
+    moved = dataclasses.replace(pending, end_time=datetime.fromtimestamp(100_000))
     fake.jobs = [moved]
     await rec.pass_once()
-    assert r.listed is moved and r.time_left_s == 100
-    assert r.view is not None and r.view.time_left_s == 100
+    assert r.listed is moved and r.ends_at == 100_000
+    assert r.view is not None and r.view.ends_at == 100_000
     assert fake.submitted == [] and fake.cancelled == []
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +110,7 @@ def job(job_id: str, model: str, rid: str, state: JobState, restarts: int = 0) -
         submit_time=datetime.now(),
         start_time=datetime.now() if state is JobState.RUNNING else None,
         time_limit_s=3600,
-        time_left_s=3000,
+        end_time=datetime.now() + timedelta(seconds=3000) if state is JobState.RUNNING else None,
         restarts=restarts,
         components=(JobComponent(0, job_id, state, (), 1, "gres:gpu:a100:1"),),
     )

@@ -149,7 +149,7 @@ def pending_job(model: str) -> Job:
         submit_time=datetime.now(),
         start_time=None,
         time_limit_s=3600,
-        time_left_s=None,
+        end_time=None,
         restarts=0,
         components=(JobComponent(0, "77", JobState.PENDING, (), 1, "gres:gpu:1"),),
     )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ def test_squeue_folds_het_components_and_keeps_comment_with_separators() -> None
     assert single.nodes == ("gpunode1",)
     assert single.comment == "model=m1|x\x1fy"
     assert single.time_limit_s == 365 * 86400
+    assert single.end_time == datetime(2027, 12, 2, 16, 48, 54)
     assert single.components[0].tres_per_node == "gres:gpu:a100:2"
     assert not single.heterogeneous
 
@@ -35,6 +36,7 @@ def test_squeue_folds_het_components_and_keeps_comment_with_separators() -> None
     assert [c.job_id for c in het.components] == ["10", "11"]
     assert het.nodes == ("gpunode1", "gpunode2")
     assert het.time_limit_s is None
+    assert het.end_time is None  # squeue prints NONE for a running job without a limit
 
     pending = jobs["llmgw.pend.55667788"]
     assert pending.state is JobState.PENDING
@@ -42,6 +44,24 @@ def test_squeue_folds_het_components_and_keeps_comment_with_separators() -> None
     assert pending.nodes == ()
     # squeue prints an estimated start for pending jobs; it is not a start.
     assert pending.start_time is None
+    assert pending.end_time is None
+
+
+def test_squeue_takes_no_end_time_for_a_pending_job() -> None:
+    # The end of a pending job is start guess + limit: a guess, which must not make
+    # the renewal rule think a queued replica is about to run out.
+    s = parse.SEP
+    text = (
+        (DATA / "squeue.txt")
+        .read_text()
+        .replace(
+            f"{s}UNLIMITED{s}N/A{s}2027-12-02T16:48:54",
+            f"{s}1:00:00{s}2027-12-02T17:48:54{s}2027-12-02T16:48:54",
+        )
+    )
+    (pending,) = [j for j in parse.parse_squeue(text) if j.job_id == "12"]
+    assert pending.time_limit_s == 3600
+    assert pending.end_time is None
 
 
 def test_squeue_skips_a_malformed_line_and_keeps_the_rest(caplog: pytest.LogCaptureFixture) -> None:
@@ -191,7 +211,7 @@ def test_squeue_prefix_drops_other_jobs_before_parsing() -> None:
     assert len(jobs[0].components) == 2
 
 
-def test_squeue_cache_reuses_unchanged_rows_and_updates_time_left() -> None:
+def test_squeue_cache_reuses_unchanged_rows() -> None:
     text = (DATA / "squeue.txt").read_text()
     cache = parse.SqueueCache()
     first = parse.parse_squeue(text, "", cache)
@@ -202,17 +222,15 @@ def test_squeue_cache_reuses_unchanged_rows_and_updates_time_left() -> None:
     for j in again:
         if not j.heterogeneous:
             assert j is single[j.job_id]  # reused, not re-parsed
-    # A second passes: only the time left moves; a job with the new figure, the rest kept.
+    # The running job's limit extended (scontrol update TimeLimit): a new end, parsed afresh.
     sep = parse.SEP
-    moved = text.replace(f"{sep}364-23:59:58{sep}", f"{sep}364-23:59:57{sep}")
+    moved = text.replace(f"{sep}2027-12-02T16:48:54{sep}2026", f"{sep}2027-12-03T16:48:54{sep}2026")
     assert moved != text
     (m1,) = [j for j in parse.parse_squeue(moved, "", cache) if j.job_id == "9"]
     assert m1 is not single["9"]
-    assert m1.time_left_s == 364 * 86400 + 23 * 3600 + 59 * 60 + 57
-    assert single["9"].time_left_s == m1.time_left_s + 1  # the cached job is left as it was
-    assert dataclasses.replace(m1, time_left_s=single["9"].time_left_s) == single["9"]
+    assert m1.end_time == datetime(2027, 12, 3, 16, 48, 54)
+    assert single["9"].end_time == datetime(2027, 12, 2, 16, 48, 54)  # the cached job is untouched
     assert parse.parse_squeue(moved, "", cache) == parse.parse_squeue(moved)
-    # The same moved listing again: the copy is what is kept.
     (m1b,) = [j for j in parse.parse_squeue(moved, "", cache) if j.job_id == "9"]
     assert m1b is m1
     # A changed state is parsed afresh.
@@ -235,7 +253,7 @@ def test_squeue_cache_reuses_unchanged_rows_and_updates_time_left() -> None:
             "nodes",
             ("gpunode1", "gpunode2"),
         ),
-        ("{s}UNLIMITED{s}UNLIMITED{s}2027", "{s}1:00:00{s}UNLIMITED{s}2027", "time_limit_s", 3600),
+        ("{s}UNLIMITED{s}N/A{s}2027", "{s}1:00:00{s}N/A{s}2027", "time_limit_s", 3600),
         (
             "{s}2026-12-02T16:48:54{s}0{s}root{s}(null){s}",
             "{s}2026-12-02T16:48:54{s}2{s}root{s}(null){s}",
@@ -246,7 +264,7 @@ def test_squeue_cache_reuses_unchanged_rows_and_updates_time_left() -> None:
         ("{s}root{s}(null){s}", "{s}root{s}model=x{s}", "comment", "model=x"),
     ],
 )
-def test_squeue_cache_reparses_a_row_when_any_field_but_time_left_changes(
+def test_squeue_cache_reparses_a_row_when_any_field_changes(
     old: str, new: str, field: str, want: object
 ) -> None:
     # A cached job handed back for a row that changed would be a stale listing: the
@@ -272,12 +290,12 @@ def test_squeue_cache_keeps_only_the_last_listing_and_follows_the_prefix() -> No
     parse.parse_squeue(text, "", cache)
     # A row seen under another prefix is not taken to have passed this one's filter.
     assert [j.name for j in parse.parse_squeue(text, "llmgw.m1.", cache)] == ["llmgw.m1.0a0b0c0d"]
-    assert len(cache.lines) == len(cache.rows) == 1
+    assert len(cache.lines) == 1
     # A job that left the listing leaves the cache.
     assert parse.parse_squeue("", "llmgw.m1.", cache) == []
-    assert cache.lines == {} and cache.rows == {}
+    assert cache.lines == {}
     # And a row that did not parse is not kept to be handed back later.
     bad = text.replace("2026-12-02T16:48:54", "yesterday", 1)
     jobs = parse.parse_squeue(bad, "", cache)
     assert "12" not in [j.job_id for j in jobs]
-    assert all(j.job_id != "12" for j, _ in cache.lines.values())
+    assert all(j.job_id != "12" for j in cache.lines.values())

@@ -112,7 +112,7 @@ def job(jid: str, name: str, state: JobState, *, comment: str = "", reason: str 
         submit_time=datetime(2026, 1, 1),
         start_time=None,
         time_limit_s=3600,
-        time_left_s=3600,
+        end_time=None,
         restarts=0,
         components=(JobComponent(0, jid, state, (), 1, "gres/gpu:a100:1"),),
     )
