@@ -43,6 +43,9 @@ def status_json(rec: Reconciler) -> dict[str, Any]:
     out = rec.status()
     out["version"] = __version__
     out["now"] = time.time()
+    # The nodes are what the last sinfo said, up to reconcile.nodes_max_age ago:
+    # readers must be able to tell a minute-old listing from a fresh one.
+    out["nodes_listed_at"] = rec.nodes_listed_at
     out["nodes"] = [
         {
             "name": n.name,

@@ -113,6 +113,14 @@ def _decisions(decisions: Sequence[Mapping[str, Any]]) -> str:
     return "<table>" + "".join(rows) + "</table>"
 
 
+def _listed(status: Mapping[str, Any]) -> str:
+    at, now = status.get("nodes_listed_at"), status.get("now")
+    if not isinstance(at, int | float) or not isinstance(now, int | float):
+        return ""
+    ago = max(0, round(now - at))
+    return f'<p class="muted">As Slurm listed them {ago}s ago, at {_e(_time(at))}.</p>'
+
+
 def _nodes(nodes: Sequence[Mapping[str, Any]]) -> str:
     if not nodes:
         return '<p class="muted">No nodes seen yet.</p>'
@@ -153,6 +161,6 @@ def render_page(status: Mapping[str, Any], endpoint: str) -> str:
         f"{problem}"
         f"<h2>Models</h2>{_models(status.get('models') or [])}"
         f"<h2>Recent decisions</h2>{_decisions(status.get('decisions') or [])}"
-        f"<h2>Nodes</h2>{_nodes(status.get('nodes') or [])}"
+        f"<h2>Nodes</h2>{_listed(status)}{_nodes(status.get('nodes') or [])}"
         "</body></html>\n"
     )

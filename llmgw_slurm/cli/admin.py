@@ -278,6 +278,10 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
     nodes_ = st.get("nodes") or []
     if nodes_:
         click.echo()
+        listed = st.get("nodes_listed_at")
+        if isinstance(listed, int | float):
+            now = float(st.get("now") or time.time())
+            click.echo(f"nodes as Slurm listed them {fmt_age(now - listed)} ago:")
         click.echo(
             table(
                 ("NODE", "STATE", "PARTITIONS", "GPUS FREE/TOTAL"),

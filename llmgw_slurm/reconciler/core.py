@@ -918,6 +918,11 @@ class Reconciler:
 
     # ---- status --------------------------------------------------------------------
 
+    @property
+    def nodes_listed_at(self) -> float | None:
+        """When ``nodes`` was listed (a pass keeps it up to ``nodes_max_age``); None: never."""
+        return self._nodes_listed_at
+
     def status(self) -> dict[str, Any]:
         now = self.clock()
         models = []

@@ -37,6 +37,7 @@ def test_status_shows_models_replicas_nodes_and_decisions(rd: RunningDaemon) -> 
     pend = next(ln for ln in out.splitlines() if ln.startswith("0000bbbb"))
     assert "Resources" in pend
     assert "gpunode2" in out and "4/4" in out
+    assert "nodes as Slurm listed them 2m" in out  # kept from a pass 125 s ago
     assert "ago  submit big-model 0000bbbb: scale up to 1: a request is waiting" in out
     for line in out.splitlines():
         if "ago " not in line:  # decisions are free text, the tables fit
@@ -52,6 +53,7 @@ def test_status_json_has_nodes_and_decisions(rd: RunningDaemon) -> None:
     assert data["decisions"][-1]["reason"] == "job 1 ended (FAILED)"
     assert [n["name"] for n in data["nodes"]] == ["gpunode1", "gpunode2"]
     assert data["nodes"][0]["gpus_free"] == 3
+    assert data["nodes_listed_at"] == rd.rec.nodes_listed_at
 
 
 def test_daemon_down_and_missing_server_file(tmp_path: Path) -> None:

@@ -102,6 +102,14 @@ def test_page_shows_models_replicas_reasons_decisions_nodes() -> None:
     ):
         assert want in text, want
     assert f'http-equiv="refresh" content="{REFRESH_SECONDS}"' in html
+    assert "As Slurm listed them" not in text  # no listing time given, none claimed
+
+
+def test_page_says_how_old_the_node_listing_is() -> None:
+    # The daemon keeps a node listing up to reconcile.nodes_max_age: say so.
+    p = Text()
+    p.feed(render_page(status(nodes_listed_at=1.7e9 - 42), "e"))
+    assert "As Slurm listed them 42s ago" in " ".join(p.text)
 
 
 def test_everything_from_outside_is_escaped() -> None:
