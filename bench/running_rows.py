@@ -129,6 +129,12 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
+    for tree in a.trees:
+        if (
+            not (Path(tree) / "llmgw_slurm").is_dir()
+            or not (Path(tree) / "bench" / "reconcile_pass.py").is_file()
+        ):
+            ap.error(f"{tree}: not a checkout of llmgw-slurm (no llmgw_slurm/ or bench/)")
     sys.path.insert(0, str(HERE))
     from bench.common import machine, median, print_table, result, write
 
@@ -139,13 +145,15 @@ def main() -> None:
         for k in range(a.rounds):
             order = a.trees if k % 2 == 0 else list(reversed(a.trees))
             for tree in order:
-                out = subprocess.run(
+                proc = subprocess.run(
                     [sys.executable, __file__, "--child", tree, str(n), str(a.passes)],
                     capture_output=True,
                     text=True,
-                    check=True,
-                ).stdout
-                got[tree].append(float(out.split()[-1]))
+                    check=False,
+                )
+                if proc.returncode != 0:
+                    sys.exit(f"running_rows: the pass in {tree} failed:\n{proc.stderr[-2000:]}")
+                got[tree].append(float(proc.stdout.split()[-1]))
         ref = median(got[a.trees[0]])
         for tree in a.trees[1:]:
             results.append(
