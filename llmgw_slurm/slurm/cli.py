@@ -34,6 +34,21 @@ _GONE = re.compile(
 )
 
 
+# Slurm's commands read options from the environment as well as their arguments:
+# SQUEUE_PARTITION or SQUEUE_STATES filter the listing (replicas outside it would
+# look gone), SCANCEL_SIGNAL turns a cancel into a signal, SBATCH_EXPORT=NONE keeps
+# from the job what the daemon passes it, SLURM_TIME_FORMAT rewrites every time.
+# A daemon started from an admin's shell must not inherit any of that.
+_COMMAND_INPUT_ENV = ("SQUEUE_", "SINFO_", "SACCT_", "SBATCH_", "SCANCEL_", "SCONTROL_")
+
+
+def command_env(base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` without the Slurm commands' input variables, times in ISO format."""
+    env = {k: v for k, v in base.items() if not k.startswith(_COMMAND_INPUT_ENV)}
+    env["SLURM_TIME_FORMAT"] = "standard"
+    return env
+
+
 class CliBackend:
     """Talks to Slurm through sbatch, squeue, sinfo, scancel, scontrol and sacct."""
 
@@ -68,7 +83,7 @@ class CliBackend:
         timeout: float | None = None,
     ) -> str:
         argv = [self._exe(args[0]), *args[1:]]
-        env = dict(self._env if self._env is not None else os.environ)
+        env = command_env(self._env if self._env is not None else os.environ)
         if extra_env:
             env.update(extra_env)
         self.call_counts[args[0]] += 1

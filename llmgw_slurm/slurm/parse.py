@@ -140,6 +140,17 @@ def parse_duration(text: str) -> int | None:
     return nums[0] * 3600 + nums[1] * 60 + nums[2]
 
 
+def _nothing_readable(command: str, bad: list[str]) -> SlurmParseError:
+    # Output with lines and not one of them in the asked-for shape is not an empty
+    # listing: taken as one, the reconciler would think every replica gone and start
+    # new ones. (A site wrapper printing a banner, a changed Slurm, a bad locale.)
+    return SlurmParseError(
+        f"none of its {len(bad)} line(s) is in the format asked for; "
+        f"the first: {bad[0].rstrip(SEP)[:200]!r}",
+        command=[command],
+    )
+
+
 def _split(line: str, n: int, command: str) -> list[str] | None:
     # Every field ends with SEP, so a clean line splits into n fields and one empty tail.
     parts = line.split(SEP)
@@ -191,9 +202,16 @@ def parse_squeue(stdout: str, name_prefix: str = "", cache: SqueueCache | None =
     job's end time, not its time left, so a running job's row repeats until
     something about it changes. Jobs are frozen, so reusing one is safe, and a
     caller may take "the same object as last time" to mean "the same row".
+
+    Raises SlurmParseError when no line of a non-empty answer is in the asked-for
+    shape, or (with ``name_prefix``) when a job of the prefix cannot be read: the
+    caller must not take a job it could not read for a job that has gone. Other
+    unreadable lines (another job's multi-line comment, say) are logged and skipped.
     """
     rows: dict[str, list[list[str]]] = {}
     order: list[str | Job] = []
+    readable = 0
+    unreadable: list[str] = []
     if cache is not None and cache.prefix != name_prefix:
         cache.prefix, cache.lines = name_prefix, {}
     old_lines = cache.lines if cache is not None else {}
@@ -204,24 +222,34 @@ def parse_squeue(stdout: str, name_prefix: str = "", cache: SqueueCache | None =
             # Seen last time: it passed the prefix check then (same prefix) and parsed.
             new_lines[line] = hit
             order.append(hit)
+            readable += 1
             continue
         if not line.strip():
             continue
         # The name is the 4th field: a cheap check before the whole line is parsed.
+        ours = False
         if name_prefix:
             head = line.split(SEP, 4)
             if len(head) > 3 and not head[3].startswith(name_prefix):
+                readable += 1
                 continue
+            ours = len(head) > 3
         f = _split(line, len(SQUEUE_FIELDS), "squeue")
         if f is None:
+            if ours:
+                raise SlurmParseError(
+                    f"cannot read the row of a job named {head[3][:100]!r}", command=["squeue"]
+                )
+            unreadable.append(line)
             continue
+        readable += 1
         het = f[1].strip()
         single = _none(het) or het == "0"
         if cache is not None and single:
             try:
                 job = _job_from_rows(f[0].strip(), [f])
             except SlurmParseError as exc:
-                log.warning("squeue: skipping job %s: %s", f[0].strip(), exc)
+                _unreadable_job(f[0].strip(), exc, name_prefix)
                 continue
             new_lines[line] = job
             order.append(job)
@@ -239,10 +267,22 @@ def parse_squeue(stdout: str, name_prefix: str = "", cache: SqueueCache | None =
         try:
             jobs.append(_job_from_rows(item, rows[item]))
         except SlurmParseError as exc:
-            log.warning("squeue: skipping job %s: %s", item, exc)
+            _unreadable_job(item, exc, name_prefix)
+    if unreadable and not readable:
+        raise _nothing_readable("squeue", unreadable)
     if cache is not None:
         cache.lines = new_lines
     return jobs
+
+
+def _unreadable_job(job_id: str, exc: SlurmParseError, name_prefix: str) -> None:
+    if name_prefix:
+        # One of the service's own jobs: skipping it would look like its end.
+        raise SlurmParseError(
+            f"cannot read job {job_id}: {exc.message}; not guessing its state",
+            command=["squeue"],
+        ) from exc
+    log.warning("squeue: skipping job %s: %s", job_id, exc)
 
 
 def _job_from_rows(key: str, rows: list[list[str]]) -> Job:
@@ -326,12 +366,16 @@ def parse_gres(text: str) -> dict[str, int]:
 def parse_sinfo(stdout: str) -> list[NodeInfo]:
     """sinfo -N prints a row per node and partition; fold partitions into one node."""
     nodes: dict[str, NodeInfo] = {}
+    unreadable: list[str] = []
+    readable = 0
     for line in stdout.splitlines():
         if not line.strip():
             continue
         f = _split(line, len(SINFO_FIELDS), "sinfo")
         if f is None:
+            unreadable.append(line)
             continue
+        readable += 1
         name = f[0].strip()
         part = f[2].strip().rstrip("*")
         if name in nodes:
@@ -361,6 +405,8 @@ def parse_sinfo(stdout: str) -> list[NodeInfo]:
             address=f[7].strip(),
             reason="" if _none(f[8].strip()) else f[8].strip(),
         )
+    if unreadable and not readable:
+        raise _nothing_readable("sinfo", unreadable)
     return list(nodes.values())
 
 
@@ -381,12 +427,16 @@ def gpus_in_tres(tres: str) -> int:
 
 def parse_sacct(stdout: str) -> list[AccountingRecord]:
     out: list[AccountingRecord] = []
+    unreadable: list[str] = []
+    readable = 0
     for line in stdout.splitlines():
         if not line.strip():
             continue
         f = _split(line, len(SACCT_FIELDS), "sacct")
         if f is None:
+            unreadable.append(line)
             continue
+        readable += 1
         try:
             out.append(
                 AccountingRecord(
@@ -409,6 +459,8 @@ def parse_sacct(stdout: str) -> list[AccountingRecord]:
             )
         except SlurmParseError as exc:
             log.warning("sacct: skipping a record: %s", exc)
+    if unreadable and not readable:
+        raise _nothing_readable("sacct", unreadable)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -147,6 +148,26 @@ async def test_a_running_jobs_row_repeats_until_its_limit_moves(
     assert moved.end_time is not None
     assert moved.end_time - job.end_time == timedelta(minutes=10)
     assert moved.time_limit_s == 1200
+
+
+async def test_a_daemon_started_from_a_customised_shell_lists_the_same(
+    backend: CliBackend, prefix: str
+) -> None:
+    # An admin's SLURM_TIME_FORMAT=relative would turn every time into "01:16:29"
+    # and SQUEUE_STATES=PENDING would hide running replicas: neither may reach squeue.
+    job_id = await backend.submit(
+        JobSpec(
+            name=prefix + "env.0000000a",
+            script=script("sleep 300", directives=("--partition=llm", "--time=10")),
+        )
+    )
+    job = await wait_state(backend, prefix, job_id, JobState.RUNNING)
+    customised = CliBackend(
+        env={**os.environ, "SLURM_TIME_FORMAT": "relative", "SQUEUE_STATES": "PENDING"}
+    )
+    (seen,) = [j for j in await customised.list_jobs(prefix) if j.job_id == job_id]
+    assert seen.state is JobState.RUNNING
+    assert (seen.start_time, seen.end_time) == (job.start_time, job.end_time)
 
 
 async def test_signal_reaches_the_batch_shell(

@@ -23,6 +23,7 @@ from llmgw_slurm.errors import SlurmUnavailable
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.jobs import job_name, parse_job_name
 from llmgw_slurm.secrets import engine_api_key, replica_secret
+from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import (
     AccountingRecord,
     GpuCount,
@@ -462,3 +463,26 @@ async def test_an_agent_report_shows_the_job_runs_before_the_next_listing(tmp_pa
     )
     assert rec.replicas[rid].state().value == "starting"
     assert rec.replicas[rid].started_at is not None
+
+
+async def test_an_unreadable_listing_stops_the_pass_instead_of_emptying_it(
+    tmp_path: Path,
+) -> None:
+    # squeue answering in another shape (a site wrapper's banner) must not read as
+    # "every replica gone": that pass would submit a replacement for each.
+    rec, _ = make(tmp_path, {"min": 1, "max": 1})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (
+        ("squeue", 'echo "Maintenance tonight: please save your work"'),
+        ("sinfo", f"cat {Path(__file__).parent / 'data' / 'sinfo.txt'}"),
+        ("sbatch", f"touch {bin_dir}/sbatch-ran; echo 1"),
+    ):
+        (bin_dir / name).write_text("#!/bin/sh\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    rec.backend = CliBackend(bin_dir=str(bin_dir))
+    for _ in range(3):
+        await rec.pass_once()
+    assert not (bin_dir / "sbatch-ran").exists()
+    assert "none of its 1 line(s) is in the format asked for" in rec.last_pass_error
+    assert "Maintenance tonight" in rec.last_pass_error

@@ -8,6 +8,7 @@ the real cluster in tests/slurm.
 from __future__ import annotations
 
 import stat
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import pytest
 from llmgw_slurm.errors import SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm import JobSpec
 from llmgw_slurm.slurm.cli import CliBackend
+
+DATA = Path(__file__).parent / "data"
 
 
 def stub(bin_dir: Path, name: str, body: str) -> None:
@@ -57,13 +60,80 @@ async def test_unexpected_sbatch_output_is_a_parse_error_not_a_traceback(tmp_pat
         await backend.submit(JobSpec(name="llmgw.m.00000000", script="#!/bin/sh\ntrue\n"))
 
 
-async def test_garbage_listing_yields_no_jobs_with_a_warning(
+@pytest.mark.parametrize("command", ["squeue", "sinfo", "sacct"])
+async def test_an_answer_with_no_line_in_the_asked_format_is_an_error_not_an_empty_list(
+    tmp_path: Path, command: str
+) -> None:
+    # A site wrapper's banner, a changed Slurm: taken as "no jobs", the reconciler
+    # would think every replica gone and submit new ones (duplicates).
+    stub(tmp_path, command, 'echo "slurm_load_jobs: something odd"; echo; echo "and more"')
+    backend = CliBackend(bin_dir=str(tmp_path))
+    calls = {
+        "squeue": lambda: backend.list_jobs("llmgw."),
+        "sinfo": backend.list_nodes,
+        "sacct": lambda: backend.accounting(datetime(2026, 1, 1)),
+    }
+    with pytest.raises(SlurmParseError) as err:
+        await calls[command]()
+    assert str(err.value).startswith(f"{command}: none of its 2 line(s) is in the format asked for")
+    assert "'slurm_load_jobs: something odd'" in str(err.value)
+
+
+async def test_a_banner_before_the_rows_is_skipped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stub(tmp_path, "squeue", 'echo "slurm_load_jobs: something odd"')
+    rows = (DATA / "squeue.txt").read_text()
+    (tmp_path / "rows").write_text("Welcome to the cluster\n" + rows)
+    stub(tmp_path, "squeue", f"cat {tmp_path / 'rows'}")
+    jobs = await CliBackend(bin_dir=str(tmp_path)).list_jobs()
+    assert sorted(j.job_id for j in jobs) == ["10", "12", "9"]
+    assert "skipping a line with 1 fields" in caplog.text
+
+
+async def test_a_job_of_the_prefix_that_cannot_be_read_fails_the_listing(tmp_path: Path) -> None:
+    # Skipped, it would look like a job that ended: reaped, replaced, duplicated.
+    rows = (DATA / "squeue.txt").read_text().replace("2026-12-02T16:48:54", "yesterday", 1)
+    (tmp_path / "rows").write_text(rows)
+    stub(tmp_path, "squeue", f"cat {tmp_path / 'rows'}")
     backend = CliBackend(bin_dir=str(tmp_path))
-    assert await backend.list_jobs() == []
-    assert "skipping a line" in caplog.text
+    with pytest.raises(SlurmParseError, match=r"cannot read job 12: .*not guessing its state"):
+        await backend.list_jobs("llmgw.pend.")
+    # Another prefix's jobs are not its business: that row is dropped unread.
+    assert [j.job_id for j in await backend.list_jobs("llmgw.m1.")] == ["9"]
+
+
+async def test_commands_get_no_input_variables_and_iso_times(tmp_path: Path) -> None:
+    # SQUEUE_STATES would hide replicas, SCANCEL_SIGNAL turn a cancel into a signal,
+    # SBATCH_EXPORT=NONE strip the job of its secrets, SLURM_TIME_FORMAT break every time.
+    for name in ("squeue", "scancel", "sbatch"):
+        stub(tmp_path, name, f"env > {tmp_path}/{name}.env; cat > /dev/null; echo 7")
+    backend = CliBackend(
+        bin_dir=str(tmp_path),
+        env={
+            "PATH": "/usr/bin:/bin",
+            "SLURM_CONF": "/etc/slurm/x.conf",
+            "SQUEUE_STATES": "PENDING",
+            "SCANCEL_SIGNAL": "USR1",
+            "SBATCH_EXPORT": "NONE",
+            "SLURM_TIME_FORMAT": "relative",
+            "SACCT_FORMAT": "JobID",
+        },
+    )
+    with pytest.raises(SlurmParseError):
+        await backend.list_jobs()
+    await backend.cancel("7")
+    await backend.submit(
+        JobSpec(name="llmgw.m.00000000", script="#!/bin/sh\ntrue\n", env={"LLMGW_X": "1"})
+    )
+    for name in ("squeue", "scancel", "sbatch"):
+        env = dict(
+            line.split("=", 1) for line in (tmp_path / f"{name}.env").read_text().splitlines()
+        )
+        assert env["SLURM_TIME_FORMAT"] == "standard", name
+        assert env["SLURM_CONF"] == "/etc/slurm/x.conf", name
+        assert not {"SQUEUE_STATES", "SCANCEL_SIGNAL", "SBATCH_EXPORT", "SACCT_FORMAT"} & set(env)
+    sbatch_env = (tmp_path / "sbatch.env").read_text()
+    assert "LLMGW_X=1" in sbatch_env  # the job's own variables still reach it
 
 
 async def test_cancel_of_a_finished_job_is_not_an_error(tmp_path: Path) -> None:
