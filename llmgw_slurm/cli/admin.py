@@ -84,7 +84,12 @@ def nodes(as_json: bool, timeout: float) -> None:
     show_default=True,
     help="server.yaml (env LLMGW_SERVER_CONFIG).",
 )
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
 @friendly_errors
 def serve(server_path: Path, log_level: str) -> None:
     """Run the daemon: reconciler, gateway and internal API (SIGHUP reloads the catalog)."""

@@ -48,6 +48,10 @@ def _read_config(path: Path) -> dict[str, str]:
         return {}
     except OSError as exc:
         raise click.ClickException(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise click.ClickException(
+            f"{path}: not UTF-8 text (byte {exc.start}); expected YAML with url: and api_key:"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -79,6 +79,10 @@ def _load(path: Path) -> dict[str, KeyRecord]:
         text = path.read_text()
     except FileNotFoundError:
         return {}
+    except OSError as e:
+        raise ConfigError(f"cannot read it: {e.strerror}", file=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"not UTF-8 text (byte {e.start})", file=str(path)) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -25,6 +25,12 @@ def admin(*args: str, input: str | None = None) -> tuple[int, str]:
     return res.exit_code, res.output
 
 
+def test_serve_refuses_an_unknown_log_level_with_the_valid_ones(tmp_path: Path) -> None:
+    code, out = admin("serve", "--server", str(tmp_path / "none.yaml"), "--log-level", "bogus")
+    assert code == 2
+    assert "Invalid value for '--log-level': 'bogus' is not one of" in out and "'debug'" in out
+
+
 def test_status_shows_models_replicas_nodes_and_decisions(rd: RunningDaemon) -> None:
     rd.add_replica("tiny", "0000aaaa", "ready", nodes=("gpunode1",), job_id="4242")
     rd.add_replica("big-model", "0000bbbb", "pending", reason="Resources", job_id="4243")

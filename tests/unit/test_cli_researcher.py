@@ -71,6 +71,9 @@ def test_url_from_env_and_from_config_file(
     cfg.write_text("url: [unclosed\n")
     code, out = llmgw("models")
     assert code == 1 and "not valid YAML" in out
+    cfg.write_bytes(b"url: http://caf\xe9:8000\n")  # Latin-1, not UTF-8
+    code, out = llmgw("models")
+    assert code == 1 and f"Error: {cfg}: not UTF-8 text (byte 15)" in out
     cfg.unlink()
     monkeypatch.setenv("LLMGW_URL", rd.url)
     code, out = llmgw("models")

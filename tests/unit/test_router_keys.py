@@ -78,6 +78,9 @@ def test_broken_file_is_a_config_error_at_start(tmp_path: Path) -> None:
     path.write_text("{nope")
     with pytest.raises(ConfigError, match="not valid JSON"):
         list_keys(path)
+    path.write_bytes(b'{"version": 1, "keys": [], "x": "\xff"}')
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 33\)"):
+        list_keys(path)
 
 
 def test_broken_file_later_keeps_the_loaded_keys(tmp_path: Path) -> None:
