@@ -76,6 +76,7 @@ async def test_preempted_replica_fails_in_flight_requests_at_most_once(
                     f"--nodelist={rep.nodes[0]}",
                     "--gres=gpu:a100:4",
                     f"--job-name={prefix}research",
+                    "--output=/dev/null",
                     "--wrap",
                     "sleep 600",
                 ],

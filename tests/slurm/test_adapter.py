@@ -14,6 +14,9 @@ from tests.slurm.conftest import eventually
 
 
 def script(*lines: str, directives: tuple[str, ...] = ()) -> str:
+    if not any(d.startswith("--output") for d in directives):
+        # Otherwise Slurm writes slurm-JOBID.out into the directory the tests run from.
+        directives = (*directives, "--output=/dev/null")
     return "\n".join(["#!/bin/bash", *[f"#SBATCH {d}" for d in directives], *lines]) + "\n"
 
 
