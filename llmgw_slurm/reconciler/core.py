@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import time
 import uuid
@@ -503,7 +504,16 @@ class Reconciler:
     def _record(self, action: str, model: str, rid: str, reason: str, pass_id: str = "") -> None:
         self.decisions.append(Decision(self.clock(), action, model, rid, reason, pass_id))
         self.tracing.record(action, model, rid, reason, pass_id)
-        log.info("%s model=%s replica=%s: %s", action, model, rid, reason)
+        # key=value, the reason quoted last: one grep finds a pass's decisions, and
+        # the pass id is the trace's llmgw.pass_id.
+        log.info(
+            "decision action=%s model=%s replica=%s pass=%s reason=%s",
+            action,
+            model,
+            rid or "-",
+            pass_id or "-",
+            json.dumps(reason),
+        )
 
     async def run(self, stop: asyncio.Event, on_pass: Callable[[], None] | None = None) -> None:
         """Pass after pass until ``stop`` is set; a want() or a report wakes it early.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -486,3 +487,18 @@ async def test_an_unreadable_listing_stops_the_pass_instead_of_emptying_it(
     assert not (bin_dir / "sbatch-ran").exists()
     assert "none of its 1 line(s) is in the format asked for" in rec.last_pass_error
     assert "Maintenance tonight" in rec.last_pass_error
+
+
+async def test_each_decision_is_logged_as_key_values_with_its_pass_id(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rec, _ = make(tmp_path, {"min": 1, "max": 1})
+    with caplog.at_level(logging.INFO, logger="llmgw_slurm.reconciler.core"):
+        await rec.pass_once()
+    (d,) = [d for d in rec.decisions if d.action == "submit"]
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decision ")]
+    assert d.pass_id
+    assert line == (
+        f"decision action=submit model=m replica={d.replica_id} pass={d.pass_id} "
+        f'reason="{d.reason}"'
+    )
