@@ -60,8 +60,8 @@ def internal_app(rec: Reconciler) -> web.Application:
     async def report(request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
         auth = request.headers.get("Authorization", "")
-        signed = auth.startswith(REPORT_SCHEME + " ")
-        if not signed and not auth.startswith("Bearer "):
+        if not auth.startswith(REPORT_SCHEME + " "):
+            # A bearer secret included: one copied off the network could be replayed.
             return web.json_response(
                 {"ok": False, "error": f"missing signature ({REPORT_SCHEME})"}, status=401
             )
@@ -73,11 +73,7 @@ def internal_app(rec: Reconciler) -> web.Application:
         if not isinstance(body, dict):
             return web.json_response({"ok": False, "error": "body must be an object"}, status=400)
         try:
-            if signed:
-                answer = rec.report_signed(rid, auth, raw, body)
-            else:
-                # Agents from before signed reports, still running across an upgrade.
-                answer = rec.report(rid, auth[len("Bearer ") :], body)
+            answer = rec.report_signed(rid, auth, raw, body)
         except PermissionError as err:
             return web.json_response({"ok": False, "error": str(err)}, status=401)
         return web.json_response(answer)

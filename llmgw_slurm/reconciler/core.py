@@ -326,8 +326,9 @@ class Reconciler:
     # ---- agent reports -------------------------------------------------------------
 
     def report(self, replica_id: str, secret: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """An agent's report with its secret as a bearer token (agents before signed
-        reports); raises PermissionError on a bad secret."""
+        """An agent's report, checked against its replica's secret, for in-process
+        callers (the HTTP route takes only signed reports: ``report_signed``).
+        Raises PermissionError on a bad secret."""
         if not constant_time_equal(secret, replica_secret(self.server_key, replica_id)):
             raise PermissionError("bad replica secret")
         return self._report(replica_id, body)
