@@ -267,8 +267,8 @@ class ReconcileConfig:
     # Default 2m: how long a draining replica may finish in-flight requests
     # before it is cancelled; long generations are cut after this.
     drain_timeout: float = field(default=120.0, metadata=rule(parse=_schema.parse_duration))
-    # Default 1h: a job pending longer is cancelled and counted as a failed
-    # start (with Slurm's reason); null waits forever.
+    # Default 1h: a job pending longer is cancelled (with Slurm's reason) and, if
+    # still needed, submitted again; not counted as a failed start. null waits forever.
     max_pending_time: float | None = field(
         default=3600.0, metadata=rule(gt=0, parse=_schema.parse_duration)
     )
