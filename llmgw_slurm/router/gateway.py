@@ -767,7 +767,11 @@ class Gateway:
                 "llmgw.router.request",
                 context=ctx,
                 kind=trace.SpanKind.SERVER,
-                attributes={"llmgw.endpoint": endpoint},
+                attributes={
+                    "llmgw.endpoint": endpoint,
+                    "http.request.method": request.method,
+                    "url.path": request.path,
+                },
             )
         else:
             span_cm = _attached(ctx)

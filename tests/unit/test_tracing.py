@@ -586,6 +586,10 @@ async def test_held_request_links_to_the_replica_start(monkeypatch: pytest.Monke
     assert req.context.trace_id == 0xABCD  # the client's trace is honoured
     assert [(lk.context.trace_id, lk.context.span_id) for lk in req.links] == [(0xABC, 0xDEF)]
     assert req.attributes is not None and "llmgw.held_seconds" in req.attributes
+    # OpenTelemetry's HTTP server conventions, beside the service's own attributes.
+    assert req.attributes["http.request.method"] == "POST"
+    assert req.attributes["url.path"] == "/v1/chat/completions"
+    assert req.attributes["http.response.status_code"] == 200
 
 
 async def _gateway_spans(
