@@ -426,7 +426,8 @@ class Scaling:
     # Default None: the server's router.hold_timeout (5m). How long a request
     # waits for this model to have a ready replica before a 503 with
     # Retry-After. Set it for models whose queue wait plus load is longer than
-    # the server's (a 70B model).
+    # the server's (a 70B model); a longer hold also keeps a pending job wanted
+    # (not cancelled as "nobody waiting") while requests may still be held.
     hold_timeout: float | None = field(
         default=None, metadata=rule(gt=0, parse=_schema.parse_duration)
     )
