@@ -423,6 +423,14 @@ class Scaling:
     # Default 16: in-flight requests per replica above which another replica is
     # started (up to max). Engines batch well, so one replica takes many.
     target_inflight: int = field(default=16, metadata=rule(ge=1))
+    # Default None: the server's router.hold_timeout (5m). How long a request
+    # waits for this model to have a ready replica before a 503 with
+    # Retry-After. Set it for models whose queue wait plus load is longer than
+    # the server's (a 70B model); a longer hold also keeps a pending job wanted
+    # (not cancelled as "nobody waiting") while requests may still be held.
+    hold_timeout: float | None = field(
+        default=None, metadata=rule(gt=0, parse=_schema.parse_duration)
+    )
 
     def _problems(self) -> list[tuple[str, str]]:
         if self.min > self.max:

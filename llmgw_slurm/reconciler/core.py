@@ -260,6 +260,7 @@ class Reconciler:
                     aliases=m.aliases,
                     ready=self._has_ready(m.name),
                     replicas=dict(counts),
+                    hold_timeout_s=m.scaling.hold_timeout,
                 )
             )
         return out

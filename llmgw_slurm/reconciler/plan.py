@@ -110,7 +110,9 @@ class PlanConfig:
     drain_timeout: float = 120.0
     max_pending_time: float | None = None
     start_timeout: float = 1020.0  # agent readiness timeout plus a margin for the weights
-    want_window: float = 300.0  # a request asked for the model this recently: someone waits
+    # A request asked for the model this recently: someone waits (the router's
+    # hold deadline; a model's longer scaling.hold_timeout extends it).
+    want_window: float = 300.0
     backoff_initial: float = 30.0
     backoff_max: float = 1800.0
     give_up_after: int = 5
@@ -434,7 +436,13 @@ def plan(
         ready = [r for r in mine if r.state is ReplicaState.READY]
         in_flight = sum(r.in_flight for r in mine)
         w = wanted_at.get(name)
-        waiting = w is not None and now - w < cfg.want_window and not ready
+        # A request may wait as long as its model's hold deadline: a model that
+        # holds for 30 min must not have its pending job cancelled after the
+        # server's 5 min while requests still wait for it. A shorter hold keeps
+        # the server's window: a client retrying after its 503 finds the job
+        # still queued, not resubmitted at the back of the queue.
+        window = max(cfg.want_window, m.scaling.hold_timeout or 0.0)
+        waiting = w is not None and now - w < window and not ready
         target = math.ceil(in_flight / m.scaling.target_inflight) if in_flight else 0
         desired = min(m.scaling.max, max(m.scaling.min, target, 1 if waiting else 0))
 

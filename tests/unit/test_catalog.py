@@ -71,6 +71,8 @@ def test_site_config_catalog_loads() -> None:
     assert big is not None and big.multi_node and big.resources.nodes == 2
     assert big.resources.gres == "gpu:a100:4"
     assert big.weights is not None and big.weights.method == "copy"
+    # A 30m load: its requests wait longer than the server's router.hold_timeout.
+    assert big.scaling.hold_timeout == 2400.0 > (big.engine.ready_timeout or 0)
     single = cat.resolve("meta-llama/Llama-3.1-8B-Instruct")
     assert single is not None and single.name == "llama-3.1-8b"
     assert single.engine.kind == "vllm" and not single.multi_node
@@ -107,6 +109,8 @@ def test_minimal_model_gets_documented_defaults(tmp_path: Path) -> None:
     assert (m.resources.gpus, m.resources.nodes, m.resources.cpus) == (1, 1, 4)
     assert m.resources.time_limit is None and m.resources.partition is None
     assert m.scaling == Scaling(min=0, max=1, idle_timeout=1800.0, target_inflight=16)
+    # Unset: the server's router.hold_timeout applies.
+    assert m.scaling.hold_timeout is None
     assert cat.file == str(tmp_path / "models.yaml")
 
 
@@ -246,6 +250,47 @@ def test_bad_duration(tmp_path: Path) -> None:
     assert errs[0].startswith("F:5: models[0].scaling.idle_timeout: expected a duration like")
 
 
+def test_per_model_hold_timeout(tmp_path: Path) -> None:
+    cat = load_catalog(write(tmp_path, one_model("    scaling: {hold_timeout: 20m}\n")))
+    assert cat.models[0].scaling.hold_timeout == 1200.0
+    text = """\
+    defaults:
+      scaling: {hold_timeout: 10m}
+    models:
+      - {name: a, engine: {kind: vllm}, weights: {source: /m/a}, scaling: {hold_timeout: 45m}}
+      - {name: b, engine: {kind: vllm}, weights: {source: /m/b}}
+    """
+    a, b = load_catalog(write(tmp_path, text)).models
+    assert (a.scaling.hold_timeout, b.scaling.hold_timeout) == (2700.0, 600.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("0", "must be more than 0; got 0"),
+        ("0s", "must be more than 0; got 0"),
+        (
+            "-5m",
+            "cannot read '-5m' as a duration; expected a duration like 30s, 15m, 4h, 1d, "
+            "1h30m, 4:00:00, or a number of seconds",
+        ),
+        (
+            "soon",
+            "cannot read 'soon' as a duration; expected a duration like 30s, 15m, 4h, 1d, "
+            "1h30m, 4:00:00, or a number of seconds",
+        ),
+        (
+            "true",
+            "expected a duration like 30s, 15m, 4h, 1d, 1h30m, 4:00:00, or a number of "
+            "seconds; got the boolean true",
+        ),
+    ],
+)
+def test_bad_hold_timeout(tmp_path: Path, text: str, message: str) -> None:
+    errs = errors_of(tmp_path, one_model("    scaling:\n      hold_timeout: " + text + "\n"))
+    assert errs == [f"F:6: models[0].scaling.hold_timeout: {message}"]
+
+
 @pytest.mark.parametrize(
     ("text", "stored", "mb"),
     [
@@ -329,6 +374,12 @@ def test_unknown_key_suggests_the_closest_and_lists_valid_keys(tmp_path: Path) -
     assert errs == [
         "F:6: models[0].resources.gpu: unknown key 'gpu'; did you mean 'gpus'? (valid keys: "
         "account, constraint, cpus, gpu_type, gpus, memory, nodes, partition, qos, time_limit)"
+    ]
+    errs = errors_of(tmp_path, one_model("    scaling: {hold_timout: 5m}\n"))
+    assert errs == [
+        "F:5: models[0].scaling.hold_timout: unknown key 'hold_timout'; did you mean "
+        "'hold_timeout'? (valid "
+        "keys: hold_timeout, idle_timeout, max, min, target_inflight)"
     ]
     errs = errors_of(tmp_path, one_model("    zzz: 1\n"))
     assert errs == [
@@ -697,6 +748,7 @@ def test_spec_round_trip(tmp_path: Path) -> None:
     big = cat.resolve("llama-3.1-70b")
     assert big is not None
     assert big.to_spec()["resources"]["time_limit"] == "1-00:00:00"
+    assert big.to_spec()["scaling"]["hold_timeout"] == 2400.0
 
 
 def test_bad_spec_is_a_config_error() -> None:
@@ -736,6 +788,7 @@ _KEYS = [
     "min",
     "max",
     "idle_timeout",
+    "hold_timeout",
     "slurm",
     "listen",
     "gateway",

@@ -160,6 +160,35 @@ def test_no_start_when_the_request_is_stale(tmp_path: Path) -> None:
     ]
 
 
+def test_a_longer_per_model_hold_keeps_the_request_waiting(tmp_path: Path) -> None:
+    # The router holds requests for "big" an hour: past the server's window a
+    # request may still be held, so its pending job stays and a start happens.
+    long_hold = CFG.want_window * 12
+    ms = models_of(tmp_path, entry("big", f"{{hold_timeout: {long_hold:g}}}"))
+    assert ms["big"].scaling.hold_timeout == long_hold
+    later = NOW - CFG.want_window - 1
+    assert run(ms, [rv("aaaaaaaa", "big", P)], wanted={"big": later}).actions == []
+    assert brief(run(ms, wanted={"big": later})) == [("submit", "big", "00000001")]
+    # Past its own deadline nobody waits any more.
+    stale = NOW - long_hold
+    assert brief(run(ms, [rv("aaaaaaaa", "big", P)], wanted={"big": stale})) == [
+        ("cancel", "big", "aaaaaaaa")
+    ]
+    assert run(ms, wanted={"big": stale}).actions == []
+
+
+def test_a_shorter_per_model_hold_keeps_the_server_window(tmp_path: Path) -> None:
+    # Its requests got their 503 already, but a client retrying after
+    # Retry-After should find the job still queued, not resubmitted.
+    ms = models_of(tmp_path, entry("quick", "{hold_timeout: 10s}"))
+    later = NOW - 60
+    assert run(ms, [rv("aaaaaaaa", "quick", P)], wanted={"quick": later}).actions == []
+    stale = NOW - CFG.want_window
+    assert brief(run(ms, [rv("aaaaaaaa", "quick", P)], wanted={"quick": stale})) == [
+        ("cancel", "quick", "aaaaaaaa")
+    ]
+
+
 def test_a_waiting_request_with_a_pending_replica_submits_no_second(tmp_path: Path) -> None:
     ms = models_of(tmp_path, entry("od", "{max: 3}"))
     res = run(ms, [rv("aaaaaaaa", "od", P)], wanted={"od": NOW - 1})

@@ -14,15 +14,17 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
-from _router_support import serve  # type: ignore[import-not-found]
+from _router_support import eventually, serve  # type: ignore[import-not-found]
 
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.errors import SlurmUnavailable
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.jobs import job_name, parse_job_name
+from llmgw_slurm.router import GATEWAY_KEY, RouterConfig, create_app
 from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import (
@@ -125,7 +127,10 @@ def make(
     names: tuple[str, ...] = ("m",),
     gpus: int = 1,
     reconcile: dict[str, Any] | None = None,
+    scalings: dict[str, dict[str, Any]] | None = None,
+    router: dict[str, Any] | None = None,
 ) -> tuple[Reconciler, FakeSlurm]:
+    """A reconciler over a fake Slurm; ``scalings`` gives some models their own scaling."""
     models = {
         "models": [
             {
@@ -137,7 +142,7 @@ def make(
                     "partition": "llm",
                     "time_limit": "1h",
                 },
-                "scaling": scaling or {"min": 0, "max": 1},
+                "scaling": (scalings or {}).get(name, scaling or {"min": 0, "max": 1}),
             }
             for name in names
         ]
@@ -149,6 +154,7 @@ def make(
                 "slurm": {"job_prefix": PREFIX, "partition": "llm"},
                 "state_dir": str(tmp_path / "state"),
                 "reconcile": {"min_lifetime": "10m", **(reconcile or {})},
+                "router": router or {},
             }
         )
     )
@@ -502,3 +508,57 @@ async def test_each_decision_is_logged_as_key_values_with_its_pass_id(
         f"decision action=submit model=m replica={d.replica_id} pass={d.pass_id} "
         f'reason="{d.reason}"'
     )
+
+
+# ---------------------------------------------------------------- per-model hold
+
+
+def test_models_carry_the_per_model_hold_timeout(tmp_path: Path) -> None:
+    rec, _ = make(
+        tmp_path, names=("big", "small"), scalings={"big": {"max": 1, "hold_timeout": "40m"}}
+    )
+    info = {m.name: m for m in rec.models()}
+    assert info["big"].hold_timeout_s == 2400.0
+    # Unset: None, and the router falls back to its own (the server's) deadline.
+    assert info["small"].hold_timeout_s is None
+    # A reloaded catalog's value is what the next request sees.
+    path = tmp_path / "models.yaml"
+    path.write_text(path.read_text().replace("hold_timeout: 40m", "hold_timeout: 1h"))
+    rec.set_catalog(load_catalog(path))
+    assert {m.name: m.hold_timeout_s for m in rec.models()} == {"big": 3600.0, "small": None}
+
+
+async def test_a_model_with_a_short_hold_gets_503_while_the_server_holds_longer(
+    tmp_path: Path,
+) -> None:
+    # The server holds for an hour; "quick" says 0.01 s in the catalog. Neither
+    # has a replica: quick's request gets its 503 while slow's is still held.
+    rec, _ = make(
+        tmp_path,
+        names=("quick", "slow"),
+        scalings={"quick": {"max": 1, "hold_timeout": 0.01}},
+        router={"hold_timeout": "1h"},
+    )
+    assert rec.server.router.hold_timeout == 3600.0
+    app = create_app(rec, RouterConfig(hold_timeout_s=rec.server.router.hold_timeout))
+    gateway = app[GATEWAY_KEY]
+    async with serve(app) as url, aiohttp.ClientSession() as s:
+        slow = asyncio.create_task(
+            s.post(url + "/v1/completions", json={"model": "slow", "prompt": "a"})
+        )
+        await eventually(lambda: gateway.held.get("slow") == 1, "slow's request held")
+        # The limit only stops a hung test (held for the server's hour), it is not a threshold.
+        async with asyncio.timeout(30):
+            r = await s.post(url + "/v1/completions", json={"model": "quick", "prompt": "a"})
+            body = await r.json()
+        assert r.status == 503
+        assert r.headers["Retry-After"] == str(RouterConfig().retry_after_s)
+        assert body["error"]["code"] == "model_not_ready"
+        assert "after waiting 0.01 s" in body["error"]["message"]
+        # The server's deadline still holds the other model's request.
+        assert gateway.held.get("slow") == 1 and not slow.done()
+        assert gateway.held.get("quick") == 0
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+    await rec.close()
