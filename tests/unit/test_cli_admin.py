@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from click.testing import CliRunner
 
 from llmgw_slurm.cli.admin import main
 from llmgw_slurm.router.keys import list_keys
+
+DATA = Path(__file__).parent / "data"
 
 
 @pytest.fixture
@@ -190,3 +193,56 @@ def test_script_prints_the_job_without_secrets(tmp_path: Path) -> None:
     )
     assert res.exit_code == 1
     assert "unknown model 'nope'; known: tiny" in res.output
+
+
+def _stub_sinfo(tmp_path: Path, body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sinfo").write_text("#!/bin/sh\n" + body + "\n")
+    (bin_dir / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+def test_nodes_lists_free_gpus_per_node_from_one_sinfo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _stub_sinfo(tmp_path, f"cat {DATA / 'sinfo.txt'}", monkeypatch)
+    code, out = admin("nodes")
+    assert code == 0, out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith("gpunode")}
+    assert rows["gpunode1"][:4] == ["gpunode1", "mixed", "llm,research", "a100:1/4"]
+    assert rows["gpunode3"][3] == "a100:4/4"
+    assert out.rstrip().endswith("4 nodes, 12 of 16 GPUs free")
+    code, out = admin("nodes", "--json")
+    assert code == 0
+    assert {n["name"]: n["gpus_free"] for n in json.loads(out)} == {
+        "gpunode1": 1,
+        "gpunode2": 3,
+        "gpunode3": 4,
+        "gpunode4": 4,
+    }
+
+
+def test_nodes_says_when_sinfo_answers_something_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _stub_sinfo(tmp_path, 'echo "sinfo: error: Unable to contact slurm controller"', monkeypatch)
+    code, out = admin("nodes")
+    assert code == 1
+    assert out.startswith("Error: sinfo: none of its 1 line(s) is in the format asked for")
+
+
+def test_config_check_command_reports_every_error_and_exits_1(tmp_path: Path) -> None:
+    models = tmp_path / "models.yaml"
+    models.write_text("models:\n  - name: a\n    scaling: {min: 2, max: 1}\n    engin: {}\n")
+    res = CliRunner().invoke(main, ["config", "check", "--models", str(models)])
+    assert res.exit_code == 1
+    lines = res.output.splitlines()
+    assert lines[-1] == f"{len(lines) - 1} error(s)" and len(lines) >= 3
+    assert all(ln.startswith(f"{models}:") for ln in lines[:-1]), lines
+    assert any("engin" in ln and "valid" in ln for ln in lines)
+    site = Path(__file__).resolve().parents[2] / "site-config"
+    res = CliRunner().invoke(main, ["config", "check", "--server", str(site / "server.yaml")])
+    assert res.exit_code == 0 and res.output.startswith("ok: "), res.output
+    res = CliRunner().invoke(main, ["config", "check"])
+    assert res.exit_code == 2 and "give at least one of --models, --server, --agent" in res.output
