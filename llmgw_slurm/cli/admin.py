@@ -44,7 +44,13 @@ def _gpu_text(node: NodeInfo) -> str:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for sinfo.")
+@click.option(
+    "--timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds to wait for sinfo.",
+)
 @friendly_errors
 def nodes(as_json: bool, timeout: float) -> None:
     """The cluster's nodes with free/total GPUs per type (one sinfo call)."""

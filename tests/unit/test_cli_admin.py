@@ -230,6 +230,8 @@ def test_nodes_says_when_sinfo_answers_something_else(
     code, out = admin("nodes")
     assert code == 1
     assert out.startswith("Error: sinfo: none of its 1 line(s) is in the format asked for")
+    code, out = admin("nodes", "--timeout", "-1")
+    assert code == 2 and "Invalid value for '--timeout': -1.0 is not in the range x>0" in out
 
 
 def test_config_check_command_reports_every_error_and_exits_1(tmp_path: Path) -> None:
