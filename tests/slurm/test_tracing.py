@@ -409,10 +409,12 @@ async def test_with_tracing_off_no_span_is_exported_and_no_job_has_a_trace_conte
 ) -> None:
     async with collector() as col:
         # Whatever set-up the agent could make from the standard variables would
-        # send to the collector too (the jobs inherit the daemon's environment).
+        # send to the collector too (the jobs inherit the daemon's environment),
+        # and the daemon runs under a trace of its own, as one started from a
+        # traced shell or CI job would: that context is no job's either.
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", col.url)
-        monkeypatch.delenv("TRACEPARENT", raising=False)
-        monkeypatch.delenv("TRACESTATE", raising=False)
+        monkeypatch.setenv("TRACEPARENT", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        monkeypatch.setenv("TRACESTATE", "vendor=x")
         configure = functools.partial(disable_tracing, endpoint=col.url)
         async with running(tmp_path, prefix, [tiny_model("dark")], configure=configure) as h:
             assert h.d is not None and h.d.tracer_provider is None
