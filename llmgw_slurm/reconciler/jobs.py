@@ -101,4 +101,12 @@ class JobBuilder:
         comment = f"llmgw model={model.name} replica={replica_id} gpus={gpus}"
         if traceparent:
             comment += f" trace={traceparent}"
-        return JobSpec(name=name, script=script, env=env, comment=comment)
+        # The trace context is the start span's or none: never the daemon's own
+        # (a daemon started from a traced shell or CI job has TRACEPARENT too).
+        return JobSpec(
+            name=name,
+            script=script,
+            env=env,
+            comment=comment,
+            unset_env=("TRACEPARENT", "TRACESTATE"),
+        )

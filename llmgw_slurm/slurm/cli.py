@@ -80,10 +80,13 @@ class CliBackend:
         *,
         stdin: str | None = None,
         extra_env: Mapping[str, str] | None = None,
+        unset_env: Sequence[str] = (),
         timeout: float | None = None,
     ) -> str:
         argv = [self._exe(args[0]), *args[1:]]
         env = command_env(self._env if self._env is not None else os.environ)
+        for name in unset_env:
+            env.pop(name, None)
         if extra_env:
             env.update(extra_env)
         self.call_counts[args[0]] += 1
@@ -130,7 +133,7 @@ class CliBackend:
         if spec.workdir:
             args.append(f"--chdir={spec.workdir}")
         # The script goes on stdin: no temporary file, and nothing of it on argv.
-        out = await self._run(args, stdin=spec.script, extra_env=spec.env)
+        out = await self._run(args, stdin=spec.script, extra_env=spec.env, unset_env=spec.unset_env)
         try:
             return parse.parse_sbatch(out)
         except SlurmError as exc:

@@ -381,7 +381,10 @@ def submit_kwargs(spec: JobSpec, script_path: str, base_env: Mapping[str, str]) 
     kwargs: dict[str, Any] = {
         "name": spec.name,
         "script": script_path,
-        "environment": {**base_env, **spec.env},
+        "environment": {
+            **{k: v for k, v in base_env.items() if k not in spec.unset_env},
+            **spec.env,
+        },
     }
     if spec.comment:
         kwargs["comment"] = spec.comment

@@ -167,11 +167,14 @@ class JobSpec:
     visible to every user of the cluster, so never a secret.
     ``env`` is added to the sbatch process's environment (sbatch exports it to
     the job): the channel for secrets and trace context, never argv.
+    ``unset_env`` names what the job must not inherit from the submitting
+    process's own environment (taken out before ``env`` is added).
     """
 
     name: str
     script: str
     env: Mapping[str, str] = field(default_factory=dict)
+    unset_env: tuple[str, ...] = ()
     comment: str = ""
     workdir: str | None = None
 

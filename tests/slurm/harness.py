@@ -23,6 +23,8 @@ from aiohttp import web
 
 from llmgw_slurm import daemon as daemonmod
 from llmgw_slurm.config import load_server_config
+from llmgw_slurm.slurm.cli import CliBackend
+from tests.slurm.conftest import eventually
 
 TOP = Path(__file__).resolve().parents[2]
 
@@ -231,3 +233,52 @@ def fill_nodes(prefix: str, count: int) -> list[str]:
         ).stdout.strip()
         for _ in range(count)
     ]
+
+
+async def fill_all_but_one_node(prefix: str, gpu_type: str = "a100") -> tuple[str, list[str]]:
+    """Occupy every free GPU of the llm partition but one whole free node's with somebody
+    else's jobs, running: room for exactly one whole-node replica, whatever else shares the
+    cluster. Returns (that node, the fillers' job ids)."""
+    nodes = [n for n in await CliBackend().list_nodes() if "llm" in n.partitions and n.usable]
+    whole = [n.name for n in nodes if n.gpus_free(gpu_type) == n.gpus_total(gpu_type) > 0]
+    assert whole, f"no node with all its GPUs free to leave: {nodes}"
+    keep = whole[0]
+    ids = [
+        subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                "llm",
+                f"--nodelist={n.name}",
+                f"--job-name={prefix}filler",
+                f"--gres=gpu:{gpu_type}:{n.gpus_free(gpu_type)}",
+                "--output=/dev/null",
+                "--wrap",
+                "sleep 900",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for n in nodes
+        if n.name != keep and n.gpus_free(gpu_type) > 0
+    ]
+
+    async def running_all() -> bool:
+        out = await asyncio.to_thread(
+            subprocess.run,
+            ["squeue", "-h", "-o", "%T", "-j", ",".join(ids)],
+            capture_output=True,
+            text=True,
+        )
+        states = out.stdout.split()
+        return len(states) == len(ids) and set(states) <= {"RUNNING"}
+
+    try:
+        if ids:
+            await eventually(running_all, "the filler jobs to run")
+    except BaseException:
+        subprocess.run(["scancel", *ids], check=False)
+        raise
+    return keep, ids

@@ -26,8 +26,15 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
 )
 
+from llmgw_slurm.reconciler import plan as planmod
 from tests.slurm.conftest import eventually
-from tests.slurm.harness import Harness, free_port, running, tiny_model
+from tests.slurm.harness import (
+    Harness,
+    fill_all_but_one_node,
+    free_port,
+    running,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -178,6 +185,37 @@ async def spans_arrive(h: Harness, col: Collector, names: set[str], what: str) -
     await eventually(complete, what)
 
 
+def job_environments(job_id: str) -> dict[str, dict[str, str]]:
+    """The environment every process of a Slurm job started with, by pid and command line.
+
+    The dev cluster is this machine: the batch shell's srun, the agent and the
+    engine are processes here, and /proc holds what each was started with.
+    """
+    found: dict[str, dict[str, str]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            raw = (d / "environ").read_bytes().decode(errors="replace")
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone, or a kernel thread
+        env = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+        if env.get("SLURM_JOB_ID") == job_id:
+            found[f"{d.name} {cmd.strip()}"] = env
+    return found
+
+
+def agent_environment(job_id: str) -> dict[str, str]:
+    """The environment of the agent the job's srun started (not srun's own)."""
+    (env,) = [
+        e
+        for cmd, e in job_environments(job_id).items()
+        if "llmgw_slurm.agent.main" in cmd and not cmd.split()[1].endswith("srun")
+    ]
+    return env
+
+
 async def test_one_trace_from_placement_to_the_agent_steps_in_the_job(
     tmp_path: Path, prefix: str
 ) -> None:
@@ -201,6 +239,7 @@ async def test_one_trace_from_placement_to_the_agent_steps_in_the_job(
         command = subprocess.run(
             ["squeue", "-h", "-j", job[0], "-o", "%o"], capture_output=True, text=True
         ).stdout
+        agent_env = agent_environment(job[0])
 
     (start,) = col.named("replica.start")
     trace_id = start.trace_id
@@ -223,6 +262,7 @@ async def test_one_trace_from_placement_to_the_agent_steps_in_the_job(
     # not on the job's command line.
     assert f"trace=00-{trace_id}-{start.span_id}-" in comment
     assert trace_id not in command
+    assert agent_env["TRACEPARENT"].startswith(f"00-{trace_id}-{start.span_id}-")
 
     # The agent's side, from inside the Slurm job: start -> agent -> steps.
     assert agent.parent_id == start.span_id
@@ -277,3 +317,166 @@ async def test_an_engine_install_is_a_trace_and_a_replica_running_it_links_to_it
     (start,) = col.named("replica.start")
     for linked in (launch, start):
         assert (install.trace_id, install.span_id) in linked.links, linked.name
+
+
+async def test_an_eviction_pass_is_one_trace_with_the_evict_span_and_the_placement_after_it(
+    tmp_path: Path, prefix: str
+) -> None:
+    whole_node = {"gpus": 4}
+    models = [
+        tiny_model("first", resources=whole_node),
+        tiny_model("second", resources=whole_node),
+    ]
+    # Room for one whole-node replica: "second" can only start if "first" (idle, on demand) goes.
+    node, fillers = await fill_all_but_one_node(prefix)
+    try:
+        async with (
+            collector() as col,
+            traced_daemon(tmp_path, prefix + "d.", models, col) as h,
+        ):
+            await chat(h, "first")
+            (first,) = h.rec.replicas.values()
+
+            # Ask for "second" only once the plan would stop "first" for it (idle past
+            # the eviction grace, ready past the minimum lifetime: 3 s each in the
+            # harness), so that the pass that places it is the one that evicts.
+            def candidates() -> list[str]:
+                views = [h.rec._view(r) for r in h.rec.replicas.values()]
+                found = planmod.evictable(
+                    "second", views, h.rec._models(), h.rec.plan_cfg, h.rec.clock()
+                )
+                return [v.replica_id for v in found]
+
+            await eventually(
+                lambda: asyncio.sleep(0, candidates() == [first.replica_id]),
+                "'first' to be idle enough to evict",
+            )
+            await chat(h, "second")
+            await spans_arrive(h, col, {"replica.evict"}, "the eviction's span")
+            (second,) = [r for r in h.rec.replicas.values() if r.model == "second"]
+    finally:
+        subprocess.run(["scancel", *fillers], check=False)
+
+    (evict,) = col.named("replica.evict")
+    trace_id = evict.trace_id
+    print(render(col.spans, trace_id))
+    (pass_,) = [s for s in col.named("reconcile.pass") if s.trace_id == trace_id]
+    assert pass_.parent_id == "" and evict.parent_id == pass_.span_id
+    assert evict.service == "llmgw-daemon"
+    a = evict.attrs
+    assert a["llmgw.decision"] == "evict"
+    assert a["llmgw.for"] == "second"
+    assert a["llmgw.model"] == "first"
+    assert a["llmgw.replica"] == first.replica_id
+    assert a["llmgw.job_id"] == first.job_id
+    assert a["llmgw.gpus"] == 4
+    assert a["llmgw.candidates"] == 1
+    assert a["llmgw.idle_seconds"] >= h.rec.plan_cfg.eviction_grace
+    assert f"{node}: 0 gpu:a100 free" in a["llmgw.why"]
+
+    # The placement that needed the room, in the same pass, and the start that followed.
+    (place,) = [s for s in col.named("replica.place") if s.trace_id == trace_id]
+    p = place.attrs
+    assert place.parent_id == pass_.span_id
+    assert p["llmgw.model"] == "second" and p["llmgw.replica"] == second.replica_id
+    assert p["llmgw.placement.fits"] is False
+    assert f"{node}: 0 gpu:a100 free" in p["llmgw.placement.refused"]
+    assert f"evicting first replica {first.replica_id}" in p["llmgw.placement.detail"]
+    (start,) = [s for s in col.named("replica.start") if s.trace_id == trace_id]
+    assert start.parent_id == place.span_id
+    assert start.attrs["llmgw.replica"] == second.replica_id
+    assert start.attrs["llmgw.start.outcome"] == "ready"
+    assert start.attrs["llmgw.nodes"] == [node]  # where "first" was
+    # The evicted replica's own start was another trace, ended when it served.
+    (first_start,) = [
+        s for s in col.named("replica.start") if s.attrs["llmgw.replica"] == first.replica_id
+    ]
+    assert first_start.trace_id != trace_id
+    assert first_start.attrs["llmgw.start.outcome"] == "ready"
+
+
+def disable_tracing(h: Harness, endpoint: str) -> None:
+    """Tracing off in both files, with a collector named: only the switch keeps spans away."""
+    enable_tracing(h, endpoint)
+    for path in (h.server_yaml, h.folder / "agent.yaml"):
+        cfg = yaml.safe_load(path.read_text())
+        cfg["tracing"]["enabled"] = False
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+async def test_with_tracing_off_no_span_is_exported_and_no_job_has_a_trace_context(
+    tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with collector() as col:
+        # Whatever set-up the agent could make from the standard variables would
+        # send to the collector too (the jobs inherit the daemon's environment),
+        # and the daemon runs under a trace of its own, as one started from a
+        # traced shell or CI job would: that context is no job's either.
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", col.url)
+        monkeypatch.setenv("TRACEPARENT", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        monkeypatch.setenv("TRACESTATE", "vendor=x")
+        configure = functools.partial(disable_tracing, endpoint=col.url)
+        async with running(tmp_path, prefix, [tiny_model("dark")], configure=configure) as h:
+            assert h.d is not None and h.d.tracer_provider is None
+            assert not h.rec.tracing.enabled
+            await chat(h, "dark")
+            (job,) = h.jobs()
+            envs = job_environments(job[0])
+            comment = subprocess.run(
+                ["squeue", "-h", "-j", job[0], "-o", "%k"], capture_output=True, text=True
+            ).stdout
+        # The job was cancelled when the daemon stopped: an agent that traced
+        # would have flushed its spans by the time it has left the queue.
+        await eventually(lambda: asyncio.sleep(0, not h.jobs()), "the job to leave the queue")
+
+    cmds = " | ".join(envs)
+    assert "llmgw_slurm.agent.main" in cmds and "llmgw_slurm.testing.engine" in cmds, cmds
+    for cmd, env in envs.items():
+        assert "TRACEPARENT" not in env and "TRACESTATE" not in env, cmd
+    assert comment.startswith("llmgw model=dark ") and "trace=" not in comment
+    assert col.requests == 0 and col.spans == []
+
+
+async def test_a_model_job_is_a_trace_and_a_replica_using_its_weights_links_to_it(
+    tmp_path: Path, prefix: str
+) -> None:
+    from tests.slurm.test_jobs import admin, ended_job, weights_folder
+
+    src = weights_folder(tmp_path)
+    models = [tiny_model("weighted", weights={"source": str(src), "method": "copy"})]
+    async with collector() as col, traced_daemon(tmp_path, prefix, models, col) as h:
+        rc, out, err = await admin("fetch", "weighted", "--server", str(h.server_yaml), "--wait")
+        assert rc == 0 and "(fetched," in out, out + err
+        job = await eventually(lambda: ended_job(h, "fetch"), "the model job in status", 90)
+        await chat(h, "weighted")
+        await spans_arrive(
+            h,
+            col,
+            {"replica.start", "llmgw.agent.weights", "llmgw.model_job"},
+            "the model job's, the daemon's and the agent's spans",
+        )
+
+    (fetch,) = col.named("llmgw.model_job")
+    assert fetch.service == "llmgw-agent" and fetch.parent_id == ""
+    assert fetch.resource["test"] == "slurm"  # agent.yaml's resource_attributes
+    assert fetch.attrs["llmgw.model"] == "weighted"
+    assert fetch.attrs["llmgw.job_id"] == job["job_id"]
+    print(render(col.spans, fetch.trace_id))
+    steps = {s.name: s for s in col.spans if s.trace_id == fetch.trace_id}
+    assert set(steps) == {"llmgw.model_job", "llmgw.model_job.spec", "llmgw.model_job.weights"}
+    assert steps["llmgw.model_job.spec"].parent_id == fetch.span_id
+    weights = steps["llmgw.model_job.weights"]
+    assert weights.parent_id == fetch.span_id
+    assert weights.attrs["llmgw.weights.fetched"] is True
+    assert weights.attrs["llmgw.weights.method"] == "copy"
+    assert weights.attrs["llmgw.weights.bytes"] > 0
+
+    # The replica found the weights in the cache: its weights step and its start
+    # link to the model job's trace, in a trace of their own.
+    (found,) = col.named("llmgw.agent.weights")
+    (start,) = col.named("replica.start")
+    assert found.trace_id == start.trace_id != fetch.trace_id
+    assert found.attrs["llmgw.weights.fetched"] is False
+    assert found.attrs["llmgw.link.model_job"].startswith(f"00-{fetch.trace_id}-{fetch.span_id}-")
+    for linked in (found, start):
+        assert (fetch.trace_id, fetch.span_id) in linked.links, linked.name

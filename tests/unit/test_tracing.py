@@ -417,6 +417,42 @@ async def test_tracing_off_no_spans_and_no_trace_context_in_the_job(tmp_path: Pa
     assert w.rec.start_span_context("alpha") is None
 
 
+FOREIGN_TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.parametrize("tracing", [False, True])
+async def test_the_daemon_own_trace_context_reaches_no_replica_job(
+    tmp_path: Path, tracing: bool
+) -> None:
+    """A daemon started from a traced shell or CI job has TRACEPARENT (and maybe
+    TRACESTATE) itself; sbatch exports the submitting environment, so without care
+    every job inherited them: tracing off, a trace context all the same; on, the
+    daemon's TRACESTATE beside the start span's TRACEPARENT."""
+    from llmgw_slurm.slurm.cli import CliBackend
+    from llmgw_slurm.slurm.pyslurm_backend import submit_kwargs
+
+    w = make_world(tmp_path, tracing=tracing)
+    _, jid = await start_alpha(w)
+    spec = w.slurm.specs[jid]
+    daemon_env = {"PATH": "/usr/bin:/bin", "TRACEPARENT": FOREIGN_TP, "TRACESTATE": "k=v"}
+    sbatch = tmp_path / "sbatch"
+    sbatch.write_text(f"#!/bin/sh\nenv > {tmp_path}/sbatch.env; cat > /dev/null; echo 7\n")
+    sbatch.chmod(0o755)
+    await CliBackend(bin_dir=str(tmp_path), env=daemon_env).submit(spec)
+    lines = (tmp_path / "sbatch.env").read_text().splitlines()
+    exported = dict(line.split("=", 1) for line in lines if "=" in line)
+    given = submit_kwargs(spec, "/s", daemon_env)["environment"]
+    for env in (exported, given):
+        assert "TRACESTATE" not in env  # the start span has none
+        assert env["LLMGW_MODEL"] == "alpha"
+        if tracing:
+            (start,) = w.rec.tracing._starts.values()
+            assert env["TRACEPARENT"] == traceparent_of(start.span.get_span_context())
+        else:
+            assert "TRACEPARENT" not in env
+    await w.rec.close()
+
+
 def test_decision_names() -> None:
     assert decision_of("scale up to 1: a request is waiting") == "scale_up"
     assert decision_of("drained (renewed by x)") == "drained"
