@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,6 +130,32 @@ def test_up_timeout_says_it_goes_on(rd: RunningDaemon) -> None:
     assert code == 1
     assert "queued (Priority)" in out
     assert "Error: big-model is not ready after" in out and "goes on starting" in out
+
+
+def test_ctrl_c_during_up_stops_waiting_and_leaves_the_start_going(rd: RunningDaemon) -> None:
+    # A real process and a real SIGINT: CliRunner cannot deliver one.
+    rd.add_replica("big-model", "0000bbbb", "pending", reason="Priority")
+    cli = [sys.executable, "-c", "from llmgw_slurm.cli.researcher import main; main()"]
+    proc = subprocess.Popen(
+        [*cli, "--url", rd.url, "up", "big-model"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # the first progress line: it is waiting now
+        assert "queued (Priority)" in first, first
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "Stopped waiting; big-model goes on starting (`llmgw models` shows it)." in err
+    assert "Traceback" not in err
+    # Nothing was withdrawn: the daemon still has the request for it.
+    assert rd.call(lambda: rd.rec._demand["big-model"].wanted_at) is not None
+    assert rd.backend.cancelled == []
 
 
 def test_phase_words() -> None:
