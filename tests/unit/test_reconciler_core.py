@@ -728,6 +728,7 @@ async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
     t0 = clock.t
     a, c = "0a0a0a0a", "0c0c0c0c"
     a_job, c_job = fake.running("a", a, 5 * MIN), fake.running("c", c, 5 * MIN)
+    # (Started within the start deadline: see the xfail test below for older jobs.)
 
     async def pass_at(t: float, *wanted: str) -> list[tuple[str, str]]:
         clock.t = t0 + t
@@ -788,3 +789,22 @@ async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
         # c was never reported used: still not a candidate, whatever the clock says.
         assert rec.replicas[c].last_used is None and c_job not in fake.cancelled
     await rec.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: an adopted job is held to the start deadline from its job's start "
+    "time, before its agent can re-report, and is cancelled as a failed start",
+)
+async def test_a_restart_does_not_cancel_a_job_that_started_long_before(tmp_path: Path) -> None:
+    # DESIGN: adopted, never killed. The first pass after a restart runs before any
+    # agent's next heartbeat (and a heartbeat only starts the probe), so an adopted
+    # replica is STARTING, with started_at from the job's start time: one that
+    # started more than the start deadline ago (agent_ready_timeout + 120 s, 17 min by
+    # default) is cancelled as "not ready 2h00m after the job started", counted as a
+    # failed start.
+    rec, fake, _ = on_demand_world(tmp_path)
+    fake.running("a", "0a0a0a0a", 120 * MIN)
+    actions = await rec.pass_once()
+    assert [(x.kind.value, x.reason) for x in actions] == []
+    assert fake.cancelled == [] and "a" not in rec.failures
