@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import dataclasses
 import logging
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -22,8 +24,10 @@ from _router_support import eventually, serve  # type: ignore[import-not-found]
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.errors import SlurmUnavailable
+from llmgw_slurm.reconciler import plan as planmod
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.jobs import job_name, parse_job_name
+from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.router import GATEWAY_KEY, RouterConfig, create_app
 from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.cli import CliBackend
@@ -562,3 +566,345 @@ async def test_a_model_with_a_short_hold_gets_503_while_the_server_holds_longer(
         with pytest.raises(asyncio.CancelledError):
             await slow
     await rec.close()
+
+
+# ---------------------------------------------------------------- eviction, pass by pass
+# The eviction rules driven through the whole loop with a fake clock: the real
+# Reconciler lists, plans and acts; a fake cluster starts what fits and ends what is
+# cancelled; a replica becomes ready through its agent's report and the daemon's own
+# probe of a test engine; uses reach the daemon as the gateway reports them.
+
+MIN = 60.0
+
+
+class FakeCluster(FakeSlurm):
+    """Nodes of 4 GPUs that run what fits, first come first served.
+
+    A submitted job is queued (Resources) and starts at a later listing on the
+    first node with room; a cancelled running job is listed COMPLETING once, its
+    GPUs still held, and is gone from the listing after. No time limits (so no
+    renewal in these tests).
+    """
+
+    def __init__(self, clock: Clock, nodes: int = 1) -> None:
+        super().__init__()
+        self.clock = clock
+        self.names = [f"n{i}" for i in range(nodes)]
+        self.queue: dict[str, Job] = {}
+        self.gpus: dict[str, int] = {}
+        self.ending: set[str] = set()
+
+    def running(self, model: str, rid: str, started_ago: float) -> str:
+        """A job of ours that was running before the daemon (re)started."""
+        self.next_id += 1
+        job_id = str(self.next_id)
+        self.gpus[job_id] = 4
+        at = self.clock.t - started_ago
+        self.queue[job_id] = self._job(job_id, job_name(PREFIX, model, rid), at, self._room(4), at)
+        return job_id
+
+    def _job(self, job_id: str, name: str, submitted: float, node: str, started: float) -> Job:
+        state = JobState.RUNNING if node else JobState.PENDING
+        nodes = (node,) if node else ()
+        return Job(
+            job_id=job_id,
+            name=name,
+            state=state,
+            reason="" if node else "Resources",
+            partition="llm",
+            user="root",
+            comment="",
+            nodes=nodes,
+            submit_time=datetime.fromtimestamp(submitted),
+            start_time=datetime.fromtimestamp(started) if node else None,
+            time_limit_s=None,
+            end_time=None,
+            restarts=0,
+            components=(
+                JobComponent(0, job_id, state, nodes, 1, f"gres/gpu:a100:{self.gpus[job_id]}"),
+            ),
+        )
+
+    def _room(self, gpus: int) -> str:
+        for n in self.names:
+            if 4 - sum(self.gpus[j.job_id] for j in self.queue.values() if n in j.nodes) >= gpus:
+                return n
+        return ""
+
+    async def submit(self, spec: JobSpec) -> str:
+        job_id = await super().submit(spec)
+        self.gpus[job_id] = int(spec.comment.split("gpus=")[1].split()[0])
+        self.queue[job_id] = self._job(job_id, spec.name, self.clock.t, "", 0.0)
+        return job_id
+
+    async def cancel(
+        self, job_id: str, *, signal: str | None = None, batch_only: bool = False
+    ) -> None:
+        await super().cancel(job_id, signal=signal, batch_only=batch_only)
+        j = self.queue[job_id]
+        if j.state is JobState.RUNNING:
+            self.queue[job_id] = dataclasses.replace(j, state=JobState.COMPLETING)
+        else:
+            del self.queue[job_id]
+
+    async def list_jobs(self, name_prefix: str = "") -> list[Job]:
+        self.calls += 1
+        self.listings["jobs"] += 1
+        for job_id in self.ending:
+            del self.queue[job_id]
+        self.ending = {i for i, j in self.queue.items() if j.state is JobState.COMPLETING}
+        for job_id, j in list(self.queue.items()):
+            if j.state is JobState.PENDING:
+                n = self._room(self.gpus[job_id])
+                if n:
+                    sub = j.submit_time.timestamp() if j.submit_time else self.clock.t
+                    self.queue[job_id] = self._job(job_id, j.name, sub, n, self.clock.t)
+        return [j for j in self.queue.values() if j.name.startswith(name_prefix)]
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        self.calls += 1
+        self.listings["nodes"] += 1
+        return [
+            node(n, used=sum(self.gpus[j.job_id] for j in self.queue.values() if n in j.nodes))
+            for n in self.names
+        ]
+
+
+def on_demand_world(tmp_path: Path, nodes: int = 1) -> tuple[Reconciler, FakeCluster, Clock]:
+    """On-demand models a, b and c, each replica a whole 4-GPU node.
+
+    Eviction grace 5 min, minimum lifetime 10 min; an idle timeout of a day, so
+    that only an eviction stops a replica here.
+    """
+    rec, _ = make(
+        tmp_path,
+        {"min": 0, "max": 1, "idle_timeout": "1d"},
+        names=("a", "b", "c"),
+        gpus=4,
+        reconcile={"eviction_grace": "5m", "min_lifetime": "10m"},
+    )
+    assert (rec.plan_cfg.eviction_grace, rec.plan_cfg.min_lifetime) == (5 * MIN, 10 * MIN)
+    clock = Clock()
+    rec.clock = clock
+    fake = FakeCluster(clock, nodes)
+    rec.backend = fake
+    return rec, fake, clock
+
+
+async def agent_reports(
+    rec: Reconciler, stack: contextlib.AsyncExitStack, rid: str, event: str = "ready"
+) -> None:
+    """The replica's agent says its engine is up; the daemon probes it, then routes to it."""
+    r = rec.replicas[rid]
+    opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name=r.model)
+    url = await stack.enter_async_context(serve(create_engine_app(opts)))
+    body = {"event": event, "url": url, "job_id": r.job_id, "node": r.nodes[0]}
+    rec.report(rid, replica_secret(KEY, rid), body)
+    await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+    assert r.state() is ReplicaState.READY
+
+
+def served(rec: Reconciler, model: str) -> str:
+    """One request served by the model's ready replica, reported as the gateway does."""
+    (ep,) = rec.endpoints(model)
+    rec.request_started(model, ep.replica_id)
+    rec.request_finished(model, ep.replica_id)
+    return ep.replica_id
+
+
+async def test_two_models_that_fit_one_at_a_time_do_not_evict_each_other_in_turn(
+    tmp_path: Path,
+) -> None:
+    rec, fake, clock = on_demand_world(tmp_path)
+    t0 = clock.t
+    acted: list[tuple[float, str, str]] = []
+
+    async def pass_at(t: float, *wanted: str) -> list[tuple[str, str]]:
+        clock.t = t0 + t
+        for m in wanted:
+            rec.want(m)  # a request arrives (or its client retries after a 503)
+        actions = [(a.kind.value, a.model) for a in await rec.pass_once()]
+        acted.extend((t, kind, model) for kind, model in actions)
+        return actions
+
+    async with contextlib.AsyncExitStack() as stack:
+        # a comes up for a request and serves it; it is last used 9 min after.
+        assert await pass_at(0, "a") == [("submit", "a")]
+        assert await pass_at(10) == []
+        clock.t = t0 + 1 * MIN
+        (a,) = rec.replicas
+        await agent_reports(rec, stack, a)
+        assert rec.replicas[a].ready_at == t0 + 1 * MIN
+        served(rec, "a")
+        clock.t = t0 + 9 * MIN
+        served(rec, "a")
+
+        # A request for b, 1 min after a's last use, 9 min after it became ready:
+        # b is queued, a is not evicted, and the placement says why.
+        assert await pass_at(10 * MIN, "b") == [("submit", "b")]
+        b_job = fake.submitted[-1]
+        assert rec.notes["b"] == (
+            "no room: needs 1 node(s) with 4 free gpu:a100; n0: 0 gpu:a100 free; "
+            "nothing idle enough to stop"
+        )
+        (sub_b,) = [d for d in rec.decisions if d.action == "submit" and d.model == "b"]
+        assert sub_b.reason.endswith(
+            "no room now: needs 1 node(s) with 4 free gpu:a100; "
+            "n0: 0 gpu:a100 free; nothing idle enough to stop"
+        )
+        # Its minimum lifetime is over, but a was used within the eviction grace.
+        assert await pass_at(11 * MIN) == []
+        assert rec.notes["b"] == (
+            "queued (Resources): needs 1 node(s) with 4 free gpu:a100; n0: 0 gpu:a100 free; "
+            "nothing idle enough to stop"
+        )
+        assert await pass_at(14 * MIN - 1) == []
+        assert rec.notes["b"].endswith("; nothing idle enough to stop")
+        # Idle the whole grace: a is evicted, once, for b.
+        assert await pass_at(14 * MIN) == [("evict", "a")]
+        (ev_a,) = [d for d in rec.decisions if d.action == "evict"]
+        assert (ev_a.model, ev_a.replica_id) == ("a", a)
+        assert ev_a.reason == "evicted, idle 5m00s, to make room for b"
+        assert rec.notes["b"].endswith("; evicting a replica " + a + " (idle 5m00s)")
+        # a's job is still ending: nothing else is stopped, b waits for its GPUs.
+        assert await pass_at(14 * MIN + 10) == []
+        assert rec.notes["b"].endswith("; waiting for an evicted replica to give its GPUs back")
+        # a's job is gone; Slurm starts b on its node.
+        assert await pass_at(14 * MIN + 20) == []
+        assert a not in rec.replicas
+        (b,) = rec.replicas
+        assert rec.replicas[b].nodes == ("n0",) and "b" not in rec.notes
+        assert fake.queue[rec.replicas[b].job_id].name == b_job.name
+
+        # b becomes ready and serves the request that waited for it; right after, a
+        # request for a. b is used once more, 2 min after it became ready.
+        clock.t = t0 + 15 * MIN
+        await agent_reports(rec, stack, b)
+        served(rec, "b")
+        assert await pass_at(15 * MIN + 10, "a") == [("submit", "a")]
+        assert rec.notes["a"].endswith("; nothing idle enough to stop")
+        clock.t = t0 + 17 * MIN
+        served(rec, "b")
+        # Idle the whole grace, but ready for only 7 min: the minimum lifetime alone
+        # keeps b (the waiting client of a retries after each 503).
+        assert await pass_at(22 * MIN, "a") == []
+        assert rec.notes["a"] == (
+            "queued (Resources): needs 1 node(s) with 4 free gpu:a100; n0: 0 gpu:a100 free; "
+            "nothing idle enough to stop"
+        )
+        assert await pass_at(25 * MIN - 1, "a") == []
+        assert await pass_at(25 * MIN, "a") == [("evict", "b")]
+        assert [d.reason for d in rec.decisions if d.action == "evict"][-1] == (
+            "evicted, idle 8m00s, to make room for a"
+        )
+        assert await pass_at(25 * MIN + 10, "a") == []
+        assert await pass_at(25 * MIN + 20, "a") == []
+        (a2,) = rec.replicas
+        assert rec.replicas[a2].model == "a" and rec.replicas[a2].state() is ReplicaState.STARTING
+    await rec.close()
+
+    # Every action of every pass: one eviction each way, the second a whole minimum
+    # lifetime after the first, and nothing cancelled or drained besides.
+    evictions = [(t, m) for t, kind, m in acted if kind == "evict"]
+    assert evictions == [(14 * MIN, "a"), (25 * MIN, "b")]
+    assert evictions[1][0] - evictions[0][0] >= rec.plan_cfg.min_lifetime
+    assert [(kind, m) for _, kind, m in acted] == [
+        ("submit", "a"),
+        ("submit", "b"),
+        ("evict", "a"),
+        ("submit", "a"),
+        ("evict", "b"),
+    ]
+    assert len(fake.cancelled) == 2
+    assert [s.comment.split()[1] for s in fake.submitted] == ["model=a", "model=b", "model=a"]
+
+
+async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
+    tmp_path: Path,
+) -> None:
+    # A daemon just restarted: a and c, on-demand, each run on a whole node (their jobs
+    # started 5 min before), and a request for b arrives.
+    rec, fake, clock = on_demand_world(tmp_path, nodes=2)
+    t0 = clock.t
+    a, c = "0a0a0a0a", "0c0c0c0c"
+    a_job, c_job = fake.running("a", a, 5 * MIN), fake.running("c", c, 5 * MIN)
+    # (Started within the start deadline: see the xfail test below for older jobs.)
+
+    async def pass_at(t: float, *wanted: str) -> list[tuple[str, str]]:
+        clock.t = t0 + t
+        for m in wanted:
+            rec.want(m)
+        return [(x.kind.value, x.model) for x in await rec.pass_once()]
+
+    no_room = (
+        "needs 1 node(s) with 4 free gpu:a100; n0: 0 gpu:a100 free; n1: 0 gpu:a100 free; "
+        "nothing idle enough to stop"
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        assert await pass_at(0, "b") == [("submit", "b")]
+        assert [(d.action, d.model) for d in rec.decisions] == [
+            ("adopt", "a"),
+            ("adopt", "c"),
+            ("submit", "b"),
+        ]
+        # Not ready yet (no agent has reported to this daemon): no candidates at all.
+        assert rec.notes["b"] == "no room: " + no_room
+        assert [rec.replicas[r].state() for r in (a, c)] == [ReplicaState.STARTING] * 2
+        # Their agents' next heartbeats: both serve again, adopted, last use unknown.
+        clock.t = t0 + 10
+        for rid in (a, c):
+            await agent_reports(rec, stack, rid, event="heartbeat")
+            r = rec.replicas[rid]
+            assert (r.adopted, r.ready_at, r.last_used) == (True, t0 + 10, None)
+        # Ready past the minimum lifetime and the eviction grace, for 50 min with no
+        # use reported (b's job stays queued: under max_pending_time, 1h): unknown is
+        # not idle, so nothing is evicted for b.
+        for t in (1 * MIN, 11 * MIN, 16 * MIN, 50 * MIN):
+            assert await pass_at(t, "b") == []
+            assert rec.notes["b"] == "queued (Resources): " + no_room
+        assert fake.cancelled == []
+        status = {m["name"]: m for m in rec.status()["models"]}
+        assert [(x["adopted"], x["idle_s"]) for x in status["a"]["replicas"]] == [(True, None)]
+        # The unknown last use, and nothing else, is what keeps them: the same views
+        # with a last use at adoption would be candidates.
+        views = [rec._view(rec.replicas[r]) for r in (a, c)]
+        now, models = clock.t, rec._models()
+        assert planmod.evictable("b", views, models, rec.plan_cfg, now) == []
+        known = [dataclasses.replace(v, last_used=v.ready_at) for v in views]
+        assert planmod.evictable("b", known, models, rec.plan_cfg, now) == known
+
+        # A request for a: a's last use is known now, c's still is not. a is a
+        # candidate once idle the whole grace (its minimum lifetime is long over).
+        clock.t = t0 + 51 * MIN
+        assert served(rec, "a") == a
+        assert await pass_at(51 * MIN + 10, "b") == []
+        assert await pass_at(56 * MIN - 1, "b") == []
+        assert await pass_at(56 * MIN, "b") == [("evict", "a")]
+        assert rec.decisions[-1].reason == "evicted, idle 5m00s, to make room for b"
+        assert fake.cancelled == [a_job]
+        assert await pass_at(56 * MIN + 10, "b") == []
+        assert await pass_at(56 * MIN + 20, "b") == []
+        (b,) = [r for r in rec.replicas.values() if r.model == "b"]
+        assert b.nodes == ("n0",)
+        # c was never reported used: still not a candidate, whatever the clock says.
+        assert rec.replicas[c].last_used is None and c_job not in fake.cancelled
+    await rec.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: an adopted job is held to the start deadline from its job's start "
+    "time, before its agent can re-report, and is cancelled as a failed start",
+)
+async def test_a_restart_does_not_cancel_a_job_that_started_long_before(tmp_path: Path) -> None:
+    # DESIGN: adopted, never killed. The first pass after a restart runs before any
+    # agent's next heartbeat (and a heartbeat only starts the probe), so an adopted
+    # replica is STARTING, with started_at from the job's start time: one that
+    # started more than the start deadline ago (agent_ready_timeout + 120 s, 17 min by
+    # default) is cancelled as "not ready 2h00m after the job started", counted as a
+    # failed start.
+    rec, fake, _ = on_demand_world(tmp_path)
+    fake.running("a", "0a0a0a0a", 120 * MIN)
+    actions = await rec.pass_once()
+    assert [(x.kind.value, x.reason) for x in actions] == []
+    assert fake.cancelled == [] and "a" not in rec.failures
