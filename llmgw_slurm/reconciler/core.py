@@ -95,6 +95,9 @@ class Replica:
     last_report: float | None = None
     first_report_at: float | None = None
     adopted: bool = False
+    # When this daemon adopted the job: a start deadline runs from here, not from a
+    # job start that may be hours older (the agent has yet to re-report).
+    adopted_at: float | None = None
     # Seen back in the queue after running, and not yet seen running again: the
     # previous run's agent may live on (a node whose slurmd died) and still report.
     requeued: bool = False
@@ -670,6 +673,7 @@ class Reconciler:
                     job_id=job.job_id,
                     submitted_at=job.submit_time.timestamp() if job.submit_time else now,
                     adopted=True,
+                    adopted_at=now,
                 )
                 self.replicas[rid] = r
                 self.tracing.adopt(rid, model, job)
@@ -806,6 +810,7 @@ class Reconciler:
             nodes=r.node_count,
             reason=r.reason,
             started_at=r.started_at,
+            adopted_at=r.adopted_at,
             ready_at=r.ready_at,
             last_used=r.last_used,
             in_flight=r.in_flight,

@@ -78,6 +78,7 @@ class ReplicaView:
     nodes: int = 1
     reason: str = ""  # Slurm's pending reason
     started_at: float | None = None  # first seen running
+    adopted_at: float | None = None  # when a restarted daemon found the job (None: it placed it)
     ready_at: float | None = None  # first seen ready (after a restart: when adopted as ready)
     last_used: float | None = None  # None: nobody has reported a use (unknown is not idle)
     in_flight: int = 0
@@ -328,10 +329,16 @@ def plan(
             limit = cfg.start_timeout
             if m is not None and m.engine.ready_timeout:
                 limit = m.engine.ready_timeout + 120.0
-            if now - r.started_at > limit:
-                cancel(
-                    r, f"not ready {_fmt_s(now - r.started_at)} after the job started", failure=True
-                )
+            # A restarted daemon gives an adopted job the whole deadline from the
+            # adoption: its agent has not re-reported yet, and its start may be hours
+            # old. Timed from the job's start, a restart would kill every replica
+            # older than the deadline as a failed start.
+            if r.adopted_at is not None and r.adopted_at > r.started_at:
+                since, what = r.adopted_at, "it was adopted"
+            else:
+                since, what = r.started_at, "the job started"
+            if now - since > limit:
+                cancel(r, f"not ready {_fmt_s(now - since)} after {what}", failure=True)
                 continue
         if (
             r.state is ReplicaState.PENDING

@@ -53,6 +53,7 @@ OTHER: dict[str, Any] = {
     "last_report": 11.0,
     "first_report_at": 12.0,
     "adopted": True,
+    "adopted_at": 13.0,
     "requeued": True,
 }
 BOOKKEEPING = {"listed", "view"}
@@ -93,6 +94,7 @@ def test_each_input_of_the_view_reaches_it() -> None:
         "gpus_per_node",
         "ends_at",
         "started_at",
+        "adopted_at",
         "ready_at",
         "last_used",
         "in_flight",

@@ -891,20 +891,22 @@ async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
     await rec.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: an adopted job is held to the start deadline from its job's start "
-    "time, before its agent can re-report, and is cancelled as a failed start",
-)
 async def test_a_restart_does_not_cancel_a_job_that_started_long_before(tmp_path: Path) -> None:
     # DESIGN: adopted, never killed. The first pass after a restart runs before any
     # agent's next heartbeat (and a heartbeat only starts the probe), so an adopted
-    # replica is STARTING, with started_at from the job's start time: one that
-    # started more than the start deadline ago (agent_ready_timeout + 120 s, 17 min by
-    # default) is cancelled as "not ready 2h00m after the job started", counted as a
-    # failed start.
-    rec, fake, _ = on_demand_world(tmp_path)
+    # replica is STARTING. Timed from its job's start (two hours ago), the start
+    # deadline (agent_ready_timeout + 120 s) had long passed, and every replica older
+    # than it was cancelled as a failed start: the deadline now runs from adoption.
+    rec, fake, clock = on_demand_world(tmp_path)
     fake.running("a", "0a0a0a0a", 120 * MIN)
     actions = await rec.pass_once()
     assert [(x.kind.value, x.reason) for x in actions] == []
     assert fake.cancelled == [] and "a" not in rec.failures
+    # Its agent never comes back: the whole deadline, from the adoption, then a cancel.
+    limit = rec.plan_cfg.start_timeout
+    clock.t += limit - 1
+    assert await rec.pass_once() == [] and fake.cancelled == []
+    clock.t += 2
+    (cancel,) = await rec.pass_once()
+    assert cancel.kind.value == "cancel" and cancel.failure
+    assert cancel.reason == f"not ready {planmod._fmt_s(limit + 1)} after it was adopted"
