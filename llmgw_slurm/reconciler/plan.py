@@ -212,6 +212,29 @@ def fits(
     return False, f"{need}; " + "; ".join(refused) + ("; ..." if n_refused > 8 else "")
 
 
+def why_kept(
+    r: ReplicaView, models: Mapping[str, Model], cfg: PlanConfig, now: float
+) -> str:
+    """Why a ready replica may not be evicted now ("" if it may), in a status note's words."""
+    if r.in_flight:
+        return f"serving {r.in_flight} request(s)"
+    m = models.get(r.model)
+    if m is None:
+        return "not in the catalog"
+    if not m.scaling.on_demand:
+        return f"min {m.scaling.min}"
+    if r.last_used is None:
+        return "last use unknown"
+    idle = now - r.last_used
+    if idle < cfg.eviction_grace:
+        return f"used {_fmt_s(idle)} ago, grace {_fmt_s(cfg.eviction_grace)}"
+    if r.ready_at is not None and now - r.ready_at < cfg.min_lifetime:
+        return f"ready {_fmt_s(now - r.ready_at)}, min lifetime {_fmt_s(cfg.min_lifetime)}"
+    if r.nodes > 1:
+        return f"{r.nodes} nodes"
+    return ""
+
+
 def evictable(
     wanted_by: str,
     replicas: Sequence[ReplicaView],
@@ -232,21 +255,10 @@ def evictable(
     """
     out: list[tuple[float, ReplicaView]] = []
     for r in replicas:
-        if r.model == wanted_by or r.state is not ReplicaState.READY or r.in_flight:
+        if r.model == wanted_by or r.state is not ReplicaState.READY:
             continue
-        m = models.get(r.model)
-        if m is None or not m.scaling.on_demand:
-            continue
-        if r.last_used is None:
-            continue
-        idle = now - r.last_used
-        if idle < cfg.eviction_grace:
-            continue
-        if r.ready_at is not None and now - r.ready_at < cfg.min_lifetime:
-            continue
-        if r.nodes > 1:
-            continue
-        out.append((idle, r))
+        if not why_kept(r, models, cfg, now):
+            out.append((now - (r.last_used or now), r))
     out.sort(key=lambda t: t[0], reverse=True)
     return [r for _, r in out]
 
@@ -382,7 +394,22 @@ def plan(
             return "waiting for an evicted replica to give its GPUs back"
         candidates = candidates_for(m)
         if not candidates:
-            return "nothing idle enough to stop"
+            # Say what keeps each ready replica of another model: "nothing idle" alone
+            # leaves an admin guessing which rule held.
+            kept = [
+                f"{r.model} {r.replica_id}: {why_kept(r, models, cfg, now)}"
+                for r in live
+                if r.model != m.name
+                and r.state is ReplicaState.READY
+                and r.replica_id not in stopping
+            ]
+            if not kept:
+                return (
+                    "nothing idle enough to stop "
+                    "(no other model has a replica ready and not already stopping)"
+                )
+            more = "; ..." if len(kept) > 4 else ""
+            return f"nothing idle enough to stop ({'; '.join(kept[:4])}{more})"
         best = candidates[0]
         evicted_this_pass = True
         out.nodes_decide = True

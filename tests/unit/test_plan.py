@@ -895,8 +895,13 @@ def test_nothing_idle_enough_to_stop(tmp_path: Path) -> None:
     ]
     res = run(ms, reps, nodes=full_node(), wanted={"want": NOW - 1})
     assert brief(res) == [("submit", "want", "00000001")]
-    assert res.notes["want"].endswith("; nothing idle enough to stop")
-    assert res.of(ActionKind.SUBMIT)[0].placement.endswith("; nothing idle enough to stop")
+    # Each ready replica of another model, with the rule that keeps it.
+    kept = (
+        "; nothing idle enough to stop (od1 aaaaaaaa: used 10s ago, grace 5m00s; "
+        "kept bbbbbbbb: min 1; od2 cccccccc: last use unknown)"
+    )
+    assert res.notes["want"].endswith(kept)
+    assert res.of(ActionKind.SUBMIT)[0].placement.endswith(kept)
 
 
 def test_no_eviction_when_the_new_replica_fits(tmp_path: Path) -> None:
@@ -975,7 +980,9 @@ def test_replica_drained_this_pass_is_not_evicted(tmp_path: Path) -> None:
     reps = [idle_rv("aaaaaaaa", "od1", 5000)]
     res = run(ms, reps, nodes=full_node(), wanted={"want": NOW - 1})
     assert brief(res) == [("drain", "od1", "aaaaaaaa"), ("submit", "want", "00000001")]
-    assert res.notes["want"].endswith("nothing idle enough to stop")
+    assert res.notes["want"].endswith(
+        "nothing idle enough to stop (no other model has a replica ready and not already stopping)"
+    )
 
 
 def test_multi_node_replica_is_never_evicted_in_the_plan(tmp_path: Path) -> None:
@@ -983,7 +990,7 @@ def test_multi_node_replica_is_never_evicted_in_the_plan(tmp_path: Path) -> None
     wide = idle_rv("aaaaaaaa", "wide", 50_000, nodes=2, gpus_per_node=4)
     res = run(ms, [wide], nodes=full_node(), wanted={"want": NOW - 1})
     assert brief(res) == [("submit", "want", "00000001")]
-    assert res.notes["want"].endswith("nothing idle enough to stop")
+    assert res.notes["want"].endswith("nothing idle enough to stop (wide aaaaaaaa: 2 nodes)")
 
 
 # ---------------------------------------------------------------- when the nodes decide

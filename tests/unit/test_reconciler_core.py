@@ -745,21 +745,23 @@ async def test_two_models_that_fit_one_at_a_time_do_not_evict_each_other_in_turn
         b_job = fake.submitted[-1]
         assert rec.notes["b"] == (
             "no room: needs 1 node(s) with 4 free gpu:a100; n0: 0 gpu:a100 free; "
-            "nothing idle enough to stop"
+            f"nothing idle enough to stop (a {a}: used 1m00s ago, grace 5m00s)"
         )
         (sub_b,) = [d for d in rec.decisions if d.action == "submit" and d.model == "b"]
         assert sub_b.reason.endswith(
-            "no room now: needs 1 node(s) with 4 free gpu:a100; "
-            "n0: 0 gpu:a100 free; nothing idle enough to stop"
+            "no room now: needs 1 node(s) with 4 free gpu:a100; n0: 0 gpu:a100 free; "
+            f"nothing idle enough to stop (a {a}: used 1m00s ago, grace 5m00s)"
         )
         # Its minimum lifetime is over, but a was used within the eviction grace.
         assert await pass_at(11 * MIN) == []
         assert rec.notes["b"] == (
             "queued (Resources): needs 1 node(s) with 4 free gpu:a100; n0: 0 gpu:a100 free; "
-            "nothing idle enough to stop"
+            f"nothing idle enough to stop (a {a}: used 2m00s ago, grace 5m00s)"
         )
         assert await pass_at(14 * MIN - 1) == []
-        assert rec.notes["b"].endswith("; nothing idle enough to stop")
+        assert rec.notes["b"].endswith(
+            f"; nothing idle enough to stop (a {a}: used 4m59s ago, grace 5m00s)"
+        )
         # Idle the whole grace: a is evicted, once, for b.
         assert await pass_at(14 * MIN) == [("evict", "a")]
         (ev_a,) = [d for d in rec.decisions if d.action == "evict"]
@@ -782,7 +784,9 @@ async def test_two_models_that_fit_one_at_a_time_do_not_evict_each_other_in_turn
         await agent_reports(rec, stack, b)
         served(rec, "b")
         assert await pass_at(15 * MIN + 10, "a") == [("submit", "a")]
-        assert rec.notes["a"].endswith("; nothing idle enough to stop")
+        assert rec.notes["a"].endswith(
+            f"; nothing idle enough to stop (b {b}: used 10s ago, grace 5m00s)"
+        )
         clock.t = t0 + 17 * MIN
         served(rec, "b")
         # Idle the whole grace, but ready for only 7 min: the minimum lifetime alone
@@ -790,7 +794,7 @@ async def test_two_models_that_fit_one_at_a_time_do_not_evict_each_other_in_turn
         assert await pass_at(22 * MIN, "a") == []
         assert rec.notes["a"] == (
             "queued (Resources): needs 1 node(s) with 4 free gpu:a100; n0: 0 gpu:a100 free; "
-            "nothing idle enough to stop"
+            f"nothing idle enough to stop (b {b}: ready 7m00s, min lifetime 10m00s)"
         )
         assert await pass_at(25 * MIN - 1, "a") == []
         assert await pass_at(25 * MIN, "a") == [("evict", "b")]
@@ -828,7 +832,7 @@ async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
     t0 = clock.t
     a, c = "0a0a0a0a", "0c0c0c0c"
     a_job, c_job = fake.running("a", a, 5 * MIN), fake.running("c", c, 5 * MIN)
-    # (Started within the start deadline: see the xfail test below for older jobs.)
+    # (Started within the start deadline: see the test below for older jobs.)
 
     async def pass_at(t: float, *wanted: str) -> list[tuple[str, str]]:
         clock.t = t0 + t
@@ -836,10 +840,7 @@ async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
             rec.want(m)
         return [(x.kind.value, x.model) for x in await rec.pass_once()]
 
-    no_room = (
-        "needs 1 node(s) with 4 free gpu:a100; n0: 0 gpu:a100 free; n1: 0 gpu:a100 free; "
-        "nothing idle enough to stop"
-    )
+    no_room = "needs 1 node(s) with 4 free gpu:a100; n0: 0 gpu:a100 free; n1: 0 gpu:a100 free; "
     async with contextlib.AsyncExitStack() as stack:
         assert await pass_at(0, "b") == [("submit", "b")]
         assert [(d.action, d.model) for d in rec.decisions] == [
@@ -848,7 +849,10 @@ async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
             ("submit", "b"),
         ]
         # Not ready yet (no agent has reported to this daemon): no candidates at all.
-        assert rec.notes["b"] == "no room: " + no_room
+        assert rec.notes["b"] == "no room: " + no_room + (
+            "nothing idle enough to stop "
+            "(no other model has a replica ready and not already stopping)"
+        )
         assert [rec.replicas[r].state() for r in (a, c)] == [ReplicaState.STARTING] * 2
         # Their agents' next heartbeats: both serve again, adopted, last use unknown.
         clock.t = t0 + 10
@@ -861,7 +865,9 @@ async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
         # not idle, so nothing is evicted for b.
         for t in (1 * MIN, 11 * MIN, 16 * MIN, 50 * MIN):
             assert await pass_at(t, "b") == []
-            assert rec.notes["b"] == "queued (Resources): " + no_room
+            assert rec.notes["b"] == "queued (Resources): " + no_room + (
+                f"nothing idle enough to stop (a {a}: last use unknown; c {c}: last use unknown)"
+            )
         assert fake.cancelled == []
         status = {m["name"]: m for m in rec.status()["models"]}
         assert [(x["adopted"], x["idle_s"]) for x in status["a"]["replicas"]] == [(True, None)]
