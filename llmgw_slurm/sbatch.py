@@ -79,8 +79,9 @@ DEFAULT_TEMPLATE_DIR = default_template_dir()
 # A generic #SBATCH value: no whitespace (sbatch splits on it), no quotes or
 # backslashes (sbatch's own unquoting differs between versions), no '#'
 # (comment-like), nothing non-printable. What remains is enough for names,
-# paths with Slurm's %j/%x patterns, and lists.
-_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:=@%+/\-\[\]|&!*]+$")
+# paths with Slurm's %j/%x patterns, lists, and constraint expressions with
+# their ( ) grouping (a shell never reads an #SBATCH line).
+_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:=@%+/\-\[\]()|&!*]+$")
 # Slurm names as the catalog accepts them (partition may be a comma list:
 # Slurm takes the first that fits).
 _WORD = re.compile(r"^[A-Za-z0-9_.+\-]{1,64}$")

@@ -429,6 +429,19 @@ def test_partition_list_and_no_time_limit() -> None:
     assert "--time" not in text
 
 
+def test_a_constraint_with_parentheses_renders() -> None:
+    """Slurm groups features with ( ), and the catalog and the constraint check took
+    them, but the last check before an #SBATCH line did not: such a model loaded,
+    passed `config check`, and every start of it failed at rendering."""
+    for constraint in ("(a100&ib)|h100", "[(knl&snc4&flat)*4&haswell*1]"):
+        text = render_replica(ReplicaParams(JOB, Resources(constraint=constraint), AGENT_CONFIG))
+        assert f"#SBATCH --constraint={constraint}\n" in text
+        text = replica_script(
+            _model(constraint=constraint), job_name="j", python="/p", agent_config="/a", output="/o"
+        )
+        assert f"#SBATCH --constraint={constraint}\n" in text
+
+
 # --- from a catalog model -----------------------------------------------------------
 
 
