@@ -186,6 +186,7 @@ def test_bad_job_values_are_refused(field: str, value: str) -> None:
         (Resources(gpus=1, gpu_type="a100:2"), "gpu_type"),
         (Resources(mem="64 G"), "mem"),
         (Resources(mem="lots"), "mem"),
+        (Resources(mem="\u0661\u0662G"), "mem"),  # \\d takes any script's digits
         (Resources(cpus_per_task=0), "cpus_per_task"),
         (Resources(constraint="a100 ib"), "constraint"),
         (Resources(constraint="a$(id)"), "constraint"),
@@ -418,6 +419,12 @@ def test_signal_lead_must_be_less_than_the_time_limit() -> None:
     render_replica(
         ReplicaParams(replace(JOB, time="6"), Resources(), AGENT_CONFIG, signal_before_s=300)
     )
+
+
+@pytest.mark.parametrize("time", ["\u0661\u0660", "\uff11:00:00"])
+def test_a_time_in_other_digits_is_refused_as_a_time(time: str) -> None:
+    with pytest.raises(TemplateError, match=r"^time:"):
+        render_replica(ReplicaParams(replace(JOB, time=time), Resources(), AGENT_CONFIG))
 
 
 def test_partition_list_and_no_time_limit() -> None:
