@@ -172,7 +172,9 @@ def _parse_time_limit(node: YNode, ctx: Ctx) -> TimeLimit:
     return TimeLimit.from_seconds(math.ceil(secs))
 
 
-_MEM_RE = re.compile(r"(\d+)([KMGT]?)B?", re.IGNORECASE)
+# ASCII only: Python's \d takes any script's digits and IGNORECASE takes the Kelvin
+# sign for K; both loaded, and then no #SBATCH --mem line could hold them.
+_MEM_RE = re.compile(r"(\d+)([KMGT]?)B?", re.IGNORECASE | re.ASCII)
 _MEM_HELP = "Slurm memory like 64G, 512M, 1T or a number of megabytes (0 = all of the node)"
 
 

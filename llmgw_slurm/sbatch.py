@@ -79,17 +79,20 @@ DEFAULT_TEMPLATE_DIR = default_template_dir()
 # A generic #SBATCH value: no whitespace (sbatch splits on it), no quotes or
 # backslashes (sbatch's own unquoting differs between versions), no '#'
 # (comment-like), nothing non-printable. What remains is enough for names,
-# paths with Slurm's %j/%x patterns, and lists.
-_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:=@%+/\-\[\]|&!*]+$")
+# paths with Slurm's %j/%x patterns, lists, and constraint expressions with
+# their ( ) grouping (a shell never reads an #SBATCH line).
+_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:=@%+/\-\[\]()|&!*]+$")
 # Slurm names as the catalog accepts them (partition may be a comma list:
 # Slurm takes the first that fits).
 _WORD = re.compile(r"^[A-Za-z0-9_.+\-]{1,64}$")
 _PARTITION = re.compile(r"^[A-Za-z0-9_.+\-]{1,64}(,[A-Za-z0-9_.+\-]{1,64})*$")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+# re.ASCII: \d would take any script's digits, which no #SBATCH line holds.
 _TIME = re.compile(
-    r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$"
+    r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$",
+    re.ASCII,
 )
-_MEM = re.compile(r"^\d+[KMGT]?$")
+_MEM = re.compile(r"^\d+[KMGT]?$", re.ASCII)
 # Slurm constraint syntax: features joined with & | , and [] () * ! digits.
 _CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|,\[\]()*:!]{1,256}$")
 _PATH = re.compile(r"^[A-Za-z0-9_.,%+/\-=@:]{1,1024}$")

@@ -308,6 +308,15 @@ def test_memory(tmp_path: Path, text: str, stored: str, mb: int) -> None:
     assert cat.models[0].resources.memory_mb == mb
 
 
+@pytest.mark.parametrize("text", ["\u0661\u0662G", "\uff16\uff14G", "64\u212a"])
+def test_memory_takes_ascii_only(tmp_path: Path, text: str) -> None:
+    """Arabic-Indic or fullwidth digits, or the Kelvin sign for K, loaded (Python's
+    \\d and IGNORECASE take them), passed `config check`, and then every start of
+    the model failed at rendering: no #SBATCH --mem line may hold them."""
+    errs = errors_of(tmp_path, one_model(f"    resources: {{memory: '{text}'}}\n"))
+    assert errs and "memory: cannot read" in errs[0], errs
+
+
 # ---------------------------------------------------------------- defaults
 
 

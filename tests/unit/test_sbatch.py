@@ -186,6 +186,7 @@ def test_bad_job_values_are_refused(field: str, value: str) -> None:
         (Resources(gpus=1, gpu_type="a100:2"), "gpu_type"),
         (Resources(mem="64 G"), "mem"),
         (Resources(mem="lots"), "mem"),
+        (Resources(mem="\u0661\u0662G"), "mem"),  # \\d takes any script's digits
         (Resources(cpus_per_task=0), "cpus_per_task"),
         (Resources(constraint="a100 ib"), "constraint"),
         (Resources(constraint="a$(id)"), "constraint"),
@@ -420,6 +421,12 @@ def test_signal_lead_must_be_less_than_the_time_limit() -> None:
     )
 
 
+@pytest.mark.parametrize("time", ["\u0661\u0660", "\uff11:00:00"])
+def test_a_time_in_other_digits_is_refused_as_a_time(time: str) -> None:
+    with pytest.raises(TemplateError, match=r"^time:"):
+        render_replica(ReplicaParams(replace(JOB, time=time), Resources(), AGENT_CONFIG))
+
+
 def test_partition_list_and_no_time_limit() -> None:
     job = replace(JOB, partition="gpu,gpu-big", time=None, account="proj+x")
     text = render_replica(ReplicaParams(job, Resources(constraint="a100&!slow"), AGENT_CONFIG))
@@ -427,6 +434,19 @@ def test_partition_list_and_no_time_limit() -> None:
     assert "#SBATCH --account=proj+x\n" in text
     assert "#SBATCH --constraint=a100&!slow\n" in text
     assert "--time" not in text
+
+
+def test_a_constraint_with_parentheses_renders() -> None:
+    """Slurm groups features with ( ), and the catalog and the constraint check took
+    them, but the last check before an #SBATCH line did not: such a model loaded,
+    passed `config check`, and every start of it failed at rendering."""
+    for constraint in ("(a100&ib)|h100", "[(knl&snc4&flat)*4&haswell*1]"):
+        text = render_replica(ReplicaParams(JOB, Resources(constraint=constraint), AGENT_CONFIG))
+        assert f"#SBATCH --constraint={constraint}\n" in text
+        text = replica_script(
+            _model(constraint=constraint), job_name="j", python="/p", agent_config="/a", output="/o"
+        )
+        assert f"#SBATCH --constraint={constraint}\n" in text
 
 
 # --- from a catalog model -----------------------------------------------------------
