@@ -212,9 +212,7 @@ def fits(
     return False, f"{need}; " + "; ".join(refused) + ("; ..." if n_refused > 8 else "")
 
 
-def why_kept(
-    r: ReplicaView, models: Mapping[str, Model], cfg: PlanConfig, now: float
-) -> str:
+def why_kept(r: ReplicaView, models: Mapping[str, Model], cfg: PlanConfig, now: float) -> str:
     """Why a ready replica may not be evicted now ("" if it may), in a status note's words."""
     if r.in_flight:
         return f"serving {r.in_flight} request(s)"
