@@ -212,27 +212,16 @@ async def running(
             subprocess.run(["scancel", *ids], check=False)
 
 
+def filler(prefix: str, gres: str, *where: str) -> str:
+    """Somebody else's job holding ``gres`` for a quarter of an hour; returns its id."""
+    argv = ["sbatch", "--parsable", "-p", "llm", *where, f"--job-name={prefix}filler"]
+    argv += [f"--gres={gres}", "--output=/dev/null", "--wrap", "sleep 900"]
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
+
+
 def fill_nodes(prefix: str, count: int) -> list[str]:
     """Occupy ``count`` whole nodes (4 GPUs each) with somebody else's jobs; returns their ids."""
-    return [
-        subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "-p",
-                "llm",
-                f"--job-name={prefix}filler",
-                "--gres=gpu:a100:4",
-                "--output=/dev/null",
-                "--wrap",
-                "sleep 900",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        for _ in range(count)
-    ]
+    return [filler(prefix, "gpu:a100:4") for _ in range(count)]
 
 
 async def fill_all_but_one_node(prefix: str, gpu_type: str = "a100") -> tuple[str, list[str]]:
@@ -244,23 +233,7 @@ async def fill_all_but_one_node(prefix: str, gpu_type: str = "a100") -> tuple[st
     assert whole, f"no node with all its GPUs free to leave: {nodes}"
     keep = whole[0]
     ids = [
-        subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "-p",
-                "llm",
-                f"--nodelist={n.name}",
-                f"--job-name={prefix}filler",
-                f"--gres=gpu:{gpu_type}:{n.gpus_free(gpu_type)}",
-                "--output=/dev/null",
-                "--wrap",
-                "sleep 900",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        filler(prefix, f"gpu:{gpu_type}:{n.gpus_free(gpu_type)}", f"--nodelist={n.name}")
         for n in nodes
         if n.name != keep and n.gpus_free(gpu_type) > 0
     ]

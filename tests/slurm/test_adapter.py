@@ -126,19 +126,21 @@ async def test_cancel_is_idempotent(backend: CliBackend, prefix: str) -> None:
     await backend.cancel("999999")  # never existed: no error
 
 
+async def running_ten_minutes(backend: CliBackend, prefix: str, name: str) -> Job:
+    """A job with a 10-minute limit, once it runs (the backend fixture cancels it)."""
+    script_ = script("sleep 300", directives=("--partition=llm", "--time=10"))
+    job_id = await backend.submit(JobSpec(name=prefix + name, script=script_))
+    return await wait_state(backend, prefix, job_id, JobState.RUNNING)
+
+
 async def test_a_running_jobs_row_repeats_until_its_limit_moves(
     backend: CliBackend, prefix: str
 ) -> None:
     # The listing gives an end time, not a time left: a running job's row must repeat
     # from one pass to the next (the row cache hands back the same job), and a limit
     # an admin extends must move the end the renewal rule reads.
-    job_id = await backend.submit(
-        JobSpec(
-            name=prefix + "end.00000009",
-            script=script("sleep 300", directives=("--partition=llm", "--time=10")),
-        )
-    )
-    job = await wait_state(backend, prefix, job_id, JobState.RUNNING)
+    job = await running_ten_minutes(backend, prefix, "end.00000009")
+    job_id = job.job_id
     assert job.start_time is not None and job.end_time is not None
     assert job.end_time - job.start_time == timedelta(minutes=10)
     await asyncio.sleep(1.1)  # a time left would have moved by now
@@ -158,13 +160,8 @@ async def test_a_daemon_started_from_a_customised_shell_lists_the_same(
 ) -> None:
     # An admin's SLURM_TIME_FORMAT=relative would turn every time into "01:16:29"
     # and SQUEUE_STATES=PENDING would hide running replicas: neither may reach squeue.
-    job_id = await backend.submit(
-        JobSpec(
-            name=prefix + "env.0000000a",
-            script=script("sleep 300", directives=("--partition=llm", "--time=10")),
-        )
-    )
-    job = await wait_state(backend, prefix, job_id, JobState.RUNNING)
+    job = await running_ten_minutes(backend, prefix, "env.0000000a")
+    job_id = job.job_id
     customised = CliBackend(
         env={**os.environ, "SLURM_TIME_FORMAT": "relative", "SQUEUE_STATES": "PENDING"}
     )
