@@ -226,16 +226,11 @@ class Loaded:
     agent: str
 
 
-def _load(
-    top: Path,
-    *,
-    model: dict[str, Any],
-    slurm: dict[str, Any],
-    state_leaf: str | None,
-    agent_leaf: str | None,
-    python_leaf: str | None,
-) -> Loaded | None:
-    """Write and load models.yaml and server.yaml; None when a ConfigError refused them."""
+def _load(top: Path, model: dict[str, Any], v: dict[str, Any]) -> Loaded | None:
+    """Write and load models.yaml and server.yaml (``v``: the drawn server values);
+    None when a ConfigError refused them."""
+    slurm = _server(v)
+    state_leaf, agent_leaf, python_leaf = v["state_leaf"], v["agent_leaf"], v["python_leaf"]
     models = top / "models.yaml"
     server = top / "server.yaml"
     models.write_text(yaml.safe_dump({"models": [model]}))
@@ -449,14 +444,7 @@ def test_no_catalog_or_config_value_reaches_a_replica_shell_unquoted(
             "memory": v["memory"],
             "time_limit": v["time_limit"],
         }
-        loaded = _load(
-            top,
-            model=_model_entry(v["model_name"], extras, _drop_none(resources)),
-            slurm=_server(v),
-            state_leaf=v["state_leaf"],
-            agent_leaf=v["agent_leaf"],
-            python_leaf=v["python_leaf"],
-        )
+        loaded = _load(top, _model_entry(v["model_name"], extras, _drop_none(resources)), v)
         if loaded is None:
             return
         builder = JobBuilder(loaded.cfg, b"k" * 64, "http://127.0.0.1:1", python=loaded.python)
@@ -500,14 +488,7 @@ def test_no_catalog_or_config_value_reaches_a_model_job_shell_unquoted(
     v = case
     with tempfile.TemporaryDirectory() as d:
         top = Path(d)
-        loaded = _load(
-            top,
-            model=_model_entry(v["model_name"], extras, {"gpus": 1}),
-            slurm=_server(v),
-            state_leaf=v["state_leaf"],
-            agent_leaf=v["agent_leaf"],
-            python_leaf=v["python_leaf"],
-        )
+        loaded = _load(top, _model_entry(v["model_name"], extras, {"gpus": 1}), v)
         if loaded is None:
             return
         builder = ServiceJobBuilder(loaded.cfg, python=loaded.python)
@@ -577,14 +558,7 @@ def test_no_admin_option_or_config_value_reaches_an_engine_install_shell_unquote
     venv = v["kind"] == "venv"
     with tempfile.TemporaryDirectory() as d:
         top = Path(d)
-        loaded = _load(
-            top,
-            model=_model_entry("m", _NO_EXTRAS, {"gpus": 1}),
-            slurm=_server(v),
-            state_leaf=v["state_leaf"],
-            agent_leaf=v["agent_leaf"],
-            python_leaf=v["python_leaf"],
-        )
+        loaded = _load(top, _model_entry("m", _NO_EXTRAS, {"gpus": 1}), v)
         if loaded is None:
             return
         builder = ServiceJobBuilder(loaded.cfg, python=loaded.python)
