@@ -278,29 +278,63 @@ class ReconcileConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The OpenAI-compatible front end."""
+    """The OpenAI-compatible front end (the gateway takes this very object)."""
 
     # Default 5m: how long a request waits for its model to start before a 503
-    # with Retry-After. Shorter than the OpenAI client's 10 min timeout, so the
-    # client sees our answer, not its own timeout.
+    # with Retry-After, unless the model sets its own. Shorter than the OpenAI
+    # client's 10 min timeout, so the client sees our answer, not its own timeout.
     hold_timeout: float = field(default=300.0, metadata=rule(parse=_schema.parse_duration))
-    # Default 256: held requests beyond this get 429; each holds a connection.
+    # Default 256: held requests of one model beyond this get 429; each holds a
+    # connection (a coroutine each, but unbounded holding lets one runaway
+    # client fill memory).
     max_held: int = field(default=256, metadata=rule(ge=0))
-    # Default 16M: request bodies beyond this get 413; long prompts fit, and a
-    # runaway client cannot fill the login node's memory.
+    # Default 1024: the same cap over all models together.
+    max_held_total: int = field(default=1024, metadata=rule(ge=0))
+    # Default 16M: request bodies beyond this get 413 (most before they are
+    # read); a 128k-token prompt is about 0.5 MiB of text and a few base64
+    # images fit too, and a runaway client cannot fill the login node's memory.
     max_body_bytes: int = field(
         default=16 * 1024 * 1024, metadata=rule(ge=1024, parse=_schema.parse_size)
     )
+    # Default 1m: the longest wait for a request body once its headers are in;
+    # a client that trickles or stalls its body (slow loris) gets a 408 instead
+    # of holding a connection and a handler forever. 16 MiB over a slow link fits.
+    body_timeout: float = field(default=60.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 30 (seconds): the Retry-After of a 503 after the hold deadline.
+    retry_after: int = field(default=30, metadata=rule(ge=0))
+    # Default 5s: connecting to an engine on the cluster network takes
+    # milliseconds; a node that does not answer in 5 s is treated as down.
+    connect_timeout: float = field(default=5.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 10m: the longest silence between two chunks from an engine (a long
+    # prompt's prefill on a busy engine can take minutes before the first token).
+    read_timeout: float = field(default=600.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 0.5s: how often a held request checks whether its client went
+    # away, when the server does not cancel handlers itself (the daemon does).
+    disconnect_poll: float = field(default=0.5, metadata=rule(gt=0, parse=_schema.parse_duration))
     # Default None: no API keys, anyone who can reach the gateway may use it.
-    # A file with one key per line (see docs/configuration.md).
+    # Otherwise the keys file `llmgw-admin keys` writes (versioned JSON with
+    # one hashed record per key; see docs/configuration.md).
     keys_file: Path | None = None
-    # Default true: a request whose replica fails before sending anything is
-    # retried once on another replica; never after a byte was streamed.
+    # Default true: a request whose replica could not be connected to (nothing
+    # was sent to the client yet) is retried once on another replica, or held
+    # for the replica's next run when it was the only one; never after a byte
+    # was streamed. false: such a request gets 502 at once.
     retry_once: bool = True
     # Default sampled: with tracing on, a request gets a span only when its client
     # sent a sampled traceparent, or when it is held for a cold start. "all" gives
     # every request a span, which costs the gateway up to a third of its throughput.
     trace_requests: Literal["sampled", "all"] = "sampled"
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.max_held_total < self.max_held:
+            return [
+                (
+                    "max_held_total",
+                    f"max_held_total ({self.max_held_total}) is less than max_held "
+                    f"({self.max_held}), the cap of one model",
+                )
+            ]
+        return []
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from llmgw_slurm.config import ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
-from llmgw_slurm.router import RouterConfig, create_app
+from llmgw_slurm.router import create_app
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
@@ -46,7 +46,7 @@ RECONCILER_KEY = web.AppKey("reconciler", Reconciler)
 # request (a slow-loris client, or one idle between requests) is closed after
 # it; aiohttp's own default is an hour, which lets stalled connections pile up
 # until the process runs out of files. A body that stalls is the gateway's
-# body timeout's (RouterConfig.body_timeout_s).
+# body timeout's (router.body_timeout in server.yaml).
 RUNNER_OPTIONS: dict[str, Any] = {
     "handler_cancellation": True,
     "access_log": None,
@@ -181,16 +181,9 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         # provider of a process counts (a second daemon in one test process).
         tracer=provider.get_tracer("llmgw_slurm") if provider is not None else None,
     )
-    rc = RouterConfig(
-        max_body_bytes=server.router.max_body_bytes,
-        hold_timeout_s=server.router.hold_timeout,
-        max_held_per_model=server.router.max_held,
-        max_held_total=max(server.router.max_held, 1024),
-        trace_requests=server.router.trace_requests,
-    )
     keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
     usage = UsageStore(state / "usage.sqlite3")
-    gateway = create_app(rec, rc, keys=keys, usage=usage)
+    gateway = create_app(rec, server.router, keys=keys, usage=usage)
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec)
     api.add_cli_routes(gateway, rec)

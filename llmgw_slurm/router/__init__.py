@@ -1,7 +1,8 @@
 """The OpenAI-compatible router: gateway app, model directory interface, keys, usage."""
 
+from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelInfo, StaticDirectory
-from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, RouterConfig, create_app
+from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, create_app
 from llmgw_slurm.router.keys import KeyRecord, KeyRing, NewKey, add_key, list_keys, revoke_key
 from llmgw_slurm.router.usage import UsageRecord, UsageStore, UsageSummary, query_usage
 

@@ -11,7 +11,7 @@ key.
 Run it with ``handler_cancellation=True`` on the ``AppRunner`` (or
 ``web.run_app``): then a client that goes away cancels its handler at once,
 which closes the engine connection and stops the generation. Without it,
-held requests still notice within ``disconnect_poll_s`` and streams at their
+held requests still notice within ``disconnect_poll`` and streams at their
 next write.
 """
 
@@ -32,54 +32,16 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
 from llmgw_slurm.router.keys import KeyRecord, KeyRing
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
-__all__ = ["GATEWAY_KEY", "Gateway", "RouterConfig", "create_app"]
+__all__ = ["GATEWAY_KEY", "Gateway", "create_app"]
 
 _tracer = trace.get_tracer("llmgw_slurm")
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """The gateway's settings; every default is usable as is."""
-
-    # 10 MiB: a 128k-token prompt is about 0.5 MiB of text; a few base64
-    # images fit too. Larger bodies are refused before they are read.
-    max_body_bytes: int = 10 * 1024 * 1024
-    # How long a request waits for a model with no ready replica, unless the
-    # model sets its own: a cold start is a Slurm queue wait plus loading
-    # the weights, minutes for a large model.
-    hold_timeout_s: float = 300.0
-    # Held requests are cheap (a coroutine each) but unbounded holding lets
-    # one runaway client fill memory: past either cap, 429.
-    max_held_per_model: int = 256
-    max_held_total: int = 1024
-    # Longest wait for a request body once its headers are in: a client that
-    # trickles or stalls its body (slow loris) gets a 408 instead of holding a
-    # connection and a handler forever. A 10 MiB body over a slow link fits.
-    body_timeout_s: float = 60.0
-    # Retry-After on a 503 after the hold deadline.
-    retry_after_s: int = 30
-    # Connecting to an engine on the cluster network takes milliseconds; a
-    # node that does not answer in 5 s is treated as down and the request
-    # retried on another replica.
-    connect_timeout_s: float = 5.0
-    # Longest silence between two chunks from an engine (a long prompt's
-    # prefill on a busy engine can take minutes before the first token).
-    read_timeout_s: float = 600.0
-    # How often a held request checks whether its client went away, when the
-    # runner does not cancel handlers itself.
-    disconnect_poll_s: float = 0.5
-    # "sampled": a request gets a span only when its client sent a sampled
-    # traceparent (the client asked for a trace), or when it is held for a cold
-    # start; others pass the client's context through untouched and cost nothing.
-    # "all": every request gets a span (the tracing sampler then decides), which
-    # costs the gateway 13-31 % of its throughput under load (docs/performance.md).
-    trace_requests: str = "sampled"
 
 
 @dataclass(slots=True)
@@ -546,8 +508,8 @@ class Gateway:
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
             timeout=aiohttp.ClientTimeout(
                 total=None,
-                sock_connect=self.config.connect_timeout_s,
-                sock_read=self.config.read_timeout_s,
+                sock_connect=self.config.connect_timeout,
+                sock_read=self.config.read_timeout,
             ),
             auto_decompress=False,
         )
@@ -622,7 +584,7 @@ class Gateway:
         for m in self.directory.models():
             if m.name == model and m.hold_timeout_s is not None:
                 return m.hold_timeout_s
-        return self.config.hold_timeout_s
+        return self.config.hold_timeout
 
     def _link_cold_start(self, model: str, linked: set[int]) -> None:
         # A held request links to the start span of the replica it waits for, so
@@ -645,10 +607,7 @@ class Gateway:
         unreachable: frozenset[tuple[str, str, int]] = frozenset(),
     ) -> Endpoint | web.Response:
         cfg = self.config
-        if (
-            self.held.get(model, 0) >= cfg.max_held_per_model
-            or self.held_total >= cfg.max_held_total
-        ):
+        if self.held.get(model, 0) >= cfg.max_held or self.held_total >= cfg.max_held_total:
             return _error(
                 429,
                 f"Too many requests are waiting for model '{model}' to start; try again later.",
@@ -686,9 +645,9 @@ class Gateway:
                         "it is starting, try again later.",
                         "server_error",
                         "model_not_ready",
-                        headers={"Retry-After": str(cfg.retry_after_s)},
+                        headers={"Retry-After": str(cfg.retry_after)},
                     )
-                step = min(remaining, cfg.disconnect_poll_s)
+                step = min(remaining, cfg.disconnect_poll)
                 if waiter.done():
                     waiter.result()  # a broken directory raises here
                     # Ready was signalled, yet nothing can be picked (the
@@ -801,14 +760,14 @@ class Gateway:
         if (request.content_length or 0) > self.config.max_body_bytes:
             return self._too_large()
         try:
-            async with asyncio.timeout(self.config.body_timeout_s):
+            async with asyncio.timeout(self.config.body_timeout):
                 raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._too_large()
         except TimeoutError:
             resp = _error(
                 408,
-                f"The request body did not arrive within {self.config.body_timeout_s:g} s.",
+                f"The request body did not arrive within {self.config.body_timeout:g} s.",
                 "invalid_request_error",
                 "request_timeout",
             )
@@ -949,8 +908,9 @@ class Gateway:
                         {"llmgw.replica_id": ep.replica_id, "error": repr(e)},
                     )
                     unreachable.add(ep.identity)
-                    nxt = self._pick(model, frozenset(tried)) if len(tried) < 2 else None
-                    if nxt is None and len(unreachable) == 1:
+                    retry = self.config.retry_once and len(tried) < 2
+                    nxt = self._pick(model, frozenset(tried)) if retry else None
+                    if nxt is None and retry and len(unreachable) == 1:
                         # No other replica: the one that failed is gone before the daemon
                         # knew (preempted, crashed). The engine saw nothing, so the
                         # request waits, as for a cold start, for another replica or
@@ -1004,7 +964,7 @@ class Gateway:
             if writer is None or transport is None or transport.is_closing():
                 call.outcome = 499
                 return resp
-            pipe = _Pipe(upstream, transport, relay, resp.chunked, call, self.config.read_timeout_s)
+            pipe = _Pipe(upstream, transport, relay, resp.chunked, call, self.config.read_timeout)
             try:
                 te = upstream.headers.get("Transfer-Encoding", "")
                 pipe.start(upstream_chunked=te.strip().lower() == "chunked")

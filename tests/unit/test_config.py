@@ -206,6 +206,11 @@ def test_server_errors_are_all_reported_with_suggestions(tmp_path: Path) -> None
         "F:1: reconcile.restart.initial_backoff: initial_backoff (3600s) is more than "
         "max_backoff (600s)"
     ]
+    text = "router: {max_held: 2000}\n"
+    assert server_errors(tmp_path, text) == [
+        "F:1: router.max_held_total: max_held_total (1024) is less than max_held (2000), "
+        "the cap of one model"
+    ]
 
 
 @pytest.mark.parametrize(

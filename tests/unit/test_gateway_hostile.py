@@ -350,7 +350,7 @@ async def test_a_client_stalled_in_its_headers_is_disconnected() -> None:
 
 
 async def test_a_client_stalled_in_its_body_gets_a_408() -> None:
-    async with stack(config=RouterConfig(body_timeout_s=1.0)) as st_:
+    async with stack(config=RouterConfig(body_timeout=1.0)) as st_:
         s = _connect(st_.url)
         s.sendall(
             f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -369,7 +369,7 @@ async def test_a_client_stalled_in_its_body_gets_a_408() -> None:
 async def test_a_request_to_a_replica_that_just_died_is_held_for_the_next_one() -> None:
     """Fault 4 (preemption) on the cluster: the engine was gone before the daemon
     knew, and with no other replica every new request was a 502 at once."""
-    async with stack(replicas=0, config=RouterConfig(hold_timeout_s=30)) as st_:
+    async with stack(replicas=0, config=RouterConfig(hold_timeout=30)) as st_:
         dead = f"http://127.0.0.1:{free_port()}"
         st_.directory.add_endpoint("tiny", Endpoint("gone", dead, "k"))
         task = asyncio.create_task(

@@ -544,7 +544,7 @@ async def test_a_model_with_a_short_hold_gets_503_while_the_server_holds_longer(
         router={"hold_timeout": "1h"},
     )
     assert rec.server.router.hold_timeout == 3600.0
-    app = create_app(rec, RouterConfig(hold_timeout_s=rec.server.router.hold_timeout))
+    app = create_app(rec, RouterConfig(hold_timeout=rec.server.router.hold_timeout))
     gateway = app[GATEWAY_KEY]
     async with serve(app) as url, aiohttp.ClientSession() as s:
         slow = asyncio.create_task(
@@ -556,7 +556,7 @@ async def test_a_model_with_a_short_hold_gets_503_while_the_server_holds_longer(
             r = await s.post(url + "/v1/completions", json={"model": "quick", "prompt": "a"})
             body = await r.json()
         assert r.status == 503
-        assert r.headers["Retry-After"] == str(RouterConfig().retry_after_s)
+        assert r.headers["Retry-After"] == str(RouterConfig().retry_after)
         assert body["error"]["code"] == "model_not_ready"
         assert "after waiting 0.01 s" in body["error"]["message"]
         # The server's deadline still holds the other model's request.

@@ -304,7 +304,7 @@ async def test_hold_releases_all_when_first_replica_ready() -> None:
 
 
 async def test_hold_cap_429_and_deadline_503_with_retry_after() -> None:
-    cfg = RouterConfig(max_held_per_model=1, hold_timeout_s=0.3, retry_after_s=7)
+    cfg = RouterConfig(max_held=1, hold_timeout=0.3, retry_after=7)
     async with stack(config=cfg, start_ready=False) as st:
         c = st.client()
         first = asyncio.create_task(c.completions.create(model="tiny", prompt="a"))
@@ -320,7 +320,7 @@ async def test_hold_cap_429_and_deadline_503_with_retry_after() -> None:
 
 async def test_per_model_hold_timeout_from_directory() -> None:
     directory = StaticDirectory([ModelInfo("tiny", hold_timeout_s=0.05)])
-    app = create_app(directory, RouterConfig(hold_timeout_s=3600))
+    app = create_app(directory, RouterConfig(hold_timeout=3600))
     async with serve(app) as url:
         status, _, headers = await post(url + "/v1/completions", {"model": "tiny", "prompt": "a"})
     assert status == 503 and "Retry-After" in headers
@@ -370,7 +370,7 @@ async def test_idle_replicas_share_requests() -> None:
 
 
 async def test_draining_replica_gets_no_new_requests() -> None:
-    async with stack(replicas=2, config=RouterConfig(hold_timeout_s=0.05)) as st:
+    async with stack(replicas=2, config=RouterConfig(hold_timeout=0.05)) as st:
         st.directory.set_draining("tiny", "r0")
         for _ in range(4):
             raw = await st.client().completions.with_raw_response.create(model="tiny", prompt="b")
@@ -382,7 +382,7 @@ async def test_draining_replica_gets_no_new_requests() -> None:
 
 
 async def test_connection_refused_is_retried_on_another_replica() -> None:
-    async with stack(replicas=1, config=RouterConfig(hold_timeout_s=0.5)) as st:
+    async with stack(replicas=1, config=RouterConfig(hold_timeout=0.5)) as st:
         dead = f"http://127.0.0.1:{free_port()}"
         st.directory.add_endpoint("tiny", Endpoint("dead", dead, "k"))
         for _ in range(4):
@@ -398,13 +398,32 @@ async def test_connection_refused_is_retried_on_another_replica() -> None:
     assert status == 503 and body["error"]["code"] == "model_not_ready"  # type: ignore[index]
 
 
+async def test_without_retry_once_a_refused_connection_is_a_502_at_once() -> None:
+    # router.retry_once false: no second replica is tried and nothing is held,
+    # although another replica is ready and the hold timeout is long.
+    async with stack(replicas=1, config=RouterConfig(hold_timeout=60, retry_once=False)) as st:
+        dead = f"http://127.0.0.1:{free_port()}"
+        st.directory.add_endpoint("tiny", Endpoint("dead", dead, "k"))
+        # The picker rotates among idle replicas: two requests in turn reach both.
+        results = [
+            await post(st.url + "/v1/completions", {"model": "tiny", "prompt": "a"})
+            for _ in range(2)
+        ]
+        st.directory.remove_endpoint("tiny", "r0")
+        alone = await post(st.url + "/v1/completions", {"model": "tiny", "prompt": "a"})
+    assert sorted(status for status, _, _ in results) == [200, 502]
+    assert alone[0] == 502
+    assert alone[1]["error"]["code"] == "upstream_unavailable"  # type: ignore[index]
+    assert st.gateway.held.get("tiny", 0) == 0
+
+
 async def test_request_to_a_dead_replica_is_served_by_its_next_run_at_the_same_address() -> None:
     # A preempted replica is requeued: same replica id, same node, same port. The
     # request that found it dead waits, and must be sent to the new run, not
     # refused it as "the address that did not answer" until its hold runs out.
     port = free_port()
     addr = f"http://127.0.0.1:{port}"
-    async with stack(replicas=0, config=RouterConfig(hold_timeout_s=60)) as st:
+    async with stack(replicas=0, config=RouterConfig(hold_timeout=60)) as st:
         st.directory.add_endpoint("tiny", Endpoint("r0", addr, "key-r0"))
         request = asyncio.create_task(
             post(st.url + "/v1/completions", {"model": "tiny", "prompt": "a"})

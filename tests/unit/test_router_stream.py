@@ -336,7 +336,7 @@ async def test_engine_gone_silent_mid_stream_times_out_and_is_cut() -> None:
         w.write(chunk(text("a")))
         await r.read()  # until the gateway closes the connection
 
-    config = RouterConfig(read_timeout_s=0.3)
+    config = RouterConfig(read_timeout=0.3)
     async with stack(script, config=config) as st, aiohttp.ClientSession() as s:
         r = await s.post(st.url + "/v1/completions", json=BODY)
         before, err = await _read_error_event(r)
@@ -392,7 +392,7 @@ async def test_a_client_that_does_not_read_makes_the_engine_wait(read_timeout_s:
             state["sent"] += 1
         w.write(chunk(USAGE + DONE) + END)
 
-    async with stack(script, config=RouterConfig(read_timeout_s=read_timeout_s)) as st:
+    async with stack(script, config=RouterConfig(read_timeout=read_timeout_s)) as st:
         body = json.dumps(BODY).encode()
         reader, writer = await asyncio.open_connection(*st.url[7:].split(":"))
         writer.write(

@@ -609,7 +609,7 @@ async def test_held_request_links_to_the_replica_start(monkeypatch: pytest.Monke
     async with engine() as eng:
         directory = StartingDirectory(start, eng)
         assert isinstance(directory, ModelDirectory)
-        app = create_app(directory, RouterConfig(hold_timeout_s=30))
+        app = create_app(directory, RouterConfig(hold_timeout=30))
         async with serve(app) as url, aiohttp.ClientSession() as s:
             incoming = "00-0000000000000000000000000000abcd-0000000000001234-01"
             async with s.post(
@@ -641,7 +641,7 @@ async def _gateway_spans(
         directory = StartingDirectory(start, eng)
         if not held:
             directory.add_endpoint("tiny", Endpoint("0a1b2c3d", eng, "engine-key"))
-        app = create_app(directory, RouterConfig(hold_timeout_s=30, trace_requests=trace_requests))
+        app = create_app(directory, RouterConfig(hold_timeout=30, trace_requests=trace_requests))
         async with serve(app) as url, aiohttp.ClientSession() as s:
             async with s.post(
                 f"{url}/v1/chat/completions",
