@@ -118,9 +118,16 @@ def rule(
 class Ctx:
     """Where we are reading (file, base folder for relative paths) and what went wrong."""
 
-    def __init__(self, file: str | None, base_dir: Path | None = None) -> None:
+    def __init__(
+        self, file: str | None, base_dir: Path | None = None, *, ignore_unknown: bool = False
+    ) -> None:
         self.file = file
         self.base_dir = base_dir
+        # ignore_unknown: keys the schema does not know are skipped and listed in
+        # ``ignored`` instead of being errors. For data another version of this
+        # code wrote (the replica spec from a newer daemon), never for a person's file.
+        self.ignore_unknown = ignore_unknown
+        self.ignored: list[str] = []
         self.errors: list[ConfigError] = []
         self._seen: set[tuple[int | None, str, str]] = set()
 
@@ -454,6 +461,9 @@ def build(cls: type[Any], node: YNode | None, path: str, ctx: Ctx, *, line: int 
     for given in node.entries:
         if given.key not in fields:
             sub = join(given.origin or path, given.key)
+            if ctx.ignore_unknown:
+                ctx.ignored.append(sub)
+                continue
             ctx.add(unknown_key_message(given.key, valid), given.key_line, sub)
             ok = False
     values: dict[str, Any] = {}

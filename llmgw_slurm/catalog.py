@@ -20,7 +20,8 @@ path (``models[2].resources.gpus``).
 
 The daemon hands each replica job its model entry as JSON
 (:meth:`Model.to_spec`, ``LLMGW_REPLICA_SPEC``); the agent reads it back with
-:func:`model_from_spec`, which validates exactly as the file loader does.
+:func:`read_replica_spec`, which validates exactly as the file loader does
+(unknown keys aside: see there).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from llmgw_slurm.yamlsrc import (
 __all__ = [
     "MODEL_NAME_RE",
     "PLACEHOLDERS",
+    "SPEC_ENV",
     "Catalog",
     "EngineSpec",
     "Model",
@@ -59,8 +61,8 @@ __all__ = [
     "TimeLimit",
     "WeightsSpec",
     "load_catalog",
-    "model_from_spec",
     "parse_catalog",
+    "read_replica_spec",
 ]
 
 MODEL_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,47}")
@@ -255,25 +257,6 @@ class EngineSpec:
                 )
         return out
 
-    def command_argv(
-        self, *, host: str, port: int, model_path: str, api_key: str, served_name: str
-    ) -> list[str]:
-        """The argv of a ``command`` engine (command then args), placeholders filled in.
-
-        Hazard: ``{api_key}`` on a command line is readable by every user of the
-        node (``ps``); prefer engines that take the key from their environment.
-        """
-        if self.kind != "command":
-            raise ValueError(f"a {self.kind} engine is started by the agent, not from a command")
-        values = {
-            "host": host,
-            "port": str(port),
-            "model_path": model_path,
-            "api_key": api_key,
-            "served_name": served_name,
-        }
-        return [arg.format_map(values) for arg in (*self.command, *self.args)]
-
 
 @dataclass(frozen=True)
 class WeightsSpec:
@@ -331,10 +314,6 @@ class WeightsSpec:
         """The ``@revision`` of an hf: source, None when absent (the default branch)."""
         m = _HF_RE.fullmatch(self.source)
         return m.group("rev") if m else None
-
-    @property
-    def local_path(self) -> Path | None:
-        return None if self.is_hf else Path(self.source)
 
 
 @dataclass(frozen=True)
@@ -486,7 +465,7 @@ class Model:
     def to_spec(self) -> dict[str, Any]:
         """Plain JSON-able data of this entry (the LLMGW_REPLICA_SPEC payload).
 
-        Read back with :func:`model_from_spec`; durations are seconds and the
+        Read back with :func:`read_replica_spec`; durations are seconds and the
         time limit its Slurm string.
         """
         data = asdict(self)
@@ -722,21 +701,35 @@ def load_catalog(path: str | Path) -> Catalog:
     return parse_catalog(load_yaml(path), str(path))
 
 
-def model_from_spec(data: str | Mapping[str, Any], source: str = "LLMGW_REPLICA_SPEC") -> Model:
-    """Read back :meth:`Model.to_spec` (a dict or its JSON text), validated as the loader does."""
-    if isinstance(data, str):
-        try:
-            data = json.loads(data)
-        except ValueError as err:
-            raise ConfigError(f"not valid JSON: {err}", file=source) from None
+SPEC_ENV = "LLMGW_REPLICA_SPEC"
+
+
+def read_replica_spec(text: str | None) -> tuple[Model, list[str]]:
+    """The model entry a job got in ``LLMGW_REPLICA_SPEC`` (:meth:`Model.to_spec` as JSON).
+
+    Validated exactly as the file loader validates, except that keys this
+    version does not know are skipped and returned (dotted paths), not refused:
+    the daemon that wrote the spec may be newer than the agent reading it (an
+    upgrade while jobs queue), and it validated its catalog already.
+    """
+    if not text:
+        raise ConfigError(
+            "not set: the daemon passes the model spec in the job environment "
+            "(was this job submitted by llmgw?)",
+            file=SPEC_ENV,
+        )
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise ConfigError(f"not valid JSON: {err}", file=SPEC_ENV) from None
     if not isinstance(data, Mapping):
-        raise ConfigError("expected a JSON object (a model entry)", file=source)
+        raise ConfigError("expected a JSON object (a model entry)", file=SPEC_ENV)
     try:
         tree = from_plain(data)
     except TypeError as err:
-        raise ConfigError(str(err), file=source) from None
-    ctx = Ctx(source)
+        raise ConfigError(str(err), file=SPEC_ENV) from None
+    ctx = Ctx(SPEC_ENV, ignore_unknown=True)
     model = _schema.build(Model, tree, "", ctx, line=None)
     ctx.raise_if_errors()
     assert isinstance(model, Model)
-    return model
+    return model, ctx.ignored

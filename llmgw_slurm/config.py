@@ -16,7 +16,6 @@ expanded, so a config works the same whatever folder the daemon starts in.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -582,11 +581,6 @@ class AgentConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     # Default: tracing off, see TracingConfig.
     tracing: TracingConfig = field(default_factory=TracingConfig)
-
-    def effective_daemon_url(self, environ: Mapping[str, str] | None = None) -> str | None:
-        """LLMGW_DAEMON_URL from the environment if set, else ``daemon_url``."""
-        env = os.environ if environ is None else environ
-        return env.get("LLMGW_DAEMON_URL") or self.daemon_url
 
 
 # --------------------------------------------------------------------- loading

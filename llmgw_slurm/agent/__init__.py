@@ -2,17 +2,12 @@
 
 from llmgw_slurm.agent.errors import AgentError, EngineError, RendezvousError, WeightsError
 from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
-from llmgw_slurm.agent.spec import EngineSpec, ReplicaSpec, WeightsSpec, parse_replica_spec
 
 __all__ = [
     "AgentError",
     "AgentSettings",
     "EngineError",
-    "EngineSpec",
     "FetchSettings",
     "RendezvousError",
-    "ReplicaSpec",
     "WeightsError",
-    "WeightsSpec",
-    "parse_replica_spec",
 ]

@@ -28,8 +28,8 @@ from typing import IO
 import aiohttp
 
 from llmgw_slurm.agent.errors import EngineError
-from llmgw_slurm.agent.settings import EngineRuntime
-from llmgw_slurm.agent.spec import EngineSpec
+from llmgw_slurm.catalog import EngineSpec
+from llmgw_slurm.config import EngineRuntime
 
 __all__ = [
     "API_KEY_ENV",

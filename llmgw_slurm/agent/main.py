@@ -17,19 +17,19 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import click
 
-from llmgw_slurm.agent.runner import Agent, job_context_from_env
-from llmgw_slurm.agent.settings import AgentSettings, EngineRuntime, FetchSettings
-from llmgw_slurm.agent.spec import parse_replica_spec
+from llmgw_slurm.agent.runner import Agent, job_context_from_env, replica_spec
+from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
 from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
 from llmgw_slurm.config import AgentConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
 
-__all__ = ["build_settings", "main", "settings_from_agent_config"]
+__all__ = ["build_settings", "job_environment", "main", "settings_from_agent_config"]
 
 log = logging.getLogger("llmgw_slurm.agent")
 
@@ -56,12 +56,9 @@ def _port_range(text: str) -> tuple[int, int]:
 def settings_from_agent_config(cfg: AgentConfig) -> AgentSettings:
     """AgentSettings from a loaded ``agent.yaml``."""
     engines = {
-        kind: EngineRuntime(python=rt.python, executable=rt.executable, env=dict(rt.env))
-        for kind, rt in (
-            ("vllm", cfg.engines.vllm),
-            ("sglang", cfg.engines.sglang),
-            ("command", cfg.engines.command),
-        )
+        "vllm": cfg.engines.vllm,
+        "sglang": cfg.engines.sglang,
+        "command": cfg.engines.command,
     }
     fetch = FetchSettings(
         cache_dir=Path(cfg.weights.cache_dir),
@@ -223,14 +220,21 @@ def _settings(ctx: click.Context) -> tuple[AgentSettings, str | None]:
     return build_settings(config_path, dict(options))
 
 
+def job_environment(environ: Mapping[str, str], daemon_url: str | None) -> dict[str, str]:
+    """The job's environment, with agent.yaml's daemon_url where the job has no
+    LLMGW_DAEMON_URL: the daemon's own value wins (it knows where it listens)."""
+    env = dict(environ)
+    if daemon_url and not env.get("LLMGW_DAEMON_URL"):
+        env["LLMGW_DAEMON_URL"] = daemon_url
+    return env
+
+
 @main.command()
 @click.pass_context
 def run(ctx: click.Context) -> None:
     """Run a replica: weights, rendezvous, engine, readiness, serve until drained."""
     settings, daemon_url = _settings(ctx)
-    env = dict(os.environ)
-    if daemon_url and not env.get("LLMGW_DAEMON_URL"):
-        env["LLMGW_DAEMON_URL"] = daemon_url
+    env = job_environment(os.environ, daemon_url)
     try:
         job = job_context_from_env(env)
     except LlmgwError as err:
@@ -327,7 +331,7 @@ def _traced_fetch(settings: AgentSettings) -> tuple[Any, Any, float]:
     ) as root:
         try:
             with tracer.start_as_current_span("llmgw.model_job.spec"):
-                spec = parse_replica_spec(os.environ.get("LLMGW_REPLICA_SPEC"))
+                spec = replica_spec(os.environ.get("LLMGW_REPLICA_SPEC"))
             root.set_attribute("llmgw.model", spec.name)
             t0 = time.monotonic()
             with tracer.start_as_current_span("llmgw.model_job.weights") as span:

@@ -47,8 +47,8 @@ from llmgw_slurm.agent.errors import AgentError
 from llmgw_slurm.agent.install import install_marker_for
 from llmgw_slurm.agent.report import DaemonClient
 from llmgw_slurm.agent.settings import AgentSettings
-from llmgw_slurm.agent.spec import ReplicaSpec, parse_replica_spec
 from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
+from llmgw_slurm.catalog import Model, read_replica_spec
 from llmgw_slurm.errors import ConfigError
 from llmgw_slurm.tracing import extract_env, read_trace_marker, traceparent_of
 
@@ -71,10 +71,22 @@ class JobContext:
     daemon_url: str
     replica_secret: str
     engine_api_key: str
-    spec: ReplicaSpec
+    spec: Model
 
 
 _REPLICA_ID = re.compile(r"^[0-9a-f]{8}$")
+# Not in the catalog: where vLLM and SGLang report their request gauges.
+_METRICS_PATH = "/metrics"
+
+
+def replica_spec(text: str | None) -> Model:
+    """The job's model entry (LLMGW_REPLICA_SPEC), through the catalog's own types."""
+    model, ignored = read_replica_spec(text)
+    if ignored:
+        # A newer daemon wrote keys this agent does not know: it validated them,
+        # and this agent runs the model as it understands it.
+        log.warning("LLMGW_REPLICA_SPEC: ignoring keys unknown to this agent: %s", ignored)
+    return model
 
 
 def job_context_from_env(env: Mapping[str, str]) -> JobContext:
@@ -98,7 +110,7 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
     url = env["LLMGW_DAEMON_URL"]
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"{url!r} is not an http(s) URL", field="LLMGW_DAEMON_URL")
-    spec = parse_replica_spec(env.get("LLMGW_REPLICA_SPEC"))
+    spec = replica_spec(env.get("LLMGW_REPLICA_SPEC"))
     if spec.name != env["LLMGW_MODEL"]:
         raise ConfigError(
             f"names model {spec.name!r} but LLMGW_MODEL is {env['LLMGW_MODEL']!r}",
@@ -370,7 +382,7 @@ class Agent:
             binds = (model_path,) if model_path.startswith("/") else ()
             launch = LaunchParams(
                 model_path=model_path,
-                served_name=spec.served_name,
+                served_name=spec.name,
                 host=s.bind_host,
                 port=port,
                 python=s.python,
@@ -397,15 +409,15 @@ class Agent:
             return
         poll_host = "127.0.0.1" if s.bind_host in ("0.0.0.0", "") else s.bind_host  # noqa: S104
         health = f"http://{poll_host}:{port}{spec.engine.health_path}"
-        timeout = spec.engine.ready_timeout_s or s.ready_timeout_s
+        timeout = spec.engine.ready_timeout or s.ready_timeout_s
         async with self._step("readiness", timeout_s=timeout):
             await wait_ready(
                 session, health, self.engine, timeout, s.ready_poll_s, self.job.engine_api_key
             )
         self.url = f"http://{s.advertise_host or self.hostname}:{port}"
-        self._metrics_url = f"http://{poll_host}:{port}{spec.engine.metrics_path}"
+        self._metrics_url = f"http://{poll_host}:{port}{_METRICS_PATH}"
         async with self._step("register", url=self.url) as span:
-            log.info("ready: %s serves %s", self.url, self.job.spec.served_name)
+            log.info("ready: %s serves %s", self.url, self.job.spec.name)
             seq = self._emit("ready", url=self.url)
             # Heartbeats carry the URL too: a daemon that is away learns it later,
             # so this waits a bounded time and never fails the start.

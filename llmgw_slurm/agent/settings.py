@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["AgentSettings", "EngineRuntime", "FetchSettings"]
+from llmgw_slurm.config import EngineRuntime
+
+__all__ = ["AgentSettings", "FetchSettings"]
 
 
 @dataclass(frozen=True)
@@ -38,15 +40,6 @@ class FetchSettings:
     verify: str = "size"
     # Another job may be fetching the same model: wait this long for its lock.
     lock_timeout_s: float = 6 * 3600.0
-
-
-@dataclass(frozen=True)
-class EngineRuntime:
-    """How one engine kind runs on this site: a Python with the engine, or an executable."""
-
-    python: str | None = None
-    executable: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

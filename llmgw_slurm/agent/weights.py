@@ -40,7 +40,7 @@ from pathlib import Path
 
 from llmgw_slurm.agent.errors import WeightsError
 from llmgw_slurm.agent.settings import FetchSettings
-from llmgw_slurm.agent.spec import WeightsSpec
+from llmgw_slurm.catalog import WeightsSpec
 
 __all__ = [
     "MANIFEST",
@@ -209,7 +209,7 @@ def _hf_command(settings: FetchSettings) -> list[str]:
 
 def _fetch_hf(weights: WeightsSpec, dest: Path, settings: FetchSettings) -> None:
     repo = weights.hf_repo
-    assert repo is not None  # method hf only for hf: sources (spec.py)
+    assert repo is not None  # method hf only for hf: sources (catalog.WeightsSpec)
     argv = [*_hf_command(settings), "download", repo, "--local-dir", str(dest)]
     if weights.hf_revision:
         argv += ["--revision", weights.hf_revision]

@@ -92,9 +92,11 @@ def test_bad_agent_yaml_is_one_clear_error(tmp_path: Path) -> None:
 
 
 def test_catalog_spec_round_trips_into_the_agent() -> None:
-    # What the daemon sends (Model.to_spec_json) is what the agent reads.
-    from llmgw_slurm.agent.spec import parse_replica_spec
-    from llmgw_slurm.catalog import model_from_spec
+    # What the daemon sends (Model.to_spec_json) is what the agent reads: the same type.
+    import json
+
+    from llmgw_slurm.agent.runner import replica_spec
+    from llmgw_slurm.catalog import read_replica_spec
 
     entry = {
         "name": "llama-8b",
@@ -110,19 +112,20 @@ def test_catalog_spec_round_trips_into_the_agent() -> None:
         "resources": {"gpus": 4, "nodes": 2, "time_limit": "1-00:00:00", "memory": "64G"},
         "scaling": {"min": 1, "max": 2},
     }
-    model = model_from_spec(entry)
-    spec = parse_replica_spec(model.to_spec_json())
-    assert spec.name == "llama-8b" and spec.nodes == 2 and spec.gpus == 4
+    model, ignored = read_replica_spec(json.dumps(entry))
+    assert ignored == []
+    spec = replica_spec(model.to_spec_json())
+    assert spec == model
+    assert spec.name == "llama-8b" and spec.resources.nodes == 2 and spec.resources.gpus == 4
     assert spec.engine.kind == "vllm" and spec.engine.args == ("--max-model-len", "8192")
     assert spec.engine.apptainer_image == "/images/vllm.sif"
-    assert dict(spec.engine.env) == {"A": "1"} and spec.engine.ready_timeout_s == 1200
+    assert dict(spec.engine.env) == {"A": "1"} and spec.engine.ready_timeout == 1200
     assert spec.weights is not None and spec.weights.method == "hf"
     assert spec.weights.hf_repo == "meta-llama/Llama-3.1-8B-Instruct"
     assert spec.weights.hf_revision == "main"
-    command = model_from_spec(
-        {"name": "cmd", "engine": {"kind": "command", "command": ["serve", "{port}"]}}
-    )
-    assert parse_replica_spec(command.to_spec_json()).weights is None
+    command = {"name": "cmd", "engine": {"kind": "command", "command": ["serve", "{port}"]}}
+    model, _ = read_replica_spec(json.dumps(command))
+    assert replica_spec(model.to_spec_json()).weights is None
 
 
 def test_options_alone_need_a_cache_dir(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from llmgw_slurm.catalog import (
     Scaling,
     TimeLimit,
     load_catalog,
-    model_from_spec,
+    read_replica_spec,
 )
 from llmgw_slurm.config import load_agent_config, load_server_config
 from llmgw_slurm.errors import ConfigError, ConfigErrors
@@ -119,13 +119,13 @@ def test_hf_source_defaults_to_method_hf_and_parses_revision(tmp_path: Path) -> 
     w = cat.models[0].weights
     assert w is not None
     assert (w.method, w.is_hf, w.hf_repo, w.hf_revision) == ("hf", True, "Org/Name-1.5", "v2.0")
-    assert w.local_path is None
+
     cat = load_catalog(write(tmp_path, one_model(weights="{source: 'hf:Org/Name'}")))
     w = cat.models[0].weights
     assert w is not None and w.hf_revision is None
     cat = load_catalog(write(tmp_path, one_model(weights="{source: /m/x, method: copy}")))
     w = cat.models[0].weights
-    assert w is not None and w.local_path == Path("/m/x") and w.hf_repo is None
+    assert w is not None and not w.is_hf and w.source == "/m/x" and w.hf_repo is None
 
 
 def test_empty_models_list_is_an_empty_catalog(tmp_path: Path) -> None:
@@ -724,20 +724,6 @@ def test_names_win_over_aliases_in_catalogs_built_in_code() -> None:
 # ------------------------------------------------------------- helpers, spec
 
 
-def test_command_argv_fills_placeholders() -> None:
-    eng = EngineSpec(
-        kind="command",
-        command=("srv", "--port={port}", "{{x}}"),
-        args=("--key", "{api_key}", "{served_name}", "{model_path}", "{host}"),
-    )
-    argv = eng.command_argv(host="n1", port=20001, model_path="/m", api_key="k", served_name="s")
-    assert argv == ["srv", "--port=20001", "{x}", "--key", "k", "s", "/m", "n1"]
-    with pytest.raises(ValueError, match="started by the agent"):
-        EngineSpec(kind="vllm").command_argv(
-            host="h", port=1, model_path="/m", api_key="k", served_name="s"
-        )
-
-
 def test_resources_helpers() -> None:
     r = Resources(gpus=2, partition="mine")
     assert r.gres == "gpu:2"
@@ -752,8 +738,7 @@ def test_spec_round_trip(tmp_path: Path) -> None:
         text = m.to_spec_json()
         data = json.loads(text)
         assert data["name"] == m.name
-        assert model_from_spec(text) == m
-        assert model_from_spec(data) == m
+        assert read_replica_spec(text) == (m, [])
     big = cat.resolve("llama-3.1-70b")
     assert big is not None
     assert big.to_spec()["resources"]["time_limit"] == "1-00:00:00"
@@ -762,14 +747,13 @@ def test_spec_round_trip(tmp_path: Path) -> None:
 
 def test_bad_spec_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^LLMGW_REPLICA_SPEC: not valid JSON"):
-        model_from_spec("{")
+        read_replica_spec("{")
     with pytest.raises(ConfigError, match=r"^LLMGW_REPLICA_SPEC: expected a JSON object"):
-        model_from_spec("[]")
+        read_replica_spec("[]")
     with pytest.raises(ConfigErrors) as info:
-        model_from_spec({"name": "a", "engine": {"kind": "vllm", "argz": []}})
+        read_replica_spec(json.dumps({"name": "a", "engine": {"kind": "vllm", "args": "x"}}))
     assert [str(e) for e in info.value.errors] == [
-        "LLMGW_REPLICA_SPEC: engine.argz: unknown key 'argz'; did you mean 'args'? (valid keys: "
-        "apptainer_image, args, command, env, health_path, kind, ready_timeout)",
+        "LLMGW_REPLICA_SPEC: engine.args: expected a list of strings, got the string 'x'",
     ]
 
 

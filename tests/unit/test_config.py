@@ -341,10 +341,12 @@ def test_agent_job_knobs(tmp_path: Path) -> None:
 
 
 def test_daemon_url_from_environment_wins() -> None:
-    cfg = AgentConfig(daemon_url="http://file:1")
-    assert cfg.effective_daemon_url({"LLMGW_DAEMON_URL": "http://env:2"}) == "http://env:2"
-    assert cfg.effective_daemon_url({}) == "http://file:1"
-    assert AgentConfig().effective_daemon_url({}) is None
+    from llmgw_slurm.agent.main import job_environment
+
+    env = job_environment({"LLMGW_DAEMON_URL": "http://env:2", "X": "1"}, "http://file:1")
+    assert env == {"LLMGW_DAEMON_URL": "http://env:2", "X": "1"}
+    assert job_environment({}, "http://file:1") == {"LLMGW_DAEMON_URL": "http://file:1"}
+    assert job_environment({}, None) == {}
 
 
 @pytest.mark.parametrize(

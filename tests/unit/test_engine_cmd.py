@@ -18,8 +18,8 @@ from llmgw_slurm.agent.engine import (
     in_flight_from_metrics,
 )
 from llmgw_slurm.agent.errors import EngineError
-from llmgw_slurm.agent.settings import EngineRuntime
-from llmgw_slurm.agent.spec import EngineSpec
+from llmgw_slurm.catalog import EngineSpec
+from llmgw_slurm.config import EngineRuntime
 
 KEY = "sk-engine-0123"
 P = LaunchParams(
@@ -104,10 +104,13 @@ def test_custom_placeholders() -> None:
     spec = EngineSpec(
         "command",
         command=("serve", "--port={port}", "{model_path}", "--key", "{api_key}"),
-        args=("--name", "{served_name}", "{node_rank}/{nnodes}"),
+        args=("--name", "{served_name}", "{node_rank}/{nnodes}", "--host={host}"),
     )
     cmd = build_engine_command(spec, P, KEY)
-    assert cmd.argv == ["serve", "--port=23456", "/cache/m", "--key", KEY, "--name", "llama", "0/1"]
+    assert cmd.argv == [
+        *("serve", "--port=23456", "/cache/m", "--key", KEY),
+        *("--name", "llama", "0/1", "--host=0.0.0.0"),
+    ]
     # Also in the environment, so a command can leave {api_key} out of its argv.
     assert cmd.env["LLMGW_ENGINE_API_KEY"] == KEY
 

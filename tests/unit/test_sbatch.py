@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_slurm.catalog import Model, model_from_spec
+from llmgw_slurm.catalog import Model, read_replica_spec
 from llmgw_slurm.config import SlurmConfig
 from llmgw_slurm.errors import TemplateError
 from llmgw_slurm.sbatch import (
@@ -453,14 +453,15 @@ def test_a_constraint_with_parentheses_renders() -> None:
 
 
 def _model(**resources: object) -> Model:
-    return model_from_spec(
-        {
-            "name": "llama-8b",
-            "engine": {"kind": "vllm"},
-            "weights": {"source": "/m"},
-            "resources": resources,
-        }
-    )
+    entry = {
+        "name": "llama-8b",
+        "engine": {"kind": "vllm"},
+        "weights": {"source": "/m"},
+        "resources": resources,
+    }
+    model, ignored = read_replica_spec(json.dumps(entry))
+    assert ignored == []
+    return model
 
 
 def test_replica_script_from_a_single_node_model() -> None:

@@ -14,7 +14,6 @@ import pytest
 
 from llmgw_slurm.agent.errors import WeightsError
 from llmgw_slurm.agent.settings import FetchSettings
-from llmgw_slurm.agent.spec import WeightsSpec
 from llmgw_slurm.agent.weights import (
     MANIFEST,
     cache_key,
@@ -22,6 +21,7 @@ from llmgw_slurm.agent.weights import (
     ensure_weights,
     verify_manifest,
 )
+from llmgw_slurm.catalog import WeightsSpec
 
 
 def make_model(root: Path) -> Path:
@@ -160,7 +160,7 @@ FETCHER = textwrap.dedent(
     import json, sys
     from pathlib import Path
     from llmgw_slurm.agent.settings import FetchSettings
-    from llmgw_slurm.agent.spec import WeightsSpec
+    from llmgw_slurm.catalog import WeightsSpec
     from llmgw_slurm.agent.weights import ensure_weights
     s = FetchSettings(cache_dir=Path(sys.argv[1]), allow_hf=True)
     r = ensure_weights("tiny", WeightsSpec("hf:org/tiny@v1", "hf"), s)
