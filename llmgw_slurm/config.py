@@ -27,6 +27,7 @@ from llmgw_slurm import _schema
 from llmgw_slurm._schema import Ctx, FrozenMap, Invalid, rule
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.errors import ConfigError, ConfigErrors, TemplateError
+from llmgw_slurm.sbatch import check_job_path
 from llmgw_slurm.yamlsrc import YNode, YScalar, YSeq, describe
 
 __all__ = [
@@ -614,8 +615,6 @@ def load_server_config(path: str | Path) -> ServerConfig:
     # Both reach every replica's batch script (the job log goes under state_dir on an
     # #SBATCH line; agent_config on the agent's command line): a path no script can
     # hold would let the daemon start and then fail every submission.
-    from llmgw_slurm.sbatch import check_job_path
-
     errors = []
     for key in ("state_dir", "agent_config"):
         try:

@@ -28,12 +28,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 
 from llmgw_slurm.catalog import Model
-from llmgw_slurm.config import SlurmConfig
 from llmgw_slurm.errors import TemplateError
 
 __all__ = [
@@ -142,6 +141,21 @@ def _quote_filter(value: Any) -> str:
 
 
 # --- parameters -------------------------------------------------------------------
+
+
+class SlurmDefaults(Protocol):
+    """The site's job defaults (server.yaml's ``slurm:`` block, ``config.SlurmConfig``).
+
+    A protocol rather than the config class: config.py checks job paths with this
+    module while loading, so this module must not import config.py back.
+    """
+
+    @property
+    def partition(self) -> str | None: ...
+    @property
+    def account(self) -> str | None: ...
+    @property
+    def qos(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -492,7 +506,7 @@ def replica_script(
     python: str,
     agent_config: str,
     output: str,
-    slurm: SlurmConfig | None = None,
+    slurm: SlurmDefaults | None = None,
     signal_before_s: int = 300,
     template_dir: Path | str | None = None,
 ) -> str:

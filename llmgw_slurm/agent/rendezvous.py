@@ -2,7 +2,8 @@
 
 The role of a node is a pure function of the job environment (tested with
 fake ``SLURM_*`` dicts); expanding a Slurm hostlist is the one place that asks
-Slurm (``scontrol show hostnames``), hidden behind :func:`expand_hostnames`.
+Slurm (``scontrol show hostnames``, through :func:`llmgw_slurm.slurm.cli.show_hostnames`),
+hidden behind :func:`expand_hostnames`.
 
 The head's distributed port, two ways:
 
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw_slurm.agent.errors import RendezvousError
+from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.slurm.cli import show_hostnames
 
 __all__ = [
     "NodeRole",
@@ -82,20 +85,10 @@ def expand_hostnames(
         raise RendezvousError("rendezvous: empty node list in the job environment")
     if _PLAIN_HOSTLIST.fullmatch(nodelist):
         return nodelist.split(",")
-    runner = run or subprocess.run
-    argv = ["scontrol", "show", "hostnames", nodelist]
     try:
-        proc = runner(argv, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise RendezvousError(f"rendezvous: {' '.join(argv)} failed: {err}") from err
-    if proc.returncode != 0:
-        raise RendezvousError(
-            f"rendezvous: {' '.join(argv)} failed (exit {proc.returncode}): {proc.stderr.strip()}"
-        )
-    hosts = [h for h in proc.stdout.split() if h]
-    if not hosts:
-        raise RendezvousError(f"rendezvous: scontrol gave no hosts for {nodelist!r}")
-    return hosts
+        return show_hostnames(nodelist, run=run)
+    except SlurmError as err:
+        raise RendezvousError(f"rendezvous: {err}") from err
 
 
 def _int_env(env: Mapping[str, str], name: str) -> int | None:

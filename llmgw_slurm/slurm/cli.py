@@ -17,7 +17,8 @@ import getpass
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 
 from llmgw_slurm.errors import SlurmError, SlurmUnavailable
@@ -47,6 +48,44 @@ def command_env(base: Mapping[str, str]) -> dict[str, str]:
     env = {k: v for k, v in base.items() if not k.startswith(_COMMAND_INPUT_ENV)}
     env["SLURM_TIME_FORMAT"] = "standard"
     return env
+
+
+def show_hostnames(
+    nodelist: str,
+    *,
+    run: Callable[..., subprocess.CompletedProcess[str]] | None = None,
+    timeout: float = 30.0,
+) -> list[str]:
+    """``scontrol show hostnames NODELIST``: every host of a Slurm host list.
+
+    Synchronous, for the agent (one call per multi-node start); the daemon's
+    listings expand host lists in-process (:mod:`llmgw_slurm.slurm.hostlist`).
+    Raises SlurmError naming the command when it fails or prints no host.
+    """
+    argv = ["scontrol", "show", "hostnames", nodelist]
+    runner = run or subprocess.run
+    try:
+        proc = runner(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=command_env(os.environ),
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise SlurmUnavailable(f"show hostnames {nodelist!r} failed: {err}", command=argv) from err
+    if proc.returncode != 0:
+        raise SlurmError(
+            f"show hostnames {nodelist!r} failed",
+            command=argv,
+            returncode=proc.returncode,
+            stderr=proc.stderr,
+        )
+    hosts = [h for h in proc.stdout.split() if h]
+    if not hosts:
+        raise SlurmError(f"show hostnames gave no hosts for {nodelist!r}", command=argv)
+    return hosts
 
 
 class CliBackend:
