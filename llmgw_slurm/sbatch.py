@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import jinja2
 
-from llmgw_slurm.catalog import Model
+from llmgw_slurm.catalog import Model, Resources
 from llmgw_slurm.errors import TemplateError
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "JobOptions",
     "ModelJobParams",
     "ReplicaParams",
-    "Resources",
     "default_template_dir",
     "render_engine_install",
     "render_model_job",
@@ -158,36 +157,17 @@ class SlurmDefaults(Protocol):
     def qos(self) -> str | None: ...
 
 
-@dataclass(frozen=True)
-class Resources:
-    """What one node (or every node of one het component) asks for.
-
-    ``gpus`` is per node (``--gres=gpu[:type]:N``); ``mem`` is sbatch's syntax
-    (``64G``, ``500M``, a plain number is megabytes); None leaves Slurm's default.
-    """
-
-    gpus: int = 0
-    gpu_type: str = ""
-    cpus_per_task: int | None = None
-    mem: str | None = None
-    constraint: str | None = None
-
-    def validate(self, where: str) -> None:
-        _check_int(self.gpus, f"{where}.gpus")
-        if self.gpu_type:
-            _check(self.gpu_type, _WORD, f"{where}.gpu_type", "letters, digits, _ . + -")
-        if self.cpus_per_task is not None:
-            _check_int(self.cpus_per_task, f"{where}.cpus_per_task", 1)
-        if self.mem is not None:
-            _check(self.mem, _MEM, f"{where}.mem", "a number with an optional K, M, G or T")
-        if self.constraint is not None:
-            _check(self.constraint, _CONSTRAINT, f"{where}.constraint", "Slurm feature syntax")
-
-    @property
-    def gres(self) -> str:
-        if self.gpus <= 0:
-            return ""
-        return f"gpu:{self.gpu_type}:{self.gpus}" if self.gpu_type else f"gpu:{self.gpus}"
+def _check_resources(r: Resources, where: str) -> None:
+    """What one node asks for, as #SBATCH lines take it. The catalog loader checked
+    these already; parameters built in code (tests, tools) are checked here."""
+    _check_int(r.gpus, f"{where}.gpus")
+    if r.gpu_type:
+        _check(r.gpu_type, _WORD, f"{where}.gpu_type", "letters, digits, _ . + -")
+    _check_int(r.cpus, f"{where}.cpus", 1)
+    if r.memory is not None:
+        _check(r.memory, _MEM, f"{where}.memory", "a number with an optional K, M, G or T")
+    if r.constraint is not None:
+        _check(r.constraint, _CONSTRAINT, f"{where}.constraint", "Slurm feature syntax")
 
 
 @dataclass(frozen=True)
@@ -251,7 +231,7 @@ class ReplicaParams:
 
     def validate(self) -> None:
         self.job.validate()
-        self.resources.validate("resources")
+        _check_resources(self.resources, "resources")
         _check_int(self.signal_before_s, "signal_before_s", 1)
         if self.signal_before_s > 65535:
             # Slurm stores the warning time in 16 bits.
@@ -270,7 +250,7 @@ class HetComponent:
 
     def validate(self, where: str) -> None:
         _check_int(self.nodes, f"{where}.nodes", 1)
-        self.resources.validate(f"{where}.resources")
+        _check_resources(self.resources, f"{where}.resources")
         if self.partition is not None:
             _check(
                 self.partition,
@@ -299,15 +279,19 @@ class HetReplicaParams:
             )
         for i, comp in enumerate(self.components):
             comp.validate(f"components[{i}]")
-        if len({c.resources.cpus_per_task for c in self.components}) > 1:
+        if len({c.resources.cpus for c in self.components}) > 1:
             # Slurm 22.05's srun does not inherit --cpus-per-task from the job,
             # and one `srun --het-group=0-K` takes one value for every component.
             raise TemplateError(
-                "components: cpus_per_task differs between components; a multi-node "
-                "replica needs the same cpus_per_task on every component"
+                "components: cpus differs between components; a multi-node "
+                "replica needs the same cpus on every component"
             )
         ReplicaParams(
-            self.job, Resources(), self.agent_config, self.signal_before_s, self.requeue
+            self.job,
+            self.components[0].resources,
+            self.agent_config,
+            self.signal_before_s,
+            self.requeue,
         ).validate()
 
 
@@ -323,14 +307,16 @@ class ModelJobParams:
 
     job: JobOptions
     agent_config: str
-    resources: Resources = field(default_factory=Resources)
+    # None: Slurm's defaults (no GPU, one CPU); no #SBATCH resource lines.
+    resources: Resources | None = None
     # Compute nodes often may not download (agent.yaml weights.allow_download
     # off); a model job sent where they may, says so for itself.
     allow_download: bool = False
 
     def validate(self) -> None:
         self.job.validate()
-        self.resources.validate("resources")
+        if self.resources is not None:
+            _check_resources(self.resources, "resources")
         _check_agent_config(self.agent_config)
 
 
@@ -353,14 +339,16 @@ class EngineInstallParams:
     pip_args: Sequence[str] = ()
     image_uri: str = ""
     apptainer: str = "apptainer"
-    resources: Resources = field(default_factory=Resources)
+    # None: Slurm's defaults (no GPU, one CPU); no #SBATCH resource lines.
+    resources: Resources | None = None
     system_site_packages: bool = False
     # agent.yaml, for its tracing block: the install is a trace of its own.
     agent_config: str = ""
 
     def validate(self) -> None:
         self.job.validate()
-        self.resources.validate("resources")
+        if self.resources is not None:
+            _check_resources(self.resources, "resources")
         _check_abs_path(self.target, "target")
         if self.agent_config:
             _check_agent_config(self.agent_config)
@@ -480,7 +468,7 @@ def render_replica_hetjob(params: HetReplicaParams, template_dir: Path | str | N
             "p": params,
             "job": params.job,
             "last_group": len(params.components) - 1,
-            "cpus_per_task": params.components[0].resources.cpus_per_task,
+            "cpus_per_task": params.components[0].resources.cpus,
         },
     )
 
@@ -534,16 +522,9 @@ def replica_script(
         account=r.account,
         qos=r.qos,
     )
-    res = Resources(
-        gpus=r.gpus,
-        gpu_type=r.gpu_type or "",
-        cpus_per_task=r.cpus,
-        mem=r.memory,
-        constraint=r.constraint,
-    )
     if r.nodes == 1:
-        return render_replica(ReplicaParams(job, res, agent_config, lead), template_dir)
-    components = [HetComponent(1, res) for _ in range(r.nodes)]
+        return render_replica(ReplicaParams(job, r, agent_config, lead), template_dir)
+    components = [HetComponent(1, r) for _ in range(r.nodes)]
     return render_replica_hetjob(
         HetReplicaParams(job, components, agent_config, lead), template_dir
     )

@@ -15,13 +15,13 @@ from typing import Any
 
 import aiohttp
 
+from llmgw_slurm.catalog import Resources
 from llmgw_slurm.sbatch import (
     HetComponent,
     HetReplicaParams,
     JobOptions,
     ModelJobParams,
     ReplicaParams,
-    Resources,
     render_model_job,
     render_replica,
     render_replica_hetjob,
@@ -89,7 +89,7 @@ async def test_replica_serves_and_drains_on_the_time_limit_warning(
     script = render_replica(
         ReplicaParams(
             job_options(prefix, tmp_path),
-            Resources(gpus=1, gpu_type="a100", cpus_per_task=2),
+            Resources(gpus=1, gpu_type="a100", cpus=2),
             str(agent_yaml),
             signal_before_s=60,
         )
@@ -172,8 +172,8 @@ async def test_two_node_replica_as_a_het_job(
         HetReplicaParams(
             job_options(prefix, tmp_path),
             [
-                HetComponent(1, Resources(gpus=1, cpus_per_task=2)),
-                HetComponent(1, Resources(gpus=1, cpus_per_task=2)),
+                HetComponent(1, Resources(gpus=1, cpus=2)),
+                HetComponent(1, Resources(gpus=1, cpus=2)),
             ],
             str(agent_yaml),
         )
@@ -209,7 +209,7 @@ async def test_model_job_fetches_into_the_cache_once(
 ) -> None:
     agent_yaml, spec = setup_files(tmp_path)
     script = render_model_job(
-        ModelJobParams(job_options(prefix, tmp_path), str(agent_yaml), Resources(cpus_per_task=1))
+        ModelJobParams(job_options(prefix, tmp_path), str(agent_yaml), Resources(gpus=0, cpus=1))
     )
     env = {"LLMGW_REPLICA_SPEC": spec, "PYTHONPATH": str(TOP)}
     for n in (1, 2):

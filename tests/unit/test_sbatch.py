@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_slurm.catalog import Model, read_replica_spec
+from llmgw_slurm.catalog import Model, Resources, read_replica_spec
 from llmgw_slurm.config import SlurmConfig
 from llmgw_slurm.errors import TemplateError
 from llmgw_slurm.sbatch import (
@@ -21,7 +21,6 @@ from llmgw_slurm.sbatch import (
     JobOptions,
     ModelJobParams,
     ReplicaParams,
-    Resources,
     render_engine_install,
     render_model_job,
     render_replica,
@@ -69,7 +68,7 @@ def bash_n(text: str, tmp_path: Path) -> None:
 def test_replica_matches_record(tmp_path: Path) -> None:
     params = ReplicaParams(
         JOB,
-        Resources(gpus=2, gpu_type="a100", cpus_per_task=8, mem="64G", constraint="ib&a100"),
+        Resources(gpus=2, gpu_type="a100", cpus=8, memory="64G", constraint="ib&a100"),
         AGENT_CONFIG,
         signal_before_s=300,
     )
@@ -86,7 +85,7 @@ def test_replica_minimal_matches_record(tmp_path: Path) -> None:
         python="python3",
         error="/tmp/e.err",
     )
-    text = render_replica(ReplicaParams(job, Resources(), "/etc/a.yaml", requeue=False))
+    text = render_replica(ReplicaParams(job, Resources(gpus=0), "/etc/a.yaml", requeue=False))
     assert_matches_record("replica-minimal.sbatch", text)
     bash_n(text, tmp_path)
 
@@ -95,8 +94,8 @@ def test_hetjob_matches_record(tmp_path: Path) -> None:
     params = HetReplicaParams(
         JOB,
         [
-            HetComponent(1, Resources(gpus=4, cpus_per_task=16)),
-            HetComponent(2, Resources(gpus=4, cpus_per_task=16), partition="gpu2"),
+            HetComponent(1, Resources(gpus=4, cpus=16)),
+            HetComponent(2, Resources(gpus=4, cpus=16), partition="gpu2"),
         ],
         AGENT_CONFIG,
     )
@@ -106,7 +105,7 @@ def test_hetjob_matches_record(tmp_path: Path) -> None:
 
 
 def test_model_job_matches_record(tmp_path: Path) -> None:
-    text = render_model_job(ModelJobParams(JOB, AGENT_CONFIG, Resources(cpus_per_task=4)))
+    text = render_model_job(ModelJobParams(JOB, AGENT_CONFIG, Resources(gpus=0, cpus=4)))
     assert_matches_record("model-job.sbatch", text)
     bash_n(text, tmp_path)
     allowed = render_model_job(ModelJobParams(JOB, AGENT_CONFIG, allow_download=True))
@@ -175,7 +174,7 @@ def test_hetjob_has_one_srun_over_every_component() -> None:
 def test_bad_job_values_are_refused(field: str, value: str) -> None:
     job = replace(JOB, **{field: value})
     with pytest.raises(TemplateError, match=field):
-        render_replica(ReplicaParams(job, Resources(), AGENT_CONFIG))
+        render_replica(ReplicaParams(job, Resources(gpus=0), AGENT_CONFIG))
 
 
 @pytest.mark.parametrize(
@@ -184,12 +183,12 @@ def test_bad_job_values_are_refused(field: str, value: str) -> None:
         (Resources(gpus=-1), "gpus"),
         (Resources(gpus=1, gpu_type="a100 x"), "gpu_type"),
         (Resources(gpus=1, gpu_type="a100:2"), "gpu_type"),
-        (Resources(mem="64 G"), "mem"),
-        (Resources(mem="lots"), "mem"),
-        (Resources(mem="\u0661\u0662G"), "mem"),  # \\d takes any script's digits
-        (Resources(cpus_per_task=0), "cpus_per_task"),
-        (Resources(constraint="a100 ib"), "constraint"),
-        (Resources(constraint="a$(id)"), "constraint"),
+        (Resources(gpus=0, memory="64 G"), "mem"),
+        (Resources(gpus=0, memory="lots"), "mem"),
+        (Resources(gpus=0, memory="\u0661\u0662G"), "mem"),  # \\d takes any script's digits
+        (Resources(gpus=0, cpus=0), "cpus"),
+        (Resources(gpus=0, constraint="a100 ib"), "constraint"),
+        (Resources(gpus=0, constraint="a$(id)"), "constraint"),
     ],
 )
 def test_bad_resources_are_refused(resources: Resources, field: str) -> None:
@@ -200,21 +199,21 @@ def test_bad_resources_are_refused(resources: Resources, field: str) -> None:
 @pytest.mark.parametrize("path", ["etc/agent.yaml", "/etc/a b.yaml", "/etc/'a'.yaml", "/e/$(x)"])
 def test_bad_agent_config_is_refused(path: str) -> None:
     with pytest.raises(TemplateError, match="agent_config"):
-        render_replica(ReplicaParams(JOB, Resources(), path))
+        render_replica(ReplicaParams(JOB, Resources(gpus=0), path))
 
 
 def test_signal_lead_must_fit_slurm() -> None:
     with pytest.raises(TemplateError, match="signal_before_s"):
-        render_replica(ReplicaParams(JOB, Resources(), AGENT_CONFIG, signal_before_s=0))
+        render_replica(ReplicaParams(JOB, Resources(gpus=0), AGENT_CONFIG, signal_before_s=0))
     with pytest.raises(TemplateError, match="signal_before_s"):
-        render_replica(ReplicaParams(JOB, Resources(), AGENT_CONFIG, signal_before_s=70000))
+        render_replica(ReplicaParams(JOB, Resources(gpus=0), AGENT_CONFIG, signal_before_s=70000))
 
 
 def test_hetjob_needs_two_components_and_one_cpu_count() -> None:
     with pytest.raises(TemplateError, match="components"):
         render_replica_hetjob(HetReplicaParams(JOB, [HetComponent(2)], AGENT_CONFIG))
-    mixed = [HetComponent(1, Resources(cpus_per_task=4)), HetComponent(1, Resources())]
-    with pytest.raises(TemplateError, match="cpus_per_task"):
+    mixed = [HetComponent(1, Resources(gpus=0, cpus=4)), HetComponent(1, Resources(gpus=0, cpus=1))]
+    with pytest.raises(TemplateError, match="cpus differs"):
         render_replica_hetjob(HetReplicaParams(JOB, mixed, AGENT_CONFIG))
 
 
@@ -241,7 +240,9 @@ def test_site_dir_overrides_one_template(tmp_path: Path) -> None:
         "#!/bin/bash\n#SBATCH --job-name={{ job.job_name | sb }}\n"
         "exec site-runner {{ job.python | q }}\n"
     )
-    text = render_replica(ReplicaParams(JOB, Resources(), AGENT_CONFIG), template_dir=tmp_path)
+    text = render_replica(
+        ReplicaParams(JOB, Resources(gpus=0), AGENT_CONFIG), template_dir=tmp_path
+    )
     assert "exec site-runner /opt/llmgw/bin/python" in text
     # The others still come from the defaults.
     model = render_model_job(ModelJobParams(JOB, AGENT_CONFIG), template_dir=tmp_path)
@@ -254,13 +255,13 @@ def test_site_template_cannot_put_unchecked_value_on_sbatch_line(tmp_path: Path)
     )
     job = replace(JOB, python="/opt/my python/bin/python")
     with pytest.raises(TemplateError, match="#SBATCH"):
-        render_replica(ReplicaParams(job, Resources(), AGENT_CONFIG), template_dir=tmp_path)
+        render_replica(ReplicaParams(job, Resources(gpus=0), AGENT_CONFIG), template_dir=tmp_path)
 
 
 def test_site_template_with_undefined_name_fails_clearly(tmp_path: Path) -> None:
     (tmp_path / "replica.sbatch.j2").write_text("#!/bin/bash\necho {{ job.no_such_thing | q }}\n")
     with pytest.raises(TemplateError, match="no_such_thing"):
-        render_replica(ReplicaParams(JOB, Resources(), AGENT_CONFIG), template_dir=tmp_path)
+        render_replica(ReplicaParams(JOB, Resources(gpus=0), AGENT_CONFIG), template_dir=tmp_path)
 
 
 # --- hostile values that are quoted, not refused -------------------------------------
@@ -316,9 +317,9 @@ def test_hostile_python_path_is_one_literal_argument(hostile: str, tmp_path: Pat
     if "\n" in hostile:
         # A newline in an interpreter path is refused rather than quoted.
         with pytest.raises(TemplateError, match="python"):
-            render_replica(ReplicaParams(job, Resources(), AGENT_CONFIG))
+            render_replica(ReplicaParams(job, Resources(gpus=0), AGENT_CONFIG))
         return
-    text = render_replica(ReplicaParams(job, Resources(cpus_per_task=2), AGENT_CONFIG))
+    text = render_replica(ReplicaParams(job, Resources(gpus=0, cpus=2), AGENT_CONFIG))
     bash_n(text, tmp_path)
     calls = _run_with_stubs(text, tmp_path, ["srun"])
     assert len(calls) == 1
@@ -414,22 +415,26 @@ def test_signal_lead_must_be_less_than_the_time_limit() -> None:
     # A 5-minute job warned 300 s ahead would be told to drain as it starts.
     with pytest.raises(TemplateError, match="not less than the time limit"):
         render_replica(
-            ReplicaParams(replace(JOB, time="5"), Resources(), AGENT_CONFIG, signal_before_s=300)
+            ReplicaParams(
+                replace(JOB, time="5"), Resources(gpus=0), AGENT_CONFIG, signal_before_s=300
+            )
         )
     render_replica(
-        ReplicaParams(replace(JOB, time="6"), Resources(), AGENT_CONFIG, signal_before_s=300)
+        ReplicaParams(replace(JOB, time="6"), Resources(gpus=0), AGENT_CONFIG, signal_before_s=300)
     )
 
 
 @pytest.mark.parametrize("time", ["\u0661\u0660", "\uff11:00:00"])
 def test_a_time_in_other_digits_is_refused_as_a_time(time: str) -> None:
     with pytest.raises(TemplateError, match=r"^time:"):
-        render_replica(ReplicaParams(replace(JOB, time=time), Resources(), AGENT_CONFIG))
+        render_replica(ReplicaParams(replace(JOB, time=time), Resources(gpus=0), AGENT_CONFIG))
 
 
 def test_partition_list_and_no_time_limit() -> None:
     job = replace(JOB, partition="gpu,gpu-big", time=None, account="proj+x")
-    text = render_replica(ReplicaParams(job, Resources(constraint="a100&!slow"), AGENT_CONFIG))
+    text = render_replica(
+        ReplicaParams(job, Resources(gpus=0, constraint="a100&!slow"), AGENT_CONFIG)
+    )
     assert "#SBATCH --partition=gpu,gpu-big\n" in text
     assert "#SBATCH --account=proj+x\n" in text
     assert "#SBATCH --constraint=a100&!slow\n" in text
@@ -441,7 +446,9 @@ def test_a_constraint_with_parentheses_renders() -> None:
     them, but the last check before an #SBATCH line did not: such a model loaded,
     passed `config check`, and every start of it failed at rendering."""
     for constraint in ("(a100&ib)|h100", "[(knl&snc4&flat)*4&haswell*1]"):
-        text = render_replica(ReplicaParams(JOB, Resources(constraint=constraint), AGENT_CONFIG))
+        text = render_replica(
+            ReplicaParams(JOB, Resources(gpus=0, constraint=constraint), AGENT_CONFIG)
+        )
         assert f"#SBATCH --constraint={constraint}\n" in text
         text = replica_script(
             _model(constraint=constraint), job_name="j", python="/p", agent_config="/a", output="/o"
