@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from llmgw_slurm import durations
+from llmgw_slurm.durations import DURATION_HELP
 from llmgw_slurm.errors import ConfigError, ConfigErrors
 from llmgw_slurm.yamlsrc import YEntry, YMap, YNode, YScalar, YSeq, describe, load_yaml
 
@@ -43,7 +45,6 @@ __all__ = [
     "load_file",
     "parse_duration",
     "parse_size",
-    "parse_slurm_time",
     "rule",
     "scalar_text",
 ]
@@ -176,73 +177,22 @@ def scalar_text(node: YNode) -> str:
     raise Invalid(f"expected a string, got {describe(node)}")
 
 
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_UNIT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)")
-_NUM_RE = re.compile(r"\d+(?:\.\d+)?")
-
-
-def parse_slurm_time(text: str) -> int | None:
-    """Seconds of a Slurm time with ``:`` or ``-`` (``4:00:00``, ``1-00:00:00``,
-    ``15:00``); None when ``text`` has neither (a bare number is ambiguous)."""
-    t = text.strip()
-    m = re.fullmatch(r"(\d+)-(\d+)(?::(\d+))?(?::(\d+))?", t)
-    if m:
-        d, h, mi, s = (int(g) if g else 0 for g in m.groups())
-        if mi >= 60 or s >= 60:
-            return None
-        return ((d * 24 + h) * 60 + mi) * 60 + s
-    m = re.fullmatch(r"(\d+):(\d+):(\d+)", t)
-    if m:
-        h, mi, s = (int(g) for g in m.groups())
-        return None if mi >= 60 or s >= 60 else (h * 60 + mi) * 60 + s
-    m = re.fullmatch(r"(\d+):(\d+)", t)
-    if m:
-        mi, s = (int(g) for g in m.groups())
-        return None if s >= 60 else mi * 60 + s
-    return None
-
-
-def _unit_seconds(text: str) -> float | None:
-    t = text.strip().lower()
-    if not t:
-        return None
-    pos, total = 0, 0.0
-    for m in _UNIT_RE.finditer(t):
-        if t[pos : m.start()].strip():
-            return None
-        total += float(m.group(1)) * _UNITS[m.group(2)]
-        pos = m.end()
-    if pos == 0 or t[pos:].strip():
-        return None
-    return total
-
-
-DURATION_HELP = "a duration like 30s, 15m, 4h, 1d, 1h30m, 4:00:00, or a number of seconds"
-
-
 def parse_duration(node: YNode, ctx: Ctx) -> float:
-    """Seconds, from ``30s``/``15m``/``4h``/``1d``/``1h30m``, ``H:MM:SS`` or a plain number."""
+    """Seconds, from ``30s``/``15m``/``4h``/``1d``/``1h30m``, ``H:MM:SS`` or a plain
+    number (:func:`llmgw_slurm.durations.parse_duration`)."""
     if not isinstance(node, YScalar) or isinstance(node.value, bool) or node.value is None:
         raise Invalid(f"expected {DURATION_HELP}; got {describe(node)}")
+    # The text as written: YAML 1.1 reads 4:00:00 as the base-60 integer 14400.
     text = node.text.strip()
-    if ":" in text or re.fullmatch(r"\d+-[\d:]+", text):
-        # YAML 1.1 reads 4:00:00 as the base-60 integer 14400: read the text.
-        secs = parse_slurm_time(text)
-        if secs is None:
-            raise Invalid(f"cannot read {text!r} as a time; expected {DURATION_HELP}")
-        return float(secs)
-    if isinstance(node.value, int | float):
-        val = float(node.value)
-    elif _NUM_RE.fullmatch(text):
-        val = float(text)
-    else:
-        unit = _unit_seconds(text)
-        if unit is None:
-            raise Invalid(f"cannot read {text!r} as a duration; expected {DURATION_HELP}")
-        val = unit
-    if not math.isfinite(val) or val < 0:
-        raise Invalid(f"a duration must be zero or more; got {text!r}")
-    return val
+    if isinstance(node.value, int | float) and ":" not in text:
+        value = float(node.value)
+        if not math.isfinite(value) or value < 0:
+            raise Invalid(f"a duration must be zero or more; got {text!r}")
+        return value
+    try:
+        return durations.parse_duration(text)
+    except ValueError as err:
+        raise Invalid(str(err)) from None
 
 
 _SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}

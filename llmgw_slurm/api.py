@@ -144,6 +144,39 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
     app.router.add_get("/", page)
 
 
+def _guarded(
+    fn: Callable[[web.Request], Awaitable[web.Response]], token: str
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        if not constant_time_equal(_bearer(request), token):
+            return _error(401, "bad or missing admin token", "unauthorized")
+        return await fn(request)
+
+    return handler
+
+
+async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
+    """The request's JSON object body, or the 400 to answer."""
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
+        return _error(400, "body is not JSON", "bad_request")
+    if not isinstance(body, dict):
+        return _error(400, "body must be an object", "bad_request")
+    return body
+
+
+async def _admin_target(request: web.Request) -> tuple[str, str, str] | web.Response:
+    """(target, node, reason) of a drain or stop, or the 400 to answer."""
+    body = await _json_object(request)
+    if isinstance(body, web.Response):
+        return body
+    target, node, reason = (str(body.get(k) or "") for k in ("target", "node", "reason"))
+    if bool(target) == bool(node):
+        return _error(400, "give exactly one of target (replica or model) and node", "usage")
+    return target, node, reason
+
+
 def add_admin_routes(
     app: web.Application,
     rec: Reconciler,
@@ -152,30 +185,8 @@ def add_admin_routes(
 ) -> None:
     """Drain, stop, reload and job announcements on the internal app, behind the admin token."""
 
-    def guarded(
-        fn: Callable[[web.Request], Awaitable[web.Response]],
-    ) -> Callable[[web.Request], Awaitable[web.Response]]:
-        async def handler(request: web.Request) -> web.Response:
-            if not constant_time_equal(_bearer(request), token):
-                return _error(401, "bad or missing admin token", "unauthorized")
-            return await fn(request)
-
-        return handler
-
-    async def _target(request: web.Request) -> tuple[str, str, str] | web.Response:
-        try:
-            body = await request.json()
-        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
-            return _error(400, "body is not JSON", "bad_request")
-        if not isinstance(body, dict):
-            return _error(400, "body must be an object", "bad_request")
-        target, node, reason = (str(body.get(k) or "") for k in ("target", "node", "reason"))
-        if bool(target) == bool(node):
-            return _error(400, "give exactly one of target (replica or model) and node", "usage")
-        return target, node, reason
-
     async def drain(request: web.Request) -> web.Response:
-        t = await _target(request)
+        t = await _admin_target(request)
         if isinstance(t, web.Response):
             return t
         try:
@@ -185,7 +196,7 @@ def add_admin_routes(
         return web.json_response({"ok": True, "replicas": done})
 
     async def stop(request: web.Request) -> web.Response:
-        t = await _target(request)
+        t = await _admin_target(request)
         if isinstance(t, web.Response):
             return t
         try:
@@ -202,17 +213,14 @@ def add_admin_routes(
             return _error(422, problem, "catalog_refused")
         return web.json_response({"ok": True, "models": [m.name for m in rec.catalog.models]})
 
-    app.router.add_post(f"{ADMIN_PREFIX}/drain", guarded(drain))
-    app.router.add_post(f"{ADMIN_PREFIX}/stop", guarded(stop))
+    app.router.add_post(f"{ADMIN_PREFIX}/drain", _guarded(drain, token))
+    app.router.add_post(f"{ADMIN_PREFIX}/stop", _guarded(stop, token))
 
     async def jobs(request: web.Request) -> web.Response:
         # llmgw-admin fetch / install-engine announce what they submitted.
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "body is not JSON", "bad_request")
-        if not isinstance(body, dict):
-            return _error(400, "body must be an object", "bad_request")
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
         job_id, name, target = (str(body.get(k) or "") for k in ("job_id", "name", "target"))
         if not rec.service_jobs.expect(job_id, name, target, rec.clock()):
             return _error(
@@ -223,5 +231,5 @@ def add_admin_routes(
             )
         return web.json_response({"ok": True})
 
-    app.router.add_post(f"{ADMIN_PREFIX}/reload", guarded(do_reload))
-    app.router.add_post(f"{ADMIN_PREFIX}/jobs", guarded(jobs))
+    app.router.add_post(f"{ADMIN_PREFIX}/reload", _guarded(do_reload, token))
+    app.router.add_post(f"{ADMIN_PREFIX}/jobs", _guarded(jobs, token))

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import jinja2
 
 from llmgw_slurm.catalog import Model, Resources
+from llmgw_slurm.durations import slurm_time
 from llmgw_slurm.errors import TemplateError
 
 __all__ = [
@@ -373,22 +374,10 @@ def check_job_path(path: str, what: str) -> None:
 
 def time_limit_seconds(time: str) -> int:
     """Slurm's time syntax in seconds (``minutes``, ``M:S``, ``H:M:S``, ``D-H[:M[:S]]``)."""
-    days = 0
-    rest = time
-    if "-" in time:
-        d, rest = time.split("-", 1)
-        days = int(d)
-        parts = [int(x) for x in rest.split(":")]
-        h, m, s = [*parts, 0, 0][:3]
-    else:
-        parts = [int(x) for x in rest.split(":")]
-        if len(parts) == 1:
-            h, m, s = 0, parts[0], 0
-        elif len(parts) == 2:
-            h, m, s = 0, parts[0], parts[1]
-        else:
-            h, m, s = parts
-    return ((days * 24 + h) * 60 + m) * 60 + s
+    try:
+        return slurm_time(time)
+    except ValueError as err:
+        raise TemplateError(f"time: {err}") from None
 
 
 def _check_signal_lead(signal_before_s: int, time: str | None) -> None:

@@ -19,13 +19,14 @@ from llmgw_slurm.audit import Period
 from llmgw_slurm.cli.common import (
     DaemonReply,
     call_daemon,
-    fmt_age,
     friendly_errors,
+    parse_when,
     print_json,
     run,
     table,
 )
 from llmgw_slurm.config import HostPort, ServerConfig
+from llmgw_slurm.durations import format_duration
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import NodeInfo
 
@@ -277,7 +278,7 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
                         r.get("state"),
                         ",".join(r.get("nodes") or []) or "-",
                         r.get("reason") if r.get("state") == "pending" else r.get("step") or "-",
-                        "-" if r.get("idle_s") is None else fmt_age(float(r["idle_s"])),
+                        "-" if r.get("idle_s") is None else format_duration(float(r["idle_s"])),
                     )
                     for m, r in reps
                 ],
@@ -292,7 +293,7 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
         listed = st.get("nodes_listed_at")
         if isinstance(listed, int | float):
             now = float(st.get("now") or time.time())
-            click.echo(f"nodes as Slurm listed them {fmt_age(now - listed)} ago:")
+            click.echo(f"nodes as Slurm listed them {format_duration(now - listed)} ago:")
         click.echo(
             table(
                 ("NODE", "STATE", "PARTITIONS", "GPUS FREE/TOTAL"),
@@ -313,7 +314,7 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
         click.echo("\nrecent decisions (newest last):")
         # Lines, not a table: a reason quotes Slurm and is worth reading whole.
         for d in ds:
-            ago = fmt_age(now - float(d.get("at") or now))
+            ago = format_duration(now - float(d.get("at") or now))
             rid = f" {d['replica']}" if d.get("replica") else ""
             click.echo(f"{ago:>7} ago  {d.get('action')} {d.get('model')}{rid}: {d.get('reason')}")
 
@@ -332,7 +333,7 @@ def _print_service_jobs(jobs: list[dict[str, Any]]) -> None:
                     j.get("kind"),
                     j.get("target"),
                     j.get("state"),
-                    "-" if j.get("elapsed_s") is None else fmt_age(float(j["elapsed_s"])),
+                    "-" if j.get("elapsed_s") is None else format_duration(float(j["elapsed_s"])),
                     j.get("reason") if j.get("reason") not in (None, "", "None") else "-",
                 )
                 for j in jobs
@@ -419,21 +420,6 @@ _DBD_DOWN = re.compile(
 )
 
 
-def _when(text: str, now: datetime) -> datetime:
-    units = {"h": 3600, "d": 86400, "w": 7 * 86400}
-    t = text.strip()
-    if t == "now":
-        return now
-    if t[:-1].isdigit() and t[-1:] in units:
-        return now - timedelta(seconds=int(t[:-1]) * units[t[-1]])
-    try:
-        return datetime.fromisoformat(t)
-    except ValueError:
-        raise click.BadParameter(
-            f"{text!r}: use now, a duration ago (12h, 30d, 2w) or a date (2024-05-01)"
-        ) from None
-
-
 def _service_user(server: ServerConfig) -> str:
     # The daemon's user owns its state directory; the jobs are that user's.
     import pwd
@@ -447,7 +433,7 @@ def _service_user(server: ServerConfig) -> str:
 
 @main.command()
 @_server_option
-@click.option("--since", default="30d", show_default=True, help="Date or 12h / 30d / 2w ago.")
+@click.option("--since", default="30d", show_default=True, help="30m, 12h, 30d, 2w ago, or a date.")
 @click.option("--until", "until_", default="now", show_default=True, help="Date, or now.")
 @click.option("--by", type=click.Choice(["day", "week", "month"]), default="day", show_default=True)
 @click.option(
@@ -475,8 +461,10 @@ def audit(
     if as_csv and as_json:
         raise click.UsageError("--csv and --json exclude each other")
     server = _load_server(server_path)
-    now = datetime.now()
-    t0, t1 = _when(since, now), _when(until_, now)
+    now_ts = time.time()
+    now = datetime.fromtimestamp(now_ts)
+    t0 = datetime.fromtimestamp(parse_when(since, now_ts))
+    t1 = datetime.fromtimestamp(parse_when(until_, now_ts))
     if t0 >= t1:
         raise click.UsageError(f"--since ({t0:%Y-%m-%d %H:%M}) must be before --until")
     who = user or _service_user(server)
@@ -744,7 +732,7 @@ async def _follow(server: ServerConfig, backend: Any, name: str, job_id: str, po
                 f" ({j.reason})" if j.reason and j.reason != "None" else ""
             )
             if shown != last:
-                click.echo(f"{fmt_age(time.monotonic() - t0):>6}  {shown}")
+                click.echo(f"{format_duration(time.monotonic() - t0):>6}  {shown}")
                 last = shown
             await asyncio.sleep(poll)
             continue
@@ -768,7 +756,7 @@ async def _follow(server: ServerConfig, backend: Any, name: str, job_id: str, po
             )
     line = last_log_line(job_log_path(server, name, job_id))
     click.echo(
-        f"{fmt_age(time.monotonic() - t0):>6}  {final.value}"
+        f"{format_duration(time.monotonic() - t0):>6}  {final.value}"
         + (f" (exit {exit_code})" if exit_code not in ("", "0:0") else "")
     )
     if final is not JobState.COMPLETED:

@@ -11,6 +11,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import click
 
+from llmgw_slurm.durations import parse_since
 from llmgw_slurm.errors import LlmgwError
 
 P = ParamSpec("P")
@@ -124,12 +125,10 @@ async def call_daemon(
     return DaemonReply(status, data)
 
 
-def fmt_age(seconds: float) -> str:
-    s = max(0, int(seconds))
-    if s >= 86400:
-        return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
-    if s >= 3600:
-        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
+def parse_when(text: str, now: float) -> float:
+    """A ``--since``/``--until`` value as a Unix timestamp (:func:`durations.parse_since`),
+    or click's usage error (exit 2) naming the valid forms."""
+    try:
+        return parse_since(text, now)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None

@@ -24,7 +24,8 @@ import click
 import yaml
 
 from llmgw_slurm import __version__
-from llmgw_slurm.cli.common import DaemonReply, call_daemon, fmt_age, print_json, run, table
+from llmgw_slurm.cli.common import DaemonReply, call_daemon, parse_when, print_json, run, table
+from llmgw_slurm.durations import format_duration
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -258,7 +259,7 @@ async def _wait_up(s: Settings, name: str, timeout: float, live: bool) -> dict[s
         status = await _status(s)
         model = _find_model(status, canonical)
         phase = _phase(model)
-        elapsed = fmt_age(now - t0)
+        elapsed = format_duration(now - t0)
         if phase != last_phase:
             if live and last_phase:
                 click.echo()
@@ -281,7 +282,7 @@ async def _wait_up(s: Settings, name: str, timeout: float, live: bool) -> dict[s
             if live:
                 click.echo()
             raise click.ClickException(
-                f"{canonical} is not ready after {fmt_age(now - t0)} ({phase}); it goes on "
+                f"{canonical} is not ready after {format_duration(now - t0)} ({phase}); it goes on "
                 "starting: watch it with `llmgw models`"
             )
         await asyncio.sleep(1.0)
@@ -414,31 +415,14 @@ def _api_message(exc: Any) -> str:
 # ---- usage ------------------------------------------------------------------------
 
 
-def parse_since(text: str, now: float | None = None) -> float:
-    """``7d``, ``12h``, ``30m`` ago, or a date ``2024-05-01`` / ``2024-05-01T08:00``."""
-    import datetime as dt
-
-    now = time.time() if now is None else now
-    units = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-    t = text.strip()
-    if t[:-1].isdigit() and t[-1:] in units:
-        return now - int(t[:-1]) * units[t[-1]]
-    try:
-        return dt.datetime.fromisoformat(t).timestamp()
-    except ValueError:
-        raise click.BadParameter(
-            f"{text!r}: use a duration ago (30m, 12h, 7d, 2w) or a date (2024-05-01)"
-        ) from None
-
-
 @main.command()
-@click.option("--since", default="30d", show_default=True, help="30m, 12h, 7d, or a date.")
+@click.option("--since", default="30d", show_default=True, help="30m, 12h, 7d, 2w ago, or a date.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def usage(ctx: click.Context, since: str, as_json: bool) -> None:
     """Your own token usage (counted per API key), by model."""
     s = _get(ctx)
-    t0 = parse_since(since)
+    t0 = parse_when(since, time.time())
     reply: DaemonReply = run(
         call_daemon("GET", s.url, "/api/v1/usage", token=s.key, params={"since": f"{t0:.0f}"})
     )

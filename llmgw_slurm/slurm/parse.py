@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from datetime import datetime
 
+from llmgw_slurm.durations import slurm_time
 from llmgw_slurm.errors import SlurmParseError
 from llmgw_slurm.slurm.hostlist import expand
 from llmgw_slurm.slurm.types import (
@@ -105,39 +106,18 @@ def parse_time(text: str) -> datetime | None:
         raise SlurmParseError(f"unexpected timestamp {text!r}") from exc
 
 
-_DURATION = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+)(?::(\d+))?$")
-
-
 def parse_duration(text: str) -> int | None:
-    """Slurm's ``[D-]HH:MM:SS`` / ``MM:SS`` / ``D-HH`` forms to seconds.
+    """Slurm's ``[D-]HH:MM:SS`` / ``MM:SS`` / ``D-HH`` / minutes forms to seconds.
 
     UNLIMITED, INFINITE, NOT_SET and N/A are None (no limit, or not known).
     """
     text = text.strip()
     if _none(text) or text.upper() in ("UNLIMITED", "INFINITE", "NOT_SET", "INVALID"):
         return None
-    days = 0
-    if "-" in text:
-        d, _, text = text.partition("-")
-        if not d.isdigit():
-            raise SlurmParseError(f"unexpected duration {d}-{text!r}")
-        days = int(d)
-        parts = text.split(":")
-        # "D-HH", "D-HH:MM", "D-HH:MM:SS"
-        nums = [int(p) for p in parts if p.isdigit()]
-        if len(nums) != len(parts) or not 1 <= len(nums) <= 3:
-            raise SlurmParseError(f"unexpected duration {text!r}")
-        nums += [0] * (3 - len(nums))
-        return days * 86400 + nums[0] * 3600 + nums[1] * 60 + nums[2]
-    parts = text.split(":")
-    if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 3:
-        raise SlurmParseError(f"unexpected duration {text!r}")
-    nums = [int(p) for p in parts]
-    if len(nums) == 1:  # minutes
-        return nums[0] * 60
-    if len(nums) == 2:  # MM:SS
-        return nums[0] * 60 + nums[1]
-    return nums[0] * 3600 + nums[1] * 60 + nums[2]
+    try:
+        return slurm_time(text)
+    except ValueError as exc:
+        raise SlurmParseError(f"unexpected duration: {exc}") from None
 
 
 def _nothing_readable(command: str, bad: list[str]) -> SlurmParseError:

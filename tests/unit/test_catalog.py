@@ -242,7 +242,7 @@ def test_bad_duration(tmp_path: Path) -> None:
     errs = errors_of(tmp_path, one_model("    scaling: {idle_timeout: 5 minutes}\n"))
     assert errs == [
         "F:5: models[0].scaling.idle_timeout: cannot read '5 minutes' as a duration; expected "
-        "a duration like 30s, 15m, 4h, 1d, 1h30m, 4:00:00, or a number of seconds"
+        "a duration like 30s, 15m, 4h, 1d, 2w, 1h30m, 4:00:00, or a number of seconds"
     ]
     errs = errors_of(tmp_path, one_model("    scaling: {idle_timeout: 0}\n"))
     assert errs == ["F:5: models[0].scaling.idle_timeout: must be more than 0; got 0"]
@@ -271,17 +271,17 @@ def test_per_model_hold_timeout(tmp_path: Path) -> None:
         ("0s", "must be more than 0; got 0"),
         (
             "-5m",
-            "cannot read '-5m' as a duration; expected a duration like 30s, 15m, 4h, 1d, "
+            "cannot read '-5m' as a duration; expected a duration like 30s, 15m, 4h, 1d, 2w, "
             "1h30m, 4:00:00, or a number of seconds",
         ),
         (
             "soon",
-            "cannot read 'soon' as a duration; expected a duration like 30s, 15m, 4h, 1d, "
+            "cannot read 'soon' as a duration; expected a duration like 30s, 15m, 4h, 1d, 2w, "
             "1h30m, 4:00:00, or a number of seconds",
         ),
         (
             "true",
-            "expected a duration like 30s, 15m, 4h, 1d, 1h30m, 4:00:00, or a number of "
+            "expected a duration like 30s, 15m, 4h, 1d, 2w, 1h30m, 4:00:00, or a number of "
             "seconds; got the boolean true",
         ),
     ],

@@ -15,7 +15,7 @@ from _cli_support import RunningDaemon, free_port, run_daemon
 from click.testing import CliRunner
 
 from llmgw_slurm.cli import researcher
-from llmgw_slurm.cli.researcher import _phase, main, parse_since
+from llmgw_slurm.cli.researcher import _phase, main
 from llmgw_slurm.router.keys import add_key
 from llmgw_slurm.router.usage import UsageRecord
 
@@ -269,11 +269,10 @@ def test_usage_bad_or_missing_key(keyed: tuple[RunningDaemon, str, str]) -> None
     assert code == 1 and "no valid API key" in out
 
 
-def test_parse_since() -> None:
-    assert parse_since("2h", now=10_000.0) == 10_000.0 - 7200
-    assert parse_since("3d", now=1e6) == 1e6 - 3 * 86400
-    with pytest.raises(Exception, match="use a duration ago"):
-        parse_since("yesterday")
+def test_usage_since_that_is_not_a_time_is_a_usage_error() -> None:
+    res = CliRunner().invoke(main, ["--url", "http://127.0.0.1:9", "usage", "--since", "soon"])
+    assert res.exit_code == 2
+    assert "'soon': use now, a duration ago" in res.output
 
 
 def test_completion_script_mentions_the_env_var() -> None:

@@ -193,7 +193,7 @@ def test_server_errors_are_all_reported_with_suggestions(tmp_path: Path) -> None
         "F:4: slurm.job_prefix: 'my jobs' is not valid: expected 1-32 characters: letters, "
         "digits, '.', '_', '-'",
         "F:5: slurm.command_timeout: cannot read 'fast' as a duration; expected a duration "
-        "like 30s, 15m, 4h, 1d, 1h30m, 4:00:00, or a number of seconds",
+        "like 30s, 15m, 4h, 1d, 2w, 1h30m, 4:00:00, or a number of seconds",
         "F:7: reconcile.restart.give_up_after_failures: must be at least 1; got 0",
         "F:9: router.max_body_bytes: cannot read '12 parsecs' as a size; expected a size in "
         "bytes, or with a unit: 512K, 16M, 16MiB, 1G",
