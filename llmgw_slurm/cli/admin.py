@@ -8,6 +8,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import click
 
 from llmgw_slurm import __version__
-from llmgw_slurm.audit import Period
+from llmgw_slurm.audit import AuditRow, Period
 from llmgw_slurm.cli.common import (
     DaemonReply,
     call_daemon,
@@ -27,8 +28,9 @@ from llmgw_slurm.cli.common import (
 )
 from llmgw_slurm.config import HostPort, ServerConfig
 from llmgw_slurm.durations import format_duration
+from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.slurm.cli import CliBackend
-from llmgw_slurm.slurm.types import NodeInfo
+from llmgw_slurm.slurm.types import AccountingRecord, NodeInfo, SlurmBackend
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -244,7 +246,16 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
     click.echo(f"daemon {url} · version {st.get('version', '?')} · {st.get('passes')} passes")
     if st.get("last_pass_error"):
         click.echo(f"WARNING: the last pass could not ask Slurm: {st['last_pass_error']}")
+    now = float(st.get("now") or time.time())
     models = st.get("models") or []
+    _print_models(models)
+    _print_replicas(models)
+    _print_service_jobs(st.get("jobs") or [])
+    _print_nodes(st.get("nodes") or [], st.get("nodes_listed_at"), now)
+    _print_decisions((st.get("decisions") or [])[-decisions:] if decisions > 0 else [], now)
+
+
+def _print_models(models: list[dict[str, Any]]) -> None:
     click.echo()
     click.echo(
         table(
@@ -264,59 +275,64 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
     for m in models:
         if m.get("note"):
             click.echo(f"  {m['name']}: {m['note']}")
+
+
+def _print_replicas(models: list[dict[str, Any]]) -> None:
     reps = [(m, r) for m in models for r in (m.get("replicas") or [])]
     click.echo()
-    if reps:
-        click.echo(
-            table(
-                ("REPLICA", "MODEL", "JOB", "STATE", "NODES", "STEP / REASON", "IDLE"),
-                [
-                    (
-                        r.get("id"),
-                        m.get("name"),
-                        r.get("job_id"),
-                        r.get("state"),
-                        ",".join(r.get("nodes") or []) or "-",
-                        r.get("reason") if r.get("state") == "pending" else r.get("step") or "-",
-                        "-" if r.get("idle_s") is None else format_duration(float(r["idle_s"])),
-                    )
-                    for m, r in reps
-                ],
-            )
-        )
-    else:
+    if not reps:
         click.echo("no replicas")
-    _print_service_jobs(st.get("jobs") or [])
-    nodes_ = st.get("nodes") or []
-    if nodes_:
-        click.echo()
-        listed = st.get("nodes_listed_at")
-        if isinstance(listed, int | float):
-            now = float(st.get("now") or time.time())
-            click.echo(f"nodes as Slurm listed them {format_duration(now - listed)} ago:")
-        click.echo(
-            table(
-                ("NODE", "STATE", "PARTITIONS", "GPUS FREE/TOTAL"),
-                [
-                    (
-                        n.get("name"),
-                        n.get("state"),
-                        ",".join(n.get("partitions") or []),
-                        f"{n.get('gpus_free')}/{n.get('gpus_total')}",
-                    )
-                    for n in nodes_
-                ],
-            )
+        return
+    click.echo(
+        table(
+            ("REPLICA", "MODEL", "JOB", "STATE", "NODES", "STEP / REASON", "IDLE"),
+            [
+                (
+                    r.get("id"),
+                    m.get("name"),
+                    r.get("job_id"),
+                    r.get("state"),
+                    ",".join(r.get("nodes") or []) or "-",
+                    r.get("reason") if r.get("state") == "pending" else r.get("step") or "-",
+                    "-" if r.get("idle_s") is None else format_duration(float(r["idle_s"])),
+                )
+                for m, r in reps
+            ],
         )
-    ds = (st.get("decisions") or [])[-decisions:] if decisions > 0 else []
-    if ds:
-        now = float(st.get("now") or time.time())
-        click.echo("\nrecent decisions (newest last):")
-        # Lines, not a table: a reason quotes Slurm and is worth reading whole.
-        for d in ds:
-            ago = format_duration(now - float(d.get("at") or now))
-            rid = f" {d['replica']}" if d.get("replica") else ""
-            click.echo(f"{ago:>7} ago  {d.get('action')} {d.get('model')}{rid}: {d.get('reason')}")
+    )
+
+
+def _print_nodes(nodes: list[dict[str, Any]], listed: object, now: float) -> None:
+    if not nodes:
+        return
+    click.echo()
+    if isinstance(listed, int | float):
+        click.echo(f"nodes as Slurm listed them {format_duration(now - listed)} ago:")
+    click.echo(
+        table(
+            ("NODE", "STATE", "PARTITIONS", "GPUS FREE/TOTAL"),
+            [
+                (
+                    n.get("name"),
+                    n.get("state"),
+                    ",".join(n.get("partitions") or []),
+                    f"{n.get('gpus_free')}/{n.get('gpus_total')}",
+                )
+                for n in nodes
+            ],
+        )
+    )
+
+
+def _print_decisions(ds: list[dict[str, Any]], now: float) -> None:
+    if not ds:
+        return
+    click.echo("\nrecent decisions (newest last):")
+    # Lines, not a table: a reason quotes Slurm and is worth reading whole.
+    for d in ds:
+        ago = format_duration(now - float(d.get("at") or now))
+        rid = f" {d['replica']}" if d.get("replica") else ""
+        click.echo(f"{ago:>7} ago  {d.get('action')} {d.get('model')}{rid}: {d.get('reason')}")
 
 
 def _print_service_jobs(jobs: list[dict[str, Any]]) -> None:
@@ -455,7 +471,6 @@ def audit(
 ) -> None:
     """GPU hours, jobs, failures and preemptions per model and period, from sacct."""
     from llmgw_slurm import audit as auditmod
-    from llmgw_slurm.errors import SlurmError
     from llmgw_slurm.slurm import make_backend
 
     if as_csv and as_json:
@@ -470,18 +485,7 @@ def audit(
     who = user or _service_user(server)
     backend = make_backend(server.slurm.backend, timeout=max(server.slurm.command_timeout, 60))
     prefix = server.slurm.job_prefix
-    try:
-        # All users, then only the service's: a name prefix alone can be copied by anyone.
-        # Every run of a requeued job: a preempted run's GPU hours and its preemption.
-        recs = run(backend.accounting(t0, t1, name_prefix=prefix, all_users=True, duplicates=True))
-    except SlurmError as exc:
-        detail = (exc.stderr.strip().splitlines() or [str(exc)])[-1]
-        if _DBD_DOWN.search(exc.stderr or ""):
-            raise click.ClickException(
-                f"cannot reach accounting (slurmdbd): {detail} "
-                "(sacct needs slurmdbd up and AccountingStorageType=accounting_storage/slurmdbd)"
-            ) from None
-        raise click.ClickException(f"sacct failed: {exc}") from None
+    recs = _accounting(backend, t0, t1, prefix)
     recs = [r for r in recs if r.user == who]
     rows = auditmod.aggregate(recs, prefix, t0, t1, by, now)
     if as_json:
@@ -506,7 +510,28 @@ def audit(
     if not rows:
         click.echo("no jobs")
         return
-    tot = auditmod.totals(rows)
+    _print_audit(rows, auditmod.totals(rows))
+
+
+def _accounting(
+    backend: SlurmBackend, t0: datetime, t1: datetime, prefix: str
+) -> list[AccountingRecord]:
+    """sacct's records of jobs named PREFIX*, every user's; a clear error when slurmdbd is down."""
+    try:
+        # All users, then only the service's: a name prefix alone can be copied by anyone.
+        # Every run of a requeued job: a preempted run's GPU hours and its preemption.
+        return run(backend.accounting(t0, t1, name_prefix=prefix, all_users=True, duplicates=True))
+    except SlurmError as exc:
+        detail = (exc.stderr.strip().splitlines() or [str(exc)])[-1]
+        if _DBD_DOWN.search(exc.stderr or ""):
+            raise click.ClickException(
+                f"cannot reach accounting (slurmdbd): {detail} "
+                "(sacct needs slurmdbd up and AccountingStorageType=accounting_storage/slurmdbd)"
+            ) from None
+        raise click.ClickException(f"sacct failed: {exc}") from None
+
+
+def _print_audit(rows: Sequence[AuditRow], tot: Mapping[str, Any]) -> None:
     click.echo(
         table(
             ("PERIOD", "MODEL", "JOBS", "GPU HOURS", "FAILED", "TIMEOUT", "PREEMPTED"),

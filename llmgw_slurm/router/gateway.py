@@ -879,16 +879,7 @@ class Gateway:
         unreachable: set[tuple[str, str, int]] = set()
         while True:
             tried.add(ep.replica_id)
-            headers = {
-                # The replica's engine key, never the client's gateway key.
-                "Authorization": f"Bearer {ep.api_key}",
-                "Content-Type": "application/json",
-                "Accept": request.headers.get("Accept", "*/*"),
-                "Accept-Encoding": "identity",
-            }
-            if "X-Request-Id" in request.headers:
-                headers["X-Request-Id"] = request.headers["X-Request-Id"]
-            propagate.inject(headers)
+            headers = _upstream_headers(request, ep)
             span = trace.get_current_span()
             span.set_attribute("llmgw.replica_id", ep.replica_id)
             key_ = (model, ep.replica_id)
@@ -1095,6 +1086,20 @@ async def _openai_errors(
 
 
 GATEWAY_KEY = web.AppKey("llmgw.gateway", Gateway)
+
+
+def _upstream_headers(request: web.Request, ep: Endpoint) -> dict[str, str]:
+    headers = {
+        # The replica's engine key, never the client's gateway key.
+        "Authorization": f"Bearer {ep.api_key}",
+        "Content-Type": "application/json",
+        "Accept": request.headers.get("Accept", "*/*"),
+        "Accept-Encoding": "identity",
+    }
+    if "X-Request-Id" in request.headers:
+        headers["X-Request-Id"] = request.headers["X-Request-Id"]
+    propagate.inject(headers)
+    return headers
 
 
 def create_app(

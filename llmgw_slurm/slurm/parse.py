@@ -239,6 +239,18 @@ def parse_squeue(stdout: str, name_prefix: str = "", cache: SqueueCache | None =
             rows[key] = []
             order.append(key)
         rows[key].append(f)
+    if unreadable and not readable:
+        raise _nothing_readable("squeue", unreadable)
+    jobs = _jobs_in_order(order, rows, name_prefix)
+    if cache is not None:
+        cache.lines = new_lines
+    return jobs
+
+
+def _jobs_in_order(
+    order: list[str | Job], rows: dict[str, list[list[str]]], name_prefix: str
+) -> list[Job]:
+    """Jobs in squeue's order: cached ones as they are, the others built from their rows."""
     jobs: list[Job] = []
     for item in order:
         if isinstance(item, Job):
@@ -248,10 +260,6 @@ def parse_squeue(stdout: str, name_prefix: str = "", cache: SqueueCache | None =
             jobs.append(_job_from_rows(item, rows[item]))
         except SlurmParseError as exc:
             _unreadable_job(item, exc, name_prefix)
-    if unreadable and not readable:
-        raise _nothing_readable("squeue", unreadable)
-    if cache is not None:
-        cache.lines = new_lines
     return jobs
 
 

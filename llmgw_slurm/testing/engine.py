@@ -45,6 +45,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -305,12 +306,27 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         st.in_flight -= 1
 
 
-async def _generate_inner(
-    request: web.Request, kind: str, opts: EngineOptions
-) -> web.StreamResponse:
-    body = await _read_body(request)
-    if isinstance(body, web.Response):
-        return body
+@dataclass(frozen=True)
+class _Generation:
+    """One request's answer, decided before any of it is sent."""
+
+    kind: str  # "chat" or "completion"
+    rid: str
+    created: int
+    model: str
+    tokens: list[str]
+    usage: dict[str, int]
+    include_usage: bool
+    abort_after: Any
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat"
+
+
+def _read_generation(
+    body: dict[str, Any], kind: str, opts: EngineOptions
+) -> _Generation | web.Response:
     if kind == "chat":
         prompt = _prompt_text_chat(body.get("messages"))
         if prompt is None:
@@ -327,75 +343,93 @@ async def _generate_inner(
     include_usage, err = _stream_options(body)
     if err is not None:
         return err
-    abort_after = body.get("test_abort_after")
     tokens = _tokens(prompt, max_tokens)
-    usage = {
-        "prompt_tokens": len(_words(prompt)),
-        "completion_tokens": len(tokens),
-        "total_tokens": len(_words(prompt)) + len(tokens),
-    }
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:16]
-    created = int(time.time())
-    obj_kind = "chat.completion" if kind == "chat" else "text_completion"
-    name = opts.served_name
+    return _Generation(
+        kind=kind,
+        rid=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:16],
+        created=int(time.time()),
+        model=opts.served_name,
+        tokens=tokens,
+        usage={
+            "prompt_tokens": len(_words(prompt)),
+            "completion_tokens": len(tokens),
+            "total_tokens": len(_words(prompt)) + len(tokens),
+        },
+        include_usage=include_usage,
+        abort_after=body.get("test_abort_after"),
+    )
 
+
+async def _generate_inner(
+    request: web.Request, kind: str, opts: EngineOptions
+) -> web.StreamResponse:
+    body = await _read_body(request)
+    if isinstance(body, web.Response):
+        return body
+    gen = _read_generation(body, kind, opts)
+    if isinstance(gen, web.Response):
+        return gen
     if not body.get("stream"):
-        total = sum(opts.delay_before(i) for i in range(len(tokens)))
-        if total:
-            await asyncio.sleep(total)
-        text = "".join(tokens)
-        choice: dict[str, Any]
-        if kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "length",
-                "logprobs": None,
-            }
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
-        return web.json_response(
-            {
-                "id": rid,
-                "object": obj_kind,
-                "created": created,
-                "model": name,
-                "choices": [choice],
-                "usage": usage,
-            }
-        )
+        return await _answer_whole(gen, opts)
+    return await _answer_stream(request, gen, opts)
 
+
+async def _answer_whole(gen: _Generation, opts: EngineOptions) -> web.Response:
+    total = sum(opts.delay_before(i) for i in range(len(gen.tokens)))
+    if total:
+        await asyncio.sleep(total)
+    text = "".join(gen.tokens)
+    choice: dict[str, Any]
+    if gen.chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "length",
+            "logprobs": None,
+        }
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+    return web.json_response(
+        {
+            "id": gen.rid,
+            "object": "chat.completion" if gen.chat else "text_completion",
+            "created": gen.created,
+            "model": gen.model,
+            "choices": [choice],
+            "usage": gen.usage,
+        }
+    )
+
+
+def _chunk(gen: _Generation, delta_or_text: Any, finish: str | None) -> dict[str, Any]:
+    c: dict[str, Any]
+    if gen.chat:
+        c = {"index": 0, "delta": delta_or_text, "finish_reason": finish, "logprobs": None}
+    else:
+        c = {"index": 0, "text": delta_or_text, "finish_reason": finish, "logprobs": None}
+    out: dict[str, Any] = {
+        "id": gen.rid,
+        "object": "chat.completion.chunk" if gen.chat else "text_completion",
+        "created": gen.created,
+        "model": gen.model,
+        "choices": [c],
+    }
+    if gen.include_usage:
+        out["usage"] = None
+    return out
+
+
+async def _answer_stream(
+    request: web.Request, gen: _Generation, opts: EngineOptions
+) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
-    chunk_kind = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-    def chunk(delta_or_text: Any, finish: str | None) -> dict[str, Any]:
-        if kind == "chat":
-            c: dict[str, Any] = {
-                "index": 0,
-                "delta": delta_or_text,
-                "finish_reason": finish,
-                "logprobs": None,
-            }
-        else:
-            c = {"index": 0, "text": delta_or_text, "finish_reason": finish, "logprobs": None}
-        out: dict[str, Any] = {
-            "id": rid,
-            "object": chunk_kind,
-            "created": created,
-            "model": name,
-            "choices": [c],
-        }
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    if kind == "chat":
-        await resp.write(_sse(chunk({"role": "assistant", "content": ""}, None)))
-    for i, tok in enumerate(tokens):
-        if abort_after is not None and i >= abort_after:
+    if gen.chat:
+        await resp.write(_sse(_chunk(gen, {"role": "assistant", "content": ""}, None)))
+    for i, tok in enumerate(gen.tokens):
+        if gen.abort_after is not None and i >= gen.abort_after:
             # Drop the connection mid-stream, the way a crashed engine does.
             if request.transport is not None:
                 request.transport.abort()
@@ -403,21 +437,12 @@ async def _generate_inner(
         delay = opts.delay_before(i)
         if delay:
             await asyncio.sleep(delay)
-        await resp.write(_sse(chunk({"content": tok} if kind == "chat" else tok, None)))
-    await resp.write(_sse(chunk({} if kind == "chat" else "", "length")))
-    if include_usage:
-        await resp.write(
-            _sse(
-                {
-                    "id": rid,
-                    "object": chunk_kind,
-                    "created": created,
-                    "model": name,
-                    "choices": [],
-                    "usage": usage,
-                }
-            )
-        )
+        await resp.write(_sse(_chunk(gen, {"content": tok} if gen.chat else tok, None)))
+    await resp.write(_sse(_chunk(gen, {} if gen.chat else "", "length")))
+    if gen.include_usage:
+        last = _chunk(gen, None, None)
+        last["choices"], last["usage"] = [], gen.usage
+        await resp.write(_sse(last))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
