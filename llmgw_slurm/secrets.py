@@ -14,6 +14,8 @@ import re
 import secrets as _secrets
 from pathlib import Path
 
+from llmgw_slurm.fsutil import atomic_write
+
 __all__ = [
     "REPORT_SCHEME",
     "admin_token",
@@ -110,8 +112,5 @@ def load_or_create_server_key(path: Path) -> bytes:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
     key = _secrets.token_hex(32).encode()
-    tmp = path.with_suffix(".tmp")
-    tmp.touch(mode=0o600)
-    tmp.write_bytes(key + b"\n")
-    tmp.replace(path)
+    atomic_write(path, key + b"\n", mode=0o600)
     return key

@@ -44,6 +44,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from llmgw_slurm.config import TracingConfig
 from llmgw_slurm.errors import ConfigError
+from llmgw_slurm.fsutil import atomic_write
 
 __all__ = [
     "RateLimitedExporter",
@@ -289,9 +290,7 @@ def write_trace_marker(path: Path, span_context: SpanContext) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(tp + "\n", encoding="ascii")
-        os.replace(tmp, path)
+        atomic_write(path, tp + "\n")
     except OSError as exc:
         log.warning("tracing: cannot write trace marker %s: %s", path, exc)
 

@@ -15,7 +15,7 @@ is never taken for a finished one.
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import os
 import shutil
 import subprocess
@@ -28,6 +28,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from llmgw_slurm.agent.errors import AgentError
+from llmgw_slurm.fsutil import atomic_write, locked
 from llmgw_slurm.tracing import extract_env, write_trace_marker
 
 __all__ = ["InstallRequest", "InstallResult", "install_engine", "install_marker_for"]
@@ -114,14 +115,12 @@ def _venv(req: InstallRequest, tracer: trace.Tracer) -> bool:
         ):
             _run([py, "-m", "pip", "install", *req.pip_args, "--", *req.packages], "pip install")
     with tracer.start_as_current_span("llmgw.engine_install.mark"):
-        tmp = target / f"{INSTALLED}.tmp"
-        with tmp.open("wb") as out:
-            proc = subprocess.run([py, "-m", "pip", "freeze"], stdout=out, check=False)
+        proc = subprocess.run([py, "-m", "pip", "freeze"], stdout=subprocess.PIPE, check=False)
         if proc.returncode != 0:
             raise AgentError(
                 f"engine install: pip freeze in {target} failed (exit {proc.returncode})"
             )
-        os.replace(tmp, target / INSTALLED)
+        atomic_write(target / INSTALLED, proc.stdout)
     return True
 
 
@@ -160,10 +159,12 @@ def install_engine(req: InstallRequest, tracer: trace.Tracer | None = None) -> I
     ) as root:
         try:
             req.target.parent.mkdir(parents=True, exist_ok=True)
+            # lockf, not flock: installs go to shared storage (NFS, Lustre), where
+            # only POSIX locks reach the file server and exclude other nodes' jobs.
             lock_path = req.target.with_name(req.target.name + ".lock")
-            with lock_path.open("a") as lock:
+            with contextlib.ExitStack() as held:
                 with tracer.start_as_current_span("llmgw.engine_install.lock"):
-                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    held.enter_context(locked(lock_path))
                 installed = _venv(req, tracer) if req.kind == "venv" else _image(req, tracer)
         except (AgentError, OSError) as err:
             root.set_status(Status(StatusCode.ERROR, str(err)[:500]))

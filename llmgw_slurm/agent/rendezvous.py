@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import re
 import socket
 import subprocess
@@ -36,6 +35,7 @@ from pathlib import Path
 
 from llmgw_slurm.agent.errors import RendezvousError
 from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.fsutil import atomic_write
 from llmgw_slurm.slurm.cli import show_hostnames
 
 __all__ = [
@@ -231,9 +231,7 @@ def publish(path: Path, role: NodeRole, master_addr: str, master_port: int) -> N
         "nnodes": role.nnodes,
         "published_at": time.time(),
     }
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(doc))
 
 
 async def await_published(

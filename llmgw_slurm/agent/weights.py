@@ -14,16 +14,14 @@ so a catalog change of source never reuses a stale copy.
 
 Two jobs fetching the same model, on one node or many, take the lock in turn:
 the second finds the first's complete copy and only verifies it. The lock is
-a POSIX record lock (``fcntl.lockf``), which NFS and Lustre carry to the file
-server where ``flock`` may stay local to a node. POSIX locks belong to the
-process, so two threads of one process do not exclude each other: the agent
-fetches once per process.
+a POSIX record lock (:func:`llmgw_slurm.fsutil.locked`), which NFS and Lustre
+carry to the file server where ``flock`` may stay local to a node. POSIX locks
+belong to the process, so two threads of one process do not exclude each other:
+the agent fetches once per process.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -41,6 +39,7 @@ from pathlib import Path
 from llmgw_slurm.agent.errors import WeightsError
 from llmgw_slurm.agent.settings import FetchSettings
 from llmgw_slurm.catalog import WeightsSpec
+from llmgw_slurm.fsutil import LockTimeout, atomic_write, locked
 
 __all__ = [
     "MANIFEST",
@@ -125,9 +124,7 @@ def write_manifest(root: Path, source: str) -> int:
         total += size
         files[p.relative_to(root).as_posix()] = {"size": size, "sha256": _sha256(p)}
     doc = {"version": 1, "source": source, "written_at": time.time(), "files": files}
-    tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-    tmp.replace(root / MANIFEST)
+    atomic_write(root / MANIFEST, json.dumps(doc, indent=1, sort_keys=True))
     return total
 
 
@@ -158,30 +155,17 @@ def verify_manifest(root: Path, mode: str = "size") -> str | None:
 
 @contextmanager
 def _locked(lock_path: Path, timeout_s: float) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o664)
+    def waiting() -> None:
+        log.info("weights: another job holds %s, waiting", lock_path)
+
     try:
-        deadline = time.monotonic() + timeout_s
-        waited = False
-        while True:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as err:
-                if err.errno not in (errno.EACCES, errno.EAGAIN):
-                    raise
-                if not waited:
-                    log.info("weights: another job holds %s, waiting", lock_path)
-                    waited = True
-                if time.monotonic() > deadline:
-                    raise WeightsError(
-                        f"weights: waited {timeout_s:.0f}s for {lock_path}, held by another "
-                        "fetch of the same model; is it stuck?"
-                    ) from err
-                time.sleep(0.2)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
+        with locked(lock_path, timeout_s=timeout_s, on_wait=waiting):
+            yield
+    except LockTimeout as err:
+        raise WeightsError(
+            f"weights: waited {timeout_s:.0f}s for {lock_path}, held by another "
+            "fetch of the same model; is it stuck?"
+        ) from err
 
 
 def _fetch_copy(source: Path, dest: Path) -> None:

@@ -23,11 +23,9 @@ request without a restart.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import hmac
 import json
-import os
 import re
 import secrets
 import time
@@ -37,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw_slurm.errors import ConfigError, LlmgwError
+from llmgw_slurm.fsutil import atomic_write, locked
 
 __all__ = ["KeyRecord", "KeyRing", "NewKey", "add_key", "list_keys", "revoke_key"]
 
@@ -125,26 +124,14 @@ def _write(path: Path, records: dict[str, KeyRecord]) -> None:
         "version": _FORMAT_VERSION,
         "keys": [asdict(r) for r in records.values()],
     }
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    atomic_write(path, json.dumps(data, indent=2) + "\n", mode=0o600)
 
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = path.with_name(path.name + ".lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    # Two admins adding keys at once must not lose one of them.
+    with locked(path.with_name(path.name + ".lock"), mode=0o600):
         yield
-    finally:
-        os.close(fd)
 
 
 def add_key(path: Path, user: str, project: str = "") -> NewKey:
