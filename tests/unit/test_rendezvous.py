@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 
 from llmgw_slurm.agent import rendezvous as rdzv
 from llmgw_slurm.agent.errors import RendezvousError
+from llmgw_slurm.slurm.cli import show_hostnames
 
 HOSTS = {
     "gpu[01-02]": ["gpu01", "gpu02"],
@@ -134,6 +136,22 @@ def test_expand_brackets_asks_scontrol() -> None:
 
     assert rdzv.expand_hostnames("gpu[01-02]", run=fake_run) == ["gpu01", "gpu02"]
     assert seen == [["scontrol", "show", "hostnames", "gpu[01-02]"]]
+
+
+def test_expand_asks_scontrol_through_the_slurm_layer_without_its_input_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The agent's one Slurm call lives in llmgw_slurm/slurm/ and, like the daemon's,
+    # does not let the job's SCONTROL_* variables change what scontrol prints.
+    monkeypatch.setenv("SCONTROL_ALL", "1")
+    envs: list[dict[str, str]] = []
+
+    def fake_run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        envs.append(kw["env"])
+        return subprocess.CompletedProcess(argv, 0, "gpu01\n", "")
+
+    assert show_hostnames("gpu[01]", run=fake_run) == ["gpu01"]
+    assert "SCONTROL_ALL" not in envs[0] and envs[0]["PATH"] == os.environ["PATH"]
 
 
 def test_expand_scontrol_failure_is_clear() -> None:
