@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from llmgw_slurm.slurm import Job, JobSpec, JobState
-from llmgw_slurm.slurm.cli import CliBackend
+from llmgw_slurm.slurm.cli import CliBackend, show_hostnames
 from tests.slurm.conftest import eventually
 
 
@@ -318,3 +318,8 @@ async def test_listing_500_jobs_is_one_call(backend: CliBackend, prefix: str) ->
     assert {j.job_id for j in jobs} >= set(ids)
     assert all(j.state is JobState.PENDING for j in jobs if j.job_id in set(ids))
     subprocess.run(["scancel", *ids], check=True)
+
+
+def test_show_hostnames_expands_what_slurm_writes() -> None:
+    # The agent's one Slurm call (multi-node rendezvous), against the real scontrol.
+    assert show_hostnames("gpunode[1-2],gpunode4") == ["gpunode1", "gpunode2", "gpunode4"]
