@@ -61,6 +61,7 @@ class EngineSpec:
     apptainer_image: str | None = None
     health_path: str = "/health"
     ready_timeout_s: float | None = None
+    tls: bool = True
     # Not in the catalog: where vLLM and SGLang report their request gauges.
     metrics_path: str = "/metrics"
 
@@ -148,6 +149,7 @@ def _engine(raw: Any) -> EngineSpec:
         "apptainer_image",
         "health_path",
         "ready_timeout",
+        "tls",
     )
     obj = _obj(raw, "engine", allowed)
     kind = obj.get("kind")
@@ -174,6 +176,9 @@ def _engine(raw: Any) -> EngineSpec:
     ):
         raise _err("engine.ready_timeout", f"expected a positive number, got {timeout!r}")
     image = obj.get("apptainer_image")
+    tls = obj.get("tls", True)
+    if not isinstance(tls, bool):
+        raise _err("engine.tls", f"expected true or false, got {tls!r}")
     return EngineSpec(
         kind=kind,
         args=_str_list(obj.get("args", []), "engine.args"),
@@ -182,6 +187,7 @@ def _engine(raw: Any) -> EngineSpec:
         apptainer_image=_str(image, "engine.apptainer_image") if image is not None else None,
         health_path=_path_in_url(obj.get("health_path", "/health"), "engine.health_path"),
         ready_timeout_s=float(timeout) if timeout is not None else None,
+        tls=tls,
     )
 
 

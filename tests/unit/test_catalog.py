@@ -497,7 +497,7 @@ def test_engine_rules(tmp_path: Path) -> None:
         engine: {kind: sglang, health_path: health}
         weights: {source: /m/e}
     """
-    valid = "{host}, {port}, {model_path}, {api_key}, {served_name}"
+    valid = "{host}, {port}, {model_path}, {api_key}, {served_name}, {tls_certfile}, {tls_keyfile}, {tls_ca_certs}"
     assert errors_of(tmp_path, text) == [
         "F:3: models[0].engine.command: kind 'command' needs a command list, e.g. "
         "[python, -m, my.server, --port, '{port}']",
@@ -769,7 +769,7 @@ def test_bad_spec_is_a_config_error() -> None:
         model_from_spec({"name": "a", "engine": {"kind": "vllm", "argz": []}})
     assert [str(e) for e in info.value.errors] == [
         "LLMGW_REPLICA_SPEC: engine.argz: unknown key 'argz'; did you mean 'args'? (valid keys: "
-        "apptainer_image, args, command, env, health_path, kind, ready_timeout)",
+        "apptainer_image, args, command, env, health_path, kind, ready_timeout, tls)",
     ]
 
 
