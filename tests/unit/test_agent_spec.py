@@ -137,9 +137,9 @@ def test_job_context() -> None:
 
 
 def test_a_tls_engine_needs_the_gateway_certificate() -> None:
-    with pytest.raises(ConfigError, match="^LLMGW_GATEWAY_CERT: not set, and the model's engine"):
+    with pytest.raises(ConfigError, match=r"^LLMGW_GATEWAY_CERT: not set, and the model's engine"):
         job_context_from_env(env(LLMGW_GATEWAY_CERT=""))
-    with pytest.raises(ConfigError, match="^LLMGW_GATEWAY_CERT: expected exactly one PEM"):
+    with pytest.raises(ConfigError, match=r"^LLMGW_GATEWAY_CERT: expected exactly one PEM"):
         job_context_from_env(env(LLMGW_GATEWAY_CERT="not a certificate"))
     # A plain-HTTP engine (engine.tls: false) has no use for it.
     plain = spec()

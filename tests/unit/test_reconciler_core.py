@@ -21,7 +21,7 @@ import pytest
 import yaml
 from _router_support import eventually, serve, serve_engine  # type: ignore[import-not-found]
 
-from llmgw_slurm.catalog import load_catalog
+from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.errors import SlurmUnavailable
 from llmgw_slurm.reconciler import plan as planmod
@@ -922,3 +922,64 @@ async def test_a_restart_does_not_cancel_a_job_that_started_long_before(tmp_path
     (cancel,) = await rec.pass_once()
     assert cancel.kind.value == "cancel" and cancel.failure
     assert cancel.reason == f"not ready {planmod._fmt_s(limit + 1)} after it was adopted"
+
+
+async def test_an_engine_address_without_its_certificate_is_never_probed(tmp_path: Path) -> None:
+    """The engine key goes only where a pinned handshake can succeed: an https address
+    without a certificate, or plain http for a model whose engine serves TLS, is refused
+    before any connection is made."""
+    rec, fake = make(tmp_path)
+    rid = "0a1b2c3d"
+    fake.jobs = [job("7", "m", rid, JobState.RUNNING)]
+    await rec.pass_once()
+    opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="m")
+    async with serve(create_engine_app(opts)) as plain_url:
+        for body in (
+            {"event": "ready", "url": plain_url.replace("http:", "https:")},
+            {"event": "ready", "url": plain_url},
+            {"event": "heartbeat", "url": plain_url, "cert": "junk"},
+        ):
+            rec.report(rid, replica_secret(KEY, rid), body)
+            assert rec._tasks == set()  # no probe started
+            assert rec.decisions[-1].action == "probe-refused"
+    assert rec.endpoints("m") == []
+    # The same engine behind TLS, named with its certificate, is routed, pinned.
+    async with serve_engine(create_engine_app(opts), rec.engine_tls.identity) as (url, cert):
+        rec.report(rid, replica_secret(KEY, rid), {"event": "ready", "url": url, "cert": cert})
+        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        (ep,) = rec.endpoints("m")
+        assert ep.base_url == url and ep.ssl is rec.engine_tls.get(cert)
+    await rec.close()
+
+
+async def test_a_model_without_tls_is_routed_over_plain_http(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path)
+    rec.set_catalog(
+        Catalog(
+            tuple(
+                dataclasses.replace(m, engine=dataclasses.replace(m.engine, tls=False))
+                for m in rec.catalog.models
+            )
+        )
+    )
+    rid = "0a1b2c3d"
+    fake.jobs = [job("7", "m", rid, JobState.RUNNING)]
+    await rec.pass_once()
+    opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="m")
+    async with serve(create_engine_app(opts)) as url:
+        rec.report(rid, replica_secret(KEY, rid), {"event": "ready", "url": url})
+        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        (ep,) = rec.endpoints("m")
+        assert ep.base_url == url and ep.ssl is None
+    await rec.close()
+
+
+async def test_jobs_carry_the_gateways_certificate_and_never_its_key(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path, {"min": 1, "max": 1})
+    await rec.pass_once()
+    (spec,) = fake.submitted
+    ident = rec.engine_tls.identity
+    assert spec.env["LLMGW_GATEWAY_CERT"] == ident.cert_pem
+    key_pem = ident.key_file.read_text()
+    assert all(key_pem.strip() not in v for v in spec.env.values())
+    assert key_pem.strip() not in spec.script
