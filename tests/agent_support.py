@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -11,10 +12,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientSession, TCPConnector, web
 
 from llmgw_slurm.secrets import parse_report_auth, report_signature
-from llmgw_slurm.tls import Identity, engine_address_problem, make_identity
+from llmgw_slurm.tls import Identity, client_context, engine_address_problem, make_identity
 
 RID = "0123abcd"
 SECRET = "replica-secret-xyz"
@@ -28,6 +29,19 @@ def gateway_identity(folder: Path) -> Identity:
     """A gateway client identity for a test: the certificate a job gets, and its key."""
     folder.mkdir(parents=True, exist_ok=True)
     return make_identity(folder, "gateway-client", "test gateway", 1)
+
+
+def as_gateway(identity: Identity, engine_cert: str | None = None, **kw: Any) -> ClientSession:
+    """A client session that connects to engines as the gateway does: ``identity``'s
+    client certificate, pinning ``engine_cert`` (None: checking no server certificate,
+    for a test that has not heard it)."""
+    if engine_cert is not None:
+        ctx = client_context(engine_cert, identity.cert_file, identity.key_file)
+    else:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        ctx.load_cert_chain(identity.cert_file, identity.key_file)
+    return ClientSession(connector=TCPConnector(ssl=ctx), **kw)
 
 
 def fake_engine_spec(
