@@ -87,7 +87,16 @@ _HF_RE = re.compile(
     r"(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9._/-]{0,99}))?"
 )
 
-PLACEHOLDERS = ("host", "port", "model_path", "api_key", "served_name")
+PLACEHOLDERS = (
+    "host",
+    "port",
+    "model_path",
+    "api_key",
+    "served_name",
+    "tls_certfile",
+    "tls_keyfile",
+    "tls_ca_certs",
+)
 """Placeholders a ``command`` engine may use in ``command`` and ``args``."""
 
 EngineKind = Literal["vllm", "sglang", "command"]
@@ -224,6 +233,16 @@ class EngineSpec:
     ready_timeout: float | None = field(
         default=None, metadata=rule(gt=0, parse=_schema.parse_duration)
     )
+    # Default true: the engine serves TLS with a certificate its agent makes for
+    # this replica, and accepts only the gateway's client certificate (and the
+    # agent's): other users of the node reach none of its paths, and a listener
+    # that takes its port gets no request (docs/operations.md, Security). vllm
+    # and sglang are given the flags; a `command` engine must serve https with
+    # {tls_certfile} {tls_keyfile} and require client certificates signed as in
+    # {tls_ca_certs} (also in LLMGW_TLS_CERTFILE, _KEYFILE, _CA_CERTS).
+    # false: plain HTTP, for an engine that cannot; its port is then checked to
+    # belong to the job's user before the agent sends it anything.
+    tls: bool = True
 
     def _problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -11,16 +12,36 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientSession, TCPConnector, web
 
 from llmgw_slurm.secrets import parse_report_auth, report_signature
+from llmgw_slurm.tls import Identity, client_context, engine_address_problem, make_identity
 
 RID = "0123abcd"
 SECRET = "replica-secret-xyz"
 KEY = "engine-key-abc"
-BODY_KEYS = {"event", "step", "status", "url", "node", "job_id", "message", "elapsed_s"}
+BODY_KEYS = {"event", "step", "status", "url", "node", "job_id", "message", "elapsed_s", "cert"}
 EVENTS = {"step", "ready", "heartbeat", "draining", "failed", "stopped"}
 FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
+
+
+def gateway_identity(folder: Path) -> Identity:
+    """A gateway client identity for a test: the certificate a job gets, and its key."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return make_identity(folder, "gateway-client", "test gateway", 1)
+
+
+def as_gateway(identity: Identity, engine_cert: str | None = None, **kw: Any) -> ClientSession:
+    """A client session that connects to engines as the gateway does: ``identity``'s
+    client certificate, pinning ``engine_cert`` (None: checking no server certificate,
+    for a test that has not heard it)."""
+    if engine_cert is not None:
+        ctx = client_context(engine_cert, identity.cert_file, identity.key_file)
+    else:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        ctx.load_cert_chain(identity.cert_file, identity.key_file)
+    return ClientSession(connector=TCPConnector(ssl=ctx), **kw)
 
 
 def fake_engine_spec(
@@ -96,6 +117,11 @@ class FakeDaemon:
             problems.append(f"status {body.get('status')!r}")
         if body.get("event") in ("ready", "heartbeat") and not body.get("url"):
             problems.append("ready/heartbeat without url")
+        if body.get("event") in ("ready", "heartbeat") and body.get("url"):
+            # The daemon pins what a ready or heartbeat report names.
+            problem = engine_address_problem(body["url"], body.get("cert"), False)
+            if problem:
+                problems.append(problem)
         if problems:
             self.refused.append("; ".join(problems))
             return web.json_response({"ok": False}, status=400)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -136,7 +137,14 @@ def main() -> None:
     if args.crash_at_start:
         print("fake engine: CUDA out of memory (pretend)", file=sys.stderr, flush=True)
         sys.exit(args.crash_at_start)
-    web.run_app(build(args), host=args.host, port=args.port, print=None)
+    # TLS as the agent gives it: its pair, and client certificates required.
+    ctx = None
+    if os.environ.get("LLMGW_TLS_CERTFILE"):
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(os.environ["LLMGW_TLS_CERTFILE"], os.environ["LLMGW_TLS_KEYFILE"])
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(os.environ["LLMGW_TLS_CA_CERTS"])
+    web.run_app(build(args), host=args.host, port=args.port, print=None, ssl_context=ctx)
     print("fake engine: stopped", flush=True)
 
 

@@ -9,6 +9,13 @@ process (``sys.argv`` there is not what ``ps`` shows). A custom command may
 use ``{api_key}``, at its own risk; ``LLMGW_ENGINE_API_KEY`` is in its
 environment too. vLLM run through ``engines.vllm.executable`` (``vllm serve``)
 reads ``VLLM_API_KEY`` as well.
+
+With ``engine.tls`` (the default) the engine serves TLS with the replica's own
+key pair and requires a client certificate (llmgw_slurm/tls.py): vLLM takes
+``--ssl-*`` flags; SGLang's server is uvicorn, which the same few lines of
+Python configure from the environment (SGLang's own TLS flags differ between
+versions, uvicorn's settings do not); a ``command`` engine gets the files as
+placeholders and in ``LLMGW_TLS_*``.
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ import contextlib
 import logging
 import os
 import signal
+import ssl
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -30,14 +38,17 @@ import aiohttp
 from llmgw_slurm.agent.errors import EngineError
 from llmgw_slurm.catalog import EngineSpec
 from llmgw_slurm.config import EngineRuntime
+from llmgw_slurm.tls import EngineTLS
 
 __all__ = [
     "API_KEY_ENV",
+    "TLS_ENV",
     "DistInfo",
     "EngineCommand",
     "EngineProcess",
     "LaunchParams",
     "build_engine_command",
+    "check_port_owner",
     "engine_env",
     "in_flight_from_metrics",
     "wait_ready",
@@ -50,11 +61,28 @@ API_KEY_ENV = "LLMGW_ENGINE_API_KEY"
 # secret leaked there would let it register as the replica.
 _WITHHELD_ENV = ("LLMGW_REPLICA_SECRET",)
 
+# Where a TLS engine finds its files: its certificate, its key, and the client
+# certificates it accepts.
+TLS_ENV = ("LLMGW_TLS_CERTFILE", "LLMGW_TLS_KEYFILE", "LLMGW_TLS_CA_CERTS")
+
+# SGLang serves through uvicorn. With the TLS variables set, every uvicorn
+# server of the process serves TLS and requires a client certificate: the
+# settings are patched into uvicorn.Config, which both uvicorn.run and
+# uvicorn.Server take their settings from.
 _SGLANG_SHIM = (
-    "import os, runpy, sys; "
+    "import os, runpy, sys\n"
     "sys.argv = ['sglang.launch_server', *sys.argv[1:], "
-    f"'--api-key', os.environ['{API_KEY_ENV}']]; "
-    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
+    f"'--api-key', os.environ['{API_KEY_ENV}']]\n"
+    f"if os.environ.get('{TLS_ENV[0]}'):\n"
+    "    import ssl, uvicorn\n"
+    "    _init = uvicorn.Config.__init__\n"
+    "    def _tls_init(self, *a, **kw):\n"
+    f"        kw.update(ssl_certfile=os.environ['{TLS_ENV[0]}'], "
+    f"ssl_keyfile=os.environ['{TLS_ENV[1]}'], ssl_ca_certs=os.environ['{TLS_ENV[2]}'], "
+    "ssl_cert_reqs=ssl.CERT_REQUIRED)\n"
+    "        _init(self, *a, **kw)\n"
+    "    uvicorn.Config.__init__ = _tls_init\n"
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
 )
 
 PLACEHOLDERS = (
@@ -67,6 +95,9 @@ PLACEHOLDERS = (
     "node_rank",
     "master_addr",
     "master_port",
+    "tls_certfile",
+    "tls_keyfile",
+    "tls_ca_certs",
 )
 
 
@@ -96,6 +127,7 @@ class LaunchParams:
     apptainer: str = "apptainer"
     apptainer_binds: tuple[str, ...] = ()
     binds: tuple[str, ...] = ()
+    tls: EngineTLS | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +174,17 @@ def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
         ]
         if p.dist.node_rank > 0:
             argv.append("--headless")
+    if p.tls is not None:
+        argv += [
+            "--ssl-certfile",
+            str(p.tls.identity.cert_file),
+            "--ssl-keyfile",
+            str(p.tls.identity.key_file),
+            "--ssl-ca-certs",
+            str(p.tls.ca_file),
+            "--ssl-cert-reqs",
+            str(int(ssl.CERT_REQUIRED)),
+        ]
     return argv + list(spec.args)
 
 
@@ -190,6 +233,7 @@ def _command(spec: EngineSpec, p: LaunchParams, api_key: str) -> list[str]:
         "node_rank": str(d.node_rank),
         "master_addr": d.master_addr,
         "master_port": str(d.master_port),
+        **dict(zip(("tls_certfile", "tls_keyfile", "tls_ca_certs"), _tls_files(p), strict=True)),
     }
     out = []
     for arg in (*spec.command, *spec.args):
@@ -209,6 +253,13 @@ def _command(spec: EngineSpec, p: LaunchParams, api_key: str) -> list[str]:
     return out
 
 
+def _tls_files(p: LaunchParams) -> tuple[str, str, str]:
+    """Certificate, key and accepted clients; empty strings for an engine without TLS."""
+    if p.tls is None:
+        return ("", "", "")
+    return (str(p.tls.identity.cert_file), str(p.tls.identity.key_file), str(p.tls.ca_file))
+
+
 def build_engine_command(spec: EngineSpec, p: LaunchParams, api_key: str) -> EngineCommand:
     """The engine's argv and the environment it needs on top of the agent's."""
     in_image = spec.apptainer_image is not None
@@ -223,6 +274,8 @@ def build_engine_command(spec: EngineSpec, p: LaunchParams, api_key: str) -> Eng
         argv = _command(spec, p, api_key)
     else:
         raise EngineError(f"engine.kind: {spec.kind!r} is not an engine")
+    if p.tls is not None:
+        env.update(zip(TLS_ENV, _tls_files(p), strict=True))
     if p.dist:
         env.update(
             MASTER_ADDR=p.dist.master_addr,
@@ -239,7 +292,8 @@ def build_engine_command(spec: EngineSpec, p: LaunchParams, api_key: str) -> Eng
         # --nv binds the host's NVIDIA driver; the host environment (the key
         # included) passes into the container by Apptainer's default.
         wrap = [p.apptainer, "exec", "--nv"]
-        for b in (*p.apptainer_binds, *p.binds):
+        tls_dir = (str(p.tls.directory),) if p.tls is not None else ()
+        for b in (*p.apptainer_binds, *p.binds, *tls_dir):
             wrap += ["--bind", b]
         argv = [*wrap, spec.apptainer_image, *argv]
     return EngineCommand(argv=argv, env=env)
@@ -366,6 +420,24 @@ def _ignore_usr1() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def check_port_owner(port: int, uid: int, owners: set[int] | None) -> bool:
+    """True when ``port`` listens for ``uid`` alone; EngineError when another user holds it.
+
+    False: nobody listens yet (the engine is still loading), or the socket
+    tables cannot be read (then only TLS protects the poll).
+    """
+    if owners is None or not owners:
+        return owners is None
+    strangers = owners - {uid}
+    if strangers:
+        raise EngineError(
+            f"port {port} on this node is held by uid {', '.join(map(str, sorted(strangers)))}, "
+            f"not this job's user ({uid}): another user's process listens on the engine's "
+            "port, so nothing is sent to it; the next start picks another random port"
+        )
+    return True
+
+
 async def wait_ready(
     session: aiohttp.ClientSession,
     url: str,
@@ -373,10 +445,16 @@ async def wait_ready(
     timeout_s: float,
     poll_s: float,
     api_key: str | None = None,
+    *,
+    ssl_ctx: ssl.SSLContext | None = None,
+    port_ok: Callable[[], bool] | None = None,
 ) -> float:
     """Poll ``url`` until it answers 200; returns the seconds it took.
 
-    The engine exiting first is a failure carrying its exit code and last lines.
+    The engine exiting first is a failure carrying its exit code and last
+    lines. ``port_ok`` (see :func:`check_port_owner`) is asked before each
+    poll: nothing, the key least of all, goes to a port this job does not hold.
+    ``ssl_ctx`` pins the engine's certificate.
     """
     start = time.monotonic()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -390,15 +468,12 @@ async def wait_ready(
                 raise EngineError(
                     f"engine exited with code {rc} before it was ready; last lines:\n{tail}"
                 )
-            try:
-                async with session.get(
-                    url, headers=headers, timeout=aiohttp.ClientTimeout(total=max(poll_s, 5.0))
-                ) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - start
-                    last = f"HTTP {resp.status}"
-            except (aiohttp.ClientError, TimeoutError) as err:
-                last = type(err).__name__
+            if port_ok is None or port_ok():
+                last = await _poll_once(session, url, headers, poll_s, ssl_ctx)
+                if last == "ready":
+                    return time.monotonic() - start
+            else:
+                last = "not listening yet"
             elapsed = time.monotonic() - start
             if elapsed > timeout_s:
                 tail = "\n".join(engine.tail()[-20:])
@@ -410,6 +485,29 @@ async def wait_ready(
     finally:
         if not exited.done():
             exited.cancel()
+
+
+async def _poll_once(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: Mapping[str, str],
+    poll_s: float,
+    ssl_ctx: ssl.SSLContext | None,
+) -> str:
+    """ "ready", or what the engine answered instead."""
+    try:
+        async with session.get(
+            url,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=max(poll_s, 5.0)),
+            ssl=ssl_ctx if ssl_ctx is not None else True,
+        ) as resp:
+            return "ready" if resp.status == 200 else f"HTTP {resp.status}"
+    except aiohttp.ClientSSLError as err:
+        # A listener without the replica's key: never a reason to send more.
+        return f"TLS handshake refused ({type(err).__name__})"
+    except (aiohttp.ClientError, TimeoutError) as err:
+        return type(err).__name__
 
 
 _METRICS_IN_FLIGHT = (

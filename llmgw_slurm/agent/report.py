@@ -66,6 +66,7 @@ class DaemonClient:
         url: str | None = None,
         message: str | None = None,
         elapsed_s: float | None = None,
+        cert: str | None = None,
     ) -> dict[str, Any]:
         if event not in EVENTS:
             raise ValueError(f"unknown report event {event!r}")
@@ -80,6 +81,9 @@ class DaemonClient:
             "job_id": self.job_id,
             "message": message[-4000:] if message else message,
             "elapsed_s": round(elapsed_s, 3) if elapsed_s is not None else None,
+            # The engine's certificate (public), which the daemon pins: it comes
+            # in a signed report, so only this replica's agent can name it.
+            "cert": cert,
         }
 
     async def send_once(self, body: dict[str, Any]) -> ReportAnswer | None:

@@ -18,9 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
+import secrets
+import shutil
 import signal
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -39,17 +43,20 @@ from llmgw_slurm.agent.engine import (
     EngineProcess,
     LaunchParams,
     build_engine_command,
+    check_port_owner,
     engine_env,
     in_flight_from_metrics,
     wait_ready,
 )
 from llmgw_slurm.agent.errors import AgentError
 from llmgw_slurm.agent.install import install_marker_for
+from llmgw_slurm.agent.portowner import port_owner
 from llmgw_slurm.agent.report import DaemonClient
 from llmgw_slurm.agent.settings import AgentSettings
 from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
 from llmgw_slurm.catalog import Model, read_replica_spec
 from llmgw_slurm.errors import ConfigError
+from llmgw_slurm.tls import EngineTLS, PEMError, check_certificate, make_engine_tls
 from llmgw_slurm.tracing import extract_env, read_trace_marker, traceparent_of
 
 __all__ = ["Agent", "JobContext", "job_context_from_env"]
@@ -72,6 +79,9 @@ class JobContext:
     replica_secret: str
     engine_api_key: str
     spec: Model
+    # The gateway's client certificate (public): the one client, beside the
+    # agent, that a TLS engine lets in. Empty from a daemon that predates TLS.
+    gateway_cert: str = ""
 
 
 _REPLICA_ID = re.compile(r"^[0-9a-f]{8}$")
@@ -116,6 +126,19 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
             f"names model {spec.name!r} but LLMGW_MODEL is {env['LLMGW_MODEL']!r}",
             field="LLMGW_REPLICA_SPEC",
         )
+    gateway_cert = env.get("LLMGW_GATEWAY_CERT", "")
+    if gateway_cert:
+        try:
+            check_certificate(gateway_cert)
+        except PEMError as err:
+            raise ConfigError(str(err), field="LLMGW_GATEWAY_CERT") from err
+    elif spec.engine.tls:
+        raise ConfigError(
+            "not set, and the model's engine serves TLS (engine.tls, the default): the "
+            "daemon sets it when it submits the job; a daemon older than this agent does "
+            "not, so upgrade the daemon or set engine.tls: false for this model",
+            field="LLMGW_GATEWAY_CERT",
+        )
     return JobContext(
         replica_id=rid,
         model=spec.name,
@@ -123,6 +146,7 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
         replica_secret=env["LLMGW_REPLICA_SECRET"],
         engine_api_key=env["LLMGW_ENGINE_API_KEY"],
         spec=spec,
+        gateway_cert=gateway_cert,
     )
 
 
@@ -154,6 +178,8 @@ class Agent:
         self._published: Path | None = None
         self._log_files: list[IO[bytes]] = []
         self._metrics_url = ""
+        self._tls: EngineTLS | None = None
+        self._engine_ssl: ssl.SSLContext | None = None
         # Sends the start's spans right away once the replica serves (the batch
         # exporter would otherwise hold them for seconds); None: nothing to flush.
         self._flush = flush
@@ -352,17 +378,24 @@ class Agent:
             await self._startup_steps(session)
         await self._flush_spans()
 
+    async def _weights_step(self) -> str:
+        """The model's weights on this node; the path the engine loads."""
+        spec = self.job.spec
+        method = spec.weights.method if spec.weights else "none"
+        async with self._step("weights", method=method) as span:
+            result = await asyncio.to_thread(
+                ensure_weights, spec.name, spec.weights, self.settings.fetch
+            )
+            span.set_attribute("llmgw.weights.fetched", result.fetched)
+            span.set_attribute("llmgw.weights.bytes", result.bytes)
+            if not result.fetched:
+                self._link_model_job(span)
+        return result.model_path
+
     async def _startup_steps(self, session: aiohttp.ClientSession) -> None:
         spec = self.job.spec
         s = self.settings
-        method = spec.weights.method if spec.weights else "none"
-        async with self._step("weights", method=method) as span:
-            result = await asyncio.to_thread(ensure_weights, spec.name, spec.weights, s.fetch)
-            span.set_attribute("llmgw.weights.fetched", result.fetched)
-            span.set_attribute("llmgw.weights.bytes", result.bytes)
-            model_path = result.model_path
-            if not result.fetched:
-                self._link_model_job(span)
+        model_path = await self._weights_step()
 
         async with self._step("rendezvous") as span:
             role = rdzv.compute_role(self.env, self._expand)
@@ -373,10 +406,15 @@ class Agent:
             if dist is not None:
                 span.set_attribute("llmgw.master_addr", dist.master_addr)
                 span.set_attribute("llmgw.master_port", dist.master_port)
-            seed = int(re.sub(r"\D", "", role.job_id) or "0")
+            # A random start, not one derived from the job id: a port anyone can
+            # compute is a port someone can take first (see check_port_owner).
+            seed = secrets.randbelow(1 << 30)
             port = (
                 rdzv.pick_free_port(s.port_range, seed, s.bind_host, taken) if role.is_head else 0
             )
+            if role.is_head and spec.engine.tls:
+                self._tls = make_engine_tls(self.job.gateway_cert, self.job.replica_id)
+                self._engine_ssl = self._tls.agent_context()
 
         async with self._step("engine_launch", engine=spec.engine.kind) as span:
             binds = (model_path,) if model_path.startswith("/") else ()
@@ -391,6 +429,7 @@ class Agent:
                 apptainer=s.apptainer,
                 apptainer_binds=s.apptainer_binds,
                 binds=binds,
+                tls=self._tls,
             )
             cmd = build_engine_command(spec.engine, launch, self.job.engine_api_key)
             self._link_engine_install(span, spec.engine.apptainer_image or cmd.argv[0])
@@ -408,21 +447,34 @@ class Agent:
         if not role.is_head:
             return
         poll_host = "127.0.0.1" if s.bind_host in ("0.0.0.0", "") else s.bind_host  # noqa: S104
-        health = f"http://{poll_host}:{port}{spec.engine.health_path}"
+        scheme = "https" if self._tls is not None else "http"
+        health = f"{scheme}://{poll_host}:{port}{spec.engine.health_path}"
         timeout = spec.engine.ready_timeout or s.ready_timeout_s
-        async with self._step("readiness", timeout_s=timeout):
+        uid = os.getuid()
+        async with self._step("readiness", timeout_s=timeout, tls=self._tls is not None):
             await wait_ready(
-                session, health, self.engine, timeout, s.ready_poll_s, self.job.engine_api_key
+                session,
+                health,
+                self.engine,
+                timeout,
+                s.ready_poll_s,
+                self.job.engine_api_key,
+                ssl_ctx=self._engine_ssl,
+                port_ok=lambda: check_port_owner(port, uid, port_owner(port)),
             )
-        self.url = f"http://{s.advertise_host or self.hostname}:{port}"
-        self._metrics_url = f"http://{poll_host}:{port}{_METRICS_PATH}"
+        self.url = f"{scheme}://{s.advertise_host or self.hostname}:{port}"
+        self._metrics_url = f"{scheme}://{poll_host}:{port}{_METRICS_PATH}"
         async with self._step("register", url=self.url) as span:
             log.info("ready: %s serves %s", self.url, self.job.spec.name)
-            seq = self._emit("ready", url=self.url)
+            seq = self._emit("ready", url=self.url, cert=self._cert())
             # Heartbeats carry the URL too: a daemon that is away learns it later,
             # so this waits a bounded time and never fails the start.
             delivered = await self._delivered(seq, s.report_timeout_s)
             span.set_attribute("llmgw.register.delivered", delivered)
+
+    def _cert(self) -> str | None:
+        """The engine's certificate, which the daemon pins; None for a plain-HTTP engine."""
+        return self._tls.identity.cert_pem if self._tls is not None else None
 
     def _link_model_job(self, span: trace.Span) -> None:
         """Weights a model job put in the cache: link to that job's trace."""
@@ -527,7 +579,8 @@ class Agent:
 
     async def _heartbeat(self) -> None:
         assert self._client is not None
-        answer = await self._client.send_once(self._client.body("heartbeat", url=self.url))
+        body = self._client.body("heartbeat", url=self.url, cert=self._cert())
+        answer = await self._client.send_once(body)
         if answer is not None and answer.drain:
             self.request_drain("the daemon asked (drain=true)")
 
@@ -578,6 +631,7 @@ class Agent:
                     self._metrics_url,
                     headers=headers,
                     timeout=aiohttp.ClientTimeout(total=5.0),
+                    ssl=self._engine_ssl if self._engine_ssl is not None else True,
                 ) as resp:
                     if resp.status == 200:
                         count = in_flight_from_metrics(await resp.text())
@@ -620,6 +674,9 @@ class Agent:
         if self._published is not None:
             with contextlib.suppress(OSError):
                 self._published.unlink()
+        if self._tls is not None:
+            # The key dies with the job: nothing else may ever serve as this replica.
+            shutil.rmtree(self._tls.directory, ignore_errors=True)
 
 
 def _redact(argv: list[str], secret: str) -> list[str]:

@@ -17,11 +17,13 @@ import asyncio
 import collections
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -52,6 +54,7 @@ from llmgw_slurm.secrets import (
 )
 from llmgw_slurm.slurm.types import AccountingRecord, Job, JobState, NodeInfo, SlurmBackend
 from llmgw_slurm.svcjobs import ServiceJobs
+from llmgw_slurm.tls import PinnedContexts, engine_address_problem, load_or_create_identity
 
 # How far a signed report's time may be from the daemon's clock (NTP keeps a
 # cluster's clocks within a second; five minutes allows a slow one).
@@ -78,6 +81,8 @@ class Replica:
     started_at: float | None = None
     ready_at: float | None = None
     base_url: str = ""
+    # The engine's certificate as its agent reported it (pinned); "" for plain HTTP.
+    engine_cert: str = ""
     # Times the daemon has seen this replica become reachable (a requeued job's next
     # run is a new endpoint to the router, even at the same address).
     epoch: int = 0
@@ -187,7 +192,12 @@ class Reconciler:
         self.server = server
         self.backend = backend
         self.server_key = server_key
-        self.jobs = JobBuilder(server, server_key, daemon_url)
+        # The gateway's client identity: the only client, beside each replica's
+        # own agent, that the replicas' engines let in (llmgw_slurm/tls.py).
+        self.engine_tls = PinnedContexts(load_or_create_identity(Path(server.state_dir)))
+        self.jobs = JobBuilder(
+            server, server_key, daemon_url, gateway_cert=self.engine_tls.identity.cert_pem
+        )
         self.clock = clock
         self.prefix = server.slurm.job_prefix
         rc = server.reconcile
@@ -283,6 +293,7 @@ class Reconciler:
                     api_key=engine_api_key(self.server_key, r.replica_id),
                     draining=st is ReplicaState.DRAINING,
                     epoch=r.epoch,
+                    ssl=self._engine_ssl(r.engine_cert),
                 )
             )
         return out
@@ -445,12 +456,18 @@ class Reconciler:
             self._wake.set()
         url = body.get("url")
         if event in ("ready", "heartbeat") and isinstance(url, str) and url:
-            if r.base_url != url and url not in self._probing:
+            cert = body.get("cert") or ""
+            problem = engine_address_problem(url, cert, self._tls_required(r.model))
+            if problem:
+                self._record("probe-refused", r.model, r.replica_id, f"{url[:100]}: {problem}")
+                return
+            assert isinstance(cert, str)
+            if (r.base_url != url or r.engine_cert != cert) and url not in self._probing:
                 # Route only to what the daemon itself has reached, with the engine's key:
                 # an agent's word that the engine is up is not proof the login node can
                 # reach it (firewalls, a wrong advertised name).
                 self._probing.add(url)
-                task = asyncio.get_running_loop().create_task(self._probe(r, url))
+                task = asyncio.get_running_loop().create_task(self._probe(r, url, cert))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         elif event == "failed":
@@ -465,13 +482,25 @@ class Reconciler:
         elif event == "stopped":
             r.base_url = ""
 
-    async def _probe(self, r: Replica, url: str) -> None:
+    def _tls_required(self, model: str) -> bool:
+        m = self.catalog.get(model)
+        return m is None or m.engine.tls
+
+    def _engine_ssl(self, cert: str) -> ssl.SSLContext | None:
+        return self.engine_tls.get(cert) if cert else None
+
+    async def _probe(self, r: Replica, url: str, cert: str) -> None:
         try:
             if self._http is None or self._http.closed:
                 self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
             key = engine_api_key(self.server_key, r.replica_id)
+            # The key goes only through a handshake with the pinned certificate: a
+            # listener that took the engine's port fails it and hears nothing.
+            ctx = self._engine_ssl(cert)
             async with self._http.get(
-                url.rstrip("/") + "/v1/models", headers={"Authorization": f"Bearer {key}"}
+                url.rstrip("/") + "/v1/models",
+                headers={"Authorization": f"Bearer {key}"},
+                ssl=ctx if ctx is not None else True,
             ) as resp:
                 ok = resp.status == 200
                 why = f"HTTP {resp.status}"
@@ -495,6 +524,7 @@ class Reconciler:
             r.epoch += 1
             self._record("ready", r.model, r.replica_id, f"serving at {url}")
         r.base_url = url
+        r.engine_cert = cert
         r.step = "ready"
         self._signal_ready(r.model)
 

@@ -57,6 +57,8 @@ class JobBuilder:
     server_key: bytes
     daemon_url: str
     python: str = sys.executable
+    # The gateway's client certificate (public), which the replica's engine accepts.
+    gateway_cert: str = ""
 
     def spec(
         self,
@@ -94,6 +96,7 @@ class JobBuilder:
             "LLMGW_REPLICA_SECRET": replica_secret(self.server_key, replica_id),
             "LLMGW_ENGINE_API_KEY": engine_api_key(self.server_key, replica_id),
             "LLMGW_REPLICA_SPEC": model.to_spec_json(),
+            "LLMGW_GATEWAY_CERT": self.gateway_cert,
             **(extra_env or {}),
         }
         gpus = model.resources.gpus * model.resources.nodes

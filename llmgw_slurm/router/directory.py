@@ -19,6 +19,7 @@ decides on its next pass.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,6 +49,9 @@ class Endpoint:
     api_key: str
     draining: bool = False
     epoch: int = 0
+    # The client context that pins the engine's certificate (llmgw_slurm/tls.py);
+    # None for a plain-HTTP engine.
+    ssl: ssl.SSLContext | None = field(default=None, compare=False)
 
     @property
     def identity(self) -> tuple[str, str, int]:

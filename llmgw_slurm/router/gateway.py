@@ -887,8 +887,14 @@ class Gateway:
             self.directory.request_started(model, ep.replica_id)
             try:
                 try:
+                    # ssl: the replica's pinned certificate (and the gateway's client
+                    # one): a listener that took the engine's port fails the handshake
+                    # before the request, its key or its prompt is sent.
                     upstream = await self._session.post(
-                        f"{ep.base_url.rstrip('/')}/v1/{endpoint}", data=body, headers=headers
+                        f"{ep.base_url.rstrip('/')}/v1/{endpoint}",
+                        data=body,
+                        headers=headers,
+                        ssl=ep.ssl if ep.ssl is not None else True,
                     )
                 except (aiohttp.ClientConnectionError, TimeoutError) as e:
                     # Nothing was received: the engine did not see the

@@ -41,6 +41,7 @@ import asyncio
 import hashlib
 import json
 import os
+import ssl
 import sys
 import time
 import uuid
@@ -527,6 +528,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="seconds /health answers 503 before 200 (default 0)",
     )
+    for flag, env in (
+        ("--ssl-certfile", "LLMGW_TLS_CERTFILE"),
+        ("--ssl-keyfile", "LLMGW_TLS_KEYFILE"),
+        ("--ssl-ca-certs", "LLMGW_TLS_CA_CERTS"),
+    ):
+        parser.add_argument(
+            flag,
+            default=os.environ.get(env, ""),
+            help=f"serve TLS (all three, or none; default: ${env}); with --ssl-ca-certs, "
+            "clients must present a certificate it holds",
+        )
     parser.add_argument(
         "--rendezvous",
         action="store_true",
@@ -557,9 +569,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             master_port=master_port,
         )
     )
+    tls = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+    if any(tls) and not all(tls):
+        parser.error("--ssl-certfile, --ssl-keyfile and --ssl-ca-certs go together")
+    ctx = _server_context(*tls) if all(tls) else None
     # run_app turns SIGTERM and SIGINT into a graceful exit.
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, ssl_context=ctx)
     return 0
+
+
+def _server_context(certfile: str, keyfile: str, ca_certs: str) -> ssl.SSLContext:
+    """TLS as the agent asks of an engine: its own pair, and client certificates required."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(certfile, keyfile)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(ca_certs)
+    return ctx
 
 
 if __name__ == "__main__":

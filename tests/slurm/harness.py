@@ -46,6 +46,13 @@ TINY_ENGINE = [
     # The key comes from LLMGW_ENGINE_API_KEY: on argv, every node user would see it.
     "--served-name",
     "{served_name}",
+    # TLS as every engine serves it (llmgw_slurm/tls.py): the agent's files.
+    "--ssl-certfile",
+    "{tls_certfile}",
+    "--ssl-keyfile",
+    "{tls_keyfile}",
+    "--ssl-ca-certs",
+    "{tls_ca_certs}",
 ]
 
 

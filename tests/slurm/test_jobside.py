@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,20 @@ from llmgw_slurm.sbatch import (
 )
 from llmgw_slurm.slurm import JobSpec, JobState
 from llmgw_slurm.slurm.cli import CliBackend
-from tests.agent_support import KEY, RID, SECRET, FakeDaemon, fake_daemon, fake_engine_spec
+from tests.agent_support import (
+    KEY,
+    RID,
+    SECRET,
+    FakeDaemon,
+    as_gateway,
+    fake_daemon,
+    fake_engine_spec,
+    gateway_identity,
+)
 from tests.slurm.conftest import TOP, eventually
+
+# The gateway these tests play: the job gets its certificate; it keeps the key.
+GATEWAY = gateway_identity(Path(tempfile.mkdtemp(prefix="llmgw-test-gateway-")))
 
 AGENT_YAML = """\
 weights:
@@ -58,6 +71,7 @@ def job_env(daemon: FakeDaemon, spec: str) -> dict[str, str]:
         "LLMGW_REPLICA_SECRET": SECRET,
         "LLMGW_ENGINE_API_KEY": KEY,
         "LLMGW_REPLICA_SPEC": spec,
+        "LLMGW_GATEWAY_CERT": GATEWAY.cert_pem,
         # The job must import this checkout's llmgw_slurm.
         "PYTHONPATH": str(TOP),
     }
@@ -105,13 +119,13 @@ async def test_replica_serves_and_drains_on_the_time_limit_warning(
         ready = next(r for r in daemon.reports if r["event"] == "ready")
         assert ready["job_id"] == job_id
         assert ready["node"].startswith("gpunode")
-        assert ready["url"].startswith(f"http://{ready['node']}:")
+        assert ready["url"].startswith(f"https://{ready['node']}:")
         shown = subprocess.run(
             ["scontrol", "show", "job", job_id], capture_output=True, text=True, check=False
         ).stdout
         assert SECRET not in shown and KEY not in shown
         headers = {"Authorization": f"Bearer {KEY}"}
-        async with aiohttp.ClientSession(headers=headers) as s:
+        async with as_gateway(GATEWAY, ready["cert"], headers=headers) as s:
             async with s.get(f"{ready['url']}/v1/models") as r:
                 assert r.status == 200
             # A request in flight when the time-limit warning comes must finish:
@@ -156,7 +170,7 @@ async def test_cancel_drains_within_killwait(
         await daemon.wait_for(lambda: "stopped" in daemon.events(), 30)
         await eventually(lambda: ended(backend, prefix, job_id), "the job to end")
     assert "SIGTERM" in daemon.reports[-1]["message"]
-    host, port = url.removeprefix("http://").split(":")
+    host, port = url.removeprefix("https://").split(":")
     import socket
 
     with socket.socket() as sock:
@@ -243,7 +257,7 @@ async def test_two_node_replica_ranks_meet_before_rank_0_serves_through_the_daem
         assert answer["choices"][0]["message"]["content"].startswith("two nodes")
         (ep,) = h.rec.endpoints("duo")
         headers = {"Authorization": f"Bearer {ep.api_key}"}
-        async with s.get(f"{ep.base_url}/debug/stats", headers=headers) as resp:
+        async with s.get(f"{ep.base_url}/debug/stats", headers=headers, ssl=ep.ssl) as resp:
             stats = await resp.json()
         # Rank 0's health waited on this barrier: rank 1 really joined it.
         assert stats["ranks"] == [0, 1]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -12,6 +14,7 @@ import openai
 from aiohttp import web
 
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
+from llmgw_slurm.tls import Identity, make_engine_tls
 
 
 def free_port() -> int:
@@ -22,7 +25,11 @@ def free_port() -> int:
 
 @asynccontextmanager
 async def serve(
-    app: web.Application, port: int | None = None, *, handler_cancellation: bool = True
+    app: web.Application,
+    port: int | None = None,
+    *,
+    handler_cancellation: bool = True,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` on 127.0.0.1; yields its base URL."""
     # handler_cancellation as the daemon runs it: a client that goes away
@@ -30,12 +37,31 @@ async def serve(
     runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
     await runner.setup()
     port = port or free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
+    site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=ssl_context)
     await site.start()
+    scheme = "https" if ssl_context is not None else "http"
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{scheme}://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def serve_engine(
+    app: web.Application, gateway: Identity, port: int | None = None
+) -> AsyncIterator[tuple[str, str]]:
+    """Serve an engine ``app`` as an agent starts one: TLS with a fresh key pair of its
+    own, letting in only ``gateway``'s client certificate; yields its URL and certificate."""
+    tls = make_engine_tls(gateway.cert_pem, "0000test")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls.identity.cert_file, tls.identity.key_file)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(tls.ca_file)
+    try:
+        async with serve(app, port, ssl_context=ctx) as url:
+            yield url, tls.identity.cert_pem
+    finally:
+        shutil.rmtree(tls.directory, ignore_errors=True)
 
 
 @asynccontextmanager

@@ -7,7 +7,9 @@ import json
 import os
 import signal
 import socket
+import ssl
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,9 +22,20 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from llmgw_slurm.agent.runner import Agent, job_context_from_env
 from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
-from tests.agent_support import KEY, RID, SECRET, FakeDaemon, fake_daemon, fake_engine_spec
+from llmgw_slurm.tls import client_context
+from tests.agent_support import (
+    KEY,
+    RID,
+    SECRET,
+    FakeDaemon,
+    fake_daemon,
+    fake_engine_spec,
+    gateway_identity,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
+# The gateway's client identity these tests play: the certificate goes to the job.
+GATEWAY = gateway_identity(Path(tempfile.mkdtemp(prefix="llmgw-test-gateway-")))
 
 
 @pytest.fixture
@@ -53,6 +66,7 @@ def job_env(daemon_url: str, spec: str) -> dict[str, str]:
         LLMGW_REPLICA_SECRET=SECRET,
         LLMGW_ENGINE_API_KEY=KEY,
         LLMGW_REPLICA_SPEC=spec,
+        LLMGW_GATEWAY_CERT=GATEWAY.cert_pem,
         SLURM_JOB_ID="4242",
         SLURM_JOB_NODELIST="localhost",
         SLURM_PROCID="0",
@@ -107,8 +121,15 @@ async def wait_exit(proc: asyncio.subprocess.Process, tmp_path: Path, name: str 
         pytest.fail(f"{name} did not exit; stderr:\n" + (tmp_path / f"{name}.err").read_text())
 
 
+def gateway_session(daemon: FakeDaemon, **kw: object) -> aiohttp.ClientSession:
+    """A client as the gateway is: its certificate, pinning the one the agent reported."""
+    cert = next(r["cert"] for r in daemon.reports if r["event"] == "ready")
+    ctx = client_context(cert, GATEWAY.cert_file, GATEWAY.key_file)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx), **kw)  # type: ignore[arg-type]
+
+
 def engine_answers(url: str) -> bool:
-    host, port = url.removeprefix("http://").split(":")
+    host, port = url.removeprefix("https://").split(":")
     with socket.socket() as s:
         s.settimeout(1)
         return s.connect_ex((host, int(port))) == 0
@@ -124,12 +145,12 @@ async def test_ready_serve_and_drain_on_signal(
         await daemon.wait_for(lambda: "ready" in daemon.events())
         ready = next(r for r in daemon.reports if r["event"] == "ready")
         url = ready["url"]
-        assert ready["job_id"] == "4242" and url.startswith("http://127.0.0.1:")
+        assert ready["job_id"] == "4242" and url.startswith("https://127.0.0.1:")
         await daemon.wait_for(lambda: daemon.events().count("heartbeat") >= 2)
         assert all(r["url"] == url for r in daemon.reports if r["event"] == "heartbeat")
 
         headers = {"Authorization": f"Bearer {KEY}"}
-        async with aiohttp.ClientSession(headers=headers) as s:
+        async with gateway_session(daemon, headers=headers) as s:
             async with s.get(f"{url}/v1/models") as r:
                 assert r.status == 200
                 assert (await r.json())["data"][0]["id"] == "tiny"
@@ -239,8 +260,11 @@ async def test_daemon_away_never_stops_the_engine(tmp_path: Path) -> None:
             await asyncio.sleep(0.1)
         line = next(x for x in err_path.read_text().splitlines() if "ready: http" in x)
         url = line.split("ready: ", 1)[1].split()[0]
+        # No daemon heard the certificate: present the gateway's, pin nothing.
+        ctx = client_context(GATEWAY.cert_pem, GATEWAY.cert_file, GATEWAY.key_file)
+        ctx.verify_mode = ssl.CERT_NONE
         async with (
-            aiohttp.ClientSession() as s,
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s,
             s.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as r,
         ):
             assert r.status == 200
@@ -353,7 +377,7 @@ async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_d
         await daemon.wait_for(lambda: "ready" in daemon.events())
         url = next(r["url"] for r in daemon.reports if r["event"] == "ready")
         async with (
-            aiohttp.ClientSession() as s,
+            gateway_session(daemon) as s,
             s.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as r,
         ):
             assert r.status == 200
@@ -413,7 +437,7 @@ async def test_shared_test_engine_without_metrics_drains_on_a_fixed_grace(
         url = next(r["url"] for r in daemon.reports if r["event"] == "ready")
         body = {"model": "tiny", "messages": [{"role": "user", "content": "a b c"}]}
         async with (
-            aiohttp.ClientSession() as s,
+            gateway_session(daemon) as s,
             s.post(
                 f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
             ) as r,

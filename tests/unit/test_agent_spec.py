@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +13,9 @@ import pytest
 from llmgw_slurm.agent.runner import job_context_from_env, replica_spec
 from llmgw_slurm.catalog import read_replica_spec
 from llmgw_slurm.errors import ConfigError, ConfigErrors
+from tests.agent_support import gateway_identity
+
+GATEWAY = gateway_identity(Path(tempfile.mkdtemp(prefix="llmgw-test-gateway-")))
 
 
 def spec(**over: Any) -> dict[str, Any]:
@@ -121,6 +126,7 @@ def test_keys_from_a_newer_daemon_are_ignored_and_logged(caplog: pytest.LogCaptu
         ({"weights": {"method": "hf", "source": "/abs"}}, "weights.method", "hf:ORG/NAME"),
         ({"weights": {"source": "hf:a/b@x y"}}, "weights.source", "hf:ORG/NAME"),
         ({"weights": {"source": "hf:a/b", "method": "copy"}}, "weights.method", "local folder"),
+        ({"engine": {"kind": "vllm", "tls": "yes"}}, "engine.tls", "true or false"),
         ({"resources": {"nodes": 0}}, "resources.nodes", "at least 1"),
     ],
 )
@@ -147,6 +153,7 @@ def env(**over: str) -> dict[str, str]:
         "LLMGW_REPLICA_SECRET": "s3cret",
         "LLMGW_ENGINE_API_KEY": "k3y",
         "LLMGW_REPLICA_SPEC": json.dumps(spec()),
+        "LLMGW_GATEWAY_CERT": GATEWAY.cert_pem,
     }
     base.update(over)
     return base
@@ -156,6 +163,19 @@ def test_job_context() -> None:
     ctx = job_context_from_env(env())
     assert ctx.replica_id == "0123abcd" and ctx.engine_api_key == "k3y"
     assert ctx.spec.name == "llama-8b"
+    assert ctx.gateway_cert == GATEWAY.cert_pem
+
+
+def test_a_tls_engine_needs_the_gateway_certificate() -> None:
+    with pytest.raises(ConfigError, match=r"^LLMGW_GATEWAY_CERT: not set, and the model's engine"):
+        job_context_from_env(env(LLMGW_GATEWAY_CERT=""))
+    with pytest.raises(ConfigError, match=r"^LLMGW_GATEWAY_CERT: expected exactly one PEM"):
+        job_context_from_env(env(LLMGW_GATEWAY_CERT="not a certificate"))
+    # A plain-HTTP engine (engine.tls: false) has no use for it.
+    plain = spec()
+    plain["engine"]["tls"] = False
+    ctx = job_context_from_env(env(LLMGW_GATEWAY_CERT="", LLMGW_REPLICA_SPEC=json.dumps(plain)))
+    assert ctx.spec.engine.tls is False and ctx.gateway_cert == ""
 
 
 @pytest.mark.parametrize(

@@ -497,7 +497,7 @@ def test_engine_rules(tmp_path: Path) -> None:
         engine: {kind: sglang, health_path: health}
         weights: {source: /m/e}
     """
-    valid = "{host}, {port}, {model_path}, {api_key}, {served_name}"
+    valid = "{host}, {port}, {model_path}, {api_key}, {served_name}, {tls_certfile}, {tls_keyfile}, {tls_ca_certs}"
     assert errors_of(tmp_path, text) == [
         "F:3: models[0].engine.command: kind 'command' needs a command list, e.g. "
         "[python, -m, my.server, --port, '{port}']",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from _router_support import serve  # type: ignore[import-not-found]
+from _router_support import serve_engine  # type: ignore[import-not-found]
 from test_reconciler_core import KEY, job, make  # type: ignore[import-not-found]
 
 from llmgw_slurm.reconciler.core import Reconciler
@@ -36,11 +36,11 @@ async def _serve_ready(rec: Reconciler, fake: object, rid: str, job_id: str) -> 
     fake.jobs = [job(job_id, "m", rid, JobState.RUNNING)]  # type: ignore[attr-defined]
     await rec.pass_once()
     opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="m")
-    async with serve(create_engine_app(opts)) as url:
+    async with serve_engine(create_engine_app(opts), rec.engine_tls.identity) as (url, cert):
         rec.report(
             rid,
             replica_secret(KEY, rid),
-            {"event": "ready", "url": url, "node": "n0", "job_id": job_id},
+            {"event": "ready", "url": url, "cert": cert, "node": "n0", "job_id": job_id},
         )
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
     assert rec.replicas[rid].base_url

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import ssl
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from llmgw_slurm.agent.engine import (
@@ -20,6 +24,8 @@ from llmgw_slurm.agent.engine import (
 from llmgw_slurm.agent.errors import EngineError
 from llmgw_slurm.catalog import EngineSpec
 from llmgw_slurm.config import EngineRuntime
+from llmgw_slurm.tls import EngineTLS, client_context, make_engine_tls, make_identity
+from tests.unit._router_support import free_port
 
 KEY = "sk-engine-0123"
 P = LaunchParams(
@@ -197,3 +203,105 @@ vllm:gpu_cache_usage_perc{model_name="llama"} 0.5
     assert in_flight_from_metrics(text) == 4
     assert in_flight_from_metrics('sglang:num_running_reqs{a="b"} 2 1700000000\n') == 2
     assert in_flight_from_metrics("process_cpu_seconds_total 12\n") is None
+
+
+@pytest.fixture(scope="module")
+def engine_tls(tmp_path_factory: pytest.TempPathFactory) -> EngineTLS:
+    folder = tmp_path_factory.mktemp("tls")
+    gateway = make_identity(folder, "gateway", "gateway", 1)
+    return make_engine_tls(gateway.cert_pem, "0a1b2c3d", parent=folder)
+
+
+def test_vllm_serves_tls_and_requires_a_client_certificate(engine_tls: EngineTLS) -> None:
+    cmd = build_engine_command(EngineSpec("vllm"), replace(P, tls=engine_tls), KEY)
+    a = cmd.argv
+    assert a[a.index("--ssl-certfile") + 1] == str(engine_tls.identity.cert_file)
+    assert a[a.index("--ssl-keyfile") + 1] == str(engine_tls.identity.key_file)
+    assert a[a.index("--ssl-ca-certs") + 1] == str(engine_tls.ca_file)
+    assert a[a.index("--ssl-cert-reqs") + 1] == "2"  # ssl.CERT_REQUIRED
+    # The key file's path is no secret (the folder is the job user's alone); its content is.
+    assert engine_tls.identity.key_file.read_text() not in " ".join(a)
+    plain = build_engine_command(EngineSpec("vllm"), P, KEY)
+    assert not any(x.startswith("--ssl") for x in plain.argv)
+
+
+def test_a_command_engine_gets_the_tls_files_as_placeholders_and_env(
+    engine_tls: EngineTLS,
+) -> None:
+    spec = EngineSpec(
+        "command",
+        command=("serve", "--cert={tls_certfile}", "--key={tls_keyfile}", "--ca={tls_ca_certs}"),
+    )
+    cmd = build_engine_command(spec, replace(P, tls=engine_tls), KEY)
+    assert cmd.argv == [
+        "serve",
+        f"--cert={engine_tls.identity.cert_file}",
+        f"--key={engine_tls.identity.key_file}",
+        f"--ca={engine_tls.ca_file}",
+    ]
+    assert cmd.env["LLMGW_TLS_CERTFILE"] == str(engine_tls.identity.cert_file)
+    assert cmd.env["LLMGW_TLS_KEYFILE"] == str(engine_tls.identity.key_file)
+    assert cmd.env["LLMGW_TLS_CA_CERTS"] == str(engine_tls.ca_file)
+    # Without TLS (engine.tls: false) the placeholders are empty and the env unset.
+    plain = build_engine_command(spec, P, KEY)
+    assert plain.argv == ["serve", "--cert=", "--key=", "--ca="]
+    assert "LLMGW_TLS_CERTFILE" not in plain.env
+
+
+def test_an_apptainer_engine_sees_its_tls_files(engine_tls: EngineTLS) -> None:
+    spec = EngineSpec("vllm", apptainer_image="/img/vllm.sif")
+    cmd = build_engine_command(spec, replace(P, tls=engine_tls), KEY)
+    binds = [cmd.argv[i + 1] for i, x in enumerate(cmd.argv) if x == "--bind"]
+    assert str(engine_tls.directory) in binds
+
+
+async def test_the_sglang_shim_makes_uvicorn_serve_mutual_tls(
+    tmp_path: Path, engine_tls: EngineTLS
+) -> None:
+    """SGLang serves through uvicorn: a stand-in launch_server that runs a plain
+    uvicorn server must come up serving TLS that requires the gateway's certificate."""
+    d = tmp_path / "sglang"
+    d.mkdir()
+    (d / "__init__.py").write_text("")
+    (d / "launch_server.py").write_text(
+        "import sys, uvicorn\n"
+        "async def app(scope, receive, send):\n"
+        "    if scope['type'] != 'http':\n"
+        "        return\n"
+        "    await send({'type': 'http.response.start', 'status': 200, 'headers': []})\n"
+        "    await send({'type': 'http.response.body', 'body': b'ok'})\n"
+        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        "uvicorn.run(app, host='127.0.0.1', port=port, log_level='warning')\n"
+    )
+    port = free_port()
+    params = replace(P, python=sys.executable, host="127.0.0.1", port=port, tls=engine_tls)
+    cmd = build_engine_command(EngineSpec("sglang"), params, KEY)
+    proc = await asyncio.create_subprocess_exec(
+        *cmd.argv, env={**os.environ, **cmd.env, "PYTHONPATH": str(tmp_path)}
+    )
+    gateway_dir = engine_tls.ca_file.parent.parent
+    gateway = (gateway_dir / "gateway.crt", gateway_dir / "gateway.key")
+    ours = client_context(engine_tls.identity.cert_pem, *gateway)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                try:
+                    async with s.get(f"https://127.0.0.1:{port}/health", ssl=ours) as r:
+                        assert (r.status, await r.text()) == (200, "ok")
+                        break
+                except aiohttp.ClientConnectorError:
+                    assert proc.returncode is None
+                    await asyncio.sleep(0.05)
+            else:
+                pytest.fail("the shimmed server never answered")
+            with pytest.raises(aiohttp.ClientError):
+                async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                    await r.read()
+            nocert = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            nocert.check_hostname, nocert.verify_mode = False, ssl.CERT_NONE
+            with pytest.raises(aiohttp.ClientError):
+                async with s.get(f"https://127.0.0.1:{port}/health", ssl=nocert) as r:
+                    await r.read()
+    finally:
+        proc.terminate()
+        await proc.wait()

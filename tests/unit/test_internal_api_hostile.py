@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from _router_support import serve  # type: ignore[import-not-found]
+from _router_support import serve, serve_engine  # type: ignore[import-not-found]
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_reconciler_core import KEY, job, make  # type: ignore[import-not-found]
@@ -187,10 +187,12 @@ async def test_reports_of_any_shape_never_break_the_daemon(
 async def test_a_replica_cannot_register_another_replicas_endpoint(tmp_path: Path) -> None:
     rec, _ = await _listed(tmp_path)
     b_engine = EngineOptions(api_key=engine_api_key(KEY, B), served_name="m")
-    async with serve(create_engine_app(b_engine)) as b_url:
-        # A, with its own valid secret, claims B's engine as its endpoint: the daemon
-        # probes it with A's engine key, B's engine refuses, nothing is routed to it.
-        rec.report(A, replica_secret(KEY, A), _report(event="ready", url=b_url))
+    gateway = rec.engine_tls.identity
+    async with serve_engine(create_engine_app(b_engine), gateway) as (b_url, b_cert):
+        # A, with its own valid secret, claims B's engine (and its certificate, which
+        # B's reports carried in the open) as its endpoint: the daemon probes it with
+        # A's engine key, B's engine refuses, nothing is routed to it.
+        rec.report(A, replica_secret(KEY, A), _report(event="ready", url=b_url, cert=b_cert))
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
         assert rec.endpoints("m") == []
         assert rec.decisions[-1].action == "probe-failed"
@@ -209,13 +211,13 @@ async def test_reports_from_where_the_job_is_not_are_not_routed(
 ) -> None:
     rec, _ = await _listed(tmp_path)
     good = EngineOptions(api_key=engine_api_key(KEY, A), served_name="m")
-    async with serve(create_engine_app(good)) as url:
-        rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url, **stale))
+    async with serve_engine(create_engine_app(good), rec.engine_tls.identity) as (url, cert):
+        rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url, cert=cert, **stale))
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
         assert rec.endpoints("m") == []
         assert rec.decisions[-1].action == "stale-report"
         # The same report from where Slurm says the job runs is routed.
-        rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url))
+        rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url, cert=cert))
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
         assert [e.base_url for e in rec.endpoints("m")] == [url]
     await rec.close()
@@ -227,8 +229,9 @@ async def test_a_host_name_slurm_does_not_know_is_not_taken_for_a_stale_agent(
     # Where node names do not resolve the agent reports its host name: no proof either way.
     rec, _ = await _listed(tmp_path)
     good = EngineOptions(api_key=engine_api_key(KEY, A), served_name="m")
-    async with serve(create_engine_app(good)) as url:
-        rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url, node="login-7"))
+    async with serve_engine(create_engine_app(good), rec.engine_tls.identity) as (url, cert):
+        body = _report(event="ready", url=url, cert=cert, node="login-7")
+        rec.report(A, replica_secret(KEY, A), body)
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
         assert [e.base_url for e in rec.endpoints("m")] == [url]
     await rec.close()
@@ -243,20 +246,27 @@ async def test_after_a_requeue_only_the_agent_on_the_new_node_is_routed(
     fake.jobs = [job("7", "m", A, JobState.RUNNING)]  # on n0
     await rec.pass_once()
     good = EngineOptions(api_key=engine_api_key(KEY, A), served_name="m")
-    async with serve(create_engine_app(good)) as old, serve(create_engine_app(good)) as new:
+    gateway = rec.engine_tls.identity
+    async with (
+        serve_engine(create_engine_app(good), gateway) as (old, old_cert),
+        serve_engine(create_engine_app(good), gateway) as (new, new_cert),
+    ):
         secret = replica_secret(KEY, A)
-        rec.report(A, secret, _report(event="ready", url=old))
+        rec.report(A, secret, _report(event="ready", url=old, cert=old_cert))
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
         assert [e.base_url for e in rec.endpoints("m")] == [old]
         fake.jobs = [job("7", "m", A, JobState.PENDING, restarts=1)]
         await rec.pass_once()
         assert rec.endpoints("m") == []
         # The old agent heartbeats on: not routed, not taken for a running job.
-        assert rec.report(A, secret, _report(url=old)) == {"ok": True, "drain": False}
+        assert rec.report(A, secret, _report(url=old, cert=old_cert)) == {
+            "ok": True,
+            "drain": False,
+        }
         assert rec._tasks == set() and rec.endpoints("m") == []
         assert rec.replicas[A].job_state is JobState.PENDING
         # The job runs again, on n1; its new agent reports before the listing shows it.
-        rec.report(A, secret, _report(event="ready", url=new, node="n1"))
+        rec.report(A, secret, _report(event="ready", url=new, cert=new_cert, node="n1"))
         assert rec.endpoints("m") == []
         running = job("7", "m", A, JobState.RUNNING, restarts=1)
         fake.jobs = [dataclasses.replace(running, nodes=("n1",))]
@@ -264,7 +274,10 @@ async def test_after_a_requeue_only_the_agent_on_the_new_node_is_routed(
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
         assert [e.base_url for e in rec.endpoints("m")] == [new]
         # The old agent is told to drain, and never routed to again.
-        assert rec.report(A, secret, _report(url=old)) == {"ok": True, "drain": True}
+        assert rec.report(A, secret, _report(url=old, cert=old_cert)) == {
+            "ok": True,
+            "drain": True,
+        }
         assert rec.decisions[-1].action == "stale-report"
         assert [e.base_url for e in rec.endpoints("m")] == [new]
     await rec.close()

@@ -39,6 +39,7 @@ OTHER: dict[str, Any] = {
     "started_at": 5.0,
     "ready_at": 6.0,
     "base_url": "http://n1:9",
+    "engine_cert": "a certificate",
     "epoch": 7,
     "last_used": 8.0,
     "in_flight": 9,

@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from _router_support import eventually, serve  # type: ignore[import-not-found]
+from _router_support import eventually, serve, serve_engine  # type: ignore[import-not-found]
 
-from llmgw_slurm.catalog import load_catalog
+from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.errors import SlurmUnavailable
 from llmgw_slurm.reconciler import plan as planmod
@@ -351,15 +351,18 @@ async def test_ready_report_is_probed_with_the_engine_key_before_routing(tmp_pat
     await rec.pass_once()
     good = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="m")
     wrong = EngineOptions(api_key="someone-elses-key", served_name="m")
-    async with serve(create_engine_app(wrong)) as bad_url:
-        rec.report(rid, replica_secret(KEY, rid), {"event": "ready", "url": bad_url})
+    gateway = rec.engine_tls.identity
+    async with serve_engine(create_engine_app(wrong), gateway) as (bad_url, bad_cert):
+        body = {"event": "ready", "url": bad_url, "cert": bad_cert}
+        rec.report(rid, replica_secret(KEY, rid), body)
         await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
         assert rec.endpoints("m") == []
         assert rec.decisions[-1].action == "probe-failed"
         assert "HTTP 401" in rec.decisions[-1].reason
-    async with serve(create_engine_app(good)) as url:
+    async with serve_engine(create_engine_app(good), gateway) as (url, cert):
         waiter = asyncio.create_task(rec.wait_ready("m"))
-        rec.report(rid, replica_secret(KEY, rid), {"event": "heartbeat", "url": url})
+        body = {"event": "heartbeat", "url": url, "cert": cert}
+        rec.report(rid, replica_secret(KEY, rid), body)
         await asyncio.wait_for(waiter, 10)
         (ep,) = rec.endpoints("m")
         assert ep.base_url == url and ep.api_key == engine_api_key(KEY, rid)
@@ -392,10 +395,11 @@ async def test_a_requeued_replica_back_at_its_old_address_is_a_new_endpoint(
     fake.jobs = [job("7", "m", rid, JobState.RUNNING)]
     await rec.pass_once()
     app = create_engine_app(EngineOptions(api_key=engine_api_key(KEY, rid), served_name="m"))
-    async with serve(app) as url:
+    async with serve_engine(app, rec.engine_tls.identity) as (url, cert):
 
         async def ready() -> Any:
-            rec.report(rid, secret, {"event": "ready", "url": url, "job_id": "7", "node": "n0"})
+            body = {"event": "ready", "url": url, "cert": cert, "job_id": "7", "node": "n0"}
+            rec.report(rid, secret, body)
             await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
             (ep,) = rec.endpoints("m")
             return ep
@@ -697,8 +701,10 @@ async def agent_reports(
     """The replica's agent says its engine is up; the daemon probes it, then routes to it."""
     r = rec.replicas[rid]
     opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name=r.model)
-    url = await stack.enter_async_context(serve(create_engine_app(opts)))
-    body = {"event": event, "url": url, "job_id": r.job_id, "node": r.nodes[0]}
+    url, cert = await stack.enter_async_context(
+        serve_engine(create_engine_app(opts), rec.engine_tls.identity)
+    )
+    body = {"event": event, "url": url, "cert": cert, "job_id": r.job_id, "node": r.nodes[0]}
     rec.report(rid, replica_secret(KEY, rid), body)
     await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
     assert r.state() is ReplicaState.READY
@@ -916,3 +922,64 @@ async def test_a_restart_does_not_cancel_a_job_that_started_long_before(tmp_path
     (cancel,) = await rec.pass_once()
     assert cancel.kind.value == "cancel" and cancel.failure
     assert cancel.reason == f"not ready {planmod._fmt_s(limit + 1)} after it was adopted"
+
+
+async def test_an_engine_address_without_its_certificate_is_never_probed(tmp_path: Path) -> None:
+    """The engine key goes only where a pinned handshake can succeed: an https address
+    without a certificate, or plain http for a model whose engine serves TLS, is refused
+    before any connection is made."""
+    rec, fake = make(tmp_path)
+    rid = "0a1b2c3d"
+    fake.jobs = [job("7", "m", rid, JobState.RUNNING)]
+    await rec.pass_once()
+    opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="m")
+    async with serve(create_engine_app(opts)) as plain_url:
+        for body in (
+            {"event": "ready", "url": plain_url.replace("http:", "https:")},
+            {"event": "ready", "url": plain_url},
+            {"event": "heartbeat", "url": plain_url, "cert": "junk"},
+        ):
+            rec.report(rid, replica_secret(KEY, rid), body)
+            assert rec._tasks == set()  # no probe started
+            assert rec.decisions[-1].action == "probe-refused"
+    assert rec.endpoints("m") == []
+    # The same engine behind TLS, named with its certificate, is routed, pinned.
+    async with serve_engine(create_engine_app(opts), rec.engine_tls.identity) as (url, cert):
+        rec.report(rid, replica_secret(KEY, rid), {"event": "ready", "url": url, "cert": cert})
+        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        (ep,) = rec.endpoints("m")
+        assert ep.base_url == url and ep.ssl is rec.engine_tls.get(cert)
+    await rec.close()
+
+
+async def test_a_model_without_tls_is_routed_over_plain_http(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path)
+    rec.set_catalog(
+        Catalog(
+            tuple(
+                dataclasses.replace(m, engine=dataclasses.replace(m.engine, tls=False))
+                for m in rec.catalog.models
+            )
+        )
+    )
+    rid = "0a1b2c3d"
+    fake.jobs = [job("7", "m", rid, JobState.RUNNING)]
+    await rec.pass_once()
+    opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="m")
+    async with serve(create_engine_app(opts)) as url:
+        rec.report(rid, replica_secret(KEY, rid), {"event": "ready", "url": url})
+        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        (ep,) = rec.endpoints("m")
+        assert ep.base_url == url and ep.ssl is None
+    await rec.close()
+
+
+async def test_jobs_carry_the_gateways_certificate_and_never_its_key(tmp_path: Path) -> None:
+    rec, fake = make(tmp_path, {"min": 1, "max": 1})
+    await rec.pass_once()
+    (spec,) = fake.submitted
+    ident = rec.engine_tls.identity
+    assert spec.env["LLMGW_GATEWAY_CERT"] == ident.cert_pem
+    key_pem = ident.key_file.read_text()
+    assert all(key_pem.strip() not in v for v in spec.env.values())
+    assert key_pem.strip() not in spec.script

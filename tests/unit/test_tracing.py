@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from _router_support import engine, serve
+from _router_support import engine, serve, serve_engine
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -145,8 +145,9 @@ class World:
     async def ready(self, rid: str, event: str = "ready") -> str:
         """The agent reports ready; the daemon probes a real engine with the replica's key."""
         opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="x")
-        async with serve(create_engine_app(opts)) as url:
-            self.report(rid, event=event, url=url)
+        gateway = self.rec.engine_tls.identity
+        async with serve_engine(create_engine_app(opts), gateway) as (url, cert):
+            self.report(rid, event=event, url=url, cert=cert)
             await asyncio.wait_for(asyncio.gather(*self.rec._tasks), 10)
         assert self.rec.replicas[rid].base_url == url
         return url
