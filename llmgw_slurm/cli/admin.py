@@ -667,7 +667,8 @@ def script(model: str, server_path: Path) -> None:
     # The secrets derived from the key are masked below, so the real key is not read.
     key = b"0" * 64
     url = server.listen.advertised_daemon_url(socket.getfqdn())
-    spec = JobBuilder(server, key, url).spec(m, "0123abcd")
+    cert = "<the gateway's client certificate, from the state directory>"
+    spec = JobBuilder(server, key, url, cert).spec(m, "0123abcd")
     click.echo("# sbatch command (the script goes on its standard input)")
     click.echo(
         shlex.join(["sbatch", "--parsable", f"--job-name={spec.name}", f"--comment={spec.comment}"])
