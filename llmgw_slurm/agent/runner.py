@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import ssl
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -167,6 +168,9 @@ class Agent:
         self._log_files: list[IO[bytes]] = []
         self._metrics_url = ""
         self._tls: EngineTLS | None = None
+        # Only the job's user may enter it (mkdtemp makes it 0700): the engine's
+        # TLS files and what it must not take from its command line.
+        self._private: Path | None = None
         self._engine_ssl: ssl.SSLContext | None = None
         # Sends the start's spans right away once the replica serves (the batch
         # exporter would otherwise hold them for seconds); None: nothing to flush.
@@ -396,6 +400,9 @@ class Agent:
             if role.is_head and spec.engine.tls:
                 self._tls = make_engine_tls(self.job.gateway_cert, self.job.replica_id)
                 self._engine_ssl = self._tls.agent_context()
+                self._private = self._tls.directory
+            else:
+                self._private = Path(tempfile.mkdtemp(prefix=f"llmgw-engine-{role.job_id}-"))
 
         async with self._step("engine_launch", engine=spec.engine.kind) as span:
             binds = (model_path,) if model_path.startswith("/") else ()
@@ -411,8 +418,11 @@ class Agent:
                 apptainer_binds=s.apptainer_binds,
                 binds=binds,
                 tls=self._tls,
+                private_dir=str(self._private),
             )
             cmd = build_engine_command(spec.engine, launch, self.job.engine_api_key)
+            for name, text in cmd.files.items():
+                (self._private / name).write_text(text)
             self._link_engine_install(span, spec.engine.apptainer_image or cmd.argv[0])
             log.info("engine: %s", _redact(cmd.argv, self.job.engine_api_key))
             out, err = self._engine_log_files(role)
@@ -655,9 +665,9 @@ class Agent:
         if self._published is not None:
             with contextlib.suppress(OSError):
                 self._published.unlink()
-        if self._tls is not None:
-            # The key dies with the job: nothing else may ever serve as this replica.
-            shutil.rmtree(self._tls.directory, ignore_errors=True)
+        if self._private is not None:
+            # The TLS key dies with the job: nothing else may ever serve as this replica.
+            shutil.rmtree(self._private, ignore_errors=True)
 
 
 def _redact(argv: list[str], secret: str) -> list[str]:
