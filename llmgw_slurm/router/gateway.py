@@ -98,6 +98,70 @@ def _sse_error(message: str, code: str) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
+def _parse_body(raw: bytes) -> dict[str, Any] | web.Response:
+    """The body as a JSON object with a model name in it, or the 400 that says what is wrong."""
+    try:
+        # UTF-8 only, as OpenAI's API has it (json.loads would also take
+        # UTF-16, which the splicing in with_fields does not handle).
+        obj = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError is a ValueError
+        return _error(
+            400, f"The body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
+        )
+    except RecursionError:
+        # A few kilobytes of "[[[[..." exhaust the parser's stack.
+        return _error(
+            400,
+            "The body's JSON is nested too deeply.",
+            "invalid_request_error",
+            "invalid_json",
+        )
+    if not isinstance(obj, dict):
+        return _error(
+            400, "The body must be a JSON object.", "invalid_request_error", "invalid_body"
+        )
+    name = obj.get("model")
+    if not isinstance(name, str) or not name:
+        return _error(
+            400,
+            "The 'model' field is missing; GET /v1/models lists the models.",
+            "invalid_request_error",
+            "missing_model",
+        )
+    return obj
+
+
+def _upstream_body(
+    raw: bytes, obj: dict[str, Any], model: str, endpoint: str
+) -> tuple[bytes, bool, bool] | web.Response:
+    """The body for the engine, whether it streams, whether to drop the usage chunk.
+
+    The model's own name replaces an alias; a stream asks for usage so that
+    it can be counted, and the usage-only chunk the client did not ask for is
+    taken out again on the way back.
+    """
+    fields: dict[str, Any] = {}
+    if obj["model"] != model:
+        fields["model"] = model
+    if obj.get("stream") is not None and not isinstance(obj.get("stream"), bool):
+        # Engines read "yes" or 1 as true and would stream without the usage the
+        # gateway asks for when it sees a stream coming: tokens nobody counts.
+        return _error(
+            400,
+            "'stream' must be true or false.",
+            "invalid_request_error",
+            "invalid_type",
+        )
+    stream = obj.get("stream") is True
+    strip_usage = False
+    if stream and endpoint != "embeddings":
+        so = obj.get("stream_options")
+        if so is None or (isinstance(so, dict) and so.get("include_usage") is not True):
+            fields["stream_options"] = {**(so or {}), "include_usage": True}
+            strip_usage = True
+    return (with_fields(raw, fields) if fields else raw), stream, strip_usage
+
+
 def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
@@ -392,11 +456,41 @@ class Gateway:
         key, denied = self._authenticate(request)
         if denied is not None:
             return denied
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
+        obj = _parse_body(raw)
+        if isinstance(obj, web.Response):
+            return obj
+        name = obj["model"]
+        model = self.directory.resolve(name)
+        if model is None:
+            return _error(
+                404,
+                f"The model '{name}' does not exist. Known models: {self._known_names()}.",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        call.model = model
+        trace.get_current_span().set_attribute("llmgw.model", model)
+        prepared = _upstream_body(raw, obj, model, endpoint)
+        if isinstance(prepared, web.Response):
+            return prepared
+        body, stream, strip_usage = prepared
+        ep = await self._pick_or_hold(request, model)
+        if isinstance(ep, web.Response):
+            return ep
+        return await self._forward(
+            request, endpoint, model, ep, body, stream, strip_usage, key, call
+        )
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The request's body, or the answer for one too large or too slow to arrive."""
         if (request.content_length or 0) > self.config.max_body_bytes:
             return self._too_large()
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
-                raw = await request.read()
+                return await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._too_large()
         except TimeoutError:
@@ -408,94 +502,31 @@ class Gateway:
             )
             resp.force_close()
             return resp
-        try:
-            # UTF-8 only, as OpenAI's API has it (json.loads would also take
-            # UTF-16, which the splicing below does not handle).
-            obj = json.loads(raw.decode("utf-8"))
-        except ValueError as e:  # UnicodeDecodeError is a ValueError
-            return _error(
-                400, f"The body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
-            )
-        except RecursionError:
-            # A few kilobytes of "[[[[..." exhaust the parser's stack.
-            return _error(
-                400,
-                "The body's JSON is nested too deeply.",
-                "invalid_request_error",
-                "invalid_json",
-            )
-        if not isinstance(obj, dict):
-            return _error(
-                400, "The body must be a JSON object.", "invalid_request_error", "invalid_body"
-            )
-        name = obj.get("model")
-        if not isinstance(name, str) or not name:
-            return _error(
-                400,
-                "The 'model' field is missing; GET /v1/models lists the models.",
-                "invalid_request_error",
-                "missing_model",
-            )
-        model = self.directory.resolve(name)
-        if model is None:
-            return _error(
-                404,
-                f"The model '{name}' does not exist. Known models: {self._known_names()}.",
-                "invalid_request_error",
-                "model_not_found",
-            )
-        call.model = model
-        trace.get_current_span().set_attribute("llmgw.model", model)
 
-        fields: dict[str, Any] = {}
-        if name != model:
-            fields["model"] = model
-        if obj.get("stream") is not None and not isinstance(obj.get("stream"), bool):
-            # Engines read "yes" or 1 as true and would stream without the usage the
-            # gateway asks for when it sees a stream coming: tokens nobody counts.
-            return _error(
-                400,
-                "'stream' must be true or false.",
-                "invalid_request_error",
-                "invalid_type",
-            )
-        stream = obj.get("stream") is True
-        strip_usage = False
-        if stream and endpoint != "embeddings":
-            so = obj.get("stream_options")
-            if so is None or (isinstance(so, dict) and so.get("include_usage") is not True):
-                # Ask for usage so that it can be counted; the usage-only
-                # chunk the client did not ask for is taken out again.
-                fields["stream_options"] = {**(so or {}), "include_usage": True}
-                strip_usage = True
-        body = with_fields(raw, fields) if fields else raw
-
+    async def _pick_or_hold(self, request: web.Request, model: str) -> Endpoint | web.Response:
+        """A replica to send to at once, else one the request waited for (a cold start)."""
         ep = self._pick(model)
-        if ep is None:
-            t_hold = time.monotonic()
-            outer = trace.get_current_span()
-            if outer.is_recording() or outer.get_span_context().is_valid:
-                # Traced already, or the client chose not to be (an unsampled parent).
+        if ep is not None:
+            return ep
+        t_hold = time.monotonic()
+        outer = trace.get_current_span()
+        if outer.is_recording() or outer.get_span_context().is_valid:
+            # Traced already, or the client chose not to be (an unsampled parent).
+            held = await self._hold(request, model)
+        else:
+            # Untraced so far: a cold start is worth a trace of its own (the
+            # sampler decides), linked to the replica's start.
+            with _tracer.start_as_current_span(
+                "llmgw.router.held",
+                kind=trace.SpanKind.SERVER,
+                attributes={"llmgw.model": model},
+            ):
                 held = await self._hold(request, model)
-            else:
-                # Untraced so far: a cold start is worth a trace of its own (the
-                # sampler decides), linked to the replica's start.
-                with _tracer.start_as_current_span(
-                    "llmgw.router.held",
-                    kind=trace.SpanKind.SERVER,
-                    attributes={"llmgw.model": model},
-                ):
-                    held = await self._hold(request, model)
-                    trace.get_current_span().set_attribute(
-                        "llmgw.held_seconds", time.monotonic() - t_hold
-                    )
-            trace.get_current_span().set_attribute("llmgw.held_seconds", time.monotonic() - t_hold)
-            if isinstance(held, web.Response):
-                return held
-            ep = held
-        return await self._forward(
-            request, endpoint, model, ep, body, stream, strip_usage, key, call
-        )
+                trace.get_current_span().set_attribute(
+                    "llmgw.held_seconds", time.monotonic() - t_hold
+                )
+        trace.get_current_span().set_attribute("llmgw.held_seconds", time.monotonic() - t_hold)
+        return held
 
     async def _forward(
         self,
