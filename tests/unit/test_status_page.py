@@ -127,3 +127,49 @@ def test_stale_warning_and_empty_catalog() -> None:
     )
     assert "The catalog has no models." in html and "No decisions yet." in html
     assert re.search(r"may be stale: squeue: &lt;x&gt;", html)
+
+
+class Markup(HTMLParser):
+    """Every tag and attribute the page holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: set[str] = set()
+        self.attrs: list[tuple[str, str | None]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.add(tag)
+        self.attrs.extend(attrs)
+
+
+def test_a_hostile_value_in_any_field_is_shown_as_text() -> None:
+    """Model names, aliases, states, reasons, node names: each could carry markup."""
+    evil = EVIL + '" onload="x'
+    st = status(version=evil, passes=evil, last_pass_error=evil)
+    model = st["models"][0]
+    model.update(name=evil, aliases=[evil], state="queued " + evil, note=evil, min=evil)
+    model["replicas"][0].update(id=evil, job_id=evil, state=evil, nodes=[evil], step=evil)
+    st["decisions"][0].update(action=evil, model=evil, replica=evil, reason=evil)
+    st["nodes"][0].update(name=evil, state=evil, reason=evil, partitions=[evil])
+    st["nodes"][0].update(gpus_free=evil, gpus_total=evil)
+    html = render_page(st, evil)
+    m = Markup()
+    m.feed(html)
+    allowed = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "p", "code"}
+    assert m.tags <= allowed | {"table", "tr", "th", "td", "strong", "span"}
+    assert {name for name, _ in m.attrs} <= {
+        "lang",
+        "charset",
+        "http-equiv",
+        "content",
+        "name",
+        "class",
+    }
+    classes = {v for name, v in m.attrs if name == "class"}
+    assert classes <= {"model", "replica", "queued", "muted", "error"}
+    t = Text()
+    t.feed(html)
+    text = " ".join(t.text)
+    # Each field's value arrives whole, as text: the test would not see a
+    # field that was dropped instead of escaped as escaped.
+    assert text.count(evil) == 24
