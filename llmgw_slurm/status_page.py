@@ -117,15 +117,18 @@ def _listed(status: Mapping[str, Any]) -> dict[str, Any] | None:
 def render_page(status: Mapping[str, Any], endpoint: str) -> str:
     """The whole page for one status snapshot; ``endpoint`` is the OpenAI base URL to show."""
     decisions: Sequence[Mapping[str, Any]] = status.get("decisions") or []
-    return _template().render(
-        refresh=REFRESH_SECONDS,
-        endpoint=endpoint,
-        updated=_time(status.get("now")),
-        passes=_text(status.get("passes")),
-        version=_text(status.get("version")),
-        problem=_text(status.get("last_pass_error")),
-        models=[_model(m) for m in status.get("models") or []],
-        decisions=[_decision(d) for d in reversed(decisions[-30:])],
-        listed=_listed(status),
-        nodes=[_node(n) for n in status.get("nodes") or []],
-    ) + "\n"
+    return (
+        _template().render(
+            refresh=REFRESH_SECONDS,
+            endpoint=endpoint,
+            updated=_time(status.get("now")),
+            passes=_text(status.get("passes")),
+            version=_text(status.get("version")),
+            problem=_text(status.get("last_pass_error")),
+            models=[_model(m) for m in status.get("models") or []],
+            decisions=[_decision(d) for d in reversed(decisions[-30:])],
+            listed=_listed(status),
+            nodes=[_node(n) for n in status.get("nodes") or []],
+        )
+        + "\n"
+    )

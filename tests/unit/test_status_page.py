@@ -110,6 +110,17 @@ def test_page_says_how_old_the_node_listing_is() -> None:
     p = Text()
     p.feed(render_page(status(nodes_listed_at=1.7e9 - 42), "e"))
     assert "As Slurm listed them 42s ago" in " ".join(p.text)
+    assert "replicas placed since" not in " ".join(p.text)
+
+
+def test_page_says_when_the_services_own_replicas_are_counted_in() -> None:
+    st = status(nodes_listed_at=1.7e9 - 42)
+    st["nodes"][0].update(gpus_free=1, gpus_free_listed=3, gpus_placed_since_listing=2)
+    p = Text()
+    p.feed(render_page(st, "e"))
+    text = " ".join(p.text)
+    assert "GPUs free counts this service's replicas placed since" in text
+    assert "1/4" in text and "3/4" not in text
 
 
 def test_everything_from_outside_is_escaped() -> None:
