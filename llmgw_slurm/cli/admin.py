@@ -202,6 +202,14 @@ def _admin_token(server: ServerConfig) -> str:
 
 
 def _admin_call(server: ServerConfig, action: str, body: object = None) -> DaemonReply:
+    reply = _admin_request(server, action, body)
+    if not reply.ok:
+        raise click.ClickException(reply.error_message())
+    return reply
+
+
+def _admin_request(server: ServerConfig, action: str, body: object = None) -> DaemonReply:
+    """One admin API call; an error answer is returned, except a refused token."""
     url = _local_url(server.listen.internal)
     reply: DaemonReply = run(
         call_daemon(
@@ -219,20 +227,42 @@ def _admin_call(server: ServerConfig, action: str, body: object = None) -> Daemo
             f"the daemon at {url} refused the admin token: is it running with this "
             "server.yaml and state_dir?"
         )
-    if not reply.ok:
-        raise click.ClickException(reply.error_message())
     return reply
 
 
 @main.command()
 @_server_option
+@click.option(
+    "--url",
+    envvar="LLMGW_URL",
+    metavar="URL",
+    help="The gateway to ask instead of the one server.yaml names (env LLMGW_URL; "
+    "used when neither --server nor LLMGW_SERVER_CONFIG is given).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's status JSON.")
 @click.option("--decisions", default=15, show_default=True, help="How many recent decisions.")
+@click.pass_context
 @friendly_errors
-def status(server_path: Path, as_json: bool, decisions: int) -> None:
-    """Models, replicas and their jobs, nodes, and recent decisions with reasons."""
-    server = _load_server(server_path)
-    url = _local_url(server.listen.gateway)
+def status(
+    ctx: click.Context, server_path: Path, url: str | None, as_json: bool, decisions: int
+) -> None:
+    """Models, replicas and their jobs, nodes, and recent decisions with reasons.
+
+    The status API needs no admin token: with LLMGW_URL set (as a researcher
+    has it), no server.yaml is needed.
+    """
+    explicit = ctx.get_parameter_source("server_path") not in (
+        click.core.ParameterSource.DEFAULT,
+        None,
+    )
+    if url and not explicit:
+        if not url.startswith(("http://", "https://")):
+            raise click.BadParameter(
+                f"{url!r} must start with http:// or https://", param_hint="'--url' / LLMGW_URL"
+            )
+        url = url.rstrip("/")
+    else:
+        url = _local_url(_load_server(server_path).listen.gateway)
     reply: DaemonReply = run(call_daemon("GET", url, "/api/v1/status"))
     if not reply.ok or not isinstance(reply.data, dict):
         raise click.ClickException(f"{url}: status request failed: {reply.error_message()}")
@@ -244,6 +274,22 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
     if st.get("last_pass_error"):
         click.echo(f"WARNING: the last pass could not ask Slurm: {st['last_pass_error']}")
     models = st.get("models") or []
+    _print_models(models)
+    _print_replicas(models)
+    _print_service_jobs(st.get("jobs") or [])
+    _print_nodes(st)
+    ds = (st.get("decisions") or [])[-decisions:] if decisions > 0 else []
+    if ds:
+        now = float(st.get("now") or time.time())
+        click.echo("\nrecent decisions (newest last):")
+        # Lines, not a table: a reason quotes Slurm and is worth reading whole.
+        for d in ds:
+            ago = fmt_age(now - float(d.get("at") or now))
+            rid = f" {d['replica']}" if d.get("replica") else ""
+            click.echo(f"{ago:>7} ago  {d.get('action')} {d.get('model')}{rid}: {d.get('reason')}")
+
+
+def _print_models(models: list[dict[str, Any]]) -> None:
     click.echo()
     click.echo(
         table(
@@ -263,59 +309,60 @@ def status(server_path: Path, as_json: bool, decisions: int) -> None:
     for m in models:
         if m.get("note"):
             click.echo(f"  {m['name']}: {m['note']}")
+
+
+def _print_replicas(models: list[dict[str, Any]]) -> None:
     reps = [(m, r) for m in models for r in (m.get("replicas") or [])]
     click.echo()
-    if reps:
-        click.echo(
-            table(
-                ("REPLICA", "MODEL", "JOB", "STATE", "NODES", "STEP / REASON", "IDLE"),
-                [
-                    (
-                        r.get("id"),
-                        m.get("name"),
-                        r.get("job_id"),
-                        r.get("state"),
-                        ",".join(r.get("nodes") or []) or "-",
-                        r.get("reason") if r.get("state") == "pending" else r.get("step") or "-",
-                        "-" if r.get("idle_s") is None else fmt_age(float(r["idle_s"])),
-                    )
-                    for m, r in reps
-                ],
-            )
-        )
-    else:
+    if not reps:
         click.echo("no replicas")
-    _print_service_jobs(st.get("jobs") or [])
-    nodes_ = st.get("nodes") or []
-    if nodes_:
-        click.echo()
-        listed = st.get("nodes_listed_at")
-        if isinstance(listed, int | float):
-            now = float(st.get("now") or time.time())
-            click.echo(f"nodes as Slurm listed them {fmt_age(now - listed)} ago:")
-        click.echo(
-            table(
-                ("NODE", "STATE", "PARTITIONS", "GPUS FREE/TOTAL"),
-                [
-                    (
-                        n.get("name"),
-                        n.get("state"),
-                        ",".join(n.get("partitions") or []),
-                        f"{n.get('gpus_free')}/{n.get('gpus_total')}",
-                    )
-                    for n in nodes_
-                ],
-            )
+        return
+    click.echo(
+        table(
+            ("REPLICA", "MODEL", "JOB", "STATE", "NODES", "STEP / REASON", "IDLE"),
+            [
+                (
+                    r.get("id"),
+                    m.get("name"),
+                    r.get("job_id"),
+                    r.get("state"),
+                    ",".join(r.get("nodes") or []) or "-",
+                    r.get("reason") if r.get("state") == "pending" else r.get("step") or "-",
+                    "-" if r.get("idle_s") is None else fmt_age(float(r["idle_s"])),
+                )
+                for m, r in reps
+            ],
         )
-    ds = (st.get("decisions") or [])[-decisions:] if decisions > 0 else []
-    if ds:
+    )
+
+
+def _print_nodes(st: dict[str, Any]) -> None:
+    nodes_ = st.get("nodes") or []
+    if not nodes_:
+        return
+    click.echo()
+    listed = st.get("nodes_listed_at")
+    if isinstance(listed, int | float):
         now = float(st.get("now") or time.time())
-        click.echo("\nrecent decisions (newest last):")
-        # Lines, not a table: a reason quotes Slurm and is worth reading whole.
-        for d in ds:
-            ago = fmt_age(now - float(d.get("at") or now))
-            rid = f" {d['replica']}" if d.get("replica") else ""
-            click.echo(f"{ago:>7} ago  {d.get('action')} {d.get('model')}{rid}: {d.get('reason')}")
+        counted = any(n.get("gpus_placed_since_listing") for n in nodes_)
+        click.echo(
+            f"nodes as Slurm listed them {fmt_age(now - listed)} ago"
+            + (", GPUs of the replicas started since counted in:" if counted else ":")
+        )
+    click.echo(
+        table(
+            ("NODE", "STATE", "PARTITIONS", "GPUS FREE/TOTAL"),
+            [
+                (
+                    n.get("name"),
+                    n.get("state"),
+                    ",".join(n.get("partitions") or []),
+                    f"{n.get('gpus_free')}/{n.get('gpus_total')}",
+                )
+                for n in nodes_
+            ],
+        )
+    )
 
 
 def _print_service_jobs(jobs: list[dict[str, Any]]) -> None:
@@ -357,7 +404,8 @@ def _said(what: str, target: str | None, node: str | None, ids: list[str]) -> st
     where = f"node {node}" if node else str(target)
     if not ids:
         return f"nothing to {what} on {where}: no live replica there"
-    return f"{what}ing {len(ids)} replica(s) of {where}: {', '.join(ids)}"
+    doing = {"stop": "stopping"}.get(what, what + "ing")
+    return f"{doing} {len(ids)} replica(s) of {where}: {', '.join(ids)}"
 
 
 @main.command()
@@ -391,13 +439,35 @@ def stop(
     body = _target_body(target, node, reason)
     server = _load_server(server_path)
     if not yes:
+        # Checked before asking: a typo is told at once, not after a "yes".
+        ids = _stop_preview(server, body)
+        if ids == []:
+            click.echo(_said("stop", target, node, ids))
+            return
+        which = f" ({', '.join(ids)})" if ids else ""
         click.confirm(
-            f"Cancel the replicas of {target or 'node ' + str(node)} now, in-flight requests "
-            "failing?",
+            f"Cancel the replicas of {target or 'node ' + str(node)}{which} now, in-flight "
+            "requests failing?",
             abort=True,
         )
     reply = _admin_call(server, "stop", body)
-    click.echo(_said("stopp", target, node, list(reply.data.get("replicas") or [])))
+    click.echo(_said("stop", target, node, list(reply.data.get("replicas") or [])))
+
+
+def _stop_preview(server: ServerConfig, body: dict[str, str]) -> list[str] | None:
+    """The replicas a stop would cancel; None when the daemon is too old to say.
+
+    Raises ClickException for a target or node the daemon does not know.
+    """
+    reply = _admin_request(server, "stop-preview", body)
+    err = reply.data.get("error") if isinstance(reply.data, dict) else None
+    if reply.status == 404 and not (isinstance(err, dict) and err.get("code") == "not_found"):
+        # A daemon older than the route: ask without the list, as before (the
+        # stop itself then refuses an unknown target).
+        return None
+    if not reply.ok:
+        raise click.ClickException(reply.error_message())
+    return [str(x) for x in reply.data.get("replicas") or []]
 
 
 @main.command()
@@ -568,9 +638,21 @@ def _keys_file(server_path: Path, keys_file: Path | None) -> Path:
     return Path(server.router.keys_file)
 
 
+def _valid_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from llmgw_slurm.errors import LlmgwError
+    from llmgw_slurm.router.keys import check_name
+
+    if value or param.name == "user":
+        try:
+            check_name(str(param.name), value)
+        except LlmgwError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
 @keys.command("add")
-@click.argument("user")
-@click.option("--project", default="", help="A project to account usage to.")
+@click.argument("user", callback=_valid_name)
+@click.option("--project", default="", callback=_valid_name, help="A project to account usage to.")
 @_server_option
 @_keys_file_option
 @click.option("--json", "as_json", is_flag=True)
