@@ -16,7 +16,10 @@ time over each window is read from /proc when slurmctld runs on this machine;
 on the shared dev cluster it includes whatever else runs, so it is indicative
 only.
 
-    python3 bench/slurm_load.py [--duration 60] [--interval 1]
+    python3 bench/slurm_load.py [--duration 60] [--interval 1] [--sizes 0,10,100]
+
+``--sizes 0,10`` is the small run: on a shared cluster, 11 held jobs instead
+of 110.
 """
 
 from __future__ import annotations
@@ -141,7 +144,18 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds per window")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between passes")
+    ap.add_argument(
+        "--sizes",
+        default="0,10,100",
+        help="replica counts, multiples of 10, comma-separated (default 0,10,100)",
+    )
     args = ap.parse_args()
+    try:
+        sizes = sorted({int(x) for x in args.sizes.split(",")})
+    except ValueError:
+        ap.error(f"--sizes {args.sizes!r}: expected counts such as 0,10,100")
+    if any(n < 0 or n % 10 for n in sizes):
+        ap.error(f"--sizes {args.sizes!r}: each count is 0 or a positive multiple of 10")
     print(machine())
     backend = CliBackend(timeout=120)
     stale = [j.job_id for j in await backend.list_jobs(PREFIX)]
@@ -152,7 +166,7 @@ async def main() -> None:
     results: list[dict[str, Any]] = []
     rows = []
     try:
-        for n in (0, 10, 100):
+        for n in sizes:
             # Ten replicas per model (one model for 0: on demand, nothing running).
             per_model = 10
             models = [f"m{i:02d}" for i in range(n // per_model)] or ["m00"]

@@ -4,7 +4,8 @@ On the gateway port (what researchers reach):
 
 - ``GET /api/v1/status``: models, replicas, recent decisions, nodes (no key
   needed: it says what runs, not who asked for what);
-- ``GET /api/v1/usage``: the caller's own token usage, by the key it presents;
+- ``GET /api/v1/usage``: the caller's own token usage, by the key it presents
+  (on a gateway without keys, the gateway's totals by model);
 - ``GET /``: the status page.
 
 On the internal port, behind the admin token (:func:`llmgw_slurm.secrets.admin_token`,
@@ -12,6 +13,9 @@ derived from the server key, so whoever can read the key file may use them):
 
 - ``POST /internal/v1/admin/drain`` and ``.../stop``: ``{"target": replica|model,
   "node": str, "reason": str}``;
+- ``POST /internal/v1/admin/stop-preview``: the same body; the replicas ``stop``
+  would cancel, cancelling nothing (404 for an unknown target), so that
+  ``llmgw-admin stop`` checks the target before it asks for confirmation;
 - ``POST /internal/v1/admin/reload``: re-read the catalog, answer with the error
   if the new one is refused.
 """
@@ -29,7 +33,8 @@ from llmgw_slurm import __version__
 from llmgw_slurm.errors import LlmgwError
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
-from llmgw_slurm.router.usage import query_usage
+from llmgw_slurm.router.keys import KeyRecord
+from llmgw_slurm.router.usage import UsageSummary, query_usage
 from llmgw_slurm.secrets import constant_time_equal
 from llmgw_slurm.status_page import render_page
 
@@ -45,7 +50,8 @@ def status_json(rec: Reconciler) -> dict[str, Any]:
     out["now"] = time.time()
     # The nodes are what the last sinfo said, up to reconcile.nodes_max_age ago:
     # readers must be able to tell a minute-old listing from a fresh one.
-    out["nodes_listed_at"] = rec.nodes_listed_at
+    out["nodes_listed_at"] = listed_at = rec.nodes_listed_at
+    placed = _placed_since(out["models"], listed_at)
     out["nodes"] = [
         {
             "name": n.name,
@@ -55,13 +61,59 @@ def status_json(rec: Reconciler) -> dict[str, Any]:
             "cpus_free": n.cpus_total - n.cpus_alloc,
             "cpus_total": n.cpus_total,
             "partitions": sorted(n.partitions),
-            "gpus_free": n.gpus_free(),
+            "gpus_free": max(0, n.gpus_free() - placed.get(n.name, 0)),
+            "gpus_free_listed": n.gpus_free(),
+            "gpus_placed_since_listing": placed.get(n.name, 0),
             "gpus_total": n.gpus_total(),
             "gpus": [dataclasses.asdict(g) for g in n.gpus],
         }
         for n in rec.nodes
     ]
     return out
+
+
+def _placed_since(models: list[dict[str, Any]], listed_at: float | None) -> dict[str, int]:
+    """GPUs per node taken by the service's replicas that started after the nodes were listed.
+
+    A kept listing (up to reconcile.nodes_max_age old) does not know them: a node
+    shown as 3/4 free with two 1-GPU replicas started on it since is 1/4 free.
+    Only the service's own replicas are counted in; other users' jobs show at
+    the next listing. A replica that ended since is not counted back (its GPUs
+    show as taken until then: the page errs towards less free).
+    """
+    out: dict[str, int] = {}
+    if listed_at is None:
+        return out
+    for m in models:
+        for r in m.get("replicas") or []:
+            nodes, started = r.get("nodes") or [], r.get("started_at")
+            if not nodes or not isinstance(started, int | float) or started <= listed_at:
+                continue
+            per_node = int(r.get("gpus") or 0) // len(nodes)
+            for n in nodes:
+                out[n] = out.get(n, 0) + per_node
+    return out
+
+
+def _by_model(rows: list[UsageSummary]) -> list[dict[str, Any]]:
+    """Usage rows summed by model (one key's rows are one per model already)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        m = out.setdefault(
+            r.model,
+            {
+                "model": r.model,
+                "requests": 0,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "total_tokens": 0,
+            },
+        )
+        m["requests"] += r.requests
+        m["prompt_tokens"] += r.prompt_tokens
+        m["completion_tokens"] += r.completion_tokens
+        m["total_tokens"] += r.total_tokens
+    return sorted(out.values(), key=lambda m: str(m["model"]))
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
@@ -78,51 +130,43 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
 
     async def usage(request: web.Request) -> web.Response:
         gw = app[GATEWAY_KEY]
-        if gw.keys is None:
-            return _error(
-                409,
-                "usage is counted per API key, and this gateway runs without keys "
-                "(the admin sets router.keys_file to turn them on)",
-                "keys_disabled",
-            )
-        token = _bearer(request)
-        rec_key = gw.keys.lookup(token) if token else None
-        if rec_key is None:
-            return _error(
-                401,
-                "no valid API key: send 'Authorization: Bearer <key>' (llmgw --key, "
-                "LLMGW_API_KEY, or api_key in ~/.config/llmgw/config.yaml)",
-                "invalid_api_key",
-            )
+        rec_key: KeyRecord | None = None
+        if gw.keys is not None:
+            token = _bearer(request)
+            rec_key = gw.keys.lookup(token) if token else None
+            if rec_key is None:
+                return _error(
+                    401,
+                    "no valid API key: send 'Authorization: Bearer <key>' (llmgw --key, "
+                    "LLMGW_API_KEY, or api_key in ~/.config/llmgw/config.yaml)",
+                    "invalid_api_key",
+                )
         since: float | None = None
         if "since" in request.query:
             try:
                 since = float(request.query["since"])
             except ValueError:
                 return _error(400, "since must be a Unix time in seconds", "bad_request")
-        if gw.usage is None:
-            rows = []
-        else:
+        rows = []
+        if gw.usage is not None:
             # The store commits about once a second; the caller's last request counts.
             await gw.usage.flush()
-            rows = query_usage(gw.usage.path, key_id=rec_key.key_id, since=since)
-        models = [
-            {
-                "model": r.model,
-                "requests": r.requests,
-                "prompt_tokens": r.prompt_tokens,
-                "completion_tokens": r.completion_tokens,
-                "total_tokens": r.total_tokens,
-            }
-            for r in rows
-        ]
+            key_id = rec_key.key_id if rec_key is not None else None
+            rows = query_usage(gw.usage.path, key_id=key_id, since=since)
+        if rec_key is None:
+            # Without keys nobody's use is told apart: the gateway's totals, by
+            # model (anyone who reaches the port may use it, and see this).
+            return web.json_response(
+                {"scope": "gateway", "since": since, "models": _by_model(rows)}
+            )
         return web.json_response(
             {
+                "scope": "key",
                 "key_id": rec_key.key_id,
                 "user": rec_key.user,
                 "project": rec_key.project,
                 "since": since,
-                "models": models,
+                "models": _by_model(rows),
             }
         )
 
@@ -144,39 +188,6 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
     app.router.add_get("/", page)
 
 
-def _guarded(
-    fn: Callable[[web.Request], Awaitable[web.Response]], token: str
-) -> Callable[[web.Request], Awaitable[web.Response]]:
-    async def handler(request: web.Request) -> web.Response:
-        if not constant_time_equal(_bearer(request), token):
-            return _error(401, "bad or missing admin token", "unauthorized")
-        return await fn(request)
-
-    return handler
-
-
-async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
-    """The request's JSON object body, or the 400 to answer."""
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
-        return _error(400, "body is not JSON", "bad_request")
-    if not isinstance(body, dict):
-        return _error(400, "body must be an object", "bad_request")
-    return body
-
-
-async def _admin_target(request: web.Request) -> tuple[str, str, str] | web.Response:
-    """(target, node, reason) of a drain or stop, or the 400 to answer."""
-    body = await _json_object(request)
-    if isinstance(body, web.Response):
-        return body
-    target, node, reason = (str(body.get(k) or "") for k in ("target", "node", "reason"))
-    if bool(target) == bool(node):
-        return _error(400, "give exactly one of target (replica or model) and node", "usage")
-    return target, node, reason
-
-
 def add_admin_routes(
     app: web.Application,
     rec: Reconciler,
@@ -185,43 +196,98 @@ def add_admin_routes(
 ) -> None:
     """Drain, stop, reload and job announcements on the internal app, behind the admin token."""
 
-    async def drain(request: web.Request) -> web.Response:
-        t = await _admin_target(request)
+    def guarded(
+        fn: Callable[[web.Request], Awaitable[web.Response]],
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            if not constant_time_equal(_bearer(request), token):
+                return _error(401, "bad or missing admin token", "unauthorized")
+            return await fn(request)
+
+        return handler
+
+    h = _AdminHandlers(rec, reload)
+    app.router.add_post(f"{ADMIN_PREFIX}/drain", guarded(h.drain))
+    app.router.add_post(f"{ADMIN_PREFIX}/stop", guarded(h.stop))
+    app.router.add_post(f"{ADMIN_PREFIX}/stop-preview", guarded(h.stop_preview))
+    app.router.add_post(f"{ADMIN_PREFIX}/reload", guarded(h.reload))
+    app.router.add_post(f"{ADMIN_PREFIX}/jobs", guarded(h.jobs))
+
+
+async def _read_target(request: web.Request) -> tuple[str, str, str] | web.Response:
+    """(target, node, reason) from an admin request's body, or the 400 saying what is wrong."""
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
+        return _error(400, "body is not JSON", "bad_request")
+    if not isinstance(body, dict):
+        return _error(400, "body must be an object", "bad_request")
+    target, node, reason = (str(body.get(k) or "") for k in ("target", "node", "reason"))
+    if bool(target) == bool(node):
+        return _error(400, "give exactly one of target (replica or model) and node", "usage")
+    return target, node, reason
+
+
+class _AdminHandlers:
+    """The admin routes' handlers (the admin token is checked before any of them runs)."""
+
+    def __init__(self, rec: Reconciler, reload: Callable[[], str | None]) -> None:
+        self.rec = rec
+        self._reload = reload
+
+    async def drain(self, request: web.Request) -> web.Response:
+        t = await _read_target(request)
         if isinstance(t, web.Response):
             return t
         try:
-            done = rec.request_drain(*t)
+            done = self.rec.request_drain(*t)
         except LookupError as exc:
             return _error(404, str(exc.args[0]), "not_found")
         return web.json_response({"ok": True, "replicas": done})
 
-    async def stop(request: web.Request) -> web.Response:
-        t = await _admin_target(request)
+    async def stop(self, request: web.Request) -> web.Response:
+        t = await _read_target(request)
         if isinstance(t, web.Response):
             return t
         try:
-            done = await rec.request_stop(*t)
+            done = await self.rec.request_stop(*t)
         except LookupError as exc:
             return _error(404, str(exc.args[0]), "not_found")
         except LlmgwError as exc:
             return _error(502, f"scancel failed: {exc}", "slurm_error")
         return web.json_response({"ok": True, "replicas": done})
 
-    async def do_reload(_: web.Request) -> web.Response:
-        problem = reload()
+    async def stop_preview(self, request: web.Request) -> web.Response:
+        t = await _read_target(request)
+        if isinstance(t, web.Response):
+            return t
+        target, node, _ = t
+        try:
+            reps = self.rec.find_replicas(target, node)
+        except LookupError as exc:
+            return _error(404, str(exc.args[0]), "not_found")
+        # As request_stop: a replica already being stopped is not stopped again.
+        return web.json_response(
+            {"ok": True, "replicas": [r.replica_id for r in reps if not r.stop_reason]}
+        )
+
+    async def reload(self, _: web.Request) -> web.Response:
+        problem = self._reload()
         if problem is not None:
             return _error(422, problem, "catalog_refused")
-        return web.json_response({"ok": True, "models": [m.name for m in rec.catalog.models]})
+        names = [m.name for m in self.rec.catalog.models]
+        return web.json_response({"ok": True, "models": names})
 
-    app.router.add_post(f"{ADMIN_PREFIX}/drain", _guarded(drain, token))
-    app.router.add_post(f"{ADMIN_PREFIX}/stop", _guarded(stop, token))
-
-    async def jobs(request: web.Request) -> web.Response:
+    async def jobs(self, request: web.Request) -> web.Response:
         # llmgw-admin fetch / install-engine announce what they submitted.
-        body = await _json_object(request)
-        if isinstance(body, web.Response):
-            return body
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body is not JSON", "bad_request")
+        if not isinstance(body, dict):
+            return _error(400, "body must be an object", "bad_request")
         job_id, name, target = (str(body.get(k) or "") for k in ("job_id", "name", "target"))
+        rec = self.rec
         if not rec.service_jobs.expect(job_id, name, target, rec.clock()):
             return _error(
                 400,
@@ -230,6 +296,3 @@ def add_admin_routes(
                 "bad_request",
             )
         return web.json_response({"ok": True})
-
-    app.router.add_post(f"{ADMIN_PREFIX}/reload", _guarded(do_reload, token))
-    app.router.add_post(f"{ADMIN_PREFIX}/jobs", _guarded(jobs, token))

@@ -42,6 +42,7 @@ from llmgw_slurm.tls import EngineTLS
 
 __all__ = [
     "API_KEY_ENV",
+    "PORT_ENV",
     "TLS_ENV",
     "DistInfo",
     "EngineCommand",
@@ -72,7 +73,7 @@ TLS_ENV = ("LLMGW_TLS_CERTFILE", "LLMGW_TLS_KEYFILE", "LLMGW_TLS_CA_CERTS")
 _SGLANG_SHIM = (
     "import os, runpy, sys\n"
     "sys.argv = ['sglang.launch_server', *sys.argv[1:], "
-    f"'--api-key', os.environ['{API_KEY_ENV}']]\n"
+    f"'--api-key', os.environ['{API_KEY_ENV}'], '--port', os.environ['LLMGW_ENGINE_PORT']]\n"
     f"if os.environ.get('{TLS_ENV[0]}'):\n"
     "    import ssl, uvicorn\n"
     "    _init = uvicorn.Config.__init__\n"
@@ -128,12 +129,18 @@ class LaunchParams:
     apptainer_binds: tuple[str, ...] = ()
     binds: tuple[str, ...] = ()
     tls: EngineTLS | None = None
+    # A directory only the job's user can enter, for what the engine reads
+    # that others must not see (its port before it listens, its TLS files).
+    private_dir: str | None = None
 
 
 @dataclass(frozen=True)
 class EngineCommand:
     argv: list[str]
     env: dict[str, str]  # added to the agent's environment
+    # Files the agent writes into LaunchParams.private_dir before the start
+    # (name -> content): what must not be on the command line.
+    files: dict[str, str] = field(default_factory=dict)
 
 
 def _program(p: LaunchParams, in_image: bool, module: str) -> list[str]:
@@ -143,7 +150,18 @@ def _program(p: LaunchParams, in_image: bool, module: str) -> list[str]:
     return [python, "-m", module]
 
 
-def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
+# vLLM reads its port from this file in the private directory: a port on the
+# command line is in `ps` for every user of the node, who may listen on it in
+# the seconds before vLLM does (and turn every start into a failed one).
+VLLM_PORT_FILE = "vllm-port.yaml"
+PORT_ENV = "LLMGW_ENGINE_PORT"
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> tuple[list[str], dict[str, str]]:
     if p.runtime.executable:
         # The `vllm` entry point takes the model as an argument of `serve`.
         argv = [p.runtime.executable, "serve", p.model_path]
@@ -153,14 +171,14 @@ def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
             "--model",
             p.model_path,
         ]
-    argv += [
-        "--served-model-name",
-        p.served_name,
-        "--host",
-        p.host,
-        "--port",
-        str(p.port),
-    ]
+    argv += ["--served-model-name", p.served_name, "--host", p.host]
+    files: dict[str, str] = {}
+    if p.private_dir is not None and not _has_flag(spec.args, "--config"):
+        files[VLLM_PORT_FILE] = f"port: {p.port}\n"
+        argv += ["--config", f"{p.private_dir}/{VLLM_PORT_FILE}"]
+    else:
+        # The model's own --config (vLLM takes one): the port goes where ps shows it.
+        argv += ["--port", str(p.port)]
     if p.dist and p.dist.nnodes > 1:
         argv += [
             "--nnodes",
@@ -185,7 +203,7 @@ def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
             "--ssl-cert-reqs",
             str(int(ssl.CERT_REQUIRED)),
         ]
-    return argv + list(spec.args)
+    return argv + list(spec.args), files
 
 
 def _sglang(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
@@ -206,8 +224,7 @@ def _sglang(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
         p.served_name,
         "--host",
         p.host,
-        "--port",
-        str(p.port),
+        # --port: added inside the process, from the environment (see _vllm).
     ]
     if p.dist and p.dist.nnodes > 1:
         argv += [
@@ -265,8 +282,11 @@ def build_engine_command(spec: EngineSpec, p: LaunchParams, api_key: str) -> Eng
     in_image = spec.apptainer_image is not None
     env: dict[str, str] = dict(p.runtime.env)
     env[API_KEY_ENV] = api_key
+    # Private to the engine's process, where {port} on a command line is not.
+    env[PORT_ENV] = str(p.port)
+    files: dict[str, str] = {}
     if spec.kind == "vllm":
-        argv = _vllm(spec, p, in_image)
+        argv, files = _vllm(spec, p, in_image)
         env["VLLM_API_KEY"] = api_key
     elif spec.kind == "sglang":
         argv = _sglang(spec, p, in_image)
@@ -292,11 +312,11 @@ def build_engine_command(spec: EngineSpec, p: LaunchParams, api_key: str) -> Eng
         # --nv binds the host's NVIDIA driver; the host environment (the key
         # included) passes into the container by Apptainer's default.
         wrap = [p.apptainer, "exec", "--nv"]
-        tls_dir = (str(p.tls.directory),) if p.tls is not None else ()
-        for b in (*p.apptainer_binds, *p.binds, *tls_dir):
+        private = (p.private_dir,) if p.private_dir is not None else ()
+        for b in (*p.apptainer_binds, *p.binds, *private):
             wrap += ["--bind", b]
         argv = [*wrap, spec.apptainer_image, *argv]
-    return EngineCommand(argv=argv, env=env)
+    return EngineCommand(argv=argv, env=env, files=files)
 
 
 def engine_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:

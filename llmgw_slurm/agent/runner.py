@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import ssl
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -179,6 +180,9 @@ class Agent:
         self._log_files: list[IO[bytes]] = []
         self._metrics_url = ""
         self._tls: EngineTLS | None = None
+        # Only the job's user may enter it (mkdtemp makes it 0700): the engine's
+        # TLS files and what it must not take from its command line.
+        self._private: Path | None = None
         self._engine_ssl: ssl.SSLContext | None = None
         # Sends the start's spans right away once the replica serves (the batch
         # exporter would otherwise hold them for seconds); None: nothing to flush.
@@ -415,6 +419,9 @@ class Agent:
             if role.is_head and spec.engine.tls:
                 self._tls = make_engine_tls(self.job.gateway_cert, self.job.replica_id)
                 self._engine_ssl = self._tls.agent_context()
+                self._private = self._tls.directory
+            else:
+                self._private = Path(tempfile.mkdtemp(prefix=f"llmgw-engine-{role.job_id}-"))
 
         async with self._step("engine_launch", engine=spec.engine.kind) as span:
             binds = (model_path,) if model_path.startswith("/") else ()
@@ -430,8 +437,11 @@ class Agent:
                 apptainer_binds=s.apptainer_binds,
                 binds=binds,
                 tls=self._tls,
+                private_dir=str(self._private),
             )
             cmd = build_engine_command(spec.engine, launch, self.job.engine_api_key)
+            for name, text in cmd.files.items():
+                (self._private / name).write_text(text)
             self._link_engine_install(span, spec.engine.apptainer_image or cmd.argv[0])
             log.info("engine: %s", _redact(cmd.argv, self.job.engine_api_key))
             out, err = self._engine_log_files(role)
@@ -464,12 +474,15 @@ class Agent:
             )
         self.url = f"{scheme}://{s.advertise_host or self.hostname}:{port}"
         self._metrics_url = f"{scheme}://{poll_host}:{port}{_METRICS_PATH}"
+        await self._register_step()
+
+    async def _register_step(self) -> None:
         async with self._step("register", url=self.url) as span:
             log.info("ready: %s serves %s", self.url, self.job.spec.name)
             seq = self._emit("ready", url=self.url, cert=self._cert())
             # Heartbeats carry the URL too: a daemon that is away learns it later,
             # so this waits a bounded time and never fails the start.
-            delivered = await self._delivered(seq, s.report_timeout_s)
+            delivered = await self._delivered(seq, self.settings.report_timeout_s)
             span.set_attribute("llmgw.register.delivered", delivered)
 
     def _cert(self) -> str | None:
@@ -674,9 +687,9 @@ class Agent:
         if self._published is not None:
             with contextlib.suppress(OSError):
                 self._published.unlink()
-        if self._tls is not None:
-            # The key dies with the job: nothing else may ever serve as this replica.
-            shutil.rmtree(self._tls.directory, ignore_errors=True)
+        if self._private is not None:
+            # The TLS key dies with the job: nothing else may ever serve as this replica.
+            shutil.rmtree(self._private, ignore_errors=True)
 
 
 def _redact(argv: list[str], secret: str) -> list[str]:

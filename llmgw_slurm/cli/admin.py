@@ -205,6 +205,14 @@ def _admin_token(server: ServerConfig) -> str:
 
 
 def _admin_call(server: ServerConfig, action: str, body: object = None) -> DaemonReply:
+    reply = _admin_request(server, action, body)
+    if not reply.ok:
+        raise click.ClickException(reply.error_message())
+    return reply
+
+
+def _admin_request(server: ServerConfig, action: str, body: object = None) -> DaemonReply:
+    """One admin API call; an error answer is returned, except a refused token."""
     url = _local_url(server.listen.internal)
     reply: DaemonReply = run(
         call_daemon(
@@ -222,20 +230,42 @@ def _admin_call(server: ServerConfig, action: str, body: object = None) -> Daemo
             f"the daemon at {url} refused the admin token: is it running with this "
             "server.yaml and state_dir?"
         )
-    if not reply.ok:
-        raise click.ClickException(reply.error_message())
     return reply
 
 
 @main.command()
 @_server_option
+@click.option(
+    "--url",
+    envvar="LLMGW_URL",
+    metavar="URL",
+    help="The gateway to ask instead of the one server.yaml names (env LLMGW_URL; "
+    "used when neither --server nor LLMGW_SERVER_CONFIG is given).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's status JSON.")
 @click.option("--decisions", default=15, show_default=True, help="How many recent decisions.")
+@click.pass_context
 @friendly_errors
-def status(server_path: Path, as_json: bool, decisions: int) -> None:
-    """Models, replicas and their jobs, nodes, and recent decisions with reasons."""
-    server = _load_server(server_path)
-    url = _local_url(server.listen.gateway)
+def status(
+    ctx: click.Context, server_path: Path, url: str | None, as_json: bool, decisions: int
+) -> None:
+    """Models, replicas and their jobs, nodes, and recent decisions with reasons.
+
+    The status API needs no admin token: with LLMGW_URL set (as a researcher
+    has it), no server.yaml is needed.
+    """
+    explicit = ctx.get_parameter_source("server_path") not in (
+        click.core.ParameterSource.DEFAULT,
+        None,
+    )
+    if url and not explicit:
+        if not url.startswith(("http://", "https://")):
+            raise click.BadParameter(
+                f"{url!r} must start with http:// or https://", param_hint="'--url' / LLMGW_URL"
+            )
+        url = url.rstrip("/")
+    else:
+        url = _local_url(_load_server(server_path).listen.gateway)
     reply: DaemonReply = run(call_daemon("GET", url, "/api/v1/status"))
     if not reply.ok or not isinstance(reply.data, dict):
         raise click.ClickException(f"{url}: status request failed: {reply.error_message()}")
@@ -307,7 +337,11 @@ def _print_nodes(nodes: list[dict[str, Any]], listed: object, now: float) -> Non
         return
     click.echo()
     if isinstance(listed, int | float):
-        click.echo(f"nodes as Slurm listed them {format_duration(now - listed)} ago:")
+        counted = any(n.get("gpus_placed_since_listing") for n in nodes)
+        click.echo(
+            f"nodes as Slurm listed them {format_duration(now - listed)} ago"
+            + (", GPUs of the replicas started since counted in:" if counted else ":")
+        )
     click.echo(
         table(
             ("NODE", "STATE", "PARTITIONS", "GPUS FREE/TOTAL"),
@@ -374,7 +408,8 @@ def _said(what: str, target: str | None, node: str | None, ids: list[str]) -> st
     where = f"node {node}" if node else str(target)
     if not ids:
         return f"nothing to {what} on {where}: no live replica there"
-    return f"{what}ing {len(ids)} replica(s) of {where}: {', '.join(ids)}"
+    doing = {"stop": "stopping"}.get(what, what + "ing")
+    return f"{doing} {len(ids)} replica(s) of {where}: {', '.join(ids)}"
 
 
 @main.command()
@@ -408,13 +443,35 @@ def stop(
     body = _target_body(target, node, reason)
     server = _load_server(server_path)
     if not yes:
+        # Checked before asking: a typo is told at once, not after a "yes".
+        ids = _stop_preview(server, body)
+        if ids == []:
+            click.echo(_said("stop", target, node, ids))
+            return
+        which = f" ({', '.join(ids)})" if ids else ""
         click.confirm(
-            f"Cancel the replicas of {target or 'node ' + str(node)} now, in-flight requests "
-            "failing?",
+            f"Cancel the replicas of {target or 'node ' + str(node)}{which} now, in-flight "
+            "requests failing?",
             abort=True,
         )
     reply = _admin_call(server, "stop", body)
-    click.echo(_said("stopp", target, node, list(reply.data.get("replicas") or [])))
+    click.echo(_said("stop", target, node, list(reply.data.get("replicas") or [])))
+
+
+def _stop_preview(server: ServerConfig, body: dict[str, str]) -> list[str] | None:
+    """The replicas a stop would cancel; None when the daemon is too old to say.
+
+    Raises ClickException for a target or node the daemon does not know.
+    """
+    reply = _admin_request(server, "stop-preview", body)
+    err = reply.data.get("error") if isinstance(reply.data, dict) else None
+    if reply.status == 404 and not (isinstance(err, dict) and err.get("code") == "not_found"):
+        # A daemon older than the route: ask without the list, as before (the
+        # stop itself then refuses an unknown target).
+        return None
+    if not reply.ok:
+        raise click.ClickException(reply.error_message())
+    return [str(x) for x in reply.data.get("replicas") or []]
 
 
 @main.command()
@@ -581,9 +638,21 @@ def _keys_file(server_path: Path, keys_file: Path | None) -> Path:
     return Path(server.router.keys_file)
 
 
+def _valid_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from llmgw_slurm.errors import LlmgwError
+    from llmgw_slurm.router.keys import check_name
+
+    if value or param.name == "user":
+        try:
+            check_name(str(param.name), value)
+        except LlmgwError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
 @keys.command("add")
-@click.argument("user")
-@click.option("--project", default="", help="A project to account usage to.")
+@click.argument("user", callback=_valid_name)
+@click.option("--project", default="", callback=_valid_name, help="A project to account usage to.")
 @_server_option
 @_keys_file_option
 @click.option("--json", "as_json", is_flag=True)
@@ -680,7 +749,8 @@ def script(model: str, server_path: Path) -> None:
     # The secrets derived from the key are masked below, so the real key is not read.
     key = b"0" * 64
     url = server.listen.advertised_daemon_url(socket.getfqdn())
-    spec = JobBuilder(server, key, url).spec(m, "0123abcd")
+    cert = "<the gateway's client certificate, from the state directory>"
+    spec = JobBuilder(server, key, url, cert).spec(m, "0123abcd")
     click.echo("# sbatch command (the script goes on its standard input)")
     click.echo(
         shlex.join(["sbatch", "--parsable", f"--job-name={spec.name}", f"--comment={spec.comment}"])

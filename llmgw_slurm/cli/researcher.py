@@ -92,12 +92,21 @@ def _settings(url: str | None, key: str | None) -> Settings:
     return Settings(url=url.rstrip("/"), key=key or file.get("api_key"), source=source)
 
 
+def _check_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # A URL given on the command line (or in LLMGW_URL) is a usage error, told
+    # before anything runs; one from the config file is checked in _settings.
+    if value and not value.startswith(("http://", "https://")):
+        raise click.BadParameter(f"{value!r} must start with http:// or https://")
+    return value
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="llmgw")
 @click.option(
     "--url",
     envvar="LLMGW_URL",
     metavar="URL",
+    callback=_check_url,
     help=f"The gateway, e.g. http://login1:8000 (env LLMGW_URL; default {DEFAULT_URL}).",
 )
 @click.option(
@@ -420,7 +429,10 @@ def _api_message(exc: Any) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def usage(ctx: click.Context, since: str, as_json: bool) -> None:
-    """Your own token usage (counted per API key), by model."""
+    """Your own token usage (counted per API key), by model.
+
+    On a gateway without API keys: the gateway's totals, by model.
+    """
     s = _get(ctx)
     t0 = parse_when(since, time.time())
     reply: DaemonReply = run(
@@ -433,8 +445,13 @@ def usage(ctx: click.Context, since: str, as_json: bool) -> None:
     if as_json:
         print_json(data)
         return
-    who = f"key {data.get('key_id')} ({data.get('user')}"
-    who += f", project {data['project']})" if data.get("project") else ")"
+    if data.get("scope") == "gateway":
+        # Keys are off: usage is nobody's in particular, so the daemon gives
+        # the gateway's totals.
+        who = "the whole gateway (it has no API keys)"
+    else:
+        who = f"key {data.get('key_id')} ({data.get('user')}"
+        who += f", project {data['project']})" if data.get("project") else ")"
     click.echo(f"Usage of {who} since {since}:")
     if not rows:
         click.echo("no requests")

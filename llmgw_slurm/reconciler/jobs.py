@@ -56,9 +56,10 @@ class JobBuilder:
     server: ServerConfig
     server_key: bytes
     daemon_url: str
+    # The gateway's client certificate (public, PEM), the one client beside its agent
+    # that a replica's engine lets in: a job without it cannot start a TLS engine.
+    gateway_cert: str
     python: str = sys.executable
-    # The gateway's client certificate (public), which the replica's engine accepts.
-    gateway_cert: str = ""
 
     def spec(
         self,

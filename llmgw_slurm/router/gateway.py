@@ -20,10 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -37,22 +35,12 @@ from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
 from llmgw_slurm.router.keys import KeyRecord, KeyRing
 from llmgw_slurm.router.metrics import GatewayMetrics
+from llmgw_slurm.router.relay import _Call, _Pipe, _SseRelay
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
 __all__ = ["GATEWAY_KEY", "Gateway", "create_app"]
 
 _tracer = trace.get_tracer("llmgw_slurm")
-
-
-@dataclass(slots=True)
-class _Call:
-    t0: float
-    model: str | None = None
-    status: int = 500
-    # Set when the status sent is not what the client saw in the end (a
-    # stream cut short: 502; a client gone: 499).
-    outcome: int | None = None
-    first_byte: float | None = None
 
 
 def _error(
@@ -71,399 +59,68 @@ def _sse_error(message: str, code: str) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-_USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
-# A "usage" key with something other than null: every event that can carry
-# token counts has one (possessive, so that the spaces before "null" are not
-# given back to let the lookahead pass).
-_USAGE_SET = re.compile(rb'"usage"\s*+:\s*+(?!null)')
-# A chunk-size line: hex digits, then optional extensions (ignored), as
-# RFC 9112 7.1 has it; 64-bit sizes at most.
-_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}(?=[;\t ]|\r\n)")
-_MAX_CHUNK_LINE = 4096
-
-
-class _SseRelay:
-    """Splits an SSE byte stream into events, reads usage, drops unasked usage chunks.
-
-    Events go out as soon as they are complete; the only bytes held back are
-    an event's incomplete tail, which the client could not use anyway.
-    """
-
-    def __init__(self, strip_usage_chunk: bool) -> None:
-        self.strip = strip_usage_chunk
-        self.usage: dict[str, Any] | None = None
-        self._buf = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        if (
-            not self._buf
-            and chunk.endswith((b"\n\n", b"\r\n\r\n"))
-            and _USAGE_SET.search(chunk) is None
-        ):
-            # The common case, a chunk of whole events with no usage in it
-            # (or only "usage": null), passes as it is: splitting it into
-            # events would cost more than the relay itself.
-            return chunk
-        buf = self._buf + chunk if self._buf else chunk
-        out: list[bytes] = []
-        start = 0
-        # Events are kept in runs: only one with a usage object in it is
-        # looked at, and a dropped one ends a run (a burst of many events, the
-        # whole answer in one read, has one usage event among dozens).
-        run = 0
-        m = _USAGE_SET.search(buf)
-        u = m.start() if m else -1
-        # The next separator of each kind, -1 for none: each is searched for
-        # again only once passed, so that a chunk of many events is scanned
-        # once, not once per event.
-        i = buf.find(b"\n\n")
-        j = buf.find(b"\r\n\r\n")
-        while i >= 0 or j >= 0:
-            end = i + 2 if j < 0 or (0 <= i < j) else j + 4
-            if 0 <= u < end:
-                if not self._keep(buf[start:end]):
-                    out.append(buf[run:start])
-                    run = end
-                m = _USAGE_SET.search(buf, end)
-                u = m.start() if m else -1
-            start = end
-            if 0 <= i < start:
-                i = buf.find(b"\n\n", start)
-            if 0 <= j < start:
-                j = buf.find(b"\r\n\r\n", start)
-        self._buf = buf[start:]
-        if not out:
-            return buf[:start] if start < len(buf) else buf
-        out.append(buf[run:start])
-        return b"".join(out)
-
-    def rest(self) -> bytes:
-        rest, self._buf = self._buf, b""
-        return rest
-
-    def _keep(self, event: bytes) -> bool:
-        # Parsing every chunk's JSON would cost more than relaying it; only
-        # events that carry a usage object are read.
-        if b'"usage"' not in event or _USAGE_NULL.search(event):
-            return True
-        for line in event.splitlines():
-            if not line.startswith(b"data:"):
-                continue
-            try:
-                obj = json.loads(line[5:])
-            except ValueError:
-                return True
-            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                self.usage = obj["usage"]
-                if self.strip and obj.get("choices") == []:
-                    return False
-        return True
-
-
-class _Pipe(asyncio.Protocol):
-    """Moves one streamed answer from the engine's connection to the client's, in callbacks.
-
-    For the length of the answer it stands in for aiohttp's protocol on the
-    engine's connection, and each read is written on to the client's
-    transport at once (through the SSE relay). The handler only waits for the
-    end, or for the client to drain. Relaying with ``iter_any()`` and
-    ``StreamResponse.write()`` cost two coroutine wake-ups and aiohttp's
-    writer for every event (docs/performance.md, "Gateway").
-
-    Two ways to read. Through aiohttp: each read goes to aiohttp's protocol
-    first (its parser undoes the chunked framing), then what the parser gave
-    is taken from the response's reader. Raw: once a read ended right after a
-    whole chunk (see _at_chunk_end), the pipe undoes the framing itself and
-    hands aiohttp only the last chunk, so that its parser ends the message
-    and puts the connection back in the pool. Raw saves aiohttp's reader and
-    parser, a few microseconds a read; a body that is not chunked is read
-    through aiohttp to the end.
-
-    Backpressure: when the client's write buffer passes its high-water mark,
-    reading from the engine stops until the client drained it, so a slow
-    reader makes the engine wait (TCP) instead of the gateway buffering.
-    """
-
-    def __init__(
-        self,
-        upstream: aiohttp.ClientResponse,
-        client: asyncio.Transport,
-        relay: _SseRelay,
-        framed: bool,
-        call: _Call,
-        read_timeout: float | None,
-    ) -> None:
-        self._content = upstream.content
-        conn = upstream.connection
-        self._inner = conn.protocol if conn is not None else None
-        self._upstream = self._inner.transport if self._inner is not None else None
-        self._inner_timeout: float | None = None
-        self._client = client
-        self._relay = relay
-        self._framed = framed
-        self._call = call
-        self._high = client.get_write_buffer_limits()[1]
-        self._loop = asyncio.get_running_loop()
-        self._read_timeout = read_timeout
-        self._last_read = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._installed = False
-        # Raw mode: the unread part of a chunk-size line, and what is left of
-        # the current chunk (its data, then its CRLF); 0: a size line is next.
-        self._raw = False
-        self._chunked = False
-        self._rbuf = b""
-        self._left = 0
-        # What the handler reads once woken: the stream ended (cleanly, with
-        # `error`, or with the client `gone`), or it is `paused` on the client.
-        self.done = False
-        self.paused = False
-        self.gone = False
-        self.error: BaseException | None = None
-
-    def start(self, upstream_chunked: bool) -> None:
-        inner, upstream = self._inner, self._upstream
-        if inner is not None and upstream is not None and not upstream.is_closing():
-            # aiohttp's own read timeout re-arms a timer for every read; the
-            # pipe keeps one timer a stream instead (see _check_idle).
-            self._inner_timeout = inner.read_timeout
-            inner.read_timeout = None
-            inner.start_timeout()  # drops the timer already armed
-            upstream.set_protocol(self)
-            self._installed = True
-            # Never raw from the start: aiohttp's parser may have read part
-            # of a chunk-size line with the headers, and shows no sign of it.
-            self._chunked = upstream_chunked
-            self._last_read = self._loop.time()
-            if self._read_timeout:
-                self._timer = self._loop.call_at(
-                    self._last_read + self._read_timeout, self._check_idle
-                )
-        # Whatever arrived with the headers (all of a short answer, possibly,
-        # the connection already back in the pool) is in the reader.
-        self._pump()
-        if not self.done and not self._installed:
-            self._finish(aiohttp.ClientConnectionError("the engine's connection closed"))
-
-    def detach(self) -> None:
-        """Give the engine's connection back to aiohttp; safe to call more than once."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._installed:
-            return
-        self._installed = False
-        assert self._inner is not None and self._upstream is not None
-        if self._raw:
-            # Ended inside the body while reading raw (an error, the client
-            # gone): aiohttp's parser missed what was read raw, so the
-            # connection must never go back to the pool.
-            self._upstream.abort()
-        self._inner.read_timeout = self._inner_timeout
-        if self._upstream.get_protocol() is self:
-            self._upstream.set_protocol(self._inner)
-        if self.paused:
-            self.paused = False
-            # A connection back in the pool must be reading; one being closed
-            # does not mind.
-            self._upstream.resume_reading()
-
-    async def wait(self) -> None:
-        """Until the stream ended or paused."""
-        if self.done or self.paused:
-            return
-        self._waiter = self._loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def resume(self) -> None:
-        """The client drained its buffer: read from the engine again."""
-        if self.paused and self._upstream is not None and not self.done:
-            self.paused = False
-            self._last_read = self._loop.time()
-            self._upstream.resume_reading()
-
-    def send(self, data: bytes) -> None:
-        """Write to the client (framed as the response is); notes a client gone."""
-        if not data:
-            return
-        client = self._client
-        if client.is_closing():
-            # Writing to a closed transport is silently dropped (asyncio logs
-            # after a few); stop instead, and let the engine's connection be
-            # cut, which stops the generation.
-            self.gone = True
-            self._finish(None)
-            return
-        client.write(b"%x\r\n%b\r\n" % (len(data), data) if self._framed else data)
-        if self._call.first_byte is None:
-            self._call.first_byte = time.monotonic()
-        if (
-            not self.paused
-            and not self.done
-            and self._installed
-            and client.get_write_buffer_size() > self._high
-        ):
-            assert self._upstream is not None
-            self._upstream.pause_reading()
-            self.paused = True
-            self._wake()
-
-    # asyncio.Protocol, on the engine's connection
-
-    def data_received(self, data: bytes) -> None:
-        assert self._inner is not None
-        self._last_read = self._loop.time()
-        if self._raw:
-            self._unchunk(data)
-            return
-        self._inner.data_received(data)
-        self._pump()
-        if self._chunked and not self.done and data.endswith(b"\n\r\n"):
-            # An aiohttp without the attribute read gets no raw mode.
-            self._raw = self._at_chunk_end()
-
-    def _at_chunk_end(self) -> bool:
-        """Whether aiohttp's parser stopped right after a whole chunk, so the pipe can go on raw.
-
-        Its reader records where each chunk ended (_http_chunk_splits, kept
-        up to what was read): a chunk ends there. The read ended with
-        "\n\r\n", which a chunk-size line cannot (its last byte before CRLF
-        is a hex digit or part of an extension): so the parser is not past
-        the next chunk's header. Events end with a blank line, so a chunk of
-        whole events ends like this.
-        """
-        content = self._content
-        splits = getattr(content, "_http_chunk_splits", None)
-        if not splits:
-            return False
-        return bool(
-            splits[-1] == content.total_bytes
-            and not content.is_eof()
-            and content.exception() is None
+def _parse_body(raw: bytes) -> dict[str, Any] | web.Response:
+    """The body as a JSON object with a model name in it, or the 400 that says what is wrong."""
+    try:
+        # UTF-8 only, as OpenAI's API has it (json.loads would also take
+        # UTF-16, which the splicing in with_fields does not handle).
+        obj = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError is a ValueError
+        return _error(
+            400, f"The body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
         )
+    except RecursionError:
+        # A few kilobytes of "[[[[..." exhaust the parser's stack.
+        return _error(
+            400,
+            "The body's JSON is nested too deeply.",
+            "invalid_request_error",
+            "invalid_json",
+        )
+    if not isinstance(obj, dict):
+        return _error(
+            400, "The body must be a JSON object.", "invalid_request_error", "invalid_body"
+        )
+    name = obj.get("model")
+    if not isinstance(name, str) or not name:
+        return _error(
+            400,
+            "The 'model' field is missing; GET /v1/models lists the models.",
+            "invalid_request_error",
+            "missing_model",
+        )
+    return obj
 
-    def eof_received(self) -> None:
-        # None: the transport closes, and connection_lost follows.
-        assert self._inner is not None
-        self._inner.eof_received()
 
-    def connection_lost(self, exc: BaseException | None) -> None:
-        assert self._inner is not None
-        self._inner.connection_lost(exc)
-        # aiohttp has ended the body (read to the close) or failed it.
-        self._pump()
-        if not self.done:
-            self._finish(aiohttp.ServerDisconnectedError())
+def _upstream_body(
+    raw: bytes, obj: dict[str, Any], model: str, endpoint: str
+) -> tuple[bytes, bool, bool] | web.Response:
+    """The body for the engine, whether it streams, whether to drop the usage chunk.
 
-    def pause_writing(self) -> None:
-        assert self._inner is not None
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        assert self._inner is not None
-        self._inner.resume_writing()
-
-    # internals
-
-    def _pump(self) -> None:
-        if self.done:
-            return
-        content = self._content
-        try:
-            chunk = content.read_nowait()
-        except Exception as e:  # the engine failed; an error aiohttp set on the body
-            self._finish(e)
-            return
-        if chunk:
-            self.send(self._relay.feed(chunk))
-        if content.at_eof() and not self.done:
-            self._finish(None)
-
-    def _unchunk(self, data: bytes) -> None:
-        buf = self._rbuf + data if self._rbuf else data
-        self._rbuf = b""
-        out: list[bytes] = []
-        pos, n, left = 0, len(buf), self._left
-        while pos < n:
-            if left > 2:
-                take = min(left - 2, n - pos)
-                out.append(buf[pos : pos + take])
-                pos += take
-                left -= take
-            elif left:
-                # The CRLF after a chunk's data, possibly split across reads.
-                take = min(left, n - pos)
-                if buf[pos : pos + take] != b"\r\n"[2 - left : 2 - left + take]:
-                    return self._bad_framing(out, "no CRLF after a chunk")
-                pos += take
-                left -= take
-            else:
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    if n - pos > _MAX_CHUNK_LINE:
-                        return self._bad_framing(out, "a chunk-size line too long")
-                    self._rbuf = buf[pos:]
-                    break
-                size = _CHUNK_SIZE.match(buf, pos, eol + 2)
-                if size is None:
-                    return self._bad_framing(out, "a malformed chunk-size line")
-                length = int(buf[pos : size.end()], 16)
-                if not length:
-                    # The last chunk (and any trailers after it): aiohttp's
-                    # parser takes it from here, ends the (to it, empty) body
-                    # and puts the connection back in the pool.
-                    self._left = 0
-                    self._raw = False
-                    if out:
-                        self.send(self._relay.feed(b"".join(out)))
-                    assert self._inner is not None
-                    if not self.done:
-                        self._inner.data_received(buf[pos:])
-                        self._pump()
-                    return None
-                pos = eol + 2
-                left = length + 2
-        self._left = left
-        if out:
-            self.send(self._relay.feed(out[0] if len(out) == 1 else b"".join(out)))
-        return None
-
-    def _bad_framing(self, out: list[bytes], what: str) -> None:
-        if out:
-            self.send(self._relay.feed(b"".join(out)))
-        self._finish(aiohttp.ClientPayloadError(f"The engine's chunked answer has {what}."))
-
-    def _check_idle(self) -> None:
-        self._timer = None
-        if self.done or self._read_timeout is None:
-            return
-        now = self._loop.time()
-        due = self._last_read + self._read_timeout
-        if self.paused:
-            # Waiting on the client is not the engine's silence (resume()
-            # restarts the clock).
-            due = now + self._read_timeout
-        if now < due:
-            self._timer = self._loop.call_at(due, self._check_idle)
-            return
-        self._finish(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
-
-    def _finish(self, error: BaseException | None) -> None:
-        self.done = True
-        self.error = error
-        # At once: at a clean end aiohttp has put the connection back in the
-        # pool, where the next request may take it before the handler runs.
-        self.detach()
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    The model's own name replaces an alias; a stream asks for usage so that
+    it can be counted, and the usage-only chunk the client did not ask for is
+    taken out again on the way back.
+    """
+    fields: dict[str, Any] = {}
+    if obj["model"] != model:
+        fields["model"] = model
+    if obj.get("stream") is not None and not isinstance(obj.get("stream"), bool):
+        # Engines read "yes" or 1 as true and would stream without the usage the
+        # gateway asks for when it sees a stream coming: tokens nobody counts.
+        return _error(
+            400,
+            "'stream' must be true or false.",
+            "invalid_request_error",
+            "invalid_type",
+        )
+    stream = obj.get("stream") is True
+    strip_usage = False
+    if stream and endpoint != "embeddings":
+        so = obj.get("stream_options")
+        if so is None or (isinstance(so, dict) and so.get("include_usage") is not True):
+            fields["stream_options"] = {**(so or {}), "include_usage": True}
+            strip_usage = True
+    return (with_fields(raw, fields) if fields else raw), stream, strip_usage
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -757,11 +414,41 @@ class Gateway:
         key, denied = self._authenticate(request)
         if denied is not None:
             return denied
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
+        obj = _parse_body(raw)
+        if isinstance(obj, web.Response):
+            return obj
+        name = obj["model"]
+        model = self.directory.resolve(name)
+        if model is None:
+            return _error(
+                404,
+                f"The model '{name}' does not exist. Known models: {self._known_names()}.",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        call.model = model
+        trace.get_current_span().set_attribute("llmgw.model", model)
+        prepared = _upstream_body(raw, obj, model, endpoint)
+        if isinstance(prepared, web.Response):
+            return prepared
+        body, stream, strip_usage = prepared
+        ep = await self._pick_or_hold(request, model)
+        if isinstance(ep, web.Response):
+            return ep
+        return await self._forward(
+            request, endpoint, model, ep, body, stream, strip_usage, key, call
+        )
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The request's body, or the answer for one too large or too slow to arrive."""
         if (request.content_length or 0) > self.config.max_body_bytes:
             return self._too_large()
         try:
             async with asyncio.timeout(self.config.body_timeout):
-                raw = await request.read()
+                return await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._too_large()
         except TimeoutError:
@@ -773,94 +460,31 @@ class Gateway:
             )
             resp.force_close()
             return resp
-        try:
-            # UTF-8 only, as OpenAI's API has it (json.loads would also take
-            # UTF-16, which the splicing below does not handle).
-            obj = json.loads(raw.decode("utf-8"))
-        except ValueError as e:  # UnicodeDecodeError is a ValueError
-            return _error(
-                400, f"The body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
-            )
-        except RecursionError:
-            # A few kilobytes of "[[[[..." exhaust the parser's stack.
-            return _error(
-                400,
-                "The body's JSON is nested too deeply.",
-                "invalid_request_error",
-                "invalid_json",
-            )
-        if not isinstance(obj, dict):
-            return _error(
-                400, "The body must be a JSON object.", "invalid_request_error", "invalid_body"
-            )
-        name = obj.get("model")
-        if not isinstance(name, str) or not name:
-            return _error(
-                400,
-                "The 'model' field is missing; GET /v1/models lists the models.",
-                "invalid_request_error",
-                "missing_model",
-            )
-        model = self.directory.resolve(name)
-        if model is None:
-            return _error(
-                404,
-                f"The model '{name}' does not exist. Known models: {self._known_names()}.",
-                "invalid_request_error",
-                "model_not_found",
-            )
-        call.model = model
-        trace.get_current_span().set_attribute("llmgw.model", model)
 
-        fields: dict[str, Any] = {}
-        if name != model:
-            fields["model"] = model
-        if obj.get("stream") is not None and not isinstance(obj.get("stream"), bool):
-            # Engines read "yes" or 1 as true and would stream without the usage the
-            # gateway asks for when it sees a stream coming: tokens nobody counts.
-            return _error(
-                400,
-                "'stream' must be true or false.",
-                "invalid_request_error",
-                "invalid_type",
-            )
-        stream = obj.get("stream") is True
-        strip_usage = False
-        if stream and endpoint != "embeddings":
-            so = obj.get("stream_options")
-            if so is None or (isinstance(so, dict) and so.get("include_usage") is not True):
-                # Ask for usage so that it can be counted; the usage-only
-                # chunk the client did not ask for is taken out again.
-                fields["stream_options"] = {**(so or {}), "include_usage": True}
-                strip_usage = True
-        body = with_fields(raw, fields) if fields else raw
-
+    async def _pick_or_hold(self, request: web.Request, model: str) -> Endpoint | web.Response:
+        """A replica to send to at once, else one the request waited for (a cold start)."""
         ep = self._pick(model)
-        if ep is None:
-            t_hold = time.monotonic()
-            outer = trace.get_current_span()
-            if outer.is_recording() or outer.get_span_context().is_valid:
-                # Traced already, or the client chose not to be (an unsampled parent).
+        if ep is not None:
+            return ep
+        t_hold = time.monotonic()
+        outer = trace.get_current_span()
+        if outer.is_recording() or outer.get_span_context().is_valid:
+            # Traced already, or the client chose not to be (an unsampled parent).
+            held = await self._hold(request, model)
+        else:
+            # Untraced so far: a cold start is worth a trace of its own (the
+            # sampler decides), linked to the replica's start.
+            with _tracer.start_as_current_span(
+                "llmgw.router.held",
+                kind=trace.SpanKind.SERVER,
+                attributes={"llmgw.model": model},
+            ):
                 held = await self._hold(request, model)
-            else:
-                # Untraced so far: a cold start is worth a trace of its own (the
-                # sampler decides), linked to the replica's start.
-                with _tracer.start_as_current_span(
-                    "llmgw.router.held",
-                    kind=trace.SpanKind.SERVER,
-                    attributes={"llmgw.model": model},
-                ):
-                    held = await self._hold(request, model)
-                    trace.get_current_span().set_attribute(
-                        "llmgw.held_seconds", time.monotonic() - t_hold
-                    )
-            trace.get_current_span().set_attribute("llmgw.held_seconds", time.monotonic() - t_hold)
-            if isinstance(held, web.Response):
-                return held
-            ep = held
-        return await self._forward(
-            request, endpoint, model, ep, body, stream, strip_usage, key, call
-        )
+                trace.get_current_span().set_attribute(
+                    "llmgw.held_seconds", time.monotonic() - t_hold
+                )
+        trace.get_current_span().set_attribute("llmgw.held_seconds", time.monotonic() - t_hold)
+        return held
 
     async def _forward(
         self,

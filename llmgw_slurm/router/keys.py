@@ -37,7 +37,15 @@ from typing import Any
 from llmgw_slurm.errors import ConfigError, LlmgwError
 from llmgw_slurm.fsutil import atomic_write, locked
 
-__all__ = ["KeyRecord", "KeyRing", "NewKey", "add_key", "list_keys", "revoke_key"]
+__all__ = [
+    "KeyRecord",
+    "KeyRing",
+    "NewKey",
+    "add_key",
+    "check_name",
+    "list_keys",
+    "revoke_key",
+]
 
 _KEY_RE = re.compile(r"^llmgw-([0-9a-f]{8})-([A-Za-z0-9_-]{43})$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
@@ -134,14 +142,20 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
+def check_name(what: str, value: str) -> None:
+    """Raise LlmgwError unless ``value`` is a valid user or project name."""
+    if not _NAME_RE.match(value):
+        raise LlmgwError(
+            f"{what} name {value!r} is not valid: use 1-64 letters, digits, '.', '_', "
+            "'@' or '-', starting with a letter or digit"
+        )
+
+
 def add_key(path: Path, user: str, project: str = "") -> NewKey:
     """Make a key for ``user`` (and ``project``), store its hash, return the key once."""
     for what, value in (("user", user), ("project", project)):
-        if (value or what == "user") and not _NAME_RE.match(value):
-            raise LlmgwError(
-                f"{what} name {value!r} is not valid: use 1-64 letters, digits, '.', '_', "
-                "'@' or '-', starting with a letter or digit"
-            )
+        if value or what == "user":
+            check_name(what, value)
     with _locked(path):
         records = _load(path)
         key_id = secrets.token_hex(4)

@@ -501,13 +501,24 @@ def create_engine_app(options: EngineOptions) -> web.Application:
     return app
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m llmgw_slurm.testing.engine",
         description="A deterministic OpenAI-compatible engine for tests.",
     )
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("LLMGW_ENGINE_PORT", "0")) or None,
+        help="default: $LLMGW_ENGINE_PORT, which keeps it out of ps until the engine listens",
+    )
+    parser.add_argument(
+        "--bind-after",
+        type=float,
+        default=0.0,
+        help="seconds to wait before listening (as a real engine loads first; default 0)",
+    )
     parser.add_argument(
         "--api-key",
         help=f"the key clients must send (default: ${API_KEY_ENV}, which keeps it out of ps)",
@@ -544,7 +555,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="join a multi-node start from MASTER_ADDR/MASTER_PORT/NODE_RANK/WORLD_SIZE",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.port is None:
+        parser.error("no port: give --port or set LLMGW_ENGINE_PORT")
     world, master_port = 1, None
     if args.rendezvous and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         try:
@@ -573,6 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(tls) and not all(tls):
         parser.error("--ssl-certfile, --ssl-keyfile and --ssl-ca-certs go together")
     ctx = _server_context(*tls) if all(tls) else None
+    time.sleep(args.bind_after)
     # run_app turns SIGTERM and SIGINT into a graceful exit.
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, ssl_context=ctx)
     return 0

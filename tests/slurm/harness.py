@@ -41,9 +41,8 @@ TINY_ENGINE = [
     "llmgw_slurm.testing.engine",
     "--host",
     "{host}",
-    "--port",
-    "{port}",
-    # The key comes from LLMGW_ENGINE_API_KEY: on argv, every node user would see it.
+    # The port and key come from LLMGW_ENGINE_PORT and LLMGW_ENGINE_API_KEY: on argv,
+    # every node user would see them (and could listen on the port first).
     "--served-name",
     "{served_name}",
     # TLS as every engine serves it (llmgw_slurm/tls.py): the agent's files.

@@ -307,6 +307,7 @@ async def test_a_job_submitted_just_before_the_daemon_died_is_adopted_not_duplic
     from llmgw_slurm.reconciler.jobs import JobBuilder, new_replica_id
     from llmgw_slurm.secrets import load_or_create_server_key
     from llmgw_slurm.slurm.cli import CliBackend
+    from llmgw_slurm.tls import load_or_create_identity
 
     h = Harness(tmp_path / "daemon", prefix)
     h.write([tiny_model("orphan", scaling={"min": 1, "max": 1})])
@@ -314,7 +315,8 @@ async def test_a_job_submitted_just_before_the_daemon_died_is_adopted_not_duplic
     key = load_or_create_server_key(server.state_dir / "server.key")
     (m,) = load_catalog(server.models).models
     rid = new_replica_id()
-    spec = JobBuilder(server, key, f"http://127.0.0.1:{h.internal_port}").spec(m, rid)
+    cert = load_or_create_identity(server.state_dir).cert_pem
+    spec = JobBuilder(server, key, f"http://127.0.0.1:{h.internal_port}", cert).spec(m, rid)
     job_id = await CliBackend().submit(spec)
     await h.start()
     try:

@@ -447,7 +447,9 @@ def test_no_catalog_or_config_value_reaches_a_replica_shell_unquoted(
         loaded = _load(top, _model_entry(v["model_name"], extras, _drop_none(resources)), v)
         if loaded is None:
             return
-        builder = JobBuilder(loaded.cfg, b"k" * 64, "http://127.0.0.1:1", python=loaded.python)
+        builder = JobBuilder(
+            loaded.cfg, b"k" * 64, "http://127.0.0.1:1", "certificate", python=loaded.python
+        )
         spec = _render(
             lambda: builder.spec(loaded.model, "0a1b2c3d"), may_refuse=_odd_python(loaded.python)
         )

@@ -6,6 +6,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _cli_support import RunningDaemon, add_decision, free_port, run_daemon, write_config
@@ -115,12 +116,51 @@ def test_stop_cancels_now_and_asks_first(rd: RunningDaemon) -> None:
     srv = ["--server", str(rd.server_path)]
     code, out = admin("stop", "0000aaaa", *srv, input="n\n")
     assert code == 1 and "Aborted" in out
+    assert "Cancel the replicas of 0000aaaa (0000aaaa) now" in out
     assert rd.backend.cancelled == []
     code, out = admin("stop", "0000aaaa", "--yes", *srv)
     assert code == 0, out
     assert "stopping 1 replica(s) of 0000aaaa: 0000aaaa" in out
     assert rd.backend.cancelled == ["777"]
     assert rd.rec.replicas["0000aaaa"].stop_reason == "stopped by an admin"
+
+
+def test_stop_checks_the_target_before_asking(rd: RunningDaemon) -> None:
+    rd.add_replica("tiny", "0000aaaa", "ready", job_id="777")
+    srv = ["--server", str(rd.server_path)]
+    # No input given: a prompt would abort, so the answers below come before any.
+    code, out = admin("stop", "nope", *srv)
+    assert code == 1 and "Cancel" not in out
+    assert out.strip() == (
+        "Error: no replica or model 'nope'; models: tiny, big-model; replicas: 0000aaaa"
+    )
+    code, out = admin("stop", "--node", "gpunode7", *srv)
+    assert code == 1 and "Cancel" not in out and "no node 'gpunode7'" in out
+    code, out = admin("stop", "big-model", *srv)
+    assert code == 0 and out.strip() == "nothing to stop on big-model: no live replica there"
+    assert rd.backend.cancelled == []
+    assert [d.action for d in rd.rec.decisions] == []
+
+
+def test_stop_asks_as_before_when_the_daemon_has_no_preview(
+    rd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon older than the CLI (no stop-preview route): ask, then stop."""
+    from llmgw_slurm.cli import admin as admin_mod
+    from llmgw_slurm.cli.common import DaemonReply
+
+    real = admin_mod._admin_request
+
+    def old_daemon(server: Any, action: str, body: object = None) -> DaemonReply:
+        if action == "stop-preview":
+            return DaemonReply(404, None)  # aiohttp's own 404, not the API's
+        return real(server, action, body)
+
+    monkeypatch.setattr(admin_mod, "_admin_request", old_daemon)
+    rd.add_replica("tiny", "0000aaaa", "ready", job_id="777")
+    code, out = admin("stop", "tiny", "--server", str(rd.server_path), input="y\n")
+    assert code == 0, out
+    assert "Cancel the replicas of tiny now" in out and rd.backend.cancelled == ["777"]
 
 
 def test_admin_routes_refuse_a_wrong_token(rd: RunningDaemon) -> None:
@@ -161,7 +201,18 @@ def test_keys_add_list_revoke(tmp_path: Path) -> None:
     code, out = admin("keys", "revoke", "deadbeef", *srv)
     assert code == 1 and f"known ids: {rec.key_id}" in out
     code, out = admin("keys", "add", "bad name!", *srv)
-    assert code == 1 and "is not valid" in out
+    assert code == 2 and "Invalid value for 'USER': user name 'bad name!' is not valid" in out
+
+
+def test_keys_add_with_a_bad_name_is_a_usage_error_before_any_file(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.json"
+    path = write_config(tmp_path, free_port(), free_port(), keys_file)
+    srv = ["--server", str(path)]
+    code, out = admin("keys", "add", "", *srv)
+    assert code == 2 and "Invalid value for 'USER': user name '' is not valid" in out
+    code, out = admin("keys", "add", "alice", "--project", "a b", *srv)
+    assert code == 2 and "Invalid value for '--project': project name 'a b'" in out
+    assert not keys_file.exists()
 
 
 def test_keys_when_keys_are_off(tmp_path: Path) -> None:
@@ -248,3 +299,55 @@ def test_config_check_command_reports_every_error_and_exits_1(tmp_path: Path) ->
     assert res.exit_code == 0 and res.output.startswith("ok: "), res.output
     res = CliRunner().invoke(main, ["config", "check"])
     assert res.exit_code == 2 and "give at least one of --models, --server, --agent" in res.output
+
+
+def test_status_from_llmgw_url_needs_no_server_yaml(
+    rd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the demo leaves a shell: LLMGW_URL set, LLMGW_SERVER_CONFIG not."""
+    monkeypatch.delenv("LLMGW_SERVER_CONFIG", raising=False)
+    monkeypatch.setenv("LLMGW_URL", rd.url + "/")
+    code, out = admin("status")
+    assert code == 0, out
+    assert out.startswith(f"daemon {rd.url} · version") and "gpunode1" in out
+    # A server.yaml given says which daemon, whatever LLMGW_URL says.
+    monkeypatch.setenv("LLMGW_SERVER_CONFIG", str(rd.server_path.parent / "nope.yaml"))
+    code, out = admin("status")
+    assert code == 1 and "nope.yaml does not exist" in out
+    code, out = admin("status", "--url", "notaurl", "--server", str(rd.server_path))
+    assert code == 0, out
+    monkeypatch.delenv("LLMGW_SERVER_CONFIG")
+    code, out = admin("status", "--url", "notaurl")
+    assert code == 2 and "'notaurl' must start with http:// or https://" in out
+
+
+def test_nodes_count_the_replicas_started_since_the_listing(rd: RunningDaemon) -> None:
+    """gpunode1 was listed with 3 of 4 GPUs free, 125 s ago (see _cli_support)."""
+    listed = rd.rec.nodes_listed_at
+    for rid, started in (("0000aaaa", listed + 30), ("0000bbbb", listed + 60)):
+        rd.add_replica(
+            "tiny", rid, "ready", nodes=("gpunode1",), started_at=started, gpus_per_node=1
+        )
+    # Running when the nodes were listed: sinfo counted it already.
+    rd.add_replica(
+        "tiny", "0000cccc", "ready", nodes=("gpunode1",), started_at=listed - 60, gpus_per_node=1
+    )
+    # A two-node replica with 2 GPUs a node, started since: 2 more on each.
+    rd.add_replica(
+        "big-model",
+        "0000dddd",
+        "ready",
+        nodes=("gpunode1", "gpunode2"),
+        started_at=listed + 1,
+        gpus_per_node=2,
+        node_count=2,
+    )
+    code, out = admin("status", "--json", "--server", str(rd.server_path))
+    assert code == 0, out
+    n1, n2 = json.loads(out)["nodes"]
+    assert (n1["gpus_free_listed"], n1["gpus_placed_since_listing"], n1["gpus_free"]) == (3, 4, 0)
+    assert (n2["gpus_free_listed"], n2["gpus_placed_since_listing"], n2["gpus_free"]) == (4, 2, 2)
+    code, out = admin("status", "--server", str(rd.server_path))
+    assert "ago, GPUs of the replicas started since counted in:" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("gpunode2"))
+    assert row.split()[-1] == "2/4"

@@ -82,7 +82,23 @@ def test_url_from_env_and_from_config_file(
     code, out = llmgw("models")
     assert code == 0 and "tiny" in out
     code, out = llmgw("models", url="ftp://x")
-    assert code == 1 and "must start with http://" in out
+    assert code == 2 and "Invalid value for '--url': 'ftp://x' must start with http://" in out
+    cfg.write_text("url: login1:8000\n")
+    monkeypatch.delenv("LLMGW_URL")
+    code, out = llmgw("models")
+    # From the config file: not a usage error, and the file is named.
+    assert code == 1 and "must start with http://" in out and str(cfg) in out
+
+
+def test_a_url_that_is_not_one_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out = llmgw("models", url="notaurl")
+    assert code == 2 and "Invalid value for '--url': 'notaurl' must start with http://" in out
+    monkeypatch.setenv("LLMGW_URL", "notaurl")
+    code, out = llmgw("usage")
+    assert code == 2 and "'notaurl' must start with http://" in out
+    # --help still works, whatever the URL.
+    code, out = llmgw("--help")
+    assert code == 0 and "Usage:" in out
 
 
 def test_models_table_states_and_endpoint(rd: RunningDaemon) -> None:
@@ -203,10 +219,40 @@ def test_chat_unknown_model_and_empty_prompt(rd: RunningDaemon) -> None:
     assert code == 2 and "the prompt is empty" in out
 
 
-def test_usage_without_keys_says_keys_are_off(rd: RunningDaemon) -> None:
+def test_usage_without_keys_shows_the_gateways_totals(rd: RunningDaemon) -> None:
+    store = rd.d.gateway[researcher_gateway_key()].usage
+    assert store is not None
+    now = time.time()
+    # Keys off: records carry no key; an old one from when keys were on counts too.
+    for key_id, model, toks in (("", "tiny", 10), ("", "tiny", 5), ("ab12cd34", "big-model", 7)):
+        store.record(UsageRecord(now, key_id, "", "", model, "completions", toks, 1, toks + 1))
+    store.record(UsageRecord(now - 3 * 86400, "", "", "", "tiny", "completions", 1000, 1, 1001))
+    code, out = llmgw("usage", "--since", "1d", "--json", url=rd.url)
+    assert code == 0, out
+    data = json.loads(out)
+    assert data["scope"] == "gateway" and "key_id" not in data and "user" not in data
+    assert data["models"] == [
+        {
+            "model": "big-model",
+            "requests": 1,
+            "prompt_tokens": 7,
+            "completion_tokens": 1,
+            "total_tokens": 8,
+        },
+        {
+            "model": "tiny",
+            "requests": 2,
+            "prompt_tokens": 15,
+            "completion_tokens": 2,
+            "total_tokens": 17,
+        },
+    ]
     code, out = llmgw("usage", url=rd.url)
-    assert code == 1
-    assert "usage is counted per API key" in out and "without keys" in out
+    assert code == 0, out
+    assert out.startswith("Usage of the whole gateway (it has no API keys) since 30d:")
+    total = next(ln for ln in out.splitlines() if ln.startswith("total"))
+    assert total.split() == ["total", "4", "1022", "4", "1026"]
+    assert_fits_80(out)
 
 
 @pytest.fixture

@@ -102,8 +102,10 @@ def test_sglang_shim_hands_the_key_to_the_module(tmp_path: Path) -> None:
         check=True,
     ).stdout
     args = json.loads(out)
-    assert args[-2:] == ["--api-key", KEY]
+    # The key and the port, kept out of ps, reach the server's own argv.
+    assert args[-4:] == ["--api-key", KEY, "--port", "23456"]
     assert args[:2] == ["--model-path", "/cache/m"]
+    assert "23456" not in cmd.argv and cmd.env["LLMGW_ENGINE_PORT"] == "23456"
 
 
 def test_custom_placeholders() -> None:
@@ -250,7 +252,8 @@ def test_a_command_engine_gets_the_tls_files_as_placeholders_and_env(
 
 def test_an_apptainer_engine_sees_its_tls_files(engine_tls: EngineTLS) -> None:
     spec = EngineSpec("vllm", apptainer_image="/img/vllm.sif")
-    cmd = build_engine_command(spec, replace(P, tls=engine_tls), KEY)
+    private = str(engine_tls.directory)
+    cmd = build_engine_command(spec, replace(P, tls=engine_tls, private_dir=private), KEY)
     binds = [cmd.argv[i + 1] for i, x in enumerate(cmd.argv) if x == "--bind"]
     assert str(engine_tls.directory) in binds
 
@@ -305,3 +308,19 @@ async def test_the_sglang_shim_makes_uvicorn_serve_mutual_tls(
     finally:
         proc.terminate()
         await proc.wait()
+
+
+def test_vllm_reads_its_port_from_a_private_file_not_its_command_line() -> None:
+    cmd = build_engine_command(EngineSpec("vllm"), replace(P, private_dir="/run/x"), KEY)
+    assert "--port" not in cmd.argv and "23456" not in cmd.argv
+    assert cmd.argv[cmd.argv.index("--config") + 1] == "/run/x/vllm-port.yaml"
+    assert cmd.files == {"vllm-port.yaml": "port: 23456\n"}
+    # A model with a --config of its own (vLLM takes one): the port goes on the line.
+    own = EngineSpec("vllm", args=("--config=/site/vllm.yaml",))
+    cmd = build_engine_command(own, replace(P, private_dir="/run/x"), KEY)
+    assert cmd.argv[cmd.argv.index("--port") + 1] == "23456" and cmd.files == {}
+
+
+def test_every_engine_finds_its_port_in_its_environment() -> None:
+    spec = EngineSpec("command", command=("serve",))
+    assert build_engine_command(spec, P, KEY).env["LLMGW_ENGINE_PORT"] == "23456"

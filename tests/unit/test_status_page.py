@@ -110,6 +110,21 @@ def test_page_says_how_old_the_node_listing_is() -> None:
     p = Text()
     p.feed(render_page(status(nodes_listed_at=1.7e9 - 42), "e"))
     assert "As Slurm listed them 42s ago" in " ".join(p.text)
+    assert "replicas placed since" not in " ".join(p.text)
+    # The one duration formatter, as `llmgw-admin status` writes it.
+    p = Text()
+    p.feed(render_page(status(nodes_listed_at=1.7e9 - 300), "e"))
+    assert "As Slurm listed them 5m00s ago" in " ".join(p.text)
+
+
+def test_page_says_when_the_services_own_replicas_are_counted_in() -> None:
+    st = status(nodes_listed_at=1.7e9 - 42)
+    st["nodes"][0].update(gpus_free=1, gpus_free_listed=3, gpus_placed_since_listing=2)
+    p = Text()
+    p.feed(render_page(st, "e"))
+    text = " ".join(p.text)
+    assert "GPUs free counts this service's replicas placed since" in text
+    assert "1/4" in text and "3/4" not in text
 
 
 def test_everything_from_outside_is_escaped() -> None:
@@ -127,3 +142,49 @@ def test_stale_warning_and_empty_catalog() -> None:
     )
     assert "The catalog has no models." in html and "No decisions yet." in html
     assert re.search(r"may be stale: squeue: &lt;x&gt;", html)
+
+
+class Markup(HTMLParser):
+    """Every tag and attribute the page holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: set[str] = set()
+        self.attrs: list[tuple[str, str | None]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.add(tag)
+        self.attrs.extend(attrs)
+
+
+def test_a_hostile_value_in_any_field_is_shown_as_text() -> None:
+    """Model names, aliases, states, reasons, node names: each could carry markup."""
+    evil = EVIL + '" onload="x'
+    st = status(version=evil, passes=evil, last_pass_error=evil)
+    model = st["models"][0]
+    model.update(name=evil, aliases=[evil], state="queued " + evil, note=evil, min=evil)
+    model["replicas"][0].update(id=evil, job_id=evil, state=evil, nodes=[evil], step=evil)
+    st["decisions"][0].update(action=evil, model=evil, replica=evil, reason=evil)
+    st["nodes"][0].update(name=evil, state=evil, reason=evil, partitions=[evil])
+    st["nodes"][0].update(gpus_free=evil, gpus_total=evil)
+    html = render_page(st, evil)
+    m = Markup()
+    m.feed(html)
+    allowed = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "p", "code"}
+    assert m.tags <= allowed | {"table", "tr", "th", "td", "strong", "span"}
+    assert {name for name, _ in m.attrs} <= {
+        "lang",
+        "charset",
+        "http-equiv",
+        "content",
+        "name",
+        "class",
+    }
+    classes = {v for name, v in m.attrs if name == "class"}
+    assert classes <= {"model", "replica", "queued", "muted", "error"}
+    t = Text()
+    t.feed(html)
+    text = " ".join(t.text)
+    # Each field's value arrives whole, as text: the test would not see a
+    # field that was dropped instead of escaped as escaped.
+    assert text.count(evil) == 24
