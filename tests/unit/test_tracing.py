@@ -147,7 +147,7 @@ class World:
         opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="x")
         async with serve(create_engine_app(opts)) as url:
             self.report(rid, event=event, url=url)
-            await asyncio.wait_for(asyncio.gather(*self.rec._tasks), 10)
+            await asyncio.wait_for(asyncio.gather(*self.rec.probe.tasks), 10)
         assert self.rec.replicas[rid].base_url == url
         return url
 
