@@ -108,35 +108,70 @@ class PassLoop:
     async def pass_once(self) -> list[Action]:
         pass_id = uuid.uuid4().hex[:8]
         self.tracing.begin_pass()
-        # The nodes are listed with the jobs only when the last listing is too old;
-        # otherwise the pass plans with it and lists them again only if the plan
-        # says the nodes decide an action (below). A pass that changes nothing then
-        # costs one squeue: on a quiet cluster sinfo was half of a pass's cost.
+        listing = await self._list(pass_id)
+        if listing is None:
+            return []
+        jobs, with_nodes = listing
+        now = self.table.clock()
+        await self._reap(self._observe(jobs, now, pass_id), now, pass_id)
+        self._forgive(now)
+        result = self._plan(now)
+        refreshed = False
+        if result.nodes_decide and not with_nodes:
+            result, refreshed = await self._plan_on_fresh_nodes(now, pass_id)
+        self.notes = result.notes
+        self.tracing.notes(result.notes)
+        with self.tracing.pass_span(
+            pass_id,
+            result.actions,
+            jobs=len(jobs),
+            nodes=len(self.table.nodes),
+            nodes_listed="with the jobs" if with_nodes else "before acting" if refreshed else "",
+        ):
+            for action in result.actions:
+                with self.tracing.action(action, self.failures):
+                    await self._execute(action, pass_id)
+        return result.actions
+
+    async def _list(self, pass_id: str) -> tuple[list[Job], bool] | None:
+        """The service's jobs, and whether the nodes were listed beside them; None: no answer.
+
+        The nodes are listed with the jobs only when the last listing is too old;
+        otherwise the pass plans with it and lists them again only if the plan
+        says the nodes decide an action (_plan_on_fresh_nodes). A pass that changes
+        nothing then costs one squeue: on a quiet cluster sinfo was half of a
+        pass's cost.
+        """
         listed_at = self.table.nodes_listed_at
         age = self.table.clock() - listed_at if listed_at is not None else None
-        with_jobs = age is None or not 0 <= age < self.server.reconcile.nodes_max_age
+        with_nodes = age is None or not 0 <= age < self.server.reconcile.nodes_max_age
         try:
-            if with_jobs:
+            if with_nodes:
                 jobs, nodes = await asyncio.gather(
                     self.backend.list_jobs(self.prefix), self.backend.list_nodes()
                 )
             else:
                 jobs, nodes = await self.backend.list_jobs(self.prefix), self.table.nodes
         except SlurmError as exc:
-            return self._unanswered(pass_id, exc)
-        self.tracing.observed(nodes_listed=with_jobs)
+            self._unanswered(pass_id, exc)
+            return None
+        self.tracing.observed(nodes_listed=with_nodes)
         self._consecutive_errors = 0
         self.last_pass_error = ""
         self.passes += 1
         now = self.table.clock()
         self.last_observed = now
-        if with_jobs:
+        if with_nodes:
             self.table.nodes, self.table.nodes_listed_at = nodes, now
-        await self._reap(self._observe(jobs, now, pass_id), now, pass_id)
+        return jobs, with_nodes
+
+    def _forgive(self, now: float) -> None:
+        """Clear a model's failed starts once one of its replicas served its minimum lifetime.
+
+        Ready is not yet proof that the engine stays up: one that dies at its first
+        request would otherwise restart at once, forever.
+        """
         for r in self.table.replicas.values():
-            # Ready is not yet proof that the engine stays up (one that dies at its
-            # first request would otherwise restart at once, forever): a model's
-            # failures are forgiven once a replica has served its minimum lifetime.
             if (
                 r.model in self.failures
                 and r.ready_at is not None
@@ -145,48 +180,36 @@ class PassLoop:
                 and now - r.ready_at >= self.plan_cfg.min_lifetime
             ):
                 self.failures.pop(r.model, None)
-        result = self._plan(now)
-        refreshed = False
-        if result.nodes_decide and not with_jobs:
-            # About to place or evict on an earlier pass's nodes: list them now and
-            # plan again (plan() is pure and cheap), so the decision follows what is
-            # free now. sinfo runs after squeue here, not beside it: only passes that
-            # would act pay for it (and every pass while a queued replica fits on
-            # the kept listing and something could be evicted for it).
-            self.tracing.listing_nodes()
-            try:
-                nodes = await self.backend.list_nodes()
-            except SlurmError as exc:
-                # The jobs are applied (and what they showed is traced below), but
-                # acting on nodes that may be wrong is what this listing prevents:
-                # nothing is done this pass; the next one that would act tries again.
-                self._unanswered(pass_id, exc)
-                result = planmod.PlanResult(notes=self.notes)
-            else:
-                self.table.nodes, self.table.nodes_listed_at = nodes, self.table.clock()
-                self.tracing.nodes_listed(len(nodes))
-                refreshed = True
-                result = self._plan(now)
-        self.notes = result.notes
-        self.tracing.notes(result.notes)
-        with self.tracing.pass_span(
-            pass_id,
-            result.actions,
-            jobs=len(jobs),
-            nodes=len(self.table.nodes),
-            nodes_listed="with the jobs" if with_jobs else "before acting" if refreshed else "",
-        ):
-            for action in result.actions:
-                with self.tracing.action(action, self.failures):
-                    await self._execute(action, pass_id)
-        return result.actions
 
-    def _unanswered(self, pass_id: str, exc: SlurmError) -> list[Action]:
+    async def _plan_on_fresh_nodes(
+        self, now: float, pass_id: str
+    ) -> tuple[planmod.PlanResult, bool]:
+        """The plan again on nodes listed now; (the plan, whether the nodes were listed).
+
+        About to place or evict on an earlier pass's nodes: list them now and plan
+        again (plan() is pure and cheap), so the decision follows what is free now.
+        sinfo runs after squeue here, not beside it: only passes that would act pay
+        for it (and every pass while a queued replica fits on the kept listing and
+        something could be evicted for it).
+        """
+        self.tracing.listing_nodes()
+        try:
+            nodes = await self.backend.list_nodes()
+        except SlurmError as exc:
+            # The jobs are applied (and what they showed is traced), but acting on
+            # nodes that may be wrong is what this listing prevents: nothing is done
+            # this pass; the next one that would act tries again.
+            self._unanswered(pass_id, exc)
+            return planmod.PlanResult(notes=self.notes), False
+        self.table.nodes, self.table.nodes_listed_at = nodes, self.table.clock()
+        self.tracing.nodes_listed(len(nodes))
+        return self._plan(now), True
+
+    def _unanswered(self, pass_id: str, exc: SlurmError) -> None:
         self._consecutive_errors += 1
         self.last_pass_error = str(exc)
         # Status may be stale; acting on a stale view could cancel what is running.
         log.warning("pass %s: Slurm did not answer, nothing done: %s", pass_id, exc)
-        return []
 
     def _plan(self, now: float) -> planmod.PlanResult:
         views = [view_of(r) for r in self.table.replicas.values()]
@@ -203,87 +226,102 @@ class PassLoop:
         )
 
     def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> list[Replica]:
+        """Apply one squeue listing to the table; returns the replicas whose jobs are gone.
+
+        A job of the service's that the table does not know is adopted (a daemon
+        restarted, or a submission raced the listing); a replica the listing no
+        longer shows (or shows finished) leaves the table.
+        """
         self.service_jobs.observe(jobs, now)
         seen: set[str] = set()
-        idents = self._idents
-        if len(idents) > 2 * len(jobs) + 64:
+        if len(self._idents) > 2 * len(jobs) + 64:
             # Names of jobs long gone: keep the memo the size of the queue.
-            idents.clear()
+            self._idents.clear()
         for job in jobs:
-            try:
-                ident = idents[job.name]
-            except KeyError:
-                ident = idents[job.name] = parse_job_name(self.prefix, job.name)
+            ident = self._ident(job.name)
             if ident is None:
                 continue
             model, rid = ident
             r = self.table.replicas.get(rid)
-            if r is not None and r.listed is job:
-                # The very job applied last pass (the row cache returns the same object
-                # for an unchanged row), and no listed field assigned since: applying it
-                # again would change nothing.
-                seen.add(rid)
-                self.tracing.job_seen(rid, job)
-                if self.intake.early:
-                    self.intake.join_early(r, model, rid, pass_id)
-                continue
             if r is None:
                 if job.state.is_finished:
                     continue
-                r = Replica(
-                    replica_id=rid,
-                    model=model,
-                    job_id=job.job_id,
-                    submitted_at=job.submit_time.timestamp() if job.submit_time else now,
-                    adopted=True,
-                    adopted_at=now,
-                )
-                self.table.replicas[rid] = r
-                self.tracing.adopt(rid, model, job)
-                self.table.record(
-                    "adopt", model, rid, f"job {job.job_id} {job.state.value}", pass_id
-                )
+                r = self._adopt(job, model, rid, now, pass_id)
             seen.add(rid)
-            if job.restarts > r.restarts or (
-                r.job_state in (JobState.RUNNING, JobState.CONFIGURING)
-                and job.state is JobState.PENDING
-            ):
-                # Preempted (or failed node) and requeued: same job, a new start.
-                self.table.record(
-                    "requeued",
-                    model,
-                    rid,
-                    f"job {job.job_id} back in the queue ({job.reason})",
-                    pass_id,
-                )
-                r.base_url = ""
-                r.started_at = None
-                r.ready_at = None
-                r.draining_since = None
-                r.agent_draining = ""
-                r.step = ""
-                r.requeued = True
-            self.tracing.job_seen(rid, job)
-            r.restarts = job.restarts
-            r.job_state = job.state
-            r.reason = job.reason
-            r.nodes = job.nodes
-            r.node_count = (
-                max(1, len(job.components))
-                if job.heterogeneous
-                else max(1, job.components[0].node_count if job.components else 1)
-            )
-            r.gpus_per_node = _gpus_in(job.components[0].tres_per_node) if job.components else 0
-            r.ends_at = job.end_time.timestamp() if job.end_time is not None else None
-            if job.state in (JobState.RUNNING, JobState.CONFIGURING) and r.started_at is None:
-                r.started_at = job.start_time.timestamp() if job.start_time else now
-            if r.requeued and job.state in (JobState.RUNNING, JobState.CONFIGURING) and job.nodes:
-                r.requeued = False
-            # Last: the assignments above drop it.
-            r.listed = job
+            if r.listed is job:
+                # The very job applied last pass (the row cache returns the same object
+                # for an unchanged row), and no listed field assigned since: applying it
+                # again would change nothing.
+                self.tracing.job_seen(rid, job)
+            else:
+                self._apply_listing(r, job, now, pass_id)
             if self.intake.early:
                 self.intake.join_early(r, model, rid, pass_id)
-        # Reap: a replica whose job is no longer listed (or listed as finished) is gone.
+        return self._unlisted(seen, pass_id)
+
+    def _ident(self, name: str) -> tuple[str, str] | None:
+        """(model, replica id) of a job name, None when not a replica's."""
+        try:
+            return self._idents[name]
+        except KeyError:
+            ident = self._idents[name] = parse_job_name(self.prefix, name)
+            return ident
+
+    def _adopt(self, job: Job, model: str, rid: str, now: float, pass_id: str) -> Replica:
+        r = Replica(
+            replica_id=rid,
+            model=model,
+            job_id=job.job_id,
+            submitted_at=job.submit_time.timestamp() if job.submit_time else now,
+            adopted=True,
+            adopted_at=now,
+        )
+        self.table.replicas[rid] = r
+        self.tracing.adopt(rid, model, job)
+        self.table.record("adopt", model, rid, f"job {job.job_id} {job.state.value}", pass_id)
+        return r
+
+    def _apply_listing(self, r: Replica, job: Job, now: float, pass_id: str) -> None:
+        """Set the replica's listed fields (``replicas._LISTED``) from its job's row."""
+        running = (JobState.RUNNING, JobState.CONFIGURING)
+        if job.restarts > r.restarts or (r.job_state in running and job.state is JobState.PENDING):
+            self._requeued(r, job, pass_id)
+        self.tracing.job_seen(r.replica_id, job)
+        r.restarts = job.restarts
+        r.job_state = job.state
+        r.reason = job.reason
+        r.nodes = job.nodes
+        r.node_count = (
+            max(1, len(job.components))
+            if job.heterogeneous
+            else max(1, job.components[0].node_count if job.components else 1)
+        )
+        r.gpus_per_node = _gpus_in(job.components[0].tres_per_node) if job.components else 0
+        r.ends_at = job.end_time.timestamp() if job.end_time is not None else None
+        if job.state in running and r.started_at is None:
+            r.started_at = job.start_time.timestamp() if job.start_time else now
+        if r.requeued and job.state in running and job.nodes:
+            r.requeued = False
+        # Last: the assignments above drop it.
+        r.listed = job
+
+    def _requeued(self, r: Replica, job: Job, pass_id: str) -> None:
+        """Preempted (or its node failed) and requeued: the same job, a new start."""
+        reason = f"job {job.job_id} back in the queue ({job.reason})"
+        self.table.record("requeued", r.model, r.replica_id, reason, pass_id)
+        r.base_url = ""
+        r.started_at = None
+        r.ready_at = None
+        r.draining_since = None
+        r.agent_draining = ""
+        r.step = ""
+        r.requeued = True
+
+    def _unlisted(self, seen: set[str], pass_id: str) -> list[Replica]:
+        """Drop the replicas whose job is no longer listed (or listed as finished).
+
+        Returns those the daemon did not stop, for _reap to find out why they ended.
+        """
         gone = []
         for rid, r in list(self.table.replicas.items()):
             if rid in seen and not r.job_state.is_finished:
