@@ -1,14 +1,23 @@
-"""The reconciler: observe, plan, execute, once per pass; and the router's view of replicas.
+"""The reconciler: the pass loop (observe, plan, execute, once per pass), and the
+:class:`Reconciler` that composes it with the other parts.
 
 Slurm is the source of truth for what runs: every pass starts from one
 ``squeue`` of the service's jobs, and from the nodes of a ``sinfo`` at most
 ``reconcile.nodes_max_age`` old, listed again before any placement or
-eviction (see ``pass_once``). What Slurm does not know
-is kept here, in memory, per replica: what its agent reported (the engine's
-URL, its steps), what the router saw (requests in flight, last use), and the
-drain or stop the daemon asked for. After a daemon restart that memory is
-empty: jobs are adopted from the listing, their agents re-report on their
-next heartbeat, and their last use is unknown (so they are not idle).
+eviction (see ``PassLoop.pass_once``). What Slurm does not know is kept in
+memory, per replica, in the replica table (:mod:`.replicas`): what its agent
+reported (the engine's URL, its steps), what the router saw (requests in
+flight, last use), and the drain or stop the daemon asked for. After a daemon
+restart that memory is empty: jobs are adopted from the listing, their agents
+re-report on their next heartbeat, and their last use is unknown (so they are
+not idle).
+
+The parts, each over the one table: :mod:`.directory` (the router's
+ModelDirectory), :mod:`.reports` (who may report: signatures, nonces),
+:mod:`.intake` (what a report does to its replica) with :mod:`.probes` (the
+engine must answer the daemon before it gets traffic), :class:`PassLoop` here
+(with :mod:`.plan`, pure, and :mod:`.jobs`, the job of a replica),
+:mod:`.admin` (drain, stop) and :mod:`.status`.
 """
 
 from __future__ import annotations

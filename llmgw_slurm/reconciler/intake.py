@@ -37,6 +37,7 @@ class ReportIntake:
         self.early: dict[str, dict[str, Any]] = {}
 
     def report(self, replica_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A verified report's effect; the answer to the agent (``drain``: stop serving)."""
         r = self.table.replicas.get(replica_id)
         if r is None:
             # The secret proves the agent runs this replica; its job is simply not
@@ -127,6 +128,7 @@ class ReportIntake:
             r.base_url = ""
 
     def join_early(self, r: Replica, model: str, rid: str, pass_id: str) -> None:
+        """Apply a report kept for ``r`` before its job was listed (a pass calls this)."""
         early = self.early.pop(rid, None)
         if early is not None and not (r.requeued and early.get("event") in ("ready", "heartbeat")):
             stale = self.stale(r, early)
@@ -136,6 +138,8 @@ class ReportIntake:
                 self.apply(r, early)
 
     def _probed(self, r: Replica, url: str, ok: bool, why: str) -> None:
+        """The probe of ``url`` ended: the replica is routable from now on, if it still
+        is the replica probed and nobody is stopping it."""
         if self.table.replicas.get(r.replica_id) is not r or r.stop_reason:
             return
         if not ok:
