@@ -10,9 +10,9 @@ idempotently.
 Rules, in the order they are applied each pass (each a function of this module
 over one ``_PlanState``: the actions and notes so far, and what the rules share):
 
-1. Per replica (``_replica_rules``), the first that applies, one action per
-   replica: a model removed from the catalog drains its ready replicas and
-   cancels the others; an agent that reported failure, a start that outlived
+1. Per replica (``_replica_rules``), the first of ``_REPLICA_RULES`` that
+   applies, one action per replica: a model removed from the catalog drains
+   its ready replicas and cancels the others; an agent that reported failure, a start that outlived
    its deadline, a job pending past ``max_pending_time``, and a drain that is
    done (nothing in flight) or timed out, each end in a cancel with its reason.
 2. Per model, in catalog order, over the replicas rule 1 left. The desired
@@ -397,17 +397,13 @@ class _PlanState:
 
 
 def _replica_rules(st: _PlanState, r: ReplicaView) -> None:
-    """Rule 1: the first of these that applies acts on ``r`` (one action per replica)."""
+    """Rule 1: the first of ``_REPLICA_RULES`` that applies acts on ``r`` (one action each)."""
     if r.state is ReplicaState.STOPPING:
         return
     m = st.models.get(r.model)
-    (
-        _removed_from_catalog(st, r, m)
-        or _start_failed(st, r)
-        or _start_timed_out(st, r, m)
-        or _pending_too_long(st, r)
-        or _drain_done(st, r)
-    )
+    for rule in _REPLICA_RULES:
+        if rule(st, r, m):
+            return
 
 
 def _removed_from_catalog(st: _PlanState, r: ReplicaView, m: Model | None) -> bool:
@@ -420,7 +416,7 @@ def _removed_from_catalog(st: _PlanState, r: ReplicaView, m: Model | None) -> bo
     return True
 
 
-def _start_failed(st: _PlanState, r: ReplicaView) -> bool:
+def _start_failed(st: _PlanState, r: ReplicaView, m: Model | None) -> bool:
     if not r.agent_failed or r.state is ReplicaState.DRAINING:
         return False
     st.cancel(r, f"start failed: {r.agent_failed}", failure=True)
@@ -447,7 +443,7 @@ def _start_timed_out(st: _PlanState, r: ReplicaView, m: Model | None) -> bool:
     return True
 
 
-def _pending_too_long(st: _PlanState, r: ReplicaView) -> bool:
+def _pending_too_long(st: _PlanState, r: ReplicaView, m: Model | None) -> bool:
     limit = st.cfg.max_pending_time
     if r.state is not ReplicaState.PENDING or limit is None or st.now - r.submitted_at <= limit:
         return False
@@ -456,7 +452,7 @@ def _pending_too_long(st: _PlanState, r: ReplicaView) -> bool:
     return True
 
 
-def _drain_done(st: _PlanState, r: ReplicaView) -> bool:
+def _drain_done(st: _PlanState, r: ReplicaView, m: Model | None) -> bool:
     """A drain the daemon asked for ends once nothing is in flight, or at its timeout."""
     if r.state is not ReplicaState.DRAINING or r.self_draining:
         return False
@@ -470,6 +466,16 @@ def _drain_done(st: _PlanState, r: ReplicaView) -> bool:
             in_flight=r.in_flight,
         )
     return True
+
+
+# In the order they are tried: each returns whether it applied to the replica.
+_REPLICA_RULES: tuple[Callable[[_PlanState, ReplicaView, Model | None], bool], ...] = (
+    _removed_from_catalog,
+    _start_failed,
+    _start_timed_out,
+    _pending_too_long,
+    _drain_done,
+)
 
 
 # ---- 2. per model ---------------------------------------------------------------------
