@@ -558,7 +558,7 @@ async def part_breakdown(
             steps["parse_sinfo"].append(time.perf_counter() - t0)
             now = time.time()
             t0 = time.perf_counter()
-            rec.loop._observe(jobs, now, "bench")
+            rec.pass_loop._observe(jobs, now, "bench")
             steps["_observe (join with the daemon's memory)"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             views = [view_of(r) for r in rec.replicas.values()]

@@ -483,7 +483,7 @@ class Reconciler:
         self.verifier = ReportVerifier(server_key)
         self.probe = EngineProbe(server_key)
         self.intake = ReportIntake(self.table, self.probe, self.directory.signal_ready)
-        self.loop = PassLoop(
+        self.pass_loop = PassLoop(
             self.table,
             server,
             backend,
@@ -510,11 +510,11 @@ class Reconciler:
 
     @property
     def backend(self) -> SlurmBackend:
-        return self.loop.backend
+        return self.pass_loop.backend
 
     @backend.setter
     def backend(self, backend: SlurmBackend) -> None:
-        self.loop.backend = self.admin.backend = backend
+        self.pass_loop.backend = self.admin.backend = backend
 
     @property
     def replicas(self) -> dict[str, Replica]:
@@ -535,35 +535,35 @@ class Reconciler:
 
     @property
     def plan_cfg(self) -> PlanConfig:
-        return self.loop.plan_cfg
+        return self.pass_loop.plan_cfg
 
     @property
     def prefix(self) -> str:
-        return self.loop.prefix
+        return self.pass_loop.prefix
 
     @property
     def jobs(self) -> JobBuilder:
-        return self.loop.jobs
+        return self.pass_loop.jobs
 
     @property
     def service_jobs(self) -> ServiceJobs:
-        return self.loop.service_jobs
+        return self.pass_loop.service_jobs
 
     @property
     def failures(self) -> dict[str, Failures]:
-        return self.loop.failures
+        return self.pass_loop.failures
 
     @property
     def notes(self) -> dict[str, str]:
-        return self.loop.notes
+        return self.pass_loop.notes
 
     @property
     def passes(self) -> int:
-        return self.loop.passes
+        return self.pass_loop.passes
 
     @property
     def last_pass_error(self) -> str:
-        return self.loop.last_pass_error
+        return self.pass_loop.last_pass_error
 
     def set_catalog(self, catalog: Catalog) -> None:
         """Swap in a reloaded catalog; the next pass acts on it."""
@@ -621,10 +621,10 @@ class Reconciler:
 
     async def run(self, stop: asyncio.Event, on_pass: Callable[[], None] | None = None) -> None:
         """Pass after pass until ``stop`` is set; a want() or a report wakes it early."""
-        await self.loop.run(stop, on_pass)
+        await self.pass_loop.run(stop, on_pass)
 
     async def pass_once(self) -> list[Action]:
-        return await self.loop.pass_once()
+        return await self.pass_loop.pass_once()
 
     async def close(self) -> None:
         await self.probe.close()
@@ -643,12 +643,12 @@ class Reconciler:
     def status(self) -> dict[str, Any]:
         return statusmod.status(
             self.table,
-            notes=self.loop.notes,
-            failures=self.loop.failures,
-            give_up_after=self.loop.plan_cfg.give_up_after,
-            passes=self.loop.passes,
-            last_pass_error=self.loop.last_pass_error,
-            service_jobs=self.loop.service_jobs,
+            notes=self.pass_loop.notes,
+            failures=self.pass_loop.failures,
+            give_up_after=self.pass_loop.plan_cfg.give_up_after,
+            passes=self.pass_loop.passes,
+            last_pass_error=self.pass_loop.last_pass_error,
+            service_jobs=self.pass_loop.service_jobs,
         )
 
 

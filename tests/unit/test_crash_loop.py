@@ -101,7 +101,7 @@ async def test_a_replica_that_served_its_minimum_lifetime_clears_the_failures(
     rec, fake = make(tmp_path, {"min": 1, "max": 1})
     clock = Clock()
     rec.clock = clock
-    rec.loop.fail("m", "an earlier crash")
+    rec.pass_loop.fail("m", "an earlier crash")
     clock.t += rec.plan_cfg.backoff_max + 1
     await rec.pass_once()
     _, rid = parse_job_name(PREFIX, fake.submitted[-1].name) or ("", "")

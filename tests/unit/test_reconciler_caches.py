@@ -193,4 +193,4 @@ async def test_job_names_are_remembered_but_not_forever(tmp_path: Path) -> None:
     await rec.pass_once()
     await rec.pass_once()
     assert len(rec.replicas) == 1
-    assert len(rec.loop._idents) <= 2 * len(fake.jobs) + 64
+    assert len(rec.pass_loop._idents) <= 2 * len(fake.jobs) + 64
