@@ -86,7 +86,6 @@ class PassLoop:
         self._idents: dict[str, tuple[str, str] | None] = {}
         self.passes = 0
         self.last_pass_error = ""
-        self.last_observed: float | None = None
         self._consecutive_errors = 0
 
     async def run(self, stop: asyncio.Event, on_pass: Callable[[], None] | None = None) -> None:
@@ -120,8 +119,7 @@ class PassLoop:
         listing = await self._list(pass_id)
         if listing is None:
             return []
-        jobs, with_nodes = listing
-        now = self.table.clock()
+        jobs, with_nodes, now = listing
         await self._reap(self._observe(jobs, now, pass_id), now, pass_id)
         self._forgive(now)
         result = self._plan(now)
@@ -142,8 +140,9 @@ class PassLoop:
                     await self._execute(action, pass_id)
         return result.actions
 
-    async def _list(self, pass_id: str) -> tuple[list[Job], bool] | None:
-        """The service's jobs, and whether the nodes were listed beside them; None: no answer.
+    async def _list(self, pass_id: str) -> tuple[list[Job], bool, float] | None:
+        """The service's jobs, whether the nodes were listed beside them, and the pass's
+        time (when they were listed); None when Slurm did not answer.
 
         The nodes are listed with the jobs only when the last listing is too old;
         otherwise the pass plans with it and lists them again only if the plan
@@ -169,10 +168,9 @@ class PassLoop:
         self.last_pass_error = ""
         self.passes += 1
         now = self.table.clock()
-        self.last_observed = now
         if with_nodes:
             self.table.nodes, self.table.nodes_listed_at = nodes, now
-        return jobs, with_nodes
+        return jobs, with_nodes, now
 
     def _forgive(self, now: float) -> None:
         """Clear a model's failed starts once one of its replicas served its minimum lifetime.
