@@ -483,7 +483,7 @@ class Reconciler:
         # own agent, that the replicas' engines let in (llmgw_slurm/tls.py).
         self.engine_tls = PinnedContexts(load_or_create_identity(Path(server.state_dir)))
         self.directory = ReplicaDirectory(self.table, server_key, self.engine_tls)
-        self.verifier = ReportVerifier(server_key)
+        self.verifier = ReportVerifier(server_key, Path(server.state_dir) / "report-nonces")
         self.probe = EngineProbe(server_key, self.engine_tls)
         self.intake = ReportIntake(self.table, self.probe, self.directory.signal_ready)
         self.pass_loop = PassLoop(

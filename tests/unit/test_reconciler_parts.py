@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
-from _router_support import eventually, free_port, serve  # type: ignore[import-not-found]
+from _router_support import (  # type: ignore[import-not-found]
+    eventually,
+    free_port,
+    serve_engine,
+)
 from aiohttp import web
 
 from llmgw_slurm.catalog import Catalog
@@ -23,9 +29,11 @@ from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.reconciler.spans import ReconcileTracing
 from llmgw_slurm.secrets import engine_api_key, replica_secret, sign_report
 from llmgw_slurm.slurm.types import JobState
+from llmgw_slurm.tls import PinnedContexts, make_identity
 
 KEY = b"p" * 64
 RID = "0a0a0a0a"
+GATEWAY = make_identity(Path(tempfile.mkdtemp(prefix="llmgw-test-gateway-")), "gw", "gw", 1)
 
 
 class Engine:
@@ -48,28 +56,35 @@ class Engine:
 
 
 async def test_probe_runs_one_probe_per_url_at_a_time_with_the_engine_key() -> None:
-    engine, probe = Engine(), EngineProbe(KEY)
+    engine, probe = Engine(), EngineProbe(KEY, PinnedContexts(GATEWAY))
     results: list[tuple[bool, str]] = []
-    async with serve(engine.app()) as url:
-        probe.start(RID, url, lambda ok, why: results.append((ok, why)))
+    async with serve_engine(engine.app(), GATEWAY) as (url, cert):
+        probe.start(RID, url, cert, lambda ok, why: results.append((ok, why)))
         await eventually(lambda: len(engine.keys) == 1, "the first probe reaches the engine")
-        probe.start(RID, url, lambda ok, why: results.append((ok, why)))  # under way: no second
+        # Under way: no second.
+        probe.start(RID, url, cert, lambda ok, why: results.append((ok, why)))
         engine.release.set()
         await asyncio.wait_for(asyncio.gather(*probe.tasks), 10)
         assert results == [(True, "HTTP 200")]
         assert engine.keys == [f"Bearer {engine_api_key(KEY, RID)}"]
         # Once it has ended, the same URL is probed again (the next heartbeat's).
-        probe.start(RID, url, lambda ok, why: results.append((ok, why)))
+        probe.start(RID, url, cert, lambda ok, why: results.append((ok, why)))
         await asyncio.wait_for(asyncio.gather(*probe.tasks), 10)
         assert len(engine.keys) == 2
     await probe.close()
 
 
 async def test_probe_says_why_an_engine_is_not_reachable() -> None:
-    engine, probe = Engine(), EngineProbe(KEY)
+    engine, probe = Engine(), EngineProbe(KEY, PinnedContexts(GATEWAY))
     engine.release.set()
-    async with serve(engine.app()) as url:
-        assert await probe.check("0b0b0b0b", url) == (False, "HTTP 401")  # another replica's key
+    async with serve_engine(engine.app(), GATEWAY) as (url, cert):
+        # Another replica's key:
+        assert await probe.check("0b0b0b0b", url, cert) == (False, "HTTP 401")
+        # Another engine's certificate (what a squatter's would be): no handshake.
+        other = make_identity(Path(tempfile.mkdtemp()), "other", "other", 1).cert_pem
+        ok, why = await probe.check(RID, url, other)
+        assert not ok and "Certificate" in why, why
+    assert engine.keys == [f"Bearer {engine_api_key(KEY, '0b0b0b0b')}"]
     ok, why = await probe.check(RID, f"http://127.0.0.1:{free_port()}")
     assert not ok and why.startswith("ClientConnectorError")
     await probe.close()
@@ -104,7 +119,7 @@ def running(rid: str, **kw: object) -> Replica:
 
 async def test_directory_routes_to_ready_and_draining_replicas_only() -> None:
     table = ReplicaTable(Catalog(models=()), lambda: 100.0, ReconcileTracing(None, False))
-    d = ReplicaDirectory(table, KEY)
+    d = ReplicaDirectory(table, KEY, PinnedContexts(GATEWAY))
     for r in (
         running("0a0a0a0a", base_url="http://a"),
         running("0b0b0b0b"),  # starting: its engine has not answered the daemon yet
@@ -125,3 +140,31 @@ async def test_directory_routes_to_ready_and_draining_replicas_only() -> None:
     assert not table.wake.is_set()
     d.want("m")
     assert table.wake.is_set() and d.wanted_at() == {"m": 100.0}
+
+
+def test_report_nonces_survive_a_restart_of_the_daemon(tmp_path: Path) -> None:
+    journal = tmp_path / "report-nonces"
+    raw = json.dumps({"event": "heartbeat"}).encode()
+    auth = sign_report(replica_secret(KEY, RID), RID, int(time.time()), raw)
+    ReportVerifier(KEY, journal).verify(RID, auth, raw)
+    assert journal.stat().st_mode & 0o777 == 0o600
+    # A restarted daemon refuses the report captured before the restart...
+    restarted = ReportVerifier(KEY, journal)
+    with pytest.raises(PermissionError, match="replayed report"):
+        restarted.verify(RID, auth, raw)
+    # ...and takes the agent's next one.
+    restarted.verify(RID, sign_report(replica_secret(KEY, RID), RID, int(time.time()), raw), raw)
+    assert restarted.nonces_kept == 2
+
+
+def test_old_nonces_are_dropped_from_the_journal_and_a_bad_one_is_no_failure(
+    tmp_path: Path,
+) -> None:
+    journal = tmp_path / "report-nonces"
+    now = time.time()
+    journal.write_text(f"{now - 3600:.3f} {RID}:old\nnot a line\n{now:.3f} {RID}:new\n")
+    v = ReportVerifier(KEY, journal)
+    assert v.nonces_kept == 1
+    assert journal.read_text() == f"{now:.3f} {RID}:new\n"
+    journal.write_bytes(b"\xff\xfe")
+    assert ReportVerifier(KEY, journal).nonces_kept == 0
