@@ -45,6 +45,7 @@ from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import ReconcileConfig, ServerConfig, SlurmConfig
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import PlanConfig, ReplicaState, ReplicaView, plan
+from llmgw_slurm.reconciler.replicas import view_of
 from llmgw_slurm.slurm import JobSpec, parse
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import GpuCount, NodeInfo
@@ -373,7 +374,7 @@ async def measure_pass(
     for _ in range(repeats):
         await timed(ours, calls)
         bare.append(await bare_squeue())
-        rec._nodes_listed_at = None
+        rec.table.nodes_listed_at = None
         await timed(with_nodes, node_calls)
     per_pass = {
         k: max(c.get(k, 0) for c in calls) for k in ("squeue", "sinfo", "sbatch", "scancel")
@@ -557,20 +558,20 @@ async def part_breakdown(
             steps["parse_sinfo"].append(time.perf_counter() - t0)
             now = time.time()
             t0 = time.perf_counter()
-            rec._observe(jobs, now, "bench")
+            rec.pass_loop._observe(jobs, now, "bench")
             steps["_observe (join with the daemon's memory)"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            views = [rec._view(r) for r in rec.replicas.values()]
+            views = [view_of(r) for r in rec.replicas.values()]
             steps["ReplicaViews (kept ones reused)"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            plan(rec._models(), views, rec.nodes, {}, rec.failures, rec.plan_cfg, now, str)
+            plan(rec.table.models(), views, rec.nodes, {}, rec.failures, rec.plan_cfg, now, str)
             steps["plan()"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             await rec.pass_once()
             steps["pass_once() (squeue; nodes from an earlier pass)"].append(
                 time.perf_counter() - t0
             )
-            rec._nodes_listed_at = None  # due: this pass lists them beside the squeue
+            rec.table.nodes_listed_at = None  # due: this pass lists them beside the squeue
             t0 = time.perf_counter()
             await rec.pass_once()
             steps["pass_once() (squeue and sinfo concurrent)"].append(time.perf_counter() - t0)

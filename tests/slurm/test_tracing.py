@@ -27,6 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from llmgw_slurm.reconciler import plan as planmod
+from llmgw_slurm.reconciler.replicas import view_of
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import (
     Harness,
@@ -341,9 +342,9 @@ async def test_an_eviction_pass_is_one_trace_with_the_evict_span_and_the_placeme
             # the eviction grace, ready past the minimum lifetime: 3 s each in the
             # harness), so that the pass that places it is the one that evicts.
             def candidates() -> list[str]:
-                views = [h.rec._view(r) for r in h.rec.replicas.values()]
+                views = [view_of(r) for r in h.rec.replicas.values()]
                 found = planmod.evictable(
-                    "second", views, h.rec._models(), h.rec.plan_cfg, h.rec.clock()
+                    "second", views, h.rec.table.models(), h.rec.plan_cfg, h.rec.clock()
                 )
                 return [v.replica_id for v in found]
 

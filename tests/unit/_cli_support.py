@@ -144,12 +144,12 @@ def run_daemon(tmp: Path, *, keys_file: Path | None = None) -> Iterator[RunningD
     d = daemon.build(server, path)
     backend = StrictBackend()
     d.reconciler.backend = backend  # type: ignore[assignment]
-    d.reconciler.nodes = [
+    d.reconciler.table.nodes = [
         NodeInfo("gpunode1", "mixed", ("llm",), 8, 2, 64000, (GpuCount("a100", 4, 1),)),
         NodeInfo("gpunode2", "idle", ("llm",), 8, 0, 64000, (GpuCount("a100", 4, 0),)),
     ]
     # As a pass leaves them: listed a while ago and kept (reconcile.nodes_max_age).
-    d.reconciler._nodes_listed_at = time.time() - 125
+    d.reconciler.table.nodes_listed_at = time.time() - 125
     ready = threading.Event()
     holder: list[_Started] = []
     stop_box: list[asyncio.Event] = []

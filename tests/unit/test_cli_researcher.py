@@ -137,7 +137,7 @@ def test_up_ready_model_returns_at_once_and_marks_it_wanted(rd: RunningDaemon) -
     code, out = llmgw("up", "test/tiny-chat", url=rd.url)
     assert code == 0, out
     assert "] ready" in out and f"tiny is ready: {rd.url}/v1" in out
-    assert rd.call(lambda: rd.rec._demand["tiny"].wanted_at) is not None
+    assert rd.call(lambda: rd.rec.directory.wanted_at().get("tiny")) is not None
 
 
 def test_up_timeout_says_it_goes_on(rd: RunningDaemon) -> None:
@@ -170,7 +170,7 @@ def test_ctrl_c_during_up_stops_waiting_and_leaves_the_start_going(rd: RunningDa
     assert "Stopped waiting; big-model goes on starting (`llmgw models` shows it)." in err
     assert "Traceback" not in err
     # Nothing was withdrawn: the daemon still has the request for it.
-    assert rd.call(lambda: rd.rec._demand["big-model"].wanted_at) is not None
+    assert rd.call(lambda: rd.rec.directory.wanted_at().get("big-model")) is not None
     assert rd.backend.cancelled == []
 
 

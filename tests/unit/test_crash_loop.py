@@ -42,7 +42,7 @@ async def _serve_ready(rec: Reconciler, fake: object, rid: str, job_id: str) -> 
             replica_secret(KEY, rid),
             {"event": "ready", "url": url, "cert": cert, "node": "n0", "job_id": job_id},
         )
-        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
     assert rec.replicas[rid].base_url
 
 
@@ -101,7 +101,7 @@ async def test_a_replica_that_served_its_minimum_lifetime_clears_the_failures(
     rec, fake = make(tmp_path, {"min": 1, "max": 1})
     clock = Clock()
     rec.clock = clock
-    rec._fail("m", "an earlier crash")
+    rec.pass_loop.fail("m", "an earlier crash")
     clock.t += rec.plan_cfg.backoff_max + 1
     await rec.pass_once()
     _, rid = parse_job_name(PREFIX, fake.submitted[-1].name) or ("", "")

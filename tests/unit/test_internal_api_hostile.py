@@ -179,7 +179,7 @@ async def test_reports_of_any_shape_never_break_the_daemon(
     await rec.pass_once()
     # A probe of whatever URL the report held ends as a recorded failure, not an
     # exception nobody retrieves.
-    for got in await asyncio.gather(*rec._tasks, return_exceptions=True):
+    for got in await asyncio.gather(*rec.probe.tasks, return_exceptions=True):
         assert got is None, repr(got)
     await rec.close()
 
@@ -193,7 +193,7 @@ async def test_a_replica_cannot_register_another_replicas_endpoint(tmp_path: Pat
         # B's reports carried in the open) as its endpoint: the daemon probes it with
         # A's engine key, B's engine refuses, nothing is routed to it.
         rec.report(A, replica_secret(KEY, A), _report(event="ready", url=b_url, cert=b_cert))
-        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
         assert rec.endpoints("m") == []
         assert rec.decisions[-1].action == "probe-failed"
     await rec.close()
@@ -213,12 +213,12 @@ async def test_reports_from_where_the_job_is_not_are_not_routed(
     good = EngineOptions(api_key=engine_api_key(KEY, A), served_name="m")
     async with serve_engine(create_engine_app(good), rec.engine_tls.identity) as (url, cert):
         rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url, cert=cert, **stale))
-        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
         assert rec.endpoints("m") == []
         assert rec.decisions[-1].action == "stale-report"
         # The same report from where Slurm says the job runs is routed.
         rec.report(A, replica_secret(KEY, A), _report(event="ready", url=url, cert=cert))
-        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
         assert [e.base_url for e in rec.endpoints("m")] == [url]
     await rec.close()
 
@@ -232,7 +232,7 @@ async def test_a_host_name_slurm_does_not_know_is_not_taken_for_a_stale_agent(
     async with serve_engine(create_engine_app(good), rec.engine_tls.identity) as (url, cert):
         body = _report(event="ready", url=url, cert=cert, node="login-7")
         rec.report(A, replica_secret(KEY, A), body)
-        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
         assert [e.base_url for e in rec.endpoints("m")] == [url]
     await rec.close()
 
@@ -253,7 +253,7 @@ async def test_after_a_requeue_only_the_agent_on_the_new_node_is_routed(
     ):
         secret = replica_secret(KEY, A)
         rec.report(A, secret, _report(event="ready", url=old, cert=old_cert))
-        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
         assert [e.base_url for e in rec.endpoints("m")] == [old]
         fake.jobs = [job("7", "m", A, JobState.PENDING, restarts=1)]
         await rec.pass_once()
@@ -263,7 +263,7 @@ async def test_after_a_requeue_only_the_agent_on_the_new_node_is_routed(
             "ok": True,
             "drain": False,
         }
-        assert rec._tasks == set() and rec.endpoints("m") == []
+        assert rec.probe.tasks == set() and rec.endpoints("m") == []
         assert rec.replicas[A].job_state is JobState.PENDING
         # The job runs again, on n1; its new agent reports before the listing shows it.
         rec.report(A, secret, _report(event="ready", url=new, cert=new_cert, node="n1"))
@@ -271,7 +271,7 @@ async def test_after_a_requeue_only_the_agent_on_the_new_node_is_routed(
         running = job("7", "m", A, JobState.RUNNING, restarts=1)
         fake.jobs = [dataclasses.replace(running, nodes=("n1",))]
         await rec.pass_once()
-        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
         assert [e.base_url for e in rec.endpoints("m")] == [new]
         # The old agent is told to drain, and never routed to again.
         assert rec.report(A, secret, _report(url=old, cert=old_cert)) == {
@@ -296,20 +296,20 @@ async def test_deeply_nested_json_is_a_400_not_a_500(tmp_path: Path) -> None:
 async def test_nonces_are_forgotten_once_their_reports_are_too_old_anyway(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llmgw_slurm.reconciler import core
+    from llmgw_slurm.reconciler import reports
 
     rec, _ = await _listed(tmp_path)
     secret = replica_secret(KEY, A)
     raw = json.dumps(_report()).encode()
     t0 = 1_900_000_000
-    monkeypatch.setattr(core.time, "time", lambda: float(t0))
+    monkeypatch.setattr(reports.time, "time", lambda: float(t0))
     first = sign_report(secret, A, t0, raw)
     rec.report_signed(A, first, raw, json.loads(raw))
-    assert len(rec._nonces) == 1
-    later = t0 + 2 * int(core.REPORT_MAX_AGE_S) + 1
-    monkeypatch.setattr(core.time, "time", lambda: float(later))
+    assert rec.verifier.nonces_kept == 1
+    later = t0 + 2 * int(reports.REPORT_MAX_AGE_S) + 1
+    monkeypatch.setattr(reports.time, "time", lambda: float(later))
     rec.report_signed(A, sign_report(secret, A, later, raw), raw, json.loads(raw))
-    assert len(rec._nonces) == 1
+    assert rec.verifier.nonces_kept == 1
     # The forgotten one is still refused: by its age.
     with pytest.raises(PermissionError, match="from the daemon's clock"):
         rec.report_signed(A, first, raw, json.loads(raw))

@@ -15,8 +15,8 @@ from typing import Any
 
 from test_reconciler_core import KEY, job, make  # type: ignore[import-not-found]
 
-from llmgw_slurm.reconciler.core import Reconciler, Replica
 from llmgw_slurm.reconciler.plan import ReplicaState
+from llmgw_slurm.reconciler.replicas import Replica, build_view, view_of
 from llmgw_slurm.secrets import replica_secret
 from llmgw_slurm.slurm.types import JobState
 
@@ -72,13 +72,13 @@ def test_every_field_is_covered() -> None:
 def test_a_kept_view_is_reused_until_any_field_changes() -> None:
     for name, value in OTHER.items():
         r = fresh()
-        kept = Reconciler._view(r)
-        assert Reconciler._view(r) is kept  # nothing changed: the same view
+        kept = view_of(r)
+        assert view_of(r) is kept  # nothing changed: the same view
         setattr(r, name, value)
-        now = Reconciler._view(r)
+        now = view_of(r)
         # Whatever changed, the view is what a view built from scratch says.
-        assert now == Reconciler._build_view(r), name
-        assert Reconciler._view(r) is now
+        assert now == build_view(r), name
+        assert view_of(r) is now
 
 
 def test_each_input_of_the_view_reaches_it() -> None:
@@ -108,9 +108,9 @@ def test_each_input_of_the_view_reaches_it() -> None:
     }
     for name in reads:
         r = fresh()
-        before = Reconciler._view(r)
+        before = view_of(r)
         setattr(r, name, OTHER[name])
-        assert Reconciler._view(r) != before, name
+        assert view_of(r) != before, name
 
 
 async def test_a_request_reaches_the_next_pass_view(tmp_path: Path) -> None:
@@ -182,7 +182,7 @@ async def test_a_job_that_leaves_the_listing_is_reaped_though_skipped_before(
     await rec.pass_once()
     assert RID not in rec.replicas
     assert [(d.action, d.replica_id) for d in rec.decisions][1] == ("reap", RID)
-    assert all(v.replica_id != RID for v in map(Reconciler._view, rec.replicas.values()))
+    assert all(v.replica_id != RID for v in map(view_of, rec.replicas.values()))
 
 
 async def test_job_names_are_remembered_but_not_forever(tmp_path: Path) -> None:
@@ -194,4 +194,4 @@ async def test_job_names_are_remembered_but_not_forever(tmp_path: Path) -> None:
     await rec.pass_once()
     await rec.pass_once()
     assert len(rec.replicas) == 1
-    assert len(rec._idents) <= 2 * len(fake.jobs) + 64
+    assert len(rec.pass_loop._idents) <= 2 * len(fake.jobs) + 64

@@ -28,6 +28,7 @@ from llmgw_slurm.reconciler import plan as planmod
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.jobs import job_name, parse_job_name
 from llmgw_slurm.reconciler.plan import ReplicaState
+from llmgw_slurm.reconciler.replicas import view_of
 from llmgw_slurm.router import GATEWAY_KEY, RouterConfig, create_app
 from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.cli import CliBackend
@@ -355,7 +356,7 @@ async def test_ready_report_is_probed_with_the_engine_key_before_routing(tmp_pat
     async with serve_engine(create_engine_app(wrong), gateway) as (bad_url, bad_cert):
         body = {"event": "ready", "url": bad_url, "cert": bad_cert}
         rec.report(rid, replica_secret(KEY, rid), body)
-        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
         assert rec.endpoints("m") == []
         assert rec.decisions[-1].action == "probe-failed"
         assert "HTTP 401" in rec.decisions[-1].reason
@@ -400,7 +401,7 @@ async def test_a_requeued_replica_back_at_its_old_address_is_a_new_endpoint(
         async def ready() -> Any:
             body = {"event": "ready", "url": url, "cert": cert, "job_id": "7", "node": "n0"}
             rec.report(rid, secret, body)
-            await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+            await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
             (ep,) = rec.endpoints("m")
             return ep
 
@@ -548,7 +549,7 @@ async def test_a_model_with_a_short_hold_gets_503_while_the_server_holds_longer(
         router={"hold_timeout": "1h"},
     )
     assert rec.server.router.hold_timeout == 3600.0
-    app = create_app(rec, RouterConfig(hold_timeout=rec.server.router.hold_timeout))
+    app = create_app(rec, RouterConfig(hold_timeout_s=rec.server.router.hold_timeout))
     gateway = app[GATEWAY_KEY]
     async with serve(app) as url, aiohttp.ClientSession() as s:
         slow = asyncio.create_task(
@@ -560,7 +561,7 @@ async def test_a_model_with_a_short_hold_gets_503_while_the_server_holds_longer(
             r = await s.post(url + "/v1/completions", json={"model": "quick", "prompt": "a"})
             body = await r.json()
         assert r.status == 503
-        assert r.headers["Retry-After"] == str(RouterConfig().retry_after)
+        assert r.headers["Retry-After"] == str(RouterConfig().retry_after_s)
         assert body["error"]["code"] == "model_not_ready"
         assert "after waiting 0.01 s" in body["error"]["message"]
         # The server's deadline still holds the other model's request.
@@ -706,7 +707,7 @@ async def agent_reports(
     )
     body = {"event": event, "url": url, "cert": cert, "job_id": r.job_id, "node": r.nodes[0]}
     rec.report(rid, replica_secret(KEY, rid), body)
-    await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+    await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
     assert r.state() is ReplicaState.READY
 
 
@@ -879,8 +880,8 @@ async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
         assert [(x["adopted"], x["idle_s"]) for x in status["a"]["replicas"]] == [(True, None)]
         # The unknown last use, and nothing else, is what keeps them: the same views
         # with a last use at adoption would be candidates.
-        views = [rec._view(rec.replicas[r]) for r in (a, c)]
-        now, models = clock.t, rec._models()
+        views = [view_of(rec.replicas[r]) for r in (a, c)]
+        now, models = clock.t, rec.table.models()
         assert planmod.evictable("b", views, models, rec.plan_cfg, now) == []
         known = [dataclasses.replace(v, last_used=v.ready_at) for v in views]
         assert planmod.evictable("b", known, models, rec.plan_cfg, now) == known
@@ -940,13 +941,13 @@ async def test_an_engine_address_without_its_certificate_is_never_probed(tmp_pat
             {"event": "heartbeat", "url": plain_url, "cert": "junk"},
         ):
             rec.report(rid, replica_secret(KEY, rid), body)
-            assert rec._tasks == set()  # no probe started
+            assert rec.probe.tasks == set()  # no probe started
             assert rec.decisions[-1].action == "probe-refused"
     assert rec.endpoints("m") == []
     # The same engine behind TLS, named with its certificate, is routed, pinned.
     async with serve_engine(create_engine_app(opts), rec.engine_tls.identity) as (url, cert):
         rec.report(rid, replica_secret(KEY, rid), {"event": "ready", "url": url, "cert": cert})
-        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
         (ep,) = rec.endpoints("m")
         assert ep.base_url == url and ep.ssl is rec.engine_tls.get(cert)
     await rec.close()
@@ -968,7 +969,7 @@ async def test_a_model_without_tls_is_routed_over_plain_http(tmp_path: Path) -> 
     opts = EngineOptions(api_key=engine_api_key(KEY, rid), served_name="m")
     async with serve(create_engine_app(opts)) as url:
         rec.report(rid, replica_secret(KEY, rid), {"event": "ready", "url": url})
-        await asyncio.wait_for(asyncio.gather(*rec._tasks), 10)
+        await asyncio.wait_for(asyncio.gather(*rec.probe.tasks), 10)
         (ep,) = rec.endpoints("m")
         assert ep.base_url == url and ep.ssl is None
     await rec.close()

@@ -148,7 +148,7 @@ class World:
         gateway = self.rec.engine_tls.identity
         async with serve_engine(create_engine_app(opts), gateway) as (url, cert):
             self.report(rid, event=event, url=url, cert=cert)
-            await asyncio.wait_for(asyncio.gather(*self.rec._tasks), 10)
+            await asyncio.wait_for(asyncio.gather(*self.rec.probe.tasks), 10)
         assert self.rec.replicas[rid].base_url == url
         return url
 

@@ -1,0 +1,84 @@
+"""Admin requests on replicas: ``llmgw-admin drain`` and ``llmgw-admin stop``.
+
+A drain only marks the replicas (the next pass cancels each once its requests
+finish); a stop cancels their jobs at once.
+"""
+
+from __future__ import annotations
+
+from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
+from llmgw_slurm.slurm.types import SlurmBackend
+
+__all__ = ["AdminRequests"]
+
+
+class AdminRequests:
+    """Finds the replicas an admin names; drains or stops them."""
+
+    def __init__(self, table: ReplicaTable, backend: SlurmBackend) -> None:
+        self.table = table
+        self.backend = backend
+
+    def find_replicas(self, target: str = "", node: str = "") -> list[Replica]:
+        """The replicas ``target`` names (a replica id, a model or an alias), or those on ``node``.
+
+        Raises LookupError naming what exists when the target or node is unknown.
+        A known model or node with no replica is an empty list, not an error.
+        """
+        if node:
+            known = sorted(
+                {n.name for n in self.table.nodes}
+                | {n for r in self.table.replicas.values() for n in r.nodes}
+            )
+            if node not in known:
+                raise LookupError(f"no node {node!r}; nodes: {', '.join(known) or 'none seen yet'}")
+            return [r for r in self.table.replicas.values() if node in r.nodes]
+        if target in self.table.replicas:
+            return [self.table.replicas[target]]
+        model = self.table.catalog.resolve(target)
+        if model is not None:
+            return [r for r in self.table.replicas.values() if r.model == model.name]
+        models = ", ".join(m.name for m in self.table.catalog.models) or "none"
+        reps = ", ".join(sorted(self.table.replicas)) or "none"
+        raise LookupError(f"no replica or model {target!r}; models: {models}; replicas: {reps}")
+
+    def request_drain(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
+        """Stop routing to the named replicas; the plan cancels each once its requests finish.
+
+        A model whose ``min`` is above what is left gets replacements on the next
+        pass: a drain moves replicas, it does not take a model down.
+        """
+        reps = self.find_replicas(target, node)
+        why = reason or "drained by an admin"
+        now = self.table.clock()
+        out = []
+        for r in reps:
+            if r.stop_reason or r.draining_since is not None:
+                continue
+            r.draining_since = now
+            r.drain_reason = why
+            self.table.record("drain", r.model, r.replica_id, why)
+            out.append(r.replica_id)
+        self.table.wake.set()
+        return out
+
+    async def request_stop(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
+        """Cancel the named replicas now, in-flight requests or not. Raises SlurmError."""
+        reps = self.find_replicas(target, node)
+        why = reason or "stopped by an admin"
+        out = []
+        for r in reps:
+            if r.stop_reason:
+                continue
+            url, r.stop_reason, r.base_url = r.base_url, why, ""
+            try:
+                await self.backend.cancel(r.job_id)
+            except SlurmError:
+                # Not stopping after all: the next pass must still see it as it was.
+                r.stop_reason, r.base_url = "", url
+                raise
+            self.table.record("stop", r.model, r.replica_id, why)
+            out.append(r.replica_id)
+        self.table.wake.set()
+        return out

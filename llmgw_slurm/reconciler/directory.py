@@ -1,0 +1,120 @@
+"""The router's view of the replica table: the reconciler's ModelDirectory.
+
+Called on the event loop, once or more per request: cheap, no I/O. What the
+router reports (requests in flight, last use, a request waiting) goes into the
+table and the demand kept here, which the next pass plans with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from llmgw_slurm.reconciler.plan import ReplicaState
+from llmgw_slurm.reconciler.replicas import ReplicaTable
+from llmgw_slurm.router.directory import Endpoint, ModelInfo
+from llmgw_slurm.secrets import engine_api_key
+from llmgw_slurm.tls import PinnedContexts
+
+__all__ = ["ReplicaDirectory"]
+
+
+@dataclass
+class _ModelDemand:
+    wanted_at: float | None = None
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ReplicaDirectory:
+    """Implements the router's ModelDirectory over a :class:`ReplicaTable`."""
+
+    def __init__(self, table: ReplicaTable, server_key: bytes, engine_tls: PinnedContexts) -> None:
+        self.table = table
+        self.server_key = server_key
+        self.engine_tls = engine_tls
+        self._demand: dict[str, _ModelDemand] = {}
+
+    def resolve(self, name: str) -> str | None:
+        m = self.table.catalog.resolve(name)
+        return m.name if m else None
+
+    def models(self) -> Sequence[ModelInfo]:
+        out = []
+        for m in self.table.catalog.models:
+            counts: dict[str, int] = collections.Counter(
+                r.state().value for r in self.table.replicas.values() if r.model == m.name
+            )
+            out.append(
+                ModelInfo(
+                    name=m.name,
+                    aliases=m.aliases,
+                    ready=self.table.has_ready(m.name),
+                    replicas=dict(counts),
+                    hold_timeout_s=m.scaling.hold_timeout,
+                )
+            )
+        return out
+
+    def endpoints(self, model: str) -> Sequence[Endpoint]:
+        out = []
+        for r in self.table.replicas.values():
+            if r.model != model or not r.base_url:
+                continue
+            st = r.state()
+            if st not in (ReplicaState.READY, ReplicaState.DRAINING):
+                continue
+            out.append(
+                Endpoint(
+                    replica_id=r.replica_id,
+                    base_url=r.base_url,
+                    api_key=engine_api_key(self.server_key, r.replica_id),
+                    draining=st is ReplicaState.DRAINING,
+                    epoch=r.epoch,
+                    ssl=self.engine_tls.get(r.engine_cert) if r.engine_cert else None,
+                )
+            )
+        return out
+
+    def request_started(self, model: str, replica_id: str) -> None:
+        r = self.table.replicas.get(replica_id)
+        if r is not None:
+            r.in_flight += 1
+            r.last_used = self.table.clock()
+
+    def request_finished(self, model: str, replica_id: str) -> None:
+        r = self.table.replicas.get(replica_id)
+        if r is not None:
+            r.in_flight = max(0, r.in_flight - 1)
+            r.last_used = self.table.clock()
+
+    def want(self, model: str) -> None:
+        d = self._demand.setdefault(model, _ModelDemand())
+        first = d.wanted_at is None or self.table.clock() - d.wanted_at > 1.0
+        d.wanted_at = self.table.clock()
+        if first:
+            # An on-demand start should not wait for the next timed pass.
+            self.table.wake.set()
+
+    async def wait_ready(self, model: str) -> None:
+        d = self._demand.setdefault(model, _ModelDemand())
+        while not self.table.has_ready(model):
+            d.event.clear()
+            await d.event.wait()
+
+    def start_span_context(self, model: str) -> trace.SpanContext | None:
+        """The start span of a starting replica of ``model`` (held requests link to it)."""
+        return self.table.tracing.start_context(model)
+
+    def signal_ready(self, model: str) -> None:
+        """Wake the requests waiting for ``model`` if it has a ready replica now."""
+        d = self._demand.get(model)
+        if d is not None and self.table.has_ready(model):
+            d.event.set()
+
+    def wanted_at(self) -> dict[str, float]:
+        """When a request last asked for each model (for the plan)."""
+        return {k: d.wanted_at for k, d in self._demand.items() if d.wanted_at is not None}

@@ -1,0 +1,143 @@
+"""Agents' reports: who may send one, and that none is accepted twice.
+
+An agent signs each report with its replica's secret (an HMAC of the
+daemon's key and the replica id, so it never travels): the signature covers
+the replica id, a time, a nonce and the body's exact bytes. A report copied
+off the network is refused once its nonce has been seen, or once its time is
+too far from the daemon's clock. The nonces outlive the daemon: each one
+accepted is appended to a journal in the state directory, read back at start,
+so that a report captured in the minutes before a restart is refused by the
+restarted daemon too. What a report accepted here means for its replica is
+:mod:`llmgw_slurm.reconciler.intake`'s business.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+from llmgw_slurm.secrets import (
+    REPORT_SCHEME,
+    constant_time_equal,
+    parse_report_auth,
+    replica_secret,
+    report_signature,
+)
+
+__all__ = ["REPORT_MAX_AGE_S", "ReportVerifier"]
+
+log = logging.getLogger(__name__)
+
+# How far a signed report's time may be from the daemon's clock (NTP keeps a
+# cluster's clocks within a second; five minutes allows a slow one).
+REPORT_MAX_AGE_S = 300.0
+
+
+class ReportVerifier:
+    """Checks a report's secret or signature; keeps the nonces of reports accepted lately."""
+
+    def __init__(self, server_key: bytes, journal: Path | None = None) -> None:
+        self.server_key = server_key
+        # Nonces of signed reports accepted lately: a replayed report is refused.
+        self._nonces: set[str] = set()
+        self._nonces_order: collections.deque[tuple[float, str]] = collections.deque()
+        self._journal = journal
+        self._appended = 0
+        if journal is not None:
+            self._load(journal)
+
+    def check_secret(self, replica_id: str, secret: str) -> None:
+        """For in-process callers. Raises PermissionError on a bad secret."""
+        if not constant_time_equal(secret, replica_secret(self.server_key, replica_id)):
+            raise PermissionError("bad replica secret")
+
+    def verify(self, replica_id: str, authorization: str, raw: bytes) -> None:
+        """Accept a signed report (``raw``: the body's exact bytes) once.
+
+        Raises PermissionError, saying why, on a malformed, wrong, old or replayed
+        signature: a report copied off the network is refused, and the secret that
+        signs it was never on the network.
+        """
+        parsed = parse_report_auth(authorization)
+        if parsed is None:
+            raise PermissionError(
+                f"malformed signature; expected '{REPORT_SCHEME} ts=,nonce=,sig='"
+            )
+        ts, nonce, sig = parsed
+        now = time.time()
+        if abs(now - ts) > REPORT_MAX_AGE_S:
+            raise PermissionError(
+                f"report signed at {ts}, {now - ts:+.0f} s from the daemon's clock "
+                f"(limit {REPORT_MAX_AGE_S:g} s): are the login and compute nodes' clocks set?"
+            )
+        secret = replica_secret(self.server_key, replica_id)
+        if not constant_time_equal(sig, report_signature(secret, replica_id, ts, nonce, raw)):
+            raise PermissionError("bad signature")
+        key = f"{replica_id}:{nonce}"
+        # Forget nonces older than any report still accepted (in order of arrival,
+        # which follows their times to within the allowed skew).
+        while self._nonces_order and self._nonces_order[0][0] < now - 2 * REPORT_MAX_AGE_S:
+            self._nonces.discard(self._nonces_order.popleft()[1])
+        if key in self._nonces:
+            raise PermissionError("replayed report")
+        self._nonces.add(key)
+        self._nonces_order.append((now, key))
+        self._remember(now, key)
+
+    # A line per accepted report ("TIME REPLICA:NONCE"), appended unsynced: a
+    # daemon that crashes leaves its writes in the page cache; only a crash of
+    # the machine loses the last ones, and its reboot outlasts the reports' age.
+    def _load(self, journal: Path) -> None:
+        horizon = time.time() - 2 * REPORT_MAX_AGE_S
+        try:
+            lines = journal.read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        except (OSError, UnicodeDecodeError) as err:
+            log.warning("report nonces: cannot read %s (%s): starting without them", journal, err)
+            lines = []
+        for line in lines:
+            at, _, key = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                if float(at) >= horizon and key:
+                    self._nonces.add(key)
+                    self._nonces_order.append((float(at), key))
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rewrite the journal with the nonces still kept (at start and as it grows)."""
+        assert self._journal is not None
+        text = "".join(f"{at:.3f} {key}\n" for at, key in self._nonces_order)
+        tmp = self._journal.with_name(self._journal.name + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, self._journal)
+        except OSError as err:
+            log.warning("report nonces: cannot write %s: %s", self._journal, err)
+        self._appended = 0
+
+    def _remember(self, at: float, key: str) -> None:
+        if self._journal is None:
+            return
+        if self._appended > 4 * max(1000, len(self._nonces_order)):
+            self._compact()
+            return
+        try:
+            fd = os.open(self._journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            with os.fdopen(fd, "a") as f:
+                f.write(f"{at:.3f} {key}\n")
+        except OSError as err:
+            # Refusing the report for this would stop every replica from reporting.
+            log.warning("report nonces: cannot append to %s: %s", self._journal, err)
+        self._appended += 1
+
+    @property
+    def nonces_kept(self) -> int:
+        """How many nonces are remembered (they are forgotten once too old to matter)."""
+        return len(self._nonces)

@@ -1,0 +1,159 @@
+"""Another user of the cluster against a replica's engine: its port, its paths.
+
+The attacks of issue 13, item 1 and 3, played by a second, unprivileged Unix
+user this test creates, on the same nodes and ports as the replica:
+
+- a listener on the engine's port before the engine binds it (what a watcher
+  of ``ps`` did when the port was derived from the job id and on the command
+  line) gets no engine key, no prompt, no request, and the gateway never
+  routes to it;
+- every path of a serving engine refuses that user: the TLS handshake needs
+  the gateway's client certificate, whatever the path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import textwrap
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.hostile_user import INTRUDER
+from tests.slurm.conftest import eventually
+from tests.slurm.harness import TINY_ENGINE, Harness, running, tiny_model
+
+pytestmark = pytest.mark.slurm
+
+PROMPT = "the squatter must never read this prompt"
+
+# Listens on every address of the node at port argv[1], answers whatever comes
+# with a 200 (a "ready" engine to a naive poll) and prints repr() of what it got.
+_SQUATTER = r"""
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(16); print("up", flush=True)
+while True:
+    c, _ = s.accept(); c.settimeout(2); data = b""
+    try:
+        while True:
+            chunk = c.recv(65536)
+            data += chunk
+            if not chunk or b"\r\n\r\n" in data or len(data) > 4096:
+                break
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 17\r\nConnection: close\r\n\r\n"
+                  b'{"choices": []} \n')
+    except OSError:
+        pass
+    print(repr(data), flush=True); c.close()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+def _one_port(port: int) -> object:
+    """``configure`` for the harness: the agent may use only ``port`` (the squatter's
+    guess comes true: a stand-in for a watcher that won the race)."""
+
+    def configure(h: Harness) -> None:
+        path = h.folder / "agent.yaml"
+        text = path.read_text().replace("port_range: 22000-29999", f"port_range: {port}-{port}")
+        path.write_text(text)
+
+    return configure
+
+
+def _engine_pids(served_name: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+                if b"llmgw_slurm.testing.engine" in argv and served_name.encode() in argv:
+                    out.append(int(d.name))
+    return out
+
+
+async def test_a_squatter_on_a_starting_engines_port_gets_no_key_no_prompt_no_traffic(
+    tmp_path: Path, prefix: str
+) -> None:
+    intruder = INTRUDER.ensure()
+    port = _free_port()
+    # The engine binds 6 s after it starts, as vLLM does after its imports.
+    model = tiny_model(
+        "squat",
+        engine={"kind": "command", "command": [*TINY_ENGINE, "--bind-after", "6"]},
+    )
+    async with running(
+        tmp_path, prefix, [model], configure=_one_port(port), router={"hold_timeout": "3m"}
+    ) as h:
+        client = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        chat = asyncio.create_task(
+            client.chat.completions.create(
+                model="squat", messages=[{"role": "user", "content": PROMPT}]
+            )
+        )
+        await eventually(lambda: asyncio.sleep(0, _engine_pids("squat")), "the engine to start")
+        with INTRUDER.spawn_python(_SQUATTER, str(port)) as squatter:
+            assert squatter.stdout is not None and squatter.stdout.readline().strip() == "up"
+            # The agent finds the port held by another user and fails the start at once:
+            # it sends nothing there, and nothing is ever routed there.
+            held = f"held by uid {intruder.pw_uid}"
+
+            async def refused() -> list[str]:
+                return [d.reason for d in h.decisions(model="squat") if held in d.reason]
+
+            await eventually(refused, "the start to fail, naming the squatter's uid")
+            assert not chat.done()
+            squatter.kill()
+            heard, _ = squatter.communicate(timeout=10)
+        assert "Bearer" not in heard and PROMPT not in heard, heard
+        assert "chat/completions" not in heard and "/health" not in heard, heard
+        # The squatter gone, the next start (after the backoff) serves the held request.
+        answer = await chat
+        assert answer.choices[0].message.content.startswith(PROMPT)
+        await client.close()
+
+
+async def test_every_path_of_a_serving_engine_refuses_another_user(
+    tmp_path: Path, prefix: str
+) -> None:
+    INTRUDER.ensure()
+    model = tiny_model("open", scaling={"min": 1, "max": 1})
+    async with running(tmp_path, prefix, [model]) as h:
+
+        async def ready() -> list[str]:
+            return [r.base_url for r in h.rec.replicas.values() if r.base_url]
+
+        (url,) = await eventually(ready, "ready", timeout=120)
+        assert url.startswith("https://")
+        probe = textwrap.dedent(
+            """
+            import ssl, sys, urllib.request
+            url = sys.argv[1]
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+            for path in ("/v1/models", "/invocations", "/tokenize", "/metrics", "/health"):
+                for base, c in ((url, ctx), (url.replace("https:", "http:"), None)):
+                    try:
+                        r = urllib.request.urlopen(base + path, context=c, timeout=5)
+                        print("ANSWERED", path, r.status)
+                    except Exception as e:
+                        print("refused", path, type(e).__name__)
+            """
+        )
+        out = INTRUDER.python(probe, url)
+        assert out.returncode == 0, out.stderr
+        assert "ANSWERED" not in out.stdout, out.stdout
+        assert out.stdout.count("refused") == 10, out.stdout
+        # The same user as the service (root here) without the gateway's key fares no
+        # better: the refusal is the certificate's, not the uid's.
+        assert os.geteuid() == 0
