@@ -20,6 +20,7 @@ import os
 import time
 from pathlib import Path
 
+from llmgw_slurm.fsutil import atomic_write
 from llmgw_slurm.secrets import (
     REPORT_SCHEME,
     constant_time_equal,
@@ -112,12 +113,9 @@ class ReportVerifier:
         """Rewrite the journal with the nonces still kept (at start and as it grows)."""
         assert self._journal is not None
         text = "".join(f"{at:.3f} {key}\n" for at, key in self._nonces_order)
-        tmp = self._journal.with_name(self._journal.name + ".tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, self._journal)
+            # Rare (at start, then once per thousands of reports): its fsyncs are cheap.
+            atomic_write(self._journal, text, mode=0o600)
         except OSError as err:
             log.warning("report nonces: cannot write %s: %s", self._journal, err)
         self._appended = 0
