@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from llmgw_slurm.catalog import Model
+from llmgw_slurm.durations import format_duration
 from llmgw_slurm.slurm.types import NodeInfo
 
 __all__ = [
@@ -239,9 +240,10 @@ def why_kept(r: ReplicaView, models: Mapping[str, Model], cfg: PlanConfig, now: 
         return "last use unknown"
     idle = now - r.last_used
     if idle < cfg.eviction_grace:
-        return f"used {_fmt_s(idle)} ago, grace {_fmt_s(cfg.eviction_grace)}"
+        return f"used {format_duration(idle)} ago, grace {format_duration(cfg.eviction_grace)}"
     if r.ready_at is not None and now - r.ready_at < cfg.min_lifetime:
-        return f"ready {_fmt_s(now - r.ready_at)}, min lifetime {_fmt_s(cfg.min_lifetime)}"
+        ready, lifetime = format_duration(now - r.ready_at), format_duration(cfg.min_lifetime)
+        return f"ready {ready}, min lifetime {lifetime}"
     if r.nodes > 1:
         return f"{r.nodes} nodes"
     return ""
@@ -283,15 +285,6 @@ def backoff_left(f: Failures | None, cfg: PlanConfig, now: float) -> float:
     else:
         wait = min(cfg.backoff_initial * 2 ** (f.count - 1), cfg.backoff_max)
     return max(0.0, f.last_at + wait - now)
-
-
-def _fmt_s(s: float) -> str:
-    s = int(s)
-    if s >= 3600:
-        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
 
 
 def plan(
@@ -439,7 +432,7 @@ def _start_timed_out(st: _PlanState, r: ReplicaView, m: Model | None) -> bool:
         since, what = r.started_at, "the job started"
     if st.now - since <= limit:
         return False
-    st.cancel(r, f"not ready {_fmt_s(st.now - since)} after {what}", failure=True)
+    st.cancel(r, f"not ready {format_duration(st.now - since)} after {what}", failure=True)
     return True
 
 
@@ -448,7 +441,7 @@ def _pending_too_long(st: _PlanState, r: ReplicaView, m: Model | None) -> bool:
     if r.state is not ReplicaState.PENDING or limit is None or st.now - r.submitted_at <= limit:
         return False
     why = r.reason or "no reason given"
-    st.cancel(r, f"pending for {_fmt_s(st.now - r.submitted_at)} ({why})")
+    st.cancel(r, f"pending for {format_duration(st.now - r.submitted_at)} ({why})")
     return True
 
 
@@ -533,7 +526,7 @@ def _renew(st: _PlanState, mv: _ModelView) -> None:
             continue
         left = r.ends_at - st.now
         if left < st.cfg.renewal_margin and len(mv.counted) <= m.scaling.max:
-            reason = f"renewal: {r.replica_id} has {_fmt_s(max(0.0, left))} left"
+            reason = f"renewal: {r.replica_id} has {format_duration(max(0.0, left))} left"
             _submit(st, m, reason, replaces=r.replica_id)
     for r in mv.ready:
         if r.replaces and any(
@@ -557,7 +550,8 @@ def _backoff(st: _PlanState, mv: _ModelView) -> bool:
         return False
     state = "failing" if fl.count >= st.cfg.give_up_after else "backoff"
     st.out.notes[name] = (
-        f"{state}: {fl.count} failed start(s), next try in {_fmt_s(left)}; last: {fl.cause}"
+        f"{state}: {fl.count} failed start(s), next try in {format_duration(left)}; "
+        f"last: {fl.cause}"
     )
     return True
 
@@ -600,7 +594,7 @@ def _scale_down(st: _PlanState, mv: _ModelView) -> None:
     for r in sorted(idle, key=since):
         if len(mv.counted) > m.scaling.max or now - since(r) >= m.scaling.idle_timeout:
             idle_s = now - since(r)
-            st.drain(r, f"scale down: idle {_fmt_s(idle_s)}", idle_seconds=idle_s)
+            st.drain(r, f"scale down: idle {format_duration(idle_s)}", idle_seconds=idle_s)
             # One idle scale-down per model per pass: the next pass sees the result.
             return
 
@@ -688,9 +682,9 @@ def _evict(st: _PlanState, m: Model, why: str) -> str:
         "candidates": len(candidates),
         "why": why,
     }
-    reason = f"evicted, idle {_fmt_s(idle)}, to make room for {m.name}"
+    reason = f"evicted, idle {format_duration(idle)}, to make room for {m.name}"
     st.stop(ActionKind.EVICT, best, reason, attrs=attrs)
-    return f"evicting {best.model} replica {best.replica_id} (idle {_fmt_s(idle)})"
+    return f"evicting {best.model} replica {best.replica_id} (idle {format_duration(idle)})"
 
 
 def _nothing_to_evict(st: _PlanState, m: Model) -> str:

@@ -23,6 +23,7 @@ from _router_support import eventually, serve, serve_engine  # type: ignore[impo
 
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import load_server_config
+from llmgw_slurm.durations import format_duration
 from llmgw_slurm.errors import SlurmUnavailable
 from llmgw_slurm.reconciler import plan as planmod
 from llmgw_slurm.reconciler.core import Reconciler
@@ -549,7 +550,7 @@ async def test_a_model_with_a_short_hold_gets_503_while_the_server_holds_longer(
         router={"hold_timeout": "1h"},
     )
     assert rec.server.router.hold_timeout == 3600.0
-    app = create_app(rec, RouterConfig(hold_timeout_s=rec.server.router.hold_timeout))
+    app = create_app(rec, RouterConfig(hold_timeout=rec.server.router.hold_timeout))
     gateway = app[GATEWAY_KEY]
     async with serve(app) as url, aiohttp.ClientSession() as s:
         slow = asyncio.create_task(
@@ -561,7 +562,7 @@ async def test_a_model_with_a_short_hold_gets_503_while_the_server_holds_longer(
             r = await s.post(url + "/v1/completions", json={"model": "quick", "prompt": "a"})
             body = await r.json()
         assert r.status == 503
-        assert r.headers["Retry-After"] == str(RouterConfig().retry_after_s)
+        assert r.headers["Retry-After"] == str(RouterConfig().retry_after)
         assert body["error"]["code"] == "model_not_ready"
         assert "after waiting 0.01 s" in body["error"]["message"]
         # The server's deadline still holds the other model's request.
@@ -922,7 +923,7 @@ async def test_a_restart_does_not_cancel_a_job_that_started_long_before(tmp_path
     clock.t += 2
     (cancel,) = await rec.pass_once()
     assert cancel.kind.value == "cancel" and cancel.failure
-    assert cancel.reason == f"not ready {planmod._fmt_s(limit + 1)} after it was adopted"
+    assert cancel.reason == f"not ready {format_duration(limit + 1)} after it was adopted"
 
 
 async def test_an_engine_address_without_its_certificate_is_never_probed(tmp_path: Path) -> None:
