@@ -201,16 +201,29 @@ def squeue_row(job_id: str) -> list[str]:
 
 
 def engine_process(port: int) -> int | None:
-    """The pid of the vLLM server listening on ``port`` (found by its argv)."""
+    """The pid of the vLLM server listening on ``port``.
+
+    Found by the socket, not the argv: the port is kept off the command line
+    (in a file of the job's private directory that vLLM reads with --config).
+    """
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{f[9]}]")
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             argv = (d / "cmdline").read_bytes().split(b"\0")
+            if b"vllm.entrypoints.openai.api_server" not in argv:
+                continue
+            if any(os.readlink(fd) in inodes for fd in (d / "fd").iterdir()):
+                return int(d.name)
         except OSError:
             continue
-        if b"vllm.entrypoints.openai.api_server" in argv and str(port).encode() in argv:
-            return int(d.name)
     return None
 
 
@@ -380,6 +393,8 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
             assert pid is not None, "no vLLM server process with that port in its argv"
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert not any(key.encode() in a for a in argv)
+            # Nor its port: a watcher of ps could take it before vLLM listens.
+            assert str(port).encode() not in argv, argv
             # method copy: the engine reads the agent's cache, not the source folder.
             model_arg = Path(argv[argv.index(b"--model") + 1].decode())
             assert model_arg.is_relative_to(tmp_path / "weights"), model_arg
