@@ -33,6 +33,7 @@ from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.tls import load_or_create_identity
 from tests.agent_support import as_gateway
 from tests.engine.conftest import FIGURES, TOP
+from tests.procs import listener_pid
 from tests.slurm.conftest import eventually
 
 MODEL = "tiny-vllm"
@@ -201,30 +202,9 @@ def squeue_row(job_id: str) -> list[str]:
 
 
 def engine_process(port: int) -> int | None:
-    """The pid of the vLLM server listening on ``port``.
-
-    Found by the socket, not the argv: the port is kept off the command line
-    (in a file of the job's private directory that vLLM reads with --config).
-    """
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                f = line.split()
-                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(f"socket:[{f[9]}]")
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-            if b"vllm.entrypoints.openai.api_server" not in argv:
-                continue
-            if any(os.readlink(fd) in inodes for fd in (d / "fd").iterdir()):
-                return int(d.name)
-        except OSError:
-            continue
-    return None
+    """The pid of the vLLM server listening on ``port`` (by its socket: the port is
+    kept off the command line, in a file vLLM reads with --config)."""
+    return listener_pid(port, "vllm.entrypoints.openai.api_server")
 
 
 async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
