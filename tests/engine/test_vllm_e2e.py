@@ -33,6 +33,7 @@ from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.tls import load_or_create_identity
 from tests.agent_support import as_gateway
 from tests.engine.conftest import FIGURES, TOP
+from tests.procs import listener_pid
 from tests.slurm.conftest import eventually
 
 MODEL = "tiny-vllm"
@@ -201,17 +202,9 @@ def squeue_row(job_id: str) -> list[str]:
 
 
 def engine_process(port: int) -> int | None:
-    """The pid of the vLLM server listening on ``port`` (found by its argv)."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"vllm.entrypoints.openai.api_server" in argv and str(port).encode() in argv:
-            return int(d.name)
-    return None
+    """The pid of the vLLM server listening on ``port`` (by its socket: the port is
+    kept off the command line, in a file vLLM reads with --config)."""
+    return listener_pid(port, "vllm.entrypoints.openai.api_server")
 
 
 async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
@@ -380,6 +373,8 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
             assert pid is not None, "no vLLM server process with that port in its argv"
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert not any(key.encode() in a for a in argv)
+            # Nor its port: a watcher of ps could take it before vLLM listens.
+            assert str(port).encode() not in argv, argv
             # method copy: the engine reads the agent's cache, not the source folder.
             model_arg = Path(argv[argv.index(b"--model") + 1].decode())
             assert model_arg.is_relative_to(tmp_path / "weights"), model_arg

@@ -27,6 +27,7 @@ from tests.faults.support import (
     record,
     restore_cluster,
 )
+from tests.procs import listener_pid
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import TOP, Harness, running, tiny_model
 
@@ -100,10 +101,7 @@ async def test_slurmctld_down_for_a_minute(tmp_path: Path, prefix: str) -> None:
 
 
 def engine_alive(port: int) -> bool:
-    out = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout
-    return any(
-        "llmgw_slurm.testing.engine" in a and f"--port {port}" in a for a in out.splitlines()
-    )
+    return listener_pid(port, "llmgw_slurm.testing.engine") is not None
 
 
 async def test_a_nodes_slurmd_killed(tmp_path: Path, prefix: str) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from llmgw_slurm.slurm.cli import CliBackend
 from tests.faults.support import load, record, with_router
+from tests.procs import listener_pid
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import Harness, running, tiny_model
 
@@ -159,12 +160,10 @@ async def test_renewal_under_load_fails_no_request(tmp_path: Path, prefix: str) 
 
 def engine_pid(port: int) -> int:
     """The test engine listening on ``port`` (every job runs on this one machine)."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if "llmgw_slurm.testing.engine" in args and f"--port {port}" in args:
-            return int(pid)
-    raise AssertionError(f"no test engine on port {port}")
+    pid = listener_pid(port, "llmgw_slurm.testing.engine")
+    if pid is None:
+        raise AssertionError(f"no test engine on port {port}")
+    return pid
 
 
 async def test_engine_crash_is_detected_restarted_with_backoff_and_a_loop_shown(
