@@ -357,7 +357,7 @@ async def test_the_relay_reads_raw_with_this_aiohttp(monkeypatch: pytest.MonkeyP
             passed.put_nowait(None)
         assert await r.read() == b""
         assert st.engine.connections == 1
-    assert hasattr(aiohttp.StreamReader, "_http_chunk_splits"), (
+    assert hasattr(r.content, "_http_chunk_splits"), (
         "aiohttp's StreamReader has no _http_chunk_splits any more: the relay's raw "
         "mode (llmgw_slurm/router/relay.py, _Pipe._at_chunk_end) never starts"
     )
