@@ -27,6 +27,7 @@ from llmgw_slurm import api
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.private import private_dir
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.router import create_app
@@ -166,7 +167,9 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         )
     backend = make_backend(server.slurm.backend, timeout=server.slurm.command_timeout)
     state = Path(server.state_dir).expanduser()
-    state.mkdir(parents=True, exist_ok=True)
+    # Before anything is written there: 0700 and its files 0600 whatever the
+    # umask, or a clear refusal of a folder other users could write.
+    private_dir(state)
     key = load_or_create_server_key(state / "server.key")
     daemon_url = server.listen.advertised_daemon_url(socket.getfqdn())
     rec = Reconciler(

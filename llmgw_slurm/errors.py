@@ -8,7 +8,8 @@ The hierarchy, drawn once::
     ├── SlurmError              a Slurm command failed (command, exit code, stderr)
     │   ├── SlurmUnavailable    the command is missing or timed out: Slurm could not be asked
     │   └── SlurmParseError     the command answered something we could not read
-    └── TemplateError           an sbatch template could not be rendered, or a value was refused
+    ├── TemplateError           an sbatch template could not be rendered, or a value was refused
+    └── UnsafePathError         a folder or file that must be the daemon's alone is not
 
 Callers that face a person (the CLIs) catch ``LlmgwError`` and print ``str(err)``
 without a traceback; anything else escaping is a bug.
@@ -101,3 +102,8 @@ class SlurmParseError(SlurmError):
 
 class TemplateError(LlmgwError):
     """An sbatch template failed to render, or a value was refused as unsafe."""
+
+
+class UnsafePathError(LlmgwError):
+    """A folder or file the daemon keeps secrets in (or publishes from) could be changed
+    or read by another user; the message names the path and the fix."""

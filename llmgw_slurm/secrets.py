@@ -110,7 +110,7 @@ def load_or_create_server_key(path: Path) -> bytes:
             return data
     except FileNotFoundError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = _secrets.token_hex(32).encode()
     atomic_write(path, key + b"\n", mode=0o600)
     return key

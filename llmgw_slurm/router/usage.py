@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sqlite3
 import threading
 from dataclasses import dataclass
@@ -70,7 +71,13 @@ class UsageSummary:
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Made 0600 before SQLite opens it, whatever the umask: SQLite gives the
+    # -wal and -shm files the database's own mode, so they are private too.
+    # Another user who could open -shm could lock it and stop every write.
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.chmod(path, 0o600)
     conn = sqlite3.connect(path, check_same_thread=False, timeout=10)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.executescript(_SCHEMA)
