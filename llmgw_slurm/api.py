@@ -38,7 +38,7 @@ from llmgw_slurm.router.usage import UsageSummary, query_usage
 from llmgw_slurm.secrets import constant_time_equal
 from llmgw_slurm.status_page import render_page
 
-__all__ = ["ADMIN_PREFIX", "add_admin_routes", "add_cli_routes", "status_json"]
+__all__ = ["ADMIN_PREFIX", "add_admin_routes", "add_cli_routes", "key_required", "status_json"]
 
 ADMIN_PREFIX = "/internal/v1/admin"
 
@@ -123,6 +123,31 @@ def _error(status: int, message: str, code: str) -> web.Response:
 def _bearer(request: web.Request) -> str:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def key_required(app: web.Application, request: web.Request) -> web.Response | None:
+    """The 401 for a request without a valid gateway key when keys are on; None to go on.
+
+    For the gateway's own routes that change state (``/v1`` has its own check).
+    """
+    keys = app[GATEWAY_KEY].keys
+    if keys is None:
+        return None
+    token = _bearer(request)
+    if token and keys.lookup(token) is not None:
+        return None
+    return web.json_response(
+        {
+            "error": {
+                "message": "no valid API key: send 'Authorization: Bearer <key>' (llmgw --key, "
+                "LLMGW_API_KEY, or api_key in ~/.config/llmgw/config.yaml)",
+                "type": "authentication_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        },
+        status=401,
+    )
 
 
 def add_cli_routes(app: web.Application, rec: Reconciler) -> None:

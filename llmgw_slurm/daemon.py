@@ -92,6 +92,11 @@ def add_status_routes(app: web.Application, rec: Reconciler) -> None:
         return web.json_response(api.status_json(rec))
 
     async def want(request: web.Request) -> web.Response:
+        # A start can evict other keys' idle replicas on a full cluster: with keys
+        # on, it takes one, like every other route that changes something.
+        denied = api.key_required(app, request)
+        if denied is not None:
+            return denied
         name = request.match_info["model"]
         canonical = rec.resolve(name)
         if canonical is None:

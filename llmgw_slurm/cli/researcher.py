@@ -251,7 +251,7 @@ def _phase(model: dict[str, Any]) -> str:
 async def _wait_up(s: Settings, name: str, timeout: float, live: bool) -> dict[str, Any]:
     # Aliases may hold a "/", which a URL path cannot carry: ask by the canonical name.
     canonical = str(_find_model(await _status(s), name)["name"])
-    reply = await call_daemon("POST", s.url, f"/api/v1/models/{canonical}/up")
+    reply = await call_daemon("POST", s.url, f"/api/v1/models/{canonical}/up", token=s.key)
     if not reply.ok:
         raise click.ClickException(f"the daemon refused the start: {reply.error_message()}")
     loop = asyncio.get_running_loop()
@@ -263,7 +263,7 @@ async def _wait_up(s: Settings, name: str, timeout: float, live: bool) -> dict[s
         # The daemon keeps a start going while someone wants the model; say so again
         # now and then, or a long queue wait would look like nobody is waiting.
         if now - last_want > 20:
-            await call_daemon("POST", s.url, f"/api/v1/models/{canonical}/up")
+            await call_daemon("POST", s.url, f"/api/v1/models/{canonical}/up", token=s.key)
             last_want = now
         status = await _status(s)
         model = _find_model(status, canonical)
