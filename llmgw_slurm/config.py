@@ -290,6 +290,10 @@ class RouterConfig:
     max_held: int = field(default=256, metadata=rule(ge=0))
     # Default 1024: the same cap over all models together.
     max_held_total: int = field(default=1024, metadata=rule(ge=0))
+    # Default None: a quarter of max_held (at least 1). Held requests of one
+    # model per gateway key; beyond it that key gets 429, so that one key
+    # cannot fill a cold model's queue. Applies only with keys_file set.
+    max_held_per_key: int | None = field(default=None, metadata=rule(ge=1))
     # Default 16M: request bodies beyond this get 413 (most before they are
     # read); a 128k-token prompt is about 0.5 MiB of text and a few base64
     # images fit too, and a runaway client cannot fill the login node's memory.

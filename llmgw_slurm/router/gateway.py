@@ -152,6 +152,7 @@ class Gateway:
         self.in_flight: dict[tuple[str, str], int] = {}
         self.held: dict[str, int] = {}
         self.held_total = 0
+        self.held_by_key: dict[tuple[str, str], int] = {}
         self._cold_since: dict[str, float] = {}
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
@@ -257,11 +258,16 @@ class Gateway:
         linked.add(sc.span_id)
         trace.get_current_span().add_link(sc, {"llmgw.link": "replica.start"})
 
+    def _per_key_cap(self) -> int:
+        cap = self.config.max_held_per_key
+        return cap if cap is not None else max(1, self.config.max_held // 4)
+
     async def _hold(
         self,
         request: web.Request,
         model: str,
         unreachable: frozenset[tuple[str, str, int]] = frozenset(),
+        key: KeyRecord | None = None,
     ) -> Endpoint | web.Response:
         cfg = self.config
         if self.held.get(model, 0) >= cfg.max_held or self.held_total >= cfg.max_held_total:
@@ -271,6 +277,18 @@ class Gateway:
                 "rate_limit_error",
                 "too_many_held_requests",
             )
+        mine = (model, key.key_id) if key is not None else None
+        if mine is not None and self.held_by_key.get(mine, 0) >= self._per_key_cap():
+            return _error(
+                429,
+                f"Your key has {self.held_by_key[mine]} requests waiting for model '{model}' "
+                "to start, the most one key may; try again when it is ready.",
+                "rate_limit_error",
+                "too_many_held_requests_for_key",
+                headers={"Retry-After": str(cfg.retry_after)},
+            )
+        if mine is not None:
+            self.held_by_key[mine] = self.held_by_key.get(mine, 0) + 1
         loop = asyncio.get_running_loop()
         timeout = self._hold_timeout(model)
         deadline = loop.time() + timeout
@@ -316,6 +334,10 @@ class Gateway:
                     await asyncio.wait({waiter}, timeout=step)
         finally:
             waiter.cancel()
+            if mine is not None:
+                self.held_by_key[mine] -= 1
+                if not self.held_by_key[mine]:
+                    del self.held_by_key[mine]
             self.held[model] -= 1
             self.held_total -= 1
             self.metrics.held.labels(model).dec()
@@ -435,7 +457,7 @@ class Gateway:
         if isinstance(prepared, web.Response):
             return prepared
         body, stream, strip_usage = prepared
-        ep = await self._pick_or_hold(request, model)
+        ep = await self._pick_or_hold(request, model, key)
         if isinstance(ep, web.Response):
             return ep
         return await self._forward(
@@ -461,7 +483,9 @@ class Gateway:
             resp.force_close()
             return resp
 
-    async def _pick_or_hold(self, request: web.Request, model: str) -> Endpoint | web.Response:
+    async def _pick_or_hold(
+        self, request: web.Request, model: str, key: KeyRecord | None
+    ) -> Endpoint | web.Response:
         """A replica to send to at once, else one the request waited for (a cold start)."""
         ep = self._pick(model)
         if ep is not None:
@@ -470,7 +494,7 @@ class Gateway:
         outer = trace.get_current_span()
         if outer.is_recording() or outer.get_span_context().is_valid:
             # Traced already, or the client chose not to be (an unsampled parent).
-            held = await self._hold(request, model)
+            held = await self._hold(request, model, key=key)
         else:
             # Untraced so far: a cold start is worth a trace of its own (the
             # sampler decides), linked to the replica's start.
@@ -479,7 +503,7 @@ class Gateway:
                 kind=trace.SpanKind.SERVER,
                 attributes={"llmgw.model": model},
             ):
-                held = await self._hold(request, model)
+                held = await self._hold(request, model, key=key)
                 trace.get_current_span().set_attribute(
                     "llmgw.held_seconds", time.monotonic() - t_hold
                 )
@@ -537,7 +561,7 @@ class Gateway:
                         # request waits, as for a cold start, for another replica or
                         # for this one's next run (back from the queue, often at the
                         # same address: the endpoint's epoch tells the runs apart).
-                        held = await self._hold(request, model, frozenset(unreachable))
+                        held = await self._hold(request, model, frozenset(unreachable), key)
                         if isinstance(held, web.Response):
                             return held
                         nxt = held
