@@ -8,8 +8,10 @@ On the gateway port (what researchers reach):
   (on a gateway without keys, the gateway's totals by model);
 - ``GET /``: the status page.
 
-On the internal port, behind the admin token (:func:`llmgw_slurm.secrets.admin_token`,
-derived from the server key, so whoever can read the key file may use them):
+The admin routes, on two ways in: the internal port behind the admin token
+(:class:`llmgw_slurm.secrets.AdminToken`, a file only the daemon's user and
+root can read), and the admin Unix socket, where the kernel tells the daemon
+who calls (root, the daemon's user, or ``admin_group``) and no token travels:
 
 - ``POST /internal/v1/admin/drain`` and ``.../stop``: ``{"target": replica|model,
   "node": str, "reason": str}``;
@@ -23,6 +25,10 @@ derived from the server key, so whoever can read the key file may use them):
 from __future__ import annotations
 
 import dataclasses
+import grp
+import os
+import pwd
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,14 +37,23 @@ from aiohttp import web
 
 from llmgw_slurm import __version__
 from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.identity import peer_credentials
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.router.usage import UsageSummary, query_usage
-from llmgw_slurm.secrets import constant_time_equal
+from llmgw_slurm.secrets import AdminToken
 from llmgw_slurm.status_page import render_page
 
-__all__ = ["ADMIN_PREFIX", "add_admin_routes", "add_cli_routes", "key_required", "status_json"]
+__all__ = [
+    "ADMIN_PREFIX",
+    "add_admin_routes",
+    "add_cli_routes",
+    "key_required",
+    "peer_gate",
+    "status_json",
+    "token_gate",
+]
 
 ADMIN_PREFIX = "/internal/v1/admin"
 
@@ -213,20 +228,66 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
     app.router.add_get("/", page)
 
 
+Gate = Callable[[web.Request], "web.Response | None"]
+
+
+def token_gate(token: AdminToken) -> Gate:
+    """Admin calls over TCP: the bearer token in the file now (a rotated one is refused)."""
+
+    def gate(request: web.Request) -> web.Response | None:
+        if token.matches(_bearer(request)):
+            return None
+        return _error(401, "bad or missing admin token", "unauthorized")
+
+    return gate
+
+
+def peer_gate(admin_group: str | None) -> Gate:
+    """Admin calls over the Unix socket: root, the daemon's own user, or ``admin_group``.
+
+    The kernel's record of the caller (SO_PEERCRED), taken when it connected:
+    nothing a caller sends can change it.
+    """
+    me = os.geteuid()
+    gid = grp.getgrnam(admin_group).gr_gid if admin_group else None
+    who = f"root, uid {me}" + (f" or group {admin_group}" if admin_group else "")
+
+    def member(uid: int, primary: int) -> bool:
+        if gid is None:
+            return False
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return primary == gid
+        return gid in os.getgrouplist(name, primary)
+
+    def gate(request: web.Request) -> web.Response | None:
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if sock is None or sock.family != socket.AF_UNIX:
+            return _error(403, "admin calls come over the admin socket", "forbidden")
+        _, uid, primary = peer_credentials(sock)
+        if uid in (0, me) or member(uid, primary):
+            return None
+        return _error(403, f"uid {uid} may not administer this daemon ({who} may)", "forbidden")
+
+    return gate
+
+
 def add_admin_routes(
     app: web.Application,
     rec: Reconciler,
-    token: str,
+    gate: Gate,
     reload: Callable[[], str | None],
 ) -> None:
-    """Drain, stop, reload and job announcements on the internal app, behind the admin token."""
+    """Drain, stop, reload and job announcements, each call let in by ``gate``."""
 
     def guarded(
         fn: Callable[[web.Request], Awaitable[web.Response]],
     ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
-            if not constant_time_equal(_bearer(request), token):
-                return _error(401, "bad or missing admin token", "unauthorized")
+            denied = gate(request)
+            if denied is not None:
+                return denied
             return await fn(request)
 
         return handler

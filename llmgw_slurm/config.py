@@ -16,6 +16,7 @@ expanded, so a config works the same whatever folder the daemon starts in.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ __all__ = [
     "RouterConfig",
     "ServerConfig",
     "SlurmConfig",
+    "TlsConfig",
     "TracingConfig",
     "check_files",
     "load_agent_config",
@@ -342,6 +344,27 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """TLS on the gateway port (``tls: {cert, key}``)."""
+
+    # Default None: plain http. A PEM certificate (chain) the researchers' CLIs
+    # and clients verify: over https a key goes only to whoever holds the key
+    # file, even to a client on another host or while the daemon restarts.
+    cert: Path | None = None
+    # Default None: the certificate's private key (PEM), readable by the daemon's user only.
+    key: Path | None = None
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if (self.cert is None) != (self.key is None):
+            return [("key" if self.key is None else "cert", "set both cert and key, or neither")]
+        return []
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None and self.key is not None
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """``server.yaml``: the daemon's settings."""
 
@@ -366,6 +389,37 @@ class ServerConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     # Default: tracing off, see TracingConfig.
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    # Default: plain http on the gateway, see TlsConfig.
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    # Default None: $RUNTIME_DIRECTORY (the unit's RuntimeDirectory=, i.e.
+    # /run/llmgw-slurm), else state_dir/run. Where the daemon publishes
+    # daemon.json (its uid and ports, for the CLIs to check who holds a port)
+    # and the admin socket; made 0755, owned by the daemon's user.
+    runtime_dir: Path | None = None
+    # Default None: runtime_dir/admin.sock. llmgw-admin's way in: the daemon
+    # takes a call on it from root, its own user or admin_group, by the
+    # caller's kernel-checked credentials, with no token to steal.
+    admin_socket: Path | None = None
+    # Default None: only root and the daemon's user may use the admin socket.
+    # A group whose members may too.
+    admin_group: str | None = field(
+        default=None,
+        metadata=rule(pattern=r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}", pattern_help="a group name"),
+    )
+
+    def effective_runtime_dir(self, environ: Mapping[str, str] | None = None) -> Path:
+        """``runtime_dir``, else ``$RUNTIME_DIRECTORY`` (systemd), else ``state_dir/run``."""
+        env = os.environ if environ is None else environ
+        if self.runtime_dir is not None:
+            return Path(self.runtime_dir)
+        # systemd may list several folders, separated by ':'; the unit sets one.
+        given = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
+        return Path(given) if given else Path(self.state_dir) / "run"
+
+    def effective_admin_socket(self, environ: Mapping[str, str] | None = None) -> Path:
+        if self.admin_socket is not None:
+            return Path(self.admin_socket)
+        return self.effective_runtime_dir(environ) / "admin.sock"
 
 
 # ----------------------------------------------------------------------- agent

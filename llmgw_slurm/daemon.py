@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
+import os
 import signal
 import socket
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,18 +26,17 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from llmgw_slurm import api
+from llmgw_slurm import api, identity, private, sdnotify
 from llmgw_slurm.catalog import Catalog, load_catalog
-from llmgw_slurm.config import ServerConfig, load_agent_config
+from llmgw_slurm.config import HostPort, ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
-from llmgw_slurm.private import private_dir
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.router import create_app
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
-from llmgw_slurm.secrets import REPORT_SCHEME, admin_token, load_or_create_server_key
+from llmgw_slurm.secrets import REPORT_SCHEME, AdminToken, load_or_create_server_key
 from llmgw_slurm.slurm import make_backend
 from llmgw_slurm.tracing import setup_tracing
 
@@ -124,6 +126,9 @@ class Daemon:
     reconciler: Reconciler
     gateway: web.Application
     internal: web.Application
+    # The admin routes on the admin Unix socket (no token; the caller's uid decides).
+    admin: web.Application
+    admin_token: AdminToken
     # None when tracing is off (no exporter thread exists then).
     tracer_provider: TracerProvider | None = None
     # systemd's Type=notify; a no-op outside systemd.
@@ -174,7 +179,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     state = Path(server.state_dir).expanduser()
     # Before anything is written there: 0700 and its files 0600 whatever the
     # umask, or a clear refusal of a folder other users could write.
-    private_dir(state)
+    private.private_dir(state)
     key = load_or_create_server_key(state / "server.key")
     daemon_url = server.listen.advertised_daemon_url(socket.getfqdn())
     rec = Reconciler(
@@ -195,9 +200,132 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec)
     api.add_cli_routes(gateway, rec)
-    d = Daemon(server, server_path, catalog, rec, gateway, internal_app(rec), provider)
-    api.add_admin_routes(d.internal, rec, admin_token(key), d.reload)
+    token = AdminToken(state / "admin.token")
+    token.ensure()
+    d = Daemon(
+        server,
+        server_path,
+        catalog,
+        rec,
+        gateway,
+        internal_app(rec),
+        web.Application(client_max_size=64 * 1024),
+        token,
+        provider,
+    )
+    api.add_admin_routes(d.internal, rec, api.token_gate(token), d.reload)
+    api.add_admin_routes(d.admin, rec, api.peer_gate(server.admin_group), d.reload)
     return d
+
+
+@dataclass
+class Listeners:
+    """The daemon's three ways in, open; :meth:`close` ends them and withdraws daemon.json."""
+
+    runners: list[web.AppRunner]
+    runtime_dir: Path
+    admin_socket: Path
+    socket_inode: int = 0
+
+    async def close(self) -> None:
+        # First: from here on a CLI finds no daemon.json and sends nothing.
+        identity.unpublish(self.runtime_dir, os.getpid())
+        for r in self.runners:
+            await r.cleanup()
+        with contextlib.suppress(OSError):
+            # Only ours: a newer daemon may have bound the path since.
+            if self.admin_socket.stat().st_ino == self.socket_inode:
+                self.admin_socket.unlink()
+
+
+def _tls_context(server: ServerConfig) -> ssl.SSLContext | None:
+    tls = server.tls
+    if tls.cert is None or tls.key is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(tls.cert, tls.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise LlmgwError(
+            f"tls: cannot load the certificate {tls.cert} with the key {tls.key}: {exc}; "
+            "give a PEM certificate (chain) and its private key, readable by the daemon's user"
+        ) from None
+    return ctx
+
+
+def _inherited(
+    sockets: list[tuple[str, socket.socket]], name: str, hp: HostPort
+) -> socket.socket | None:
+    """The socket systemd passed for ``name``: by its FileDescriptorName, else by its port."""
+    for label, sock in sockets:
+        if label == name:
+            return sock
+    # One .socket unit with two ListenStream= gives both the unit's name: told apart by port.
+    for label, sock in sockets:
+        addr = sock.getsockname()
+        if label not in ("gateway", "internal") and isinstance(addr, tuple) and addr[1] == hp.port:
+            return sock
+    return None
+
+
+async def open_listeners(
+    d: Daemon, inherited: list[tuple[str, socket.socket]] | None = None
+) -> Listeners:
+    """Listen on the gateway and internal ports (systemd's sockets when it passed them),
+    and on the admin socket; then publish daemon.json for the CLIs' checks."""
+    server = d.server
+    inherited = sdnotify.listen_fds() if inherited is None else inherited
+    runtime = server.effective_runtime_dir()
+    private.public_dir(runtime)
+    admin_path = server.effective_admin_socket()
+    tls = _tls_context(server)
+    runners: list[web.AppRunner] = []
+    out = Listeners(runners, runtime, admin_path)
+    try:
+        for name, app, hp, ctx in (
+            ("gateway", d.gateway, server.listen.gateway, tls),
+            ("internal", d.internal, server.listen.internal, None),
+        ):
+            runner = web.AppRunner(app, **RUNNER_OPTIONS)
+            await runner.setup()
+            runners.append(runner)
+            sock = _inherited(inherited, name, hp)
+            if sock is not None:
+                log.info("%s: the socket systemd passed (%s)", name, sock.getsockname())
+                await web.SockSite(runner, sock, ssl_context=ctx).start()
+            else:
+                await web.TCPSite(runner, hp.host, hp.port, ssl_context=ctx).start()
+        runner = web.AppRunner(d.admin, **RUNNER_OPTIONS)
+        await runner.setup()
+        runners.append(runner)
+        admin_sock = identity.bind_unix(admin_path)
+        out.socket_inode = admin_path.stat().st_ino
+        await web.SockSite(runner, admin_sock).start()
+        identity.publish(
+            runtime,
+            identity.DaemonInfo(
+                uid=os.geteuid(),
+                pid=os.getpid(),
+                gateway_port=_bound_port(runners[0]) or server.listen.gateway.port,
+                internal_port=_bound_port(runners[1]) or server.listen.internal.port,
+                tls=tls is not None,
+                admin_socket=str(admin_path),
+            ),
+        )
+    except BaseException:
+        await out.close()
+        raise
+    return out
+
+
+def _bound_port(runner: web.AppRunner) -> int | None:
+    for site in runner.sites:
+        server = getattr(site, "_server", None)
+        for sock in getattr(server, "sockets", None) or ():
+            addr = sock.getsockname()
+            if isinstance(addr, tuple):
+                return int(addr[1])
+    return None
 
 
 def status_line(d: Daemon) -> str:
@@ -234,7 +362,6 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
     loop.add_signal_handler(signal.SIGTERM, shutdown)
     loop.add_signal_handler(signal.SIGINT, shutdown)
     loop.add_signal_handler(signal.SIGHUP, d.reload)
-    runners: list[web.AppRunner] = []
     first = True
 
     def after_pass() -> None:
@@ -248,21 +375,17 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
         else:
             d.notifier.status(status_line(d))
 
+    listeners: Listeners | None = None
     try:
-        for app, hp in (
-            (d.gateway, d.server.listen.gateway),
-            (d.internal, d.server.listen.internal),
-        ):
-            runner = web.AppRunner(app, **RUNNER_OPTIONS)
-            await runner.setup()
-            runners.append(runner)
-            await web.TCPSite(runner, hp.host, hp.port).start()
+        listeners = await open_listeners(d)
         log.info(
-            "serving: gateway http://%s:%d, internal http://%s:%d, %d models",
+            "serving: gateway %s://%s:%d, internal http://%s:%d, admin socket %s, %d models",
+            "https" if d.server.tls.enabled else "http",
             d.server.listen.gateway.host,
             d.server.listen.gateway.port,
             d.server.listen.internal.host,
             d.server.listen.internal.port,
+            listeners.admin_socket,
             len(d.catalog.models),
         )
         await d.reconciler.run(stop, on_pass=after_pass)
@@ -271,8 +394,8 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
         for sig in handled:
             loop.remove_signal_handler(sig)
         await d.reconciler.close()
-        for r in runners:
-            await r.cleanup()
+        if listeners is not None:
+            await listeners.close()
         # Open replica starts are ended as such ("daemon stopped"): the next
         # daemon adopts the jobs and continues their traces from the job comment.
         d.reconciler.tracing.close()

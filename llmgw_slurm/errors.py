@@ -9,7 +9,8 @@ The hierarchy, drawn once::
     │   ├── SlurmUnavailable    the command is missing or timed out: Slurm could not be asked
     │   └── SlurmParseError     the command answered something we could not read
     ├── TemplateError           an sbatch template could not be rendered, or a value was refused
-    └── UnsafePathError         a folder or file that must be the daemon's alone is not
+    ├── UnsafePathError         a folder or file that must be the daemon's alone is not
+    └── UnverifiedServerError   a CLI will not send a secret to a server not proven the daemon
 
 Callers that face a person (the CLIs) catch ``LlmgwError`` and print ``str(err)``
 without a traceback; anything else escaping is a bug.
@@ -107,3 +108,8 @@ class TemplateError(LlmgwError):
 class UnsafePathError(LlmgwError):
     """A folder or file the daemon keeps secrets in (or publishes from) could be changed
     or read by another user; the message names the path and the fix."""
+
+
+class UnverifiedServerError(LlmgwError):
+    """A CLI would send a key, token or prompt to a server that cannot prove it is the
+    daemon; the message says why and how to fix it."""

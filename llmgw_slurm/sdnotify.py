@@ -11,6 +11,13 @@ Notifying never breaks the daemon: outside systemd (no ``$NOTIFY_SOCKET``)
 every call is a no-op, and a send that fails is logged once and dropped, as a
 telemetry export would be.
 
+**Sockets** (``sd_listen_fds``, :func:`listen_fds`). Under socket activation
+systemd opens the listening sockets itself and keeps them open while the
+service restarts, so no other user can take a port in between. It hands them
+over as file descriptors 3, 4, ... with ``$LISTEN_FDS`` (how many),
+``$LISTEN_PID`` (for whom: a child that inherited the variables must not take
+them) and ``$LISTEN_FDNAMES`` (colon-separated names). See sd_listen_fds(3).
+
 **Log lines** (:func:`log_handler`). Under systemd the journal stamps every
 line itself, so the daemon's own timestamp is dropped; when stderr *is* the
 journal's stream (``$JOURNAL_STREAM`` names its device and inode) each line
@@ -27,7 +34,7 @@ import time
 from collections.abc import Mapping, MutableMapping
 from typing import TextIO
 
-__all__ = ["Notifier", "log_handler"]
+__all__ = ["Notifier", "listen_fds", "log_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +108,33 @@ class Notifier:
             return False
         self._last_status = text
         return self.send(f"STATUS={_one_line(text)}")
+
+
+SD_LISTEN_FDS_START = 3
+
+
+def listen_fds(environ: MutableMapping[str, str] | None = None) -> list[tuple[str, socket.socket]]:
+    """The sockets systemd passed to this process, with their names; [] outside socket activation.
+
+    The variables are taken out of the environment (as sd_listen_fds'
+    unset_environment does), so that sbatch and the jobs do not inherit them.
+    """
+    env = os.environ if environ is None else environ
+    pid, count, names = (env.pop(k, "") for k in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"))
+    if not pid or not count:
+        return []
+    if not (pid.isdigit() and count.isdigit()) or int(pid) != os.getpid():
+        # Meant for another process (ours inherited the variables), or garbage.
+        log.warning("LISTEN_PID=%r LISTEN_FDS=%r are not for this process; ignored", pid, count)
+        return []
+    labels = names.split(":") if names else []
+    out = []
+    for i in range(int(count)):
+        fd = SD_LISTEN_FDS_START + i
+        # systemd leaves them inheritable; the jobs the daemon starts must not hold them.
+        os.set_inheritable(fd, False)
+        out.append((labels[i] if i < len(labels) else "", socket.socket(fileno=fd)))
+    return out
 
 
 def _one_line(text: str) -> str:

@@ -18,13 +18,15 @@ from llmgw_slurm.fsutil import atomic_write
 
 __all__ = [
     "REPORT_SCHEME",
-    "admin_token",
+    "AdminToken",
     "constant_time_equal",
     "engine_api_key",
     "load_or_create_server_key",
     "parse_report_auth",
+    "read_admin_token",
     "replica_secret",
     "report_signature",
+    "rotate_admin_token",
     "sign_report",
 ]
 
@@ -55,14 +57,52 @@ def engine_api_key(server_key: bytes, replica_id: str) -> str:
     return _derive(server_key, "engine", replica_id)
 
 
-def admin_token(server_key: bytes) -> str:
-    """The bearer token of the daemon's admin routes (drain, stop, reload).
+class AdminToken:
+    """The bearer token of the admin routes on the internal port, in ``state_dir/admin.token``.
 
-    Derived rather than stored so that whoever may read the server key (the
-    service user, root) may administer the daemon, and nobody else: the admin
-    CLI re-derives it from the key file in the state directory.
+    Stored, not derived from the server key, so that it can be rotated
+    (``llmgw-admin token rotate`` replaces the file) without touching the
+    replicas' secrets. The daemon looks at the file's identity at every check
+    and re-reads it when it changed: the old token is refused from the next
+    call on, with or without a restart. Only the daemon's user and root can
+    read the file (the state directory is 0700).
     """
-    return _derive(server_key, "admin", "")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int, int] | None = None
+        self._value = ""
+
+    def ensure(self) -> None:
+        """Create the token file on first start."""
+        if not self.path.exists():
+            rotate_admin_token(self.path)
+
+    def current(self) -> str:
+        """The token now in the file ("" when there is none: then nothing matches)."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return ""
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp != self._stamp:
+            self._value = read_admin_token(self.path)
+            self._stamp = stamp
+        return self._value
+
+    def matches(self, presented: str) -> bool:
+        token = self.current()
+        return bool(token) and constant_time_equal(presented, token)
+
+
+def read_admin_token(path: Path) -> str:
+    """The admin token in ``path`` (FileNotFoundError/PermissionError for the caller to explain)."""
+    return path.read_text().strip()
+
+
+def rotate_admin_token(path: Path) -> None:
+    """Write a new random admin token to ``path`` (0600), replacing the old one whole."""
+    atomic_write(path, f"llmgw-admin-{_secrets.token_urlsafe(32)}\n", mode=0o600)
 
 
 def report_signature(secret: str, replica_id: str, ts: int, nonce: str, body: bytes) -> str:

@@ -184,24 +184,51 @@ def _local_url(hp: HostPort) -> str:
     return f"http://{host}:{hp.port}"
 
 
-def _admin_token(server: ServerConfig) -> str:
-    from llmgw_slurm.secrets import admin_token
+def _token_path(server: ServerConfig) -> Path:
+    return Path(server.state_dir).expanduser() / "admin.token"
 
-    path = Path(server.state_dir).expanduser() / "server.key"
+
+def _admin_token(server: ServerConfig) -> str:
+    from llmgw_slurm.secrets import read_admin_token
+
+    path = _token_path(server)
     try:
-        key = path.read_bytes().strip()
+        token = read_admin_token(path)
     except FileNotFoundError:
         raise click.ClickException(
-            f"no server key at {path}: has the daemon run with this server.yaml?"
+            f"no admin token at {path}: has the daemon run with this server.yaml?"
         ) from None
     except PermissionError:
         raise click.ClickException(
             f"cannot read {path} (permission denied): run this as the daemon's user, "
             "e.g. sudo -u llmgw llmgw-admin ..."
         ) from None
-    if len(key) < 32:
-        raise click.ClickException(f"{path} does not hold a server key (too short)")
-    return admin_token(key)
+    if not token:
+        raise click.ClickException(f"{path} is empty: run llmgw-admin token rotate")
+    return token
+
+
+def _daemon_uid(server: ServerConfig) -> int:
+    """The daemon's uid: the owner of its state directory (another user's folder is refused)."""
+    path = Path(server.state_dir).expanduser()
+    try:
+        return path.stat().st_uid
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot look at state_dir {path} ({exc.strerror}): has the daemon run with "
+            "this server.yaml?"
+        ) from None
+
+
+def _admin_sockets(server: ServerConfig) -> list[Path]:
+    from llmgw_slurm.identity import DEFAULT_INFO
+
+    paths = [server.effective_admin_socket()]
+    if server.runtime_dir is None and server.admin_socket is None:
+        # Under the shipped unit the daemon's runtime_dir is systemd's RuntimeDirectory,
+        # which this process is not told.
+        paths.append(DEFAULT_INFO.parent / "admin.sock")
+    return paths
 
 
 def _admin_call(server: ServerConfig, action: str, body: object = None) -> DaemonReply:
@@ -212,15 +239,48 @@ def _admin_call(server: ServerConfig, action: str, body: object = None) -> Daemo
 
 
 def _admin_request(server: ServerConfig, action: str, body: object = None) -> DaemonReply:
-    """One admin API call; an error answer is returned, except a refused token."""
+    """One admin API call; an error answer is returned, except a refused token or caller.
+
+    Over the admin socket when there is one, else the internal port. Either
+    way the server proves it is the daemon before anything is sent: the
+    socket's peer uid, or (over TCP, with the token) the uid that owns the
+    listening port on this host.
+    """
+    import stat as stat_
+
+    from llmgw_slurm.errors import UnverifiedServerError
+    from llmgw_slurm.identity import check_listener
+
+    uid = _daemon_uid(server)
+    payload = body if body is not None else {}
+    for path in _admin_sockets(server):
+        try:
+            is_socket = stat_.S_ISSOCK(path.stat().st_mode)
+        except OSError:
+            continue
+        if is_socket:
+            return _refused(unix_call(path, f"/internal/v1/admin/{action}", payload, uid), path)
     url = _local_url(server.listen.internal)
+    port = server.listen.internal.port
+    try:
+        if server.listen.internal.host not in ("0.0.0.0", "", "::", "127.0.0.1", "::1"):  # noqa: S104
+            raise UnverifiedServerError(
+                f"the internal port listens on {server.listen.internal.host}, not on this "
+                "host's loopback, where its owner could be checked"
+            )
+        check_listener(port, uid)
+    except UnverifiedServerError as exc:
+        raise click.ClickException(
+            f"refusing to send the admin token to {url}: {exc}. The admin socket "
+            f"({_admin_sockets(server)[0]}) is not there either: is the daemon running?"
+        ) from None
     reply: DaemonReply = run(
         call_daemon(
             "POST",
             url,
             f"/internal/v1/admin/{action}",
             token=_admin_token(server),
-            body=body if body is not None else {},
+            body=payload,
             timeout=60.0,
             what="the llmgw daemon's internal API",
         )
@@ -228,9 +288,56 @@ def _admin_request(server: ServerConfig, action: str, body: object = None) -> Da
     if reply.status == 401:
         raise click.ClickException(
             f"the daemon at {url} refused the admin token: is it running with this "
-            "server.yaml and state_dir?"
+            "server.yaml and state_dir? (a rotated token is read from state_dir/admin.token)"
         )
+    return _refused(reply, url)
+
+
+def _refused(reply: DaemonReply, where: object) -> DaemonReply:
+    if reply.status == 403:
+        raise click.ClickException(f"{where}: {reply.error_message()}")
     return reply
+
+
+def unix_call(path: Path, url_path: str, body: object, uid: int) -> DaemonReply:
+    """POST ``body`` to the daemon over its admin socket, once its peer is known to be ``uid``."""
+    import http.client
+    import json
+
+    from llmgw_slurm.identity import connect_unix, peer_credentials
+
+    try:
+        sock = connect_unix(path, timeout=60.0)
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot reach the llmgw daemon at {path}: {exc.strerror or exc}"
+        ) from None
+    try:
+        pid, peer, _ = peer_credentials(sock)
+        if peer not in (0, uid):
+            raise click.ClickException(
+                f"refusing to talk to {path}: it is served by uid {peer} (pid {pid}), not by "
+                f"the daemon's user (uid {uid}, the owner of state_dir)"
+            )
+        conn = http.client.HTTPConnection("llmgw-daemon")
+        conn.sock = sock  # connected and checked: http.client does not connect again
+        data = json.dumps(body).encode()
+        try:
+            conn.request("POST", url_path, body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            text = resp.read().decode("utf-8", "replace")
+        except (OSError, http.client.HTTPException) as exc:
+            raise click.ClickException(
+                f"the llmgw daemon at {path} did not answer: {exc}"
+            ) from None
+        try:
+            return DaemonReply(resp.status, json.loads(text) if text else None)
+        except ValueError:
+            raise click.ClickException(
+                f"{path} answered {resp.status} with something not JSON"
+            ) from None
+    finally:
+        sock.close()
 
 
 @main.command()
@@ -254,6 +361,7 @@ def status(
     The status API needs no admin token: with LLMGW_URL set (as a researcher
     has it), no server.yaml is needed.
     """
+    tls: Any = None
     explicit = ctx.get_parameter_source("server_path") not in (
         click.core.ParameterSource.DEFAULT,
         None,
@@ -265,8 +373,14 @@ def status(
             )
         url = url.rstrip("/")
     else:
-        url = _local_url(_load_server(server_path).listen.gateway)
-    reply: DaemonReply = run(call_daemon("GET", url, "/api/v1/status"))
+        server = _load_server(server_path)
+        url = _local_url(server.listen.gateway)
+        if server.tls.enabled:
+            # The certificate names the login node, not 127.0.0.1; status carries no
+            # secret either way, so it is read without checking the name.
+            url = "https" + url[len("http") :]
+            tls = False
+    reply: DaemonReply = run(call_daemon("GET", url, "/api/v1/status", ssl=tls))
     if not reply.ok or not isinstance(reply.data, dict):
         raise click.ClickException(f"{url}: status request failed: {reply.error_message()}")
     st: dict[str, Any] = reply.data
@@ -482,6 +596,39 @@ def reload(server_path: Path) -> None:
     reply = _admin_call(_load_server(server_path), "reload")
     names = list(reply.data.get("models") or [])
     click.echo(f"catalog reloaded: {len(names)} model(s): {', '.join(names)}")
+
+
+@main.group()
+def token() -> None:
+    """The admin token of the internal port (state_dir/admin.token)."""
+
+
+@token.command("rotate")
+@_server_option
+@friendly_errors
+def token_rotate(server_path: Path) -> None:
+    """Replace the admin token; the daemon refuses the old one from its next call on.
+
+    The daemon reads the token file at every admin call over TCP, so this
+    works whether it runs or not. llmgw-admin itself uses the admin socket
+    when there is one, which needs no token.
+    """
+    from llmgw_slurm.secrets import rotate_admin_token
+
+    server = _load_server(server_path)
+    path = _token_path(server)
+    if not path.parent.is_dir():
+        raise click.ClickException(
+            f"state_dir {path.parent} does not exist: has the daemon run with this server.yaml?"
+        )
+    try:
+        rotate_admin_token(path)
+    except PermissionError:
+        raise click.ClickException(
+            f"cannot write {path} (permission denied): run this as the daemon's user, "
+            "e.g. sudo -u llmgw llmgw-admin token rotate"
+        ) from None
+    click.echo(f"admin token rotated ({path}): the old one is refused from now on")
 
 
 # ---- audit ---------------------------------------------------------------------------

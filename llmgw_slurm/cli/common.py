@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import shutil
+import ssl as ssl_
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -97,8 +98,14 @@ async def call_daemon(
     params: Mapping[str, str] | None = None,
     timeout: float = 15.0,
     what: str = "the llmgw daemon",
+    ssl: ssl_.SSLContext | bool | None = None,
 ) -> DaemonReply:
-    """One request to the daemon; an unreachable daemon is a ClickException saying where."""
+    """One request to the daemon; an unreachable daemon is a ClickException saying where.
+
+    ``ssl``: how to verify an https server (None: the system's CAs; False: not at all). The caller
+    checks, before it passes a ``token``, that the server is the daemon
+    (:mod:`llmgw_slurm.identity`).
+    """
     import aiohttp
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -106,7 +113,14 @@ async def call_daemon(
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.request(method, url, json=body, headers=headers, params=params) as resp,
+            session.request(
+                method,
+                url,
+                json=body,
+                headers=headers,
+                params=params,
+                ssl=ssl if ssl is not None else True,
+            ) as resp,
         ):
             text = await resp.text()
             status = resp.status

@@ -6,6 +6,13 @@ variables, then ``~/.config/llmgw/config.yaml`` (``url:`` and ``api_key:``;
 ``$XDG_CONFIG_HOME`` is honoured). Without any, the gateway's default address
 on this host.
 
+Before the CLI sends a key or a prompt, the server must prove it is the
+daemon (:mod:`llmgw_slurm.identity`): over https its certificate (``--ca-file``
+/ ``LLMGW_CA_FILE`` / ``ca_file:`` for a private CA); over plain http only on
+this host, where the kernel says which user holds the port (checked against
+the daemon's ``daemon.json``: ``LLMGW_DAEMON_INFO``, default
+``/run/llmgw-slurm/daemon.json``). Anything else is refused with the fix.
+
 Shell completion is click's: ``eval "$(_LLMGW_COMPLETE=bash_source llmgw)"``
 (``zsh_source``, ``fish_source`` for other shells).
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +43,30 @@ class Settings:
     url: str
     key: str | None
     source: str  # where the URL came from, for error messages
+    # A private CA's certificates (PEM) for an https gateway; None: the system's.
+    ca_file: str | None = None
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if self.ca_file is None:
+            return None
+        try:
+            return ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise click.ClickException(
+                f"cannot load the CA file {self.ca_file} (--ca-file, LLMGW_CA_FILE or "
+                f"ca_file:): {exc}; give PEM certificates"
+            ) from None
+
+    def guard(self, what: str) -> None:
+        """Refuse (ClickException) unless the server can prove it is the daemon."""
+        from llmgw_slurm.errors import UnverifiedServerError
+        from llmgw_slurm.identity import DEFAULT_INFO, verify_url
+
+        info = Path(os.environ.get("LLMGW_DAEMON_INFO") or DEFAULT_INFO)
+        try:
+            verify_url(self.url, info, what)
+        except UnverifiedServerError as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 def config_path() -> Path:
@@ -63,13 +95,14 @@ def _read_config(path: Path) -> dict[str, str]:
         return {}
     if not isinstance(data, dict):
         raise click.ClickException(f"{path}: expected a mapping with url: and api_key:")
-    unknown = sorted(set(data) - {"url", "api_key"})
+    unknown = sorted(set(data) - {"url", "api_key", "ca_file"})
     if unknown:
         raise click.ClickException(
-            f"{path}: unknown setting(s) {', '.join(map(str, unknown))}; valid: url, api_key"
+            f"{path}: unknown setting(s) {', '.join(map(str, unknown))}; "
+            "valid: url, api_key, ca_file"
         )
     out: dict[str, str] = {}
-    for k in ("url", "api_key"):
+    for k in ("url", "api_key", "ca_file"):
         if data.get(k) is not None:
             if not isinstance(data[k], str):
                 raise click.ClickException(f"{path}: {k} must be a string")
@@ -77,10 +110,10 @@ def _read_config(path: Path) -> dict[str, str]:
     return out
 
 
-def _settings(url: str | None, key: str | None) -> Settings:
+def _settings(url: str | None, key: str | None, ca_file: str | None = None) -> Settings:
     path = config_path()
     source = "--url or LLMGW_URL" if url else ""
-    file = _read_config(path) if not (url and key) else {}
+    file = _read_config(path) if not (url and key and ca_file) else {}
     if not url and file.get("url"):
         url, source = file["url"], str(path)
     if not url:
@@ -89,7 +122,12 @@ def _settings(url: str | None, key: str | None) -> Settings:
         raise click.ClickException(
             f"daemon URL {url!r} (from {source}) must start with http:// or https://"
         )
-    return Settings(url=url.rstrip("/"), key=key or file.get("api_key"), source=source)
+    return Settings(
+        url=url.rstrip("/"),
+        key=key or file.get("api_key"),
+        source=source,
+        ca_file=ca_file or file.get("ca_file"),
+    )
 
 
 def _check_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -112,8 +150,14 @@ def _check_url(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option(
     "--key", envvar="LLMGW_API_KEY", metavar="KEY", help="Your API key (env LLMGW_API_KEY)."
 )
+@click.option(
+    "--ca-file",
+    envvar="LLMGW_CA_FILE",
+    metavar="PEM",
+    help="CA certificates to verify an https gateway with (env LLMGW_CA_FILE).",
+)
 @click.pass_context
-def main(ctx: click.Context, url: str | None, key: str | None) -> None:
+def main(ctx: click.Context, url: str | None, key: str | None, ca_file: str | None) -> None:
     """Use the site's LLMs through the llmgw-slurm gateway.
 
     \b
@@ -122,16 +166,16 @@ def main(ctx: click.Context, url: str | None, key: str | None) -> None:
     Shell completion: eval "$(_LLMGW_COMPLETE=bash_source llmgw)"
     """
     # Read lazily: `llmgw --help` must work with a broken config file.
-    ctx.obj = (url, key)
+    ctx.obj = (url, key, ca_file)
 
 
 def _get(ctx: click.Context) -> Settings:
-    url, key = ctx.find_root().obj or (None, None)
-    return _settings(url, key)
+    url, key, ca_file = ctx.find_root().obj or (None, None, None)
+    return _settings(url, key, ca_file)
 
 
 async def _status(s: Settings) -> dict[str, Any]:
-    reply = await call_daemon("GET", s.url, "/api/v1/status")
+    reply = await call_daemon("GET", s.url, "/api/v1/status", ssl=s.ssl_context())
     if not reply.ok or not isinstance(reply.data, dict) or "models" not in reply.data:
         raise click.ClickException(
             f"{s.url} did not answer the status request ({reply.error_message()}); "
@@ -251,7 +295,11 @@ def _phase(model: dict[str, Any]) -> str:
 async def _wait_up(s: Settings, name: str, timeout: float, live: bool) -> dict[str, Any]:
     # Aliases may hold a "/", which a URL path cannot carry: ask by the canonical name.
     canonical = str(_find_model(await _status(s), name)["name"])
-    reply = await call_daemon("POST", s.url, f"/api/v1/models/{canonical}/up", token=s.key)
+    if s.key:
+        s.guard("your API key")
+    reply = await call_daemon(
+        "POST", s.url, f"/api/v1/models/{canonical}/up", token=s.key, ssl=s.ssl_context()
+    )
     if not reply.ok:
         raise click.ClickException(f"the daemon refused the start: {reply.error_message()}")
     loop = asyncio.get_running_loop()
@@ -263,7 +311,9 @@ async def _wait_up(s: Settings, name: str, timeout: float, live: bool) -> dict[s
         # The daemon keeps a start going while someone wants the model; say so again
         # now and then, or a long queue wait would look like nobody is waiting.
         if now - last_want > 20:
-            await call_daemon("POST", s.url, f"/api/v1/models/{canonical}/up", token=s.key)
+            await call_daemon(
+                "POST", s.url, f"/api/v1/models/{canonical}/up", token=s.key, ssl=s.ssl_context()
+            )
             last_want = now
         status = await _status(s)
         model = _find_model(status, canonical)
@@ -373,9 +423,12 @@ def chat(
     if system:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": prompt})
+    s.guard("your API key and prompt" if s.key else "your prompt")
+    ctx_ssl = s.ssl_context()
     client = openai.OpenAI(
         base_url=s.url + "/v1",
         api_key=s.key or "no-key",
+        http_client=openai.DefaultHttpxClient(verify=ctx_ssl) if ctx_ssl is not None else None,
         # The gateway holds a request for a cold model itself; retries would only
         # hide an unreachable daemon for longer.
         max_retries=0,
@@ -435,8 +488,17 @@ def usage(ctx: click.Context, since: str, as_json: bool) -> None:
     """
     s = _get(ctx)
     t0 = parse_when(since, time.time())
+    if s.key:
+        s.guard("your API key")
     reply: DaemonReply = run(
-        call_daemon("GET", s.url, "/api/v1/usage", token=s.key, params={"since": f"{t0:.0f}"})
+        call_daemon(
+            "GET",
+            s.url,
+            "/api/v1/usage",
+            token=s.key,
+            params={"since": f"{t0:.0f}"},
+            ssl=s.ssl_context(),
+        )
     )
     if not reply.ok:
         raise click.ClickException(reply.error_message())

@@ -18,9 +18,9 @@ import openai
 
 from llmgw_slurm.router.keys import add_key
 from llmgw_slurm.secrets import (
-    admin_token,
     engine_api_key,
     load_or_create_server_key,
+    read_admin_token,
     replica_secret,
 )
 from llmgw_slurm.tls import load_or_create_identity
@@ -65,7 +65,7 @@ async def test_no_secret_is_visible_to_other_users_and_every_key_is_enforced(
             "replica secret": replica_secret(server_key, rid),
             "engine key": engine_api_key(server_key, rid),
             "gateway key": gateway_key,
-            "admin token": admin_token(server_key),
+            "admin token": read_admin_token(h.folder / "state" / "admin.token"),
             "server key": server_key.decode(),
         }
         # The gateway: without its key 401, with it an answer.

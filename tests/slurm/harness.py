@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from aiohttp import web
 
 from llmgw_slurm import daemon as daemonmod
 from llmgw_slurm.config import load_server_config
@@ -89,7 +88,7 @@ class Harness:
     d: daemonmod.Daemon | None = None
     _task: asyncio.Task[None] | None = None
     _stop: asyncio.Event | None = None
-    _runners: list[web.AppRunner] = field(default_factory=list)
+    _listeners: daemonmod.Listeners | None = None
 
     @property
     def url(self) -> str:
@@ -146,15 +145,8 @@ class Harness:
         server = load_server_config(self.server_yaml)
         self.d = daemonmod.build(server, self.server_yaml)
         self._stop = asyncio.Event()
-        self._runners = []
-        for app, port in (
-            (self.d.gateway, self.gateway_port),
-            (self.d.internal, self.internal_port),
-        ):
-            runner = web.AppRunner(app, **daemonmod.RUNNER_OPTIONS)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            self._runners.append(runner)
+        # As serve() does: both ports, the admin socket, and daemon.json published.
+        self._listeners = await daemonmod.open_listeners(self.d, inherited=[])
         self._task = asyncio.create_task(self.d.reconciler.run(self._stop))
 
     async def stop(self) -> None:
@@ -166,9 +158,9 @@ class Harness:
                 await self._task
         if self.d is not None:
             await self.d.reconciler.close()
-        for r in self._runners:
-            await r.cleanup()
-        self._runners = []
+        if self._listeners is not None:
+            await self._listeners.close()
+        self._listeners = None
         self._task = None
 
     @property

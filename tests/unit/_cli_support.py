@@ -10,6 +10,7 @@ that rejects anything else.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -155,34 +156,42 @@ def run_daemon(tmp: Path, *, keys_file: Path | None = None) -> Iterator[RunningD
     stop_box: list[asyncio.Event] = []
 
     async def main() -> None:
-        runners = []
         eng_port = free_port()
         engine = create_engine_app(
             EngineOptions(
                 api_key=engine_api_key(d.reconciler.server_key, "0000aaaa"), served_name="tiny"
             )
         )
-        for app, port in ((d.gateway, gw_port), (d.internal, int_port), (engine, eng_port)):
-            r = web.AppRunner(app, handler_cancellation=True, access_log=None)
-            await r.setup()
-            await web.TCPSite(r, "127.0.0.1", port).start()
-            runners.append(r)
+        # The daemon's own three ways in (gateway, internal, admin socket) and daemon.json.
+        listeners = await daemon.open_listeners(d, inherited=[])
+        r = web.AppRunner(engine, handler_cancellation=True, access_log=None)
+        await r.setup()
+        await web.TCPSite(r, "127.0.0.1", eng_port).start()
+        runners = [*listeners.runners, r]
         stop = asyncio.Event()
         stop_box.append(stop)
         holder.append(_Started(asyncio.get_running_loop(), runners, f"http://127.0.0.1:{eng_port}"))
         ready.set()
         await stop.wait()
-        for r in runners:
-            await r.cleanup()
+        await r.cleanup()
+        await listeners.close()
 
     t = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
     t.start()
     assert ready.wait(20), "the daemon's apps did not start"
     st = holder[0]
     rd = RunningDaemon(d, path, f"http://127.0.0.1:{gw_port}", backend, st.loop, st.engine_url)
+    # Where llmgw looks for the daemon.json it checks the port's owner against
+    # before it sends a key or a prompt (the default is the unit's /run/llmgw-slurm).
+    saved = os.environ.get("LLMGW_DAEMON_INFO")
+    os.environ["LLMGW_DAEMON_INFO"] = str(d.server.effective_runtime_dir() / "daemon.json")
     try:
         yield rd
     finally:
+        if saved is None:
+            os.environ.pop("LLMGW_DAEMON_INFO", None)
+        else:
+            os.environ["LLMGW_DAEMON_INFO"] = saved
         st.loop.call_soon_threadsafe(stop_box[0].set)
         t.join(20)
 

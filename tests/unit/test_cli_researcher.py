@@ -55,7 +55,11 @@ def test_daemon_unreachable_is_one_line_exit_1() -> None:
     ):
         code, out = llmgw(*args, url=url)
         assert code == 1, (args, out)
-        assert out.startswith(f"Error: cannot reach the llmgw daemon at {url}"), (args, out)
+        if args[0] == "chat":
+            # A prompt goes only to a server proven the daemon: here nothing is there.
+            assert out.startswith(f"Error: refusing to send your prompt to {url}"), out
+        else:
+            assert out.startswith(f"Error: cannot reach the llmgw daemon at {url}"), (args, out)
         assert "Traceback" not in out
         assert len(out.strip().splitlines()) == 1
 
