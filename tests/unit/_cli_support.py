@@ -115,7 +115,9 @@ class RunningDaemon:
         return r
 
 
-def write_config(tmp: Path, gateway: int, internal: int, keys_file: Path | None) -> Path:
+def write_config(
+    tmp: Path, gateway: int, internal: int, keys_file: Path | None, extra: str = ""
+) -> Path:
     (tmp / "models.yaml").write_text(MODELS_YAML)
     (tmp / "agent.yaml").write_text("heartbeat_interval: 2s\n")
     text = (
@@ -125,6 +127,7 @@ def write_config(tmp: Path, gateway: int, internal: int, keys_file: Path | None)
     )
     if keys_file is not None:
         text += f"router: {{keys_file: {keys_file}}}\n"
+    text += extra
     p = tmp / "server.yaml"
     p.write_text(text)
     return p
@@ -137,10 +140,13 @@ class _Started:
     engine_url: str
 
 
-def run_daemon(tmp: Path, *, keys_file: Path | None = None) -> Iterator[RunningDaemon]:
+def run_daemon(
+    tmp: Path, *, keys_file: Path | None = None, runtime_dir: Path | None = None
+) -> Iterator[RunningDaemon]:
     """Start the daemon's apps (not its reconcile loop); yields; stops them."""
     gw_port, int_port = free_port(), free_port()
-    path = write_config(tmp, gw_port, int_port, keys_file)
+    extra = f"runtime_dir: {runtime_dir}\n" if runtime_dir is not None else ""
+    path = write_config(tmp, gw_port, int_port, keys_file, extra)
     server = load_server_config(path)
     d = daemon.build(server, path)
     backend = StrictBackend()
