@@ -303,7 +303,12 @@ def test_9_systemd_unit_verifies(tmp_path: Path) -> None:
         .read_text()
         .replace("/usr/local/bin/llmgw-admin", exe)
     )
-    r = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, check=False)
+    sock = tmp_path / "llmgw-slurm.socket"
+    sock.write_text((TOP / "site-config" / "llmgw-slurm.socket").read_text())
+    r = subprocess.run(
+        [analyze, "verify", str(unit), str(sock)], capture_output=True, text=True, check=False
+    )
     assert r.returncode == 0, r.stderr
     # verify only warns about what it cannot parse: any line about the unit is a mistake.
     assert "llmgw-slurm.service" not in r.stderr, r.stderr
+    assert "llmgw-slurm.socket" not in r.stderr, r.stderr

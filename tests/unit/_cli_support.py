@@ -141,11 +141,19 @@ class _Started:
 
 
 def run_daemon(
-    tmp: Path, *, keys_file: Path | None = None, runtime_dir: Path | None = None
+    tmp: Path,
+    *,
+    keys_file: Path | None = None,
+    runtime_dir: Path | None = None,
+    extra: str = "",
 ) -> Iterator[RunningDaemon]:
-    """Start the daemon's apps (not its reconcile loop); yields; stops them."""
+    """Start the daemon's apps (not its reconcile loop); yields; stops them.
+
+    ``extra``: more top-level server.yaml lines.
+    """
     gw_port, int_port = free_port(), free_port()
-    extra = f"runtime_dir: {runtime_dir}\n" if runtime_dir is not None else ""
+    if runtime_dir is not None:
+        extra += f"runtime_dir: {runtime_dir}\n"
     path = write_config(tmp, gw_port, int_port, keys_file, extra)
     server = load_server_config(path)
     d = daemon.build(server, path)
@@ -186,7 +194,8 @@ def run_daemon(
     t.start()
     assert ready.wait(20), "the daemon's apps did not start"
     st = holder[0]
-    rd = RunningDaemon(d, path, f"http://127.0.0.1:{gw_port}", backend, st.loop, st.engine_url)
+    scheme = "https" if server.tls.enabled else "http"
+    rd = RunningDaemon(d, path, f"{scheme}://127.0.0.1:{gw_port}", backend, st.loop, st.engine_url)
     # Where llmgw looks for the daemon.json it checks the port's owner against
     # before it sends a key or a prompt (the default is the unit's /run/llmgw-slurm).
     saved = os.environ.get("LLMGW_DAEMON_INFO")
