@@ -57,7 +57,9 @@ def _cli(
 
 
 def llmgw(d: Daemon, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return _cli("researcher", "--url", d.url, *args, timeout=timeout)
+    # The daemon.json llmgw checks the port's owner against (default runtime_dir: state_dir/run).
+    info = {"LLMGW_DAEMON_INFO": str(d.server.parent / "state" / "run" / "daemon.json")}
+    return _cli("researcher", "--url", d.url, *args, env=info, timeout=timeout)
 
 
 def admin(
