@@ -319,12 +319,10 @@ async def open_listeners(
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:
-    for site in runner.sites:
-        server = getattr(site, "_server", None)
-        for sock in getattr(server, "sockets", None) or ():
-            addr = sock.getsockname()
-            if isinstance(addr, tuple):
-                return int(addr[1])
+    # The port really bound: listen.*.port may be 0 (any free port), in tests.
+    for addr in runner.addresses:
+        if isinstance(addr, tuple):
+            return int(addr[1])
     return None
 
 

@@ -172,11 +172,10 @@ def verify_url(url: str, info_path: Path, what: str) -> None:
         return UnverifiedServerError(f"refusing to send {what} to {url}: {why}")
 
     if not is_loopback(host):
-        return_to = "https:// (the admin sets tls: in server.yaml; a private CA goes in "
-        return_to += "--ca-file or LLMGW_CA_FILE)"
         raise refuse(
             "over plain http nothing proves it is the llmgw daemon (another user can take "
-            f"its port while it restarts). Use {return_to}, or run this on the daemon's "
+            "its port while it restarts). Use https:// (the admin sets tls: in server.yaml; "
+            "a private CA goes in --ca-file or LLMGW_CA_FILE), or run this on the daemon's "
             f"host against http://127.0.0.1:{port}"
         )
     try:
