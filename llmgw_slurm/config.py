@@ -326,6 +326,18 @@ class RouterConfig:
     # for the replica's next run when it was the only one; never after a byte
     # was streamed. false: such a request gets 502 at once.
     retry_once: bool = True
+    # Default 30s: a streaming client that goes away leaves the gateway reading
+    # the engine's answer on to its end, for at most this long, so that the
+    # usage chunk vLLM sends after the last token is counted (tokens the engine
+    # made are tokens someone used). Past it the engine's connection is cut,
+    # which stops the generation, and that answer's usage goes uncounted. 0: cut at once.
+    drain_after_disconnect: float = field(
+        default=30.0, metadata=rule(ge=0, parse=_schema.parse_duration)
+    )
+    # Default 4M: the same bound in bytes of the answer read after the client left.
+    drain_after_disconnect_bytes: int = field(
+        default=4 * 1024 * 1024, metadata=rule(ge=0, parse=_schema.parse_size)
+    )
     # Default sampled: with tracing on, a request gets a span only when its client
     # sent a sampled traceparent, or when it is held for a cold start. "all" gives
     # every request a span, which costs the gateway up to a third of its throughput.

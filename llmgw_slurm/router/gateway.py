@@ -9,10 +9,12 @@ chunk by chunk. Token usage from the engine's ``usage`` fields is recorded per
 key.
 
 Run it with ``handler_cancellation=True`` on the ``AppRunner`` (or
-``web.run_app``): then a client that goes away cancels its handler at once,
-which closes the engine connection and stops the generation. Without it,
-held requests still notice within ``disconnect_poll`` and streams at their
-next write.
+``web.run_app``): then a client that goes away cancels its handler at once.
+A held request stops waiting; a stream's answer is read on from the engine,
+within ``drain_after_disconnect``, so that its usage is counted, and then
+the engine's connection closes (which stops a generation past the bound).
+Without it, held requests still notice within ``disconnect_poll`` and
+streams at their next write.
 """
 
 from __future__ import annotations
@@ -581,8 +583,10 @@ class Gateway:
                 finally:
                     # A no-op after a complete read (the connection is back
                     # in the pool by then); otherwise it cuts the engine's
-                    # connection, which stops a generation nobody will read.
-                    upstream.close()
+                    # connection, which stops a generation nobody will read,
+                    # unless the pipe reads it on for its usage.
+                    if not call.handed_off:
+                        upstream.close()
             finally:
                 self.in_flight[key_] -= 1
                 if not self.in_flight[key_]:
@@ -609,19 +613,51 @@ class Gateway:
             if writer is None or transport is None or transport.is_closing():
                 call.outcome = 499
                 return resp
-            pipe = _Pipe(upstream, transport, relay, resp.chunked, call, self.config.read_timeout)
+
+            def drained(p: _Pipe) -> None:
+                # The end of an answer whose client went away (in a callback:
+                # the handler has returned or was cancelled by then).
+                if p.error is None:
+                    self._record_usage(key, model, endpoint, relay.usage)
+                else:
+                    self.metrics.upstream_errors.labels(model, "drain").inc()
+                upstream.close()
+
+            cfg = self.config
+            pipe = _Pipe(
+                upstream,
+                transport,
+                relay,
+                resp.chunked,
+                call,
+                cfg.read_timeout,
+                (cfg.drain_after_disconnect, cfg.drain_after_disconnect_bytes),
+                drained,
+            )
             try:
                 te = upstream.headers.get("Transfer-Encoding", "")
                 pipe.start(upstream_chunked=te.strip().lower() == "chunked")
-                while not pipe.done:
+                while not pipe.done and not pipe.draining:
                     await pipe.wait()
                     if pipe.paused and not pipe.done:
                         await writer.drain()
                         pipe.resume()
+            except (asyncio.CancelledError, ConnectionResetError):
+                # The client went away (the runner cancels the handler then, or
+                # a write found it gone): the engine's answer is read on.
+                if pipe.begin_drain():
+                    call.handed_off = True
+                raise
             finally:
-                pipe.detach()
+                if not pipe.draining:
+                    pipe.detach()
+            if pipe.draining:
+                call.handed_off = True
             if pipe.gone:
                 call.outcome = call.outcome or 499
+                if pipe.done and pipe.error is None and not pipe.draining:
+                    # Ended before the client was missed: the usage is in.
+                    self._record_usage(key, model, endpoint, relay.usage)
                 return resp
             e = pipe.error
             if e is not None:
@@ -649,17 +685,19 @@ class Gateway:
                 transport.abort()
                 return resp
             pipe.send(relay.rest())
+            # The engine's answer is whole: its usage counts whether the
+            # client reads the end or not.
+            self._record_usage(key, model, endpoint, relay.usage)
             if pipe.gone:
                 call.outcome = call.outcome or 499
                 return resp
             await resp.write_eof()
         except ConnectionResetError:
             # The client went away (aiohttp raises a subclass of this on
-            # writes to a closed connection); the engine's connection is cut
-            # by the caller, which stops the generation.
+            # writes to a closed connection); unless the pipe reads on, the
+            # engine's connection is cut by the caller, which stops the generation.
             call.outcome = call.outcome or 499
             return resp
-        self._record_usage(key, model, endpoint, relay.usage)
         return resp
 
     async def _relay(

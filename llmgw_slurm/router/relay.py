@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,9 @@ class _Call:
     # stream cut short: 502; a client gone: 499).
     outcome: int | None = None
     first_byte: float | None = None
+    # The engine's answer is still being read after the client went away: the
+    # pipe owns the engine's connection, not the handler.
+    handed_off: bool = False
 
 
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
@@ -149,6 +153,8 @@ class _Pipe(asyncio.Protocol):
         framed: bool,
         call: _Call,
         read_timeout: float | None,
+        drain: tuple[float, int] = (0.0, 0),
+        on_drained: Callable[[_Pipe], None] | None = None,
     ) -> None:
         self._content = upstream.content
         conn = upstream.connection
@@ -178,6 +184,12 @@ class _Pipe(asyncio.Protocol):
         self.paused = False
         self.gone = False
         self.error: BaseException | None = None
+        # After the client went away: how long and how much more is read from
+        # the engine, and what runs at the end (see begin_drain).
+        self._drain_s, self._drain_bytes = drain
+        self._on_drained = on_drained
+        self.draining = False
+        self._drain_timer: asyncio.TimerHandle | None = None
 
     def start(self, upstream_chunked: bool) -> None:
         inner, upstream = self._inner, self._upstream
@@ -243,17 +255,50 @@ class _Pipe(asyncio.Protocol):
             self._last_read = self._loop.time()
             self._upstream.resume_reading()
 
+    def begin_drain(self) -> bool:
+        """The client is gone: read the engine's answer on, bounded, for its usage.
+
+        True when the pipe now owns the engine's connection (it calls
+        ``on_drained`` at the end); False when there is nothing to drain (the
+        answer ended, or draining is off), and the caller cuts the connection.
+        """
+        self.gone = True
+        if self.draining:
+            return True
+        if self.done or not self._installed or self._on_drained is None or self._drain_s <= 0:
+            return False
+        self.draining = True
+        if self.paused:
+            # Nobody reads the client's side any more: nothing to wait for.
+            self.paused = False
+            assert self._upstream is not None
+            self._upstream.resume_reading()
+        self._drain_timer = self._loop.call_later(self._drain_s, self._drain_expired)
+        self._wake()
+        return True
+
+    def _drain_expired(self) -> None:
+        self._drain_timer = None
+        if not self.done:
+            self._finish(TimeoutError("the answer did not end within the drain time"))
+
     def send(self, data: bytes) -> None:
         """Write to the client (framed as the response is); notes a client gone."""
         if not data:
             return
+        if self.draining:
+            self._drain_bytes -= len(data)
+            if self._drain_bytes < 0 and not self.done:
+                self._finish(aiohttp.ClientPayloadError("the answer passed the drain limit"))
+            return
         client = self._client
         if client.is_closing():
             # Writing to a closed transport is silently dropped (asyncio logs
-            # after a few); stop instead, and let the engine's connection be
-            # cut, which stops the generation.
-            self.gone = True
-            self._finish(None)
+            # after a few). Read on for the usage if the handler allows it;
+            # otherwise stop, and let the engine's connection be cut, which
+            # stops the generation.
+            if not self.begin_drain():
+                self._finish(None)
             return
         client.write(b"%x\r\n%b\r\n" % (len(data), data) if self._framed else data)
         if self._call.first_byte is None:
@@ -416,6 +461,12 @@ class _Pipe(asyncio.Protocol):
         # pool, where the next request may take it before the handler runs.
         self.detach()
         self._wake()
+        if self.draining:
+            if self._drain_timer is not None:
+                self._drain_timer.cancel()
+                self._drain_timer = None
+            assert self._on_drained is not None
+            self._on_drained(self)
 
     def _wake(self) -> None:
         waiter = self._waiter

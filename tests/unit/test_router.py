@@ -341,7 +341,9 @@ async def test_disconnecting_held_client_stops_being_held(handler_cancellation: 
 
 
 async def test_least_outstanding_requests() -> None:
-    async with stack(replicas=2, token_delay=0.05) as st:
+    # The long stream is cut when closed, not read on for its usage (10,000 tokens).
+    cut = RouterConfig(drain_after_disconnect=0)
+    async with stack(replicas=2, token_delay=0.05, config=cut) as st:
         c = st.client()
         # A long stream keeps one replica busy while it is open.
         busy = await c.completions.with_raw_response.create(
@@ -506,7 +508,10 @@ async def test_engine_refusing_its_key_is_502_not_401() -> None:
 
 
 async def test_client_leaving_mid_stream_stops_the_engine_request() -> None:
-    async with stack(token_delay=0.05) as st:
+    # Draining off: this checks the cut itself. By default a client gone is
+    # read on for its usage first (test_router_usage_after_disconnect.py).
+    cut = RouterConfig(drain_after_disconnect=0)
+    async with stack(token_delay=0.05, config=cut) as st:
         stream = await st.client().completions.create(
             model="tiny", prompt="a", max_tokens=10_000, stream=True
         )

@@ -407,7 +407,10 @@ async def test_client_leaving_mid_stream_closes_the_engine_connection(
             await w.drain()
             await asyncio.sleep(0.01)
 
-    async with stack(script, handler_cancellation=handler_cancellation) as st:
+    # Draining off: this checks the cut itself. By default a client gone is
+    # read on for its usage first (test_router_usage_after_disconnect.py).
+    cut = RouterConfig(drain_after_disconnect=0)
+    async with stack(script, config=cut, handler_cancellation=handler_cancellation) as st:
         async with aiohttp.ClientSession() as s:
             r = await s.post(st.url + "/v1/completions", json=BODY)
             assert (await r.content.readany()).startswith(b"data: ")
