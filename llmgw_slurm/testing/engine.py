@@ -13,7 +13,9 @@ Two test hooks, absent from real engines:
 - ``GET /debug/last-headers`` returns the headers of the last ``/v1`` request
   (so a test can see the ``traceparent`` and the key the gateway sent),
   ``GET /debug/last-body`` the last JSON body, ``GET /debug/stats`` request
-  counters.
+  counters and the tokens it made (``prompt_tokens``, ``completion_tokens``,
+  as vLLM's own metrics count them: a token streamed is counted whether
+  anyone reads it or not).
 - a request body field ``"test_abort_after": N`` makes a streamed answer drop
   the connection after N tokens, to test failures after the first byte.
 
@@ -72,6 +74,7 @@ class EngineOptions:
         ready_after: float = 0.0,
         world_size: int = 1,
         master_port: int | None = None,
+        usage_delay: float = 0.0,
     ) -> None:
         self.api_key = api_key
         self.served_name = served_name
@@ -83,6 +86,9 @@ class EngineOptions:
         # Rendezvous (rank 0 of a multi-node start): health waits for every rank.
         self.world_size = world_size
         self.master_port = master_port
+        # Seconds between a stream's last chunk and its usage chunk: vLLM sends
+        # usage separately, after the finish_reason, and a client may be gone by then.
+        self.usage_delay = usage_delay
 
     def delay_before(self, i: int) -> float:
         """Seconds to wait before token ``i`` (0-based)."""
@@ -95,6 +101,8 @@ class _EngineState:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.requests = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
         self.in_flight = 0
         self.last_headers: dict[str, str] = {}
         self.last_body: Any = None
@@ -198,7 +206,13 @@ async def _debug_body(request: web.Request) -> web.Response:
 async def _debug_stats(request: web.Request) -> web.Response:
     st = request.app[_STATE]
     return web.json_response(
-        {"requests": st.requests, "in_flight": st.in_flight, "ranks": sorted(st.ranks)}
+        {
+            "requests": st.requests,
+            "in_flight": st.in_flight,
+            "ranks": sorted(st.ranks),
+            "prompt_tokens": st.prompt_tokens,
+            "completion_tokens": st.completion_tokens,
+        }
     )
 
 
@@ -370,7 +384,9 @@ async def _generate_inner(
     gen = _read_generation(body, kind, opts)
     if isinstance(gen, web.Response):
         return gen
+    request.app[_STATE].prompt_tokens += gen.usage["prompt_tokens"]
     if not body.get("stream"):
+        request.app[_STATE].completion_tokens += len(gen.tokens)
         return await _answer_whole(gen, opts)
     return await _answer_stream(request, gen, opts)
 
@@ -438,9 +454,12 @@ async def _answer_stream(
         delay = opts.delay_before(i)
         if delay:
             await asyncio.sleep(delay)
+        request.app[_STATE].completion_tokens += 1
         await resp.write(_sse(_chunk(gen, {"content": tok} if gen.chat else tok, None)))
     await resp.write(_sse(_chunk(gen, {} if gen.chat else "", "length")))
     if gen.include_usage:
+        if opts.usage_delay:
+            await asyncio.sleep(opts.usage_delay)
         last = _chunk(gen, None, None)
         last["choices"], last["usage"] = [], gen.usage
         await resp.write(_sse(last))
@@ -534,6 +553,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds before the first token (default: the token delay)",
     )
     parser.add_argument(
+        "--usage-delay",
+        type=float,
+        default=0.0,
+        help="seconds between a stream's last chunk and its usage chunk (default 0)",
+    )
+    parser.add_argument(
         "--ready-after",
         type=float,
         default=0.0,
@@ -585,6 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ready_after=args.ready_after,
             world_size=world,
             master_port=master_port,
+            usage_delay=args.usage_delay,
         )
     )
     tls = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)

@@ -41,14 +41,14 @@ def test_up_without_a_valid_key_is_401_and_starts_nothing(
     status, body = request(rd, "POST", "/api/v1/models/tiny/up", auth)
     assert status == 401
     assert isinstance(body, dict) and body["error"]["code"] == "invalid_api_key"
-    assert "tiny" not in rd.call(lambda: dict(rd.rec._demand))
+    assert rd.call(lambda: rd.rec.directory.wanted_at().get("tiny")) is None
 
 
 def test_up_with_a_key_starts_the_model(keyed: tuple[RunningDaemon, str]) -> None:
     rd, key = keyed
     status, _ = request(rd, "POST", "/api/v1/models/tiny/up", f"Bearer {key}")
     assert status == 200
-    assert rd.call(lambda: rd.rec._demand["tiny"].wanted_at) is not None
+    assert rd.call(lambda: rd.rec.directory.wanted_at().get("tiny")) is not None
 
 
 def test_llmgw_up_sends_the_key(keyed: tuple[RunningDaemon, str]) -> None:
