@@ -77,7 +77,8 @@ class GatewayMetrics:
         )
         self.upstream_errors = Counter(
             "llmgw_upstream_errors",
-            "Failed calls to engines; phase: connect (retried), stream (passed on), auth.",
+            "Failed calls to engines; phase: connect (retried), stream (passed on), auth, "
+            "drain (an answer read on after its client left, cut at the drain bound).",
             ["model", "phase"],
             registry=registry,
         )
