@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -264,13 +265,8 @@ class Gateway:
         cap = self.config.max_held_per_key
         return cap if cap is not None else max(1, self.config.max_held // 4)
 
-    async def _hold(
-        self,
-        request: web.Request,
-        model: str,
-        unreachable: frozenset[tuple[str, str, int]] = frozenset(),
-        key: KeyRecord | None = None,
-    ) -> Endpoint | web.Response:
+    def _hold_refused(self, model: str, mine: tuple[str, str] | None) -> web.Response | None:
+        """A 429 when the hold queue (the model's, all models', or this key's) is full."""
         cfg = self.config
         if self.held.get(model, 0) >= cfg.max_held or self.held_total >= cfg.max_held_total:
             return _error(
@@ -279,7 +275,6 @@ class Gateway:
                 "rate_limit_error",
                 "too_many_held_requests",
             )
-        mine = (model, key.key_id) if key is not None else None
         if mine is not None and self.held_by_key.get(mine, 0) >= self._per_key_cap():
             return _error(
                 429,
@@ -289,6 +284,20 @@ class Gateway:
                 "too_many_held_requests_for_key",
                 headers={"Retry-After": str(cfg.retry_after)},
             )
+        return None
+
+    async def _hold(
+        self,
+        request: web.Request,
+        model: str,
+        unreachable: frozenset[tuple[str, str, int]] = frozenset(),
+        key: KeyRecord | None = None,
+    ) -> Endpoint | web.Response:
+        cfg = self.config
+        mine = (model, key.key_id) if key is not None else None
+        refused = self._hold_refused(model, mine)
+        if refused is not None:
+            return refused
         if mine is not None:
             self.held_by_key[mine] = self.held_by_key.get(mine, 0) + 1
         loop = asyncio.get_running_loop()
@@ -593,6 +602,53 @@ class Gateway:
                     del self.in_flight[key_]
                 self.directory.request_finished(*key_)
 
+    @staticmethod
+    async def _pump(
+        pipe: _Pipe, writer: AbstractStreamWriter, upstream: aiohttp.ClientResponse, call: _Call
+    ) -> None:
+        """Move the engine's answer to the client until it ends or the client goes."""
+        try:
+            te = upstream.headers.get("Transfer-Encoding", "")
+            pipe.start(upstream_chunked=te.strip().lower() == "chunked")
+            while not pipe.done and not pipe.draining:
+                await pipe.wait()
+                if pipe.paused and not pipe.done:
+                    await writer.drain()
+                    pipe.resume()
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away (the runner cancels the handler then, or
+            # a write found it gone): the engine's answer is read on.
+            if pipe.begin_drain():
+                call.handed_off = True
+            raise
+        finally:
+            if not pipe.draining:
+                pipe.detach()
+        if pipe.draining:
+            call.handed_off = True
+
+    def _cut_short(
+        self, e: BaseException, pipe: _Pipe, relay: _SseRelay, model: str, call: _Call
+    ) -> None:
+        """The engine failed after the answer began: pass that on, an answer cut
+        short, instead of inventing an ending.
+
+        First an error event, as vLLM sends when it fails mid-answer (OpenAI's
+        clients raise it with its message, where a bare cut reads "Connection
+        error"); the incomplete event before it is dropped, as no client could
+        parse it and it would garble the error.
+        """
+        self.metrics.upstream_errors.labels(model, "stream").inc()
+        call.outcome = 502
+        relay.rest()
+        pipe.send(
+            _sse_error(
+                f"The replica of model '{model}' failed after the answer "
+                f"began ({type(e).__name__}); the answer is incomplete.",
+                "upstream_failed",
+            )
+        )
+
     async def _relay_stream(
         self,
         request: web.Request,
@@ -634,25 +690,7 @@ class Gateway:
                 (cfg.drain_after_disconnect, cfg.drain_after_disconnect_bytes),
                 drained,
             )
-            try:
-                te = upstream.headers.get("Transfer-Encoding", "")
-                pipe.start(upstream_chunked=te.strip().lower() == "chunked")
-                while not pipe.done and not pipe.draining:
-                    await pipe.wait()
-                    if pipe.paused and not pipe.done:
-                        await writer.drain()
-                        pipe.resume()
-            except (asyncio.CancelledError, ConnectionResetError):
-                # The client went away (the runner cancels the handler then, or
-                # a write found it gone): the engine's answer is read on.
-                if pipe.begin_drain():
-                    call.handed_off = True
-                raise
-            finally:
-                if not pipe.draining:
-                    pipe.detach()
-            if pipe.draining:
-                call.handed_off = True
+            await self._pump(pipe, writer, upstream, call)
             if pipe.gone:
                 call.outcome = call.outcome or 499
                 if pipe.done and pipe.error is None and not pipe.draining:
@@ -665,23 +703,7 @@ class Gateway:
                     e, (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError)
                 ):
                     raise e
-                # The engine failed after the answer began: pass that on, an
-                # answer cut short, instead of inventing an ending. First an
-                # error event, as vLLM sends when it fails mid-answer
-                # (OpenAI's clients raise it with its message, where a bare
-                # cut reads "Connection error"); the incomplete event before
-                # it is dropped, as no client could parse it and it would
-                # garble the error.
-                self.metrics.upstream_errors.labels(model, "stream").inc()
-                call.outcome = 502
-                relay.rest()
-                pipe.send(
-                    _sse_error(
-                        f"The replica of model '{model}' failed after the answer "
-                        f"began ({type(e).__name__}); the answer is incomplete.",
-                        "upstream_failed",
-                    )
-                )
+                self._cut_short(e, pipe, relay, model, call)
                 transport.abort()
                 return resp
             pipe.send(relay.rest())
