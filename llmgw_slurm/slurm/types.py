@@ -251,6 +251,8 @@ class NodeInfo:
     gpus: tuple[GpuCount, ...]
     address: str = ""
     reason: str = ""
+    # Its features (sinfo %f), for a model's constraint; None: the listing has none.
+    features: tuple[str, ...] | None = None
 
     @property
     def usable(self) -> bool:

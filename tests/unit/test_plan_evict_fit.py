@@ -1,0 +1,204 @@
+"""Eviction on a site with several GPU types, partitions and node sizes (issue 15).
+
+The plan stops an idle replica only if that makes the waiting one fit, judged
+from the node listing the placement uses; only for a start a held request
+waits for (unless the model's ``scaling.evict_for`` says more); and the model
+whose oldest held request has waited longest goes first. Same fake clock and
+helpers as test_plan.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from test_plan import CFG, NOW, P, R, entry, models_of, node, rv  # type: ignore[import-not-found]
+
+from llmgw_slurm.catalog import Model
+from llmgw_slurm.reconciler.plan import (
+    ActionKind,
+    PlanConfig,
+    PlanResult,
+    ReplicaView,
+    plan,
+)
+from llmgw_slurm.slurm.types import GpuCount, NodeInfo
+
+LONG = "{idle_timeout: 1d}"
+
+
+def idle_on(
+    rid: str, model: str, idle: float, where: str, gpus: int = 1, **kw: object
+) -> ReplicaView:
+    """A ready replica on node ``where``, last used ``idle`` seconds before NOW."""
+    return rv(rid, model, R, last_used=NOW - idle, node_names=(where,), gpus_per_node=gpus, **kw)
+
+
+def run(
+    models: Mapping[str, Model],
+    replicas: Sequence[ReplicaView],
+    nodes: Sequence[NodeInfo],
+    wanted: Mapping[str, float] | None = None,
+    held: Mapping[str, float] | None = None,
+    cfg: PlanConfig = CFG,
+    now: float = NOW,
+) -> PlanResult:
+    n = iter(range(1, 1000))
+    kw = {} if held is None else {"held_since": held}
+    return plan(models, replicas, nodes, wanted or {}, {}, cfg, now, lambda: f"{next(n):08x}", **kw)
+
+
+def evicted(res: PlanResult) -> list[str]:
+    return [a.replica_id for a in res.of(ActionKind.EVICT)]
+
+
+def site(tmp_path: Path, *extra: str) -> dict[str, Model]:
+    """Idle on-demand models of each GPU type and partition, and the ``extra`` entries."""
+    return models_of(
+        tmp_path,
+        entry("a100m", LONG, "{gpus: 1, gpu_type: a100}")
+        + entry("h100m", LONG, "{gpus: 1, gpu_type: h100}")
+        + entry("smallm", LONG, "{gpus: 1, partition: small}")
+        + entry("anym", LONG)
+        + "".join(extra),
+    )
+
+
+# ---------------------------------------------------------------- the issue's first list
+
+
+def test_an_h100_model_does_not_evict_an_a100_replica(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 1, gpu_type: h100}"))
+    nodes = [
+        node("a1", gpus=1, used=1, gpu_type="a100"),
+        node("h1", gpus=1, used=1, gpu_type="h100"),  # someone else's job
+    ]
+    res = run(ms, [idle_on("aaaaaaaa", "a100m", 5000, "a1")], nodes, {"want": NOW - 1})
+    assert evicted(res) == []
+    assert [a.kind for a in res.actions] == [ActionKind.SUBMIT]
+    note = res.notes["want"]
+    assert "1 idle replica(s) could be stopped, none makes room" in note
+    assert "a100m aaaaaaaa on a1: gpu type a100, needs h100" in note
+    assert note.endswith("nearest: a100m aaaaaaaa")
+
+
+def test_a_four_gpu_model_does_not_evict_a_one_gpu_replica_from_one_gpu_nodes(
+    tmp_path: Path,
+) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 4}"))
+    nodes = [node(f"n{i}", gpus=1, used=1) for i in range(1, 5)]
+    res = run(ms, [idle_on("aaaaaaaa", "anym", 5000, "n1")], nodes, {"want": NOW - 1})
+    assert evicted(res) == []
+    assert "anym aaaaaaaa on n1: 1 gpu free once stopped, needs 4" in res.notes["want"]
+
+
+def test_a_model_in_partition_big_does_not_evict_a_replica_in_small(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 1, partition: big}"))
+    nodes = [
+        node("b1", gpus=1, used=1, partitions=("big",)),
+        node("s1", gpus=1, used=1, partitions=("small",)),
+    ]
+    res = run(ms, [idle_on("aaaaaaaa", "smallm", 5000, "s1")], nodes, {"want": NOW - 1})
+    assert evicted(res) == []
+    assert "smallm aaaaaaaa on s1: partition small, needs big" in res.notes["want"]
+
+
+def _apply(
+    res: PlanResult, reps: list[ReplicaView], nodes: list[NodeInfo]
+) -> tuple[list[ReplicaView], list[NodeInfo]]:
+    """The evicted replicas' jobs gone and their GPUs free again, as the next listing says."""
+    gone = set(evicted(res))
+    freed: dict[str, int] = {}
+    for r in reps:
+        if r.replica_id in gone:
+            for n in r.node_names:
+                freed[n] = freed.get(n, 0) + r.gpus_per_node
+    nodes = [
+        dataclasses.replace(
+            n, gpus=tuple(GpuCount(g.type, g.total, g.used - freed.get(n.name, 0)) for g in n.gpus)
+        )
+        for n in nodes
+    ]
+    return [r for r in reps if r.replica_id not in gone], nodes
+
+
+def test_passes_do_not_cancel_every_idle_replica_in_turn(tmp_path: Path) -> None:
+    # Four 1-GPU nodes, each held by an idle replica; the waiting model needs 4 on one node.
+    ms = site(tmp_path, entry("want", resources="{gpus: 4}"))
+    nodes = [node(f"n{i}", gpus=1, used=1) for i in range(1, 5)]
+    reps = [idle_on(f"{i:08d}", "anym", 5000 + i, f"n{i}") for i in range(1, 5)]
+    pending = rv("pppppppp", "want", P, reason="Resources", gpus_per_node=4)
+    for _ in range(6):
+        res = run(ms, [*reps, pending], nodes, {"want": NOW - 1})
+        assert evicted(res) == []
+        reps, nodes = _apply(res, reps, nodes)
+    assert len(reps) == 4
+
+
+def test_below_min_does_not_evict(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", "{min: 1}", "{gpus: 1}"))
+    res = run(ms, [idle_on("aaaaaaaa", "anym", 5000, "n1")], [node("n1", gpus=1, used=1)])
+    assert evicted(res) == []
+    assert [a.kind for a in res.actions] == [ActionKind.SUBMIT]
+    assert res.notes["want"].endswith("a scale-up to min queues in Slurm (scaling.evict_for: held)")
+
+
+def test_a_renewal_does_not_evict(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", "{min: 1}", "{gpus: 1}"))
+    reps = [
+        idle_on("aaaaaaaa", "anym", 5000, "n1"),
+        idle_on("rrrrrrrr", "want", 5, "n2", time_left_s=60.0),
+    ]
+    nodes = [node("n1", gpus=1, used=1), node("n2", gpus=1, used=1)]
+    res = run(ms, reps, nodes)
+    assert evicted(res) == []
+    assert [(a.kind, a.replaces) for a in res.actions] == [(ActionKind.SUBMIT, "rrrrrrrr")]
+
+
+def test_a_load_scale_up_does_not_evict(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", "{max: 2, target_inflight: 1}", "{gpus: 1}"))
+    reps = [
+        idle_on("aaaaaaaa", "anym", 5000, "n1"),
+        idle_on("bbbbbbbb", "want", 0, "n2", in_flight=2),
+    ]
+    nodes = [node("n1", gpus=1, used=1), node("n2", gpus=1, used=1)]
+    res = run(ms, reps, nodes, {"want": NOW - 1})
+    assert evicted(res) == []
+    assert [a.kind for a in res.actions] == [ActionKind.SUBMIT]
+
+
+def test_the_longest_waiting_model_gets_the_eviction_not_the_first_listed(
+    tmp_path: Path,
+) -> None:
+    ms = site(
+        tmp_path, entry("first", resources="{gpus: 1}"), entry("second", resources="{gpus: 1}")
+    )
+    reps = [idle_on("aaaaaaaa", "anym", 5000, "n1")]
+    wanted = {"first": NOW - 1, "second": NOW - 1}
+    res = run(
+        ms, reps, [node("n1", gpus=1, used=1)], wanted, {"first": NOW - 30, "second": NOW - 90}
+    )
+    assert [(a.kind.value, a.model) for a in res.actions] == [
+        ("evict", "anym"),
+        ("submit", "second"),
+        ("submit", "first"),
+    ]
+    assert res.of(ActionKind.EVICT)[0].attrs["for"] == "second"
+
+
+def test_a_last_use_at_time_zero_is_idle_since_zero(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 1}"))
+    now = 10_000.0
+    old = dataclasses.replace(
+        idle_on("aaaaaaaa", "anym", 0, "n1"), last_used=0.0, ready_at=0.0, started_at=0.0
+    )
+    newer = dataclasses.replace(
+        idle_on("bbbbbbbb", "a100m", 0, "n2"), last_used=5000.0, ready_at=0.0, started_at=0.0
+    )
+    nodes = [node("n1", gpus=1, used=1), node("n2", gpus=1, used=1)]
+    res = run(ms, [newer, old], nodes, {"want": now - 1}, now=now)
+    (ev,) = res.of(ActionKind.EVICT)
+    assert ev.replica_id == "aaaaaaaa"
+    assert ev.reason == "evicted, idle 2h46m, to make room for want"
+    assert ev.attrs["idle_seconds"] == 10_000.0
