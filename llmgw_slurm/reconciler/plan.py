@@ -896,7 +896,7 @@ def _none_makes_room(st: _PlanState, m: Model, candidates: list[ReplicaView]) ->
     more = "; ..." if len(down) > 4 else ""
     return (
         f"{len(candidates)} idle replica(s) could be stopped, none makes room "
-        f"({'; '.join(down[:4])}{more}); nearest: {nearest.model} {nearest.replica_id}"
+        f"({'; '.join(down[:4])}{more}); nearest candidate: {nearest.model} {nearest.replica_id}"
     )
 
 

@@ -80,7 +80,7 @@ def test_an_h100_model_does_not_evict_an_a100_replica(tmp_path: Path) -> None:
     note = res.notes["want"]
     assert "1 idle replica(s) could be stopped, none makes room" in note
     assert "a100m aaaaaaaa on a1: gpu type a100, needs h100" in note
-    assert note.endswith("nearest: a100m aaaaaaaa")
+    assert note.endswith("nearest candidate: a100m aaaaaaaa")
 
 
 def test_a_four_gpu_model_does_not_evict_a_one_gpu_replica_from_one_gpu_nodes(
@@ -202,3 +202,201 @@ def test_a_last_use_at_time_zero_is_idle_since_zero(tmp_path: Path) -> None:
     assert ev.replica_id == "aaaaaaaa"
     assert ev.reason == "evicted, idle 2h46m, to make room for want"
     assert ev.attrs["idle_seconds"] == 10_000.0
+
+
+# ---------------------------------------------------------------- which eviction helps
+
+
+def test_the_longest_idle_of_the_replicas_that_make_room_goes(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 1, gpu_type: a100}"))
+    nodes = [
+        node("a1", gpus=1, used=1, gpu_type="a100"),
+        node("a2", gpus=1, used=1, gpu_type="a100"),
+        node("h1", gpus=1, used=1, gpu_type="h100"),
+    ]
+    reps = [
+        idle_on("hhhhhhhh", "h100m", 9000, "h1"),  # the longest idle, but an h100
+        idle_on("aaaaaaaa", "a100m", 2000, "a1"),
+        idle_on("bbbbbbbb", "anym", 4000, "a2"),  # no type of its own: holds a2's a100
+    ]
+    res = run(ms, reps, nodes, {"want": NOW - 1})
+    (ev,) = res.of(ActionKind.EVICT)
+    assert (ev.replica_id, ev.attrs["nodes"], ev.attrs["candidates"]) == ("bbbbbbbb", "a2", 3)
+
+
+def test_stopping_counts_every_other_job_on_the_node(tmp_path: Path) -> None:
+    # n1 has 4 GPUs: the idle replica holds 2, someone else's job the other 2.
+    ms = site(tmp_path, entry("want", resources="{gpus: 4}"))
+    reps = [idle_on("aaaaaaaa", "anym", 5000, "n1", gpus=2)]
+    res = run(ms, reps, [node("n1", gpus=4, used=4)], {"want": NOW - 1})
+    assert evicted(res) == []
+    assert "anym aaaaaaaa on n1: 2 gpu free once stopped, needs 4" in res.notes["want"]
+    # Nobody else's job there: its 2 and the 2 free make 4.
+    assert evicted(run(ms, reps, [node("n1", gpus=4, used=2)], {"want": NOW - 1})) == ["aaaaaaaa"]
+
+
+def test_cpus_freed_count_and_cpus_held_by_others_do_not(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 1, cpus: 8}"))
+    reps = [idle_on("aaaaaaaa", "anym", 5000, "n1")]  # anym: 1 gpu, 4 cpus (the default)
+    # 2 GPUs, one free; 12 of 16 CPUs taken (4 of them by the idle replica).
+    n1 = node("n1", gpus=2, used=1, cpus=16, cpus_alloc=12)
+    assert evicted(run(ms, reps, [n1], {"want": NOW - 1})) == ["aaaaaaaa"]
+    n1 = node("n1", gpus=2, used=1, cpus=16, cpus_alloc=16)
+    res = run(ms, reps, [n1], {"want": NOW - 1})
+    assert evicted(res) == []
+    assert "anym aaaaaaaa on n1: 4 cpus free once stopped, needs 8" in res.notes["want"]
+
+
+def test_features_decide_where_the_listing_has_them(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 1, constraint: 'nvlink&ib'}"))
+    reps = [idle_on("aaaaaaaa", "anym", 5000, "n1")]
+    plain = dataclasses.replace(node("n1", gpus=1, used=1), features=("nvlink",))
+    res = run(ms, reps, [plain], {"want": NOW - 1})
+    assert evicted(res) == []
+    assert "anym aaaaaaaa on n1: features nvlink, needs nvlink&ib" in res.notes["want"]
+    good = dataclasses.replace(plain, features=("ib", "nvlink"))
+    assert evicted(run(ms, reps, [good], {"want": NOW - 1})) == ["aaaaaaaa"]
+    # A listing without features (None) does not refuse on them.
+    assert evicted(run(ms, reps, [node("n1", gpus=1, used=1)], {"want": NOW - 1})) == ["aaaaaaaa"]
+
+
+def test_a_node_down_or_drained_is_named(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 1}"))
+    reps = [idle_on("aaaaaaaa", "anym", 5000, "n1")]
+    res = run(ms, reps, [node("n1", gpus=1, used=1, state="draining")], {"want": NOW - 1})
+    assert evicted(res) == []
+    assert "anym aaaaaaaa on n1: state draining" in res.notes["want"]
+
+
+def test_a_multi_node_model_needs_enough_nodes_once_one_is_stopped(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 4, nodes: 2}"))
+    reps = [idle_on("aaaaaaaa", "anym", 5000, "n1", gpus=4)]
+    free_n2 = [node("n1", gpus=4, used=4), node("n2", gpus=4, used=0)]
+    assert evicted(run(ms, reps, free_n2, {"want": NOW - 1})) == ["aaaaaaaa"]
+    full_n2 = [node("n1", gpus=4, used=4), node("n2", gpus=4, used=4)]
+    res = run(ms, reps, full_n2, {"want": NOW - 1})
+    assert evicted(res) == []
+    assert "anym aaaaaaaa on n1: fits once stopped, but 2 such node(s) needed" in res.notes["want"]
+
+
+def test_the_nearest_candidate_is_the_one_leaving_most_room(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 4}"))
+    nodes = [node("n1", gpus=4, used=4), node("n2", gpus=4, used=4)]
+    reps = [
+        idle_on("aaaaaaaa", "anym", 9000, "n1", gpus=1),
+        idle_on("bbbbbbbb", "a100m", 5000, "n2", gpus=3),
+    ]
+    res = run(ms, reps, nodes, {"want": NOW - 1})
+    assert evicted(res) == []
+    assert res.notes["want"].startswith("no room: needs 1 node(s) with 4 free gpu; ")
+    assert "2 idle replica(s) could be stopped, none makes room" in res.notes["want"]
+    assert res.notes["want"].endswith("nearest candidate: a100m bbbbbbbb")
+
+
+def test_a_queued_replica_waits_for_a_fitting_eviction_too(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", resources="{gpus: 1, gpu_type: h100}"))
+    nodes = [
+        node("a1", gpus=1, used=1, gpu_type="a100"),
+        node("h1", gpus=1, used=1, gpu_type="h100"),
+    ]
+    pending = rv("pppppppp", "want", P, reason="Resources")
+    reps = [idle_on("aaaaaaaa", "a100m", 9000, "a1"), pending]
+    res = run(ms, reps, nodes, {"want": NOW - 1})
+    assert res.actions == []
+    assert res.notes["want"].startswith("queued (Resources): needs 1 node(s) with 1 free gpu:h100")
+    reps.append(idle_on("hhhhhhhh", "h100m", 1000, "h1"))
+    assert evicted(run(ms, reps, nodes, {"want": NOW - 1})) == ["hhhhhhhh"]
+
+
+# ---------------------------------------------------------------- which starts evict
+
+
+def test_evict_for_min_lets_a_scale_up_to_min_evict(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", "{min: 1, evict_for: [held, min]}", "{gpus: 1}"))
+    res = run(ms, [idle_on("aaaaaaaa", "anym", 5000, "n1")], [node("n1", gpus=1, used=1)])
+    assert evicted(res) == ["aaaaaaaa"]
+
+
+def test_evict_for_empty_never_evicts_even_for_a_held_request(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", "{evict_for: []}", "{gpus: 1}"))
+    res = run(
+        ms,
+        [idle_on("aaaaaaaa", "anym", 5000, "n1")],
+        [node("n1", gpus=1, used=1)],
+        {"want": NOW - 1},
+    )
+    assert evicted(res) == []
+    assert res.notes["want"].endswith("an on-demand start queues in Slurm (scaling.evict_for: [])")
+
+
+def test_a_queued_replica_of_a_min_model_does_not_evict(tmp_path: Path) -> None:
+    ms = site(tmp_path, entry("want", "{min: 1}", "{gpus: 1}"))
+    reps = [idle_on("aaaaaaaa", "anym", 5000, "n1"), rv("pppppppp", "want", P, reason="Resources")]
+    res = run(ms, reps, [node("n1", gpus=1, used=1)])
+    assert res.actions == [] and res.nodes_decide is False
+    assert res.notes["want"].endswith("a scale-up to min queues in Slurm (scaling.evict_for: held)")
+
+
+# ---------------------------------------------------------------- fair order over many passes
+
+
+def _serve_in_turn(ms: Mapping[str, Model], wants_again: float) -> list[tuple[float, str, str]]:
+    """One 1-GPU node, three on-demand models whose requests keep coming; a replica is
+    ready (and used) as soon as its job starts. Returns (time, evicted for, evicted model)."""
+    t, step = NOW, 60.0
+    reps: list[ReplicaView] = []
+    held: dict[str, float] = {name: t for name in ("w1", "w2", "w3")}
+    gone_at: dict[str, float] = {}
+    log: list[tuple[float, str, str]] = []
+    n = iter(range(1, 10_000))
+    for _ in range(400):
+        for name, since in list(gone_at.items()):
+            if t - since >= wants_again:  # evicted: its users ask again
+                held[name] = t
+                del gone_at[name]
+        queued = [r for r in reps if r.state is P]
+        if queued and not any(r.state is R for r in reps):
+            first = min(queued, key=lambda r: r.submitted_at)  # Slurm: the oldest job first
+            reps = [_start(r, t) if r is first else r for r in reps]
+        wanted = {k: t for k in held}
+        res = plan(
+            ms,
+            reps,
+            [node("n1", gpus=1, used=sum(1 for r in reps if r.state is R))],
+            wanted,
+            {},
+            CFG,
+            t,
+            lambda: f"{next(n):08x}",
+            held_since=held,
+        )
+        for a in res.actions:
+            if a.kind is ActionKind.EVICT:
+                log.append((t, str(a.attrs["for"]), a.model))
+                reps = [r for r in reps if r.replica_id != a.replica_id]
+                gone_at[a.model] = t
+            elif a.kind is ActionKind.CANCEL:
+                reps = [r for r in reps if r.replica_id != a.replica_id]
+            elif a.kind is ActionKind.SUBMIT:
+                reps.append(rv(a.replica_id, a.model, P, reason="Resources", submitted_at=t))
+        for r in reps:
+            if r.state is R and r.model in held and r.ready_at == t:
+                del held[r.model]
+        t += step
+    return log
+
+
+def _start(r: ReplicaView, t: float) -> ReplicaView:
+    return dataclasses.replace(
+        r, state=R, started_at=t, ready_at=t, last_used=t, node_names=("n1",), reason=""
+    )
+
+
+def test_no_model_starves_while_others_keep_evicting(tmp_path: Path) -> None:
+    ms = models_of(tmp_path, "".join(entry(f"w{i}", LONG) for i in (1, 2, 3)))
+    log = _serve_in_turn(ms, wants_again=60.0)
+    assert len(log) >= 12
+    served = [f for _, f, _ in log]
+    # Every model gets evictions all along, in turn: never twice in a row while another waits.
+    for i in range(len(served) - 2):
+        assert sorted(served[i : i + 3]) == ["w1", "w2", "w3"], served
