@@ -15,7 +15,9 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    its ready replicas and cancels the others; an agent that reported failure, a start that outlived
    its deadline, a job pending past ``max_pending_time``, and a drain that is
    done (nothing in flight) or timed out, each end in a cancel with its reason.
-2. Per model, in catalog order, over the replicas rule 1 left. The desired
+2. Per model, over the replicas rule 1 left: the models a request waits for
+   first, the oldest held request first (``_in_turn``), then the rest in
+   catalog order. The desired
    count is ``max(min, ceil(in_flight / target), 1 if a request is waiting)``
    capped at ``max`` (``_model_view``).
 
@@ -32,11 +34,15 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    e. Queued (``_queued``): a replica Slurm keeps pending for Resources or
       Priority says why, and, if it fits nowhere, may evict (rule 3).
 3. Placement (``_submit``, ``_evict``): a new replica goes where this plan has
-   not promised the GPUs yet; one that fits nowhere (free GPUs of its type on
-   enough usable nodes of its partition) is submitted all the same (Slurm
-   queues it) and may evict one idle replica of another model (rules in
-   :func:`evictable`), at most one per pass, and never while an earlier
-   eviction's job is still being killed.
+   not promised the GPUs yet; one that fits nowhere (free GPUs of its type and
+   CPUs on enough usable nodes of its partition, with its features) is
+   submitted all the same (Slurm queues it) and may evict one idle replica of
+   another model (rules in :func:`evictable`): only for a start its
+   ``scaling.evict_for`` names (by default one a held request waits for:
+   ``_purpose``), only a replica whose stop makes it fit on this listing
+   (``_makes_room``; the longest idle of those), at most one per pass, and
+   never while an earlier eviction's job is still being killed. When none
+   makes room, the note says why for each (``_none_makes_room``).
 """
 
 from __future__ import annotations
