@@ -40,9 +40,10 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    another model (rules in :func:`evictable`): only for a start its
    ``scaling.evict_for`` names (by default one a held request waits for:
    ``_purpose``), only a replica whose stop makes it fit on this listing
-   (``_makes_room``; the longest idle of those), at most one per pass, and
-   never while an earlier eviction's job is still being killed. When none
-   makes room, the note says why for each (``_none_makes_room``).
+   (``_room_made_by``; the longest idle of those; the room is then promised
+   to it), at most one per pass, and never while an earlier eviction's job is
+   still being killed. When none makes room, the note says why for each
+   (``_none_makes_room``).
 """
 
 from __future__ import annotations
@@ -847,11 +848,16 @@ def _evict(st: _PlanState, m: Model, why: str, purpose: EvictFor) -> str:
     candidates = _eviction_candidates(st, m)
     if not candidates:
         return _nothing_to_evict(st, m)
-    best = next((c for c in candidates if _makes_room(st, m, c)), None)
+    tried = ((c, _room_made_by(st, m, c)) for c in candidates)
+    best, where = next(((c, w) for c, w in tried if w), (None, ""))
     if best is None:
         return _none_makes_room(st, m, candidates)
     st.evicted = True
     st.out.nodes_decide = True
+    # The room is promised to m: a later model of this pass must not count the
+    # free nodes m fits on beside the evicted one (m would then wait for two).
+    for n in where.split(","):
+        st.taken[n] = st.taken.get(n, 0) + m.resources.gpus
     idle = _idle(best, st.now)
     attrs = {
         "for": m.name,
@@ -859,6 +865,7 @@ def _evict(st: _PlanState, m: Model, why: str, purpose: EvictFor) -> str:
         "gpus": best.gpus_per_node * best.nodes,
         "candidates": len(candidates),
         "nodes": ",".join(best.node_names),
+        "fits_on": where,
         "why": why,
     }
     reason = f"evicted, idle {_fmt_s(idle)}, to make room for {m.name}"
@@ -873,15 +880,17 @@ def _freed_by(st: _PlanState, c: ReplicaView) -> dict[str, _Freed]:
     return {n: _Freed(c.gpus_per_node, gpu_type, cpus) for n in c.node_names}
 
 
-def _makes_room(st: _PlanState, m: Model, c: ReplicaView) -> bool:
-    """Would ``m`` fit once ``c``'s job is gone (the same listing, every other job counted)?"""
+def _room_made_by(st: _PlanState, m: Model, c: ReplicaView) -> str:
+    """Where ``m`` would fit once ``c``'s job is gone (the same listing, every other job
+    counted), "" if nowhere."""
     if not c.node_names:
-        return False  # where it runs is unknown: what it frees is too
+        return ""  # where it runs is unknown: what it frees is too
     pool: Sequence[NodeInfo] = st.nodes
     if m.resources.nodes == 1:
         # Only its own nodes change: the others said no already.
         pool = [n for n in st.nodes if n.name in c.node_names]
-    return fits(m, pool, st.cfg, st.taken, _freed_by(st, c))[0]
+    ok, where = fits(m, pool, st.cfg, st.taken, _freed_by(st, c))
+    return where if ok else ""
 
 
 def _none_makes_room(st: _PlanState, m: Model, candidates: list[ReplicaView]) -> str:

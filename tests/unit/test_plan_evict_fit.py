@@ -400,3 +400,23 @@ def test_no_model_starves_while_others_keep_evicting(tmp_path: Path) -> None:
     # Every model gets evictions all along, in turn: never twice in a row while another waits.
     for i in range(len(served) - 2):
         assert sorted(served[i : i + 3]) == ["w1", "w2", "w3"], served
+
+
+def test_the_room_an_eviction_makes_is_promised_to_its_model(tmp_path: Path) -> None:
+    # `wide` needs two 4-GPU nodes: n2 is free, n1 is held by an idle replica. Once
+    # that is evicted for it, `later` (asked for after) must not take n2 as well.
+    ms = site(
+        tmp_path,
+        entry("wide", resources="{gpus: 4, nodes: 2}"),
+        entry("later", resources="{gpus: 4}"),
+    )
+    reps = [idle_on("aaaaaaaa", "anym", 5000, "n1", gpus=4)]
+    nodes = [node("n1", gpus=4, used=4), node("n2", gpus=4, used=0)]
+    res = run(ms, reps, nodes, {"wide": NOW - 1, "later": NOW - 1}, {"wide": NOW - 60})
+    assert [(a.kind.value, a.model) for a in res.actions] == [
+        ("evict", "anym"),
+        ("submit", "wide"),
+        ("submit", "later"),
+    ]
+    assert res.of(ActionKind.EVICT)[0].attrs["fits_on"] == "n1,n2"
+    assert res.of(ActionKind.SUBMIT)[1].placement.startswith("no room now: ")
