@@ -68,6 +68,7 @@ __all__ = [
     "evictable",
     "fits",
     "plan",
+    "satisfies",
 ]
 
 

@@ -65,6 +65,8 @@ SINFO_FIELDS = (
     "GresUsed",
     "NodeAddr",
     "Reason",
+    # The node's features, for a model's constraint (plan.fits): "(null)" when none.
+    "Features",
 )
 
 SACCT_FIELDS = (
@@ -404,10 +406,17 @@ def parse_sinfo(stdout: str) -> list[NodeInfo]:
             gpus=gpus,
             address=f[7].strip(),
             reason="" if _none(f[8].strip()) else f[8].strip(),
+            features=parse_features(f[9]),
         )
     if unreadable and not readable:
         raise _nothing_readable("sinfo", unreadable)
     return list(nodes.values())
+
+
+def parse_features(text: str) -> tuple[str, ...]:
+    """A node's features as sinfo lists them ("nvlink,ib"; "(null)" when it has none)."""
+    text = text.strip()
+    return () if _none(text) else tuple(f for f in text.split(",") if f)
 
 
 def _replace_partitions(n: NodeInfo, parts: tuple[str, ...]) -> NodeInfo:

@@ -301,7 +301,17 @@ def node_from_pyslurm(obj: Any) -> NodeInfo:
         ),
         address=_text(_attr(obj, "address")),
         reason=_text(_attr(obj, "reason")),
+        features=_features(_attr(obj, "available_features", "features")),
     )
+
+
+def _features(val: Any) -> tuple[str, ...] | None:
+    """pyslurm's features (a list, or a comma string); None when it gives none at all."""
+    if val is None:
+        return None
+    if isinstance(val, str):
+        return tuple(f for f in val.split(",") if f and _text(f))
+    return tuple(str(f) for f in val if f)
 
 
 def nodes_from_pyslurm(objs: Iterable[Any]) -> list[NodeInfo]:

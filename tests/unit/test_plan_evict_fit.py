@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import pytest
 from test_plan import CFG, NOW, P, R, entry, models_of, node, rv  # type: ignore[import-not-found]
 
 from llmgw_slurm.catalog import Model
@@ -22,6 +23,7 @@ from llmgw_slurm.reconciler.plan import (
     PlanResult,
     ReplicaView,
     plan,
+    satisfies,
 )
 from llmgw_slurm.slurm.types import GpuCount, NodeInfo
 
@@ -258,6 +260,26 @@ def test_features_decide_where_the_listing_has_them(tmp_path: Path) -> None:
     assert evicted(run(ms, reps, [good], {"want": NOW - 1})) == ["aaaaaaaa"]
     # A listing without features (None) does not refuse on them.
     assert evicted(run(ms, reps, [node("n1", gpus=1, used=1)], {"want": NOW - 1})) == ["aaaaaaaa"]
+
+
+@pytest.mark.parametrize(
+    ("features", "constraint", "ok"),
+    [
+        (("a100",), "a100", True),
+        (("a100",), "h100", False),
+        (("a100", "ib"), "a100&ib", True),
+        (("a100",), "a100&ib", False),
+        (("h100",), "a100|h100", True),
+        (("h100",), "a100,h100", True),
+        (("h100", "ib"), "(a100|h100)&ib", True),
+        (("h100",), "(a100|h100)&ib", False),
+        (("ib", "a100"), "ib&(a100|h100)", True),
+        (("a100",), "[a100|h100]*2", True),
+        ((), "a100", False),
+    ],
+)
+def test_satisfies_a_constraint(features: tuple[str, ...], constraint: str, ok: bool) -> None:
+    assert satisfies(features, constraint) is ok
 
 
 def test_a_node_down_or_drained_is_named(tmp_path: Path) -> None:
