@@ -34,8 +34,8 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    e. Queued (``_queued``): a replica Slurm keeps pending for Resources or
       Priority says why, and, if it fits nowhere, may evict (rule 3).
 3. Placement (``_submit``, ``_evict``): a new replica goes where this plan has
-   not promised the GPUs yet; one that fits nowhere (free GPUs of its type and
-   CPUs on enough usable nodes of its partition, with its features) is
+   not promised the GPUs yet; one that fits nowhere (free GPUs of its type,
+   CPUs and memory on enough usable nodes of its partition, with its features) is
    submitted all the same (Slurm queues it) and may evict one idle replica of
    another model (rules in :func:`evictable`): only for a start its
    ``scaling.evict_for`` names (by default one a held request waits for:
@@ -194,6 +194,7 @@ class _Freed:
     gpus: int
     gpu_type: str  # its model's gpu type; "" when the model names none
     cpus: int
+    memory_mb: int | None  # its model's memory per node (0: all); None: unknown
 
 
 def fits(
@@ -239,7 +240,7 @@ def fits(
 
 def _refusal(n: NodeInfo, model: Model, taken: int, fr: _Freed | None) -> str:
     """Why one node of the model's partitions cannot take a replica: "" (it can), "state",
-    "features", "gpus" or "cpus"."""
+    "features", "gpus", "cpus" or "memory"."""
     res = model.resources
     if not n.usable:
         return "state"
@@ -249,7 +250,20 @@ def _refusal(n: NodeInfo, model: Model, taken: int, fr: _Freed | None) -> str:
         return "gpus"
     if n.cpus_total - n.cpus_alloc + (fr.cpus if fr else 0) < res.cpus:
         return "cpus"
+    need = res.memory_mb
+    free = _free_memory(n, fr)
+    if need is not None and free is not None and free < (need or n.memory_mb):
+        return "memory"
     return ""
+
+
+def _free_memory(n: NodeInfo, fr: _Freed | None) -> int | None:
+    """MB of memory not allocated on ``n`` (plus what ``fr`` frees); None: not known, so
+    not checked (a listing without it, or a replica whose model sets none)."""
+    if n.memory_alloc_mb is None or (fr is not None and fr.memory_mb is None):
+        return None
+    freed = (fr.memory_mb or n.memory_mb) if fr is not None and fr.memory_mb is not None else 0
+    return min(n.memory_mb, n.memory_mb - n.memory_alloc_mb + freed)
 
 
 def _refusal_text(n: NodeInfo, model: Model, why: str, taken: int, fr: _Freed | None) -> str:
@@ -261,6 +275,8 @@ def _refusal_text(n: NodeInfo, model: Model, why: str, taken: int, fr: _Freed | 
     if why == "gpus":
         what = f"gpu:{gpu_type}" if gpu_type else "gpu"
         return f"{_free_gpus(n, gpu_type, taken, fr)} {what} free"
+    if why == "memory":
+        return f"{_free_memory(n, fr)} MB memory free"
     return f"{n.cpus_total - n.cpus_alloc + (fr.cpus if fr else 0)} cpus free"
 
 
@@ -878,7 +894,8 @@ def _freed_by(st: _PlanState, c: ReplicaView) -> dict[str, _Freed]:
     cm = st.models.get(c.model)
     gpu_type = (cm.resources.gpu_type or "") if cm else ""
     cpus = cm.resources.cpus if cm else 0
-    return {n: _Freed(c.gpus_per_node, gpu_type, cpus) for n in c.node_names}
+    mem = cm.resources.memory_mb if cm else None
+    return {n: _Freed(c.gpus_per_node, gpu_type, cpus, mem) for n in c.node_names}
 
 
 def _room_made_by(st: _PlanState, m: Model, c: ReplicaView) -> str:
@@ -943,6 +960,9 @@ def _turned_down(
     if why == "cpus":
         cpus = n.cpus_total - n.cpus_alloc + (fr.cpus if fr else 0)
         return f"{cpus} cpus free once stopped, needs {res.cpus}", free
+    if why == "memory":
+        need = f"{res.memory_mb} MB" if res.memory_mb else "all of it"
+        return f"{_free_memory(n, fr)} MB memory free once stopped, needs {need}", free
     return f"fits once stopped, but {res.nodes} such node(s) needed", free
 
 

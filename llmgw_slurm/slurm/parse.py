@@ -67,6 +67,8 @@ SINFO_FIELDS = (
     "Reason",
     # The node's features, for a model's constraint (plan.fits): "(null)" when none.
     "Features",
+    # Memory allocated to jobs, in MB (plan.fits, for a model that sets its memory).
+    "AllocMem",
 )
 
 SACCT_FIELDS = (
@@ -407,6 +409,7 @@ def parse_sinfo(stdout: str) -> list[NodeInfo]:
             address=f[7].strip(),
             reason="" if _none(f[8].strip()) else f[8].strip(),
             features=parse_features(f[9]),
+            memory_alloc_mb=None if _none(f[10].strip()) else _int(f[10], 0),
         )
     if unreadable and not readable:
         raise _nothing_readable("sinfo", unreadable)

@@ -302,7 +302,12 @@ def node_from_pyslurm(obj: Any) -> NodeInfo:
         address=_text(_attr(obj, "address")),
         reason=_text(_attr(obj, "reason")),
         features=_features(_attr(obj, "available_features", "features")),
+        memory_alloc_mb=_opt_int(_attr(obj, "allocated_memory", "alloc_memory")),
     )
+
+
+def _opt_int(val: Any) -> int | None:
+    return None if val is None else _int(val, 0)
 
 
 def _features(val: Any) -> tuple[str, ...] | None:

@@ -253,6 +253,8 @@ class NodeInfo:
     reason: str = ""
     # Its features (sinfo %f), for a model's constraint; None: the listing has none.
     features: tuple[str, ...] | None = None
+    # Memory allocated to jobs (sinfo AllocMem); None: the listing does not say.
+    memory_alloc_mb: int | None = None
 
     @property
     def usable(self) -> bool:

@@ -22,6 +22,7 @@ from llmgw_slurm.reconciler.plan import (
     PlanConfig,
     PlanResult,
     ReplicaView,
+    fits,
     plan,
     satisfies,
 )
@@ -442,3 +443,30 @@ def test_the_room_an_eviction_makes_is_promised_to_its_model(tmp_path: Path) -> 
     ]
     assert res.of(ActionKind.EVICT)[0].attrs["fits_on"] == "n1,n2"
     assert res.of(ActionKind.SUBMIT)[1].placement.startswith("no room now: ")
+
+
+def test_memory_counts_where_the_listing_and_the_models_say(tmp_path: Path) -> None:
+    ms = site(
+        tmp_path,
+        entry("want", resources="{gpus: 1, memory: 64G}"),
+        entry("fat", LONG, "{gpus: 1, memory: 100G}"),
+    )
+    # 256,000 MB; all but 32,768 allocated; one GPU, held by the idle replica.
+    n1 = dataclasses.replace(node("n1", gpus=1, used=1), memory_alloc_mb=256_000 - 32_768)
+    fat = idle_on("ffffffff", "fat", 5000, "n1")  # frees its 102,400 MB
+    assert evicted(run(ms, [fat], [n1], {"want": NOW - 1})) == ["ffffffff"]
+    # anym sets no memory: what it frees is unknown, so memory decides nothing.
+    anym = idle_on("aaaaaaaa", "anym", 5000, "n1")
+    assert evicted(run(ms, [anym], [n1], {"want": NOW - 1})) == ["aaaaaaaa"]
+    # Free GPUs but too little memory: no placement, and an eviction must free memory.
+    n1 = dataclasses.replace(n1, gpus=(GpuCount("a100", 2, 1),))
+    ok, why = fits(ms["want"], [n1], CFG, {})
+    assert not ok and why.endswith("n1: 32768 MB memory free")
+    tiny = models_of(tmp_path, entry("small", LONG, "{gpus: 1, memory: 1G}"))
+    small = idle_on("ssssssss", "small", 5000, "n1")
+    res = run({**ms, **tiny}, [small], [n1], {"want": NOW - 1})
+    assert evicted(res) == []
+    assert (
+        "small ssssssss on n1: 33792 MB memory free once stopped, needs 65536 MB"
+        in (res.notes["want"])
+    )
