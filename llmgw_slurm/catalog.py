@@ -101,6 +101,8 @@ PLACEHOLDERS = (
 
 EngineKind = Literal["vllm", "sglang", "command"]
 WeightsMethod = Literal["copy", "hf", "none"]
+# Why a replica of a model is started (plan.py), for scaling.evict_for.
+EvictFor = Literal["held", "min", "renewal", "load"]
 
 
 def _reserved_env(name: str) -> bool:
@@ -431,10 +433,19 @@ class Scaling:
     hold_timeout: float | None = field(
         default=None, metadata=rule(gt=0, parse=_schema.parse_duration)
     )
+    # Default [held]: which starts of this model may evict an idle replica of
+    # another model when it fits nowhere. `held`: an on-demand start a held
+    # request waits for; `min`: a scale-up to min; `renewal`: a replacement
+    # before the time limit; `load`: a scale-up for requests in flight. The
+    # others queue in Slurm like any job. [] never evicts.
+    evict_for: tuple[EvictFor, ...] = ("held",)
 
     def _problems(self) -> list[tuple[str, str]]:
         if self.min > self.max:
             return [("min", f"min ({self.min}) is more than max ({self.max})")]
+        twice = sorted({w for w in self.evict_for if self.evict_for.count(w) > 1})
+        if twice:
+            return [("evict_for", f"evict_for names {', '.join(twice)} more than once")]
         return []
 
     @property

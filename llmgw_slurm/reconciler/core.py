@@ -68,6 +68,7 @@ class PassLoop:
         plan_cfg: PlanConfig,
         intake: ReportIntake,
         wanted: Callable[[], Mapping[str, float]],
+        held_since: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         self.table = table
         self.server = server
@@ -77,6 +78,8 @@ class PassLoop:
         self.intake = intake
         # When a request last asked for each model (the directory's demand).
         self.wanted = wanted
+        # When each model's oldest held request began waiting (who evicts first).
+        self.held_since = held_since or wanted
         self.tracing = table.tracing
         self.prefix = server.slurm.job_prefix
         # Model jobs and engine installs (llmgw-admin fetch / install-engine), for status.
@@ -232,6 +235,7 @@ class PassLoop:
             self.plan_cfg,
             now,
             new_replica_id,
+            held_since=self.held_since(),
         )
 
     def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> list[Replica]:
@@ -482,7 +486,9 @@ class Reconciler:
         # The gateway's client identity: the only client, beside each replica's
         # own agent, that the replicas' engines let in (llmgw_slurm/tls.py).
         self.engine_tls = PinnedContexts(load_or_create_identity(Path(server.state_dir)))
-        self.directory = ReplicaDirectory(self.table, server_key, self.engine_tls)
+        self.directory = ReplicaDirectory(
+            self.table, server_key, self.engine_tls, want_window=plan_cfg.want_window
+        )
         self.verifier = ReportVerifier(server_key, Path(server.state_dir) / "report-nonces")
         self.probe = EngineProbe(server_key, self.engine_tls)
         self.intake = ReportIntake(self.table, self.probe, self.directory.signal_ready)
@@ -494,6 +500,7 @@ class Reconciler:
             plan_cfg,
             self.intake,
             self.directory.wanted_at,
+            self.directory.held_since,
         )
         self.admin = AdminRequests(self.table, backend)
 

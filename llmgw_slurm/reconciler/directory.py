@@ -26,14 +26,27 @@ __all__ = ["ReplicaDirectory"]
 @dataclass
 class _ModelDemand:
     wanted_at: float | None = None
+    # When the oldest request still held for the model began waiting: set by the
+    # first request after the model was ready (or after every earlier request had
+    # given up), cleared once it is ready.
+    held_since: float | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ReplicaDirectory:
     """Implements the router's ModelDirectory over a :class:`ReplicaTable`."""
 
-    def __init__(self, table: ReplicaTable, server_key: bytes, engine_tls: PinnedContexts) -> None:
+    def __init__(
+        self,
+        table: ReplicaTable,
+        server_key: bytes,
+        engine_tls: PinnedContexts,
+        want_window: float = 300.0,
+    ) -> None:
         self.table = table
+        # The server's hold deadline: a request older than it (or than the model's
+        # longer hold_timeout) has had its 503 and waits no more.
+        self.want_window = want_window
         self.server_key = server_key
         self.engine_tls = engine_tls
         self._demand: dict[str, _ModelDemand] = {}
@@ -93,8 +106,16 @@ class ReplicaDirectory:
 
     def want(self, model: str) -> None:
         d = self._demand.setdefault(model, _ModelDemand())
-        first = d.wanted_at is None or self.table.clock() - d.wanted_at > 1.0
-        d.wanted_at = self.table.clock()
+        now = self.table.clock()
+        first = d.wanted_at is None or now - d.wanted_at > 1.0
+        if (
+            d.held_since is None
+            or d.wanted_at is None
+            or now - d.wanted_at >= self._window(model)
+            or self.table.has_ready(model)
+        ):
+            d.held_since = now
+        d.wanted_at = now
         if first:
             # An on-demand start should not wait for the next timed pass.
             self.table.wake.set()
@@ -113,7 +134,17 @@ class ReplicaDirectory:
         """Wake the requests waiting for ``model`` if it has a ready replica now."""
         d = self._demand.get(model)
         if d is not None and self.table.has_ready(model):
+            d.held_since = None
             d.event.set()
+
+    def _window(self, model: str) -> float:
+        m = self.table.catalog.resolve(model)
+        hold = m.scaling.hold_timeout if m is not None else None
+        return max(self.want_window, hold or 0.0)
+
+    def held_since(self) -> dict[str, float]:
+        """When the oldest request still held for each model began waiting (for the plan)."""
+        return {k: d.held_since for k, d in self._demand.items() if d.held_since is not None}
 
     def wanted_at(self) -> dict[str, float]:
         """When a request last asked for each model (for the plan)."""

@@ -15,7 +15,9 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    its ready replicas and cancels the others; an agent that reported failure, a start that outlived
    its deadline, a job pending past ``max_pending_time``, and a drain that is
    done (nothing in flight) or timed out, each end in a cancel with its reason.
-2. Per model, in catalog order, over the replicas rule 1 left. The desired
+2. Per model, over the replicas rule 1 left: the models a request waits for
+   first, the oldest held request first (``_in_turn``), then the rest in
+   catalog order. The desired
    count is ``max(min, ceil(in_flight / target), 1 if a request is waiting)``
    capped at ``max`` (``_model_view``).
 
@@ -32,21 +34,27 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    e. Queued (``_queued``): a replica Slurm keeps pending for Resources or
       Priority says why, and, if it fits nowhere, may evict (rule 3).
 3. Placement (``_submit``, ``_evict``): a new replica goes where this plan has
-   not promised the GPUs yet; one that fits nowhere (free GPUs of its type on
-   enough usable nodes of its partition) is submitted all the same (Slurm
-   queues it) and may evict one idle replica of another model (rules in
-   :func:`evictable`), at most one per pass, and never while an earlier
-   eviction's job is still being killed.
+   not promised the GPUs yet; one that fits nowhere (free GPUs of its type,
+   CPUs and memory on enough usable nodes of its partition, with its features) is
+   submitted all the same (Slurm queues it) and may evict one idle replica of
+   another model (rules in :func:`evictable`): only for a start its
+   ``scaling.evict_for`` names (by default one a held request waits for:
+   ``_purpose``), only a replica whose stop makes it fit on this listing
+   (``_room_made_by``; the longest idle of those; the room is then promised
+   to it), at most one per pass, and never while an earlier eviction's job is
+   still being killed. When none makes room, the note says why for each
+   (``_none_makes_room``).
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from llmgw_slurm.catalog import Model
+from llmgw_slurm.catalog import EvictFor, Model
 from llmgw_slurm.durations import format_duration
 from llmgw_slurm.slurm.types import NodeInfo
 
@@ -61,6 +69,7 @@ __all__ = [
     "evictable",
     "fits",
     "plan",
+    "satisfies",
 ]
 
 
@@ -91,6 +100,8 @@ class ReplicaView:
     submitted_at: float
     gpus_per_node: int = 0
     nodes: int = 1
+    # The nodes its job runs on (squeue's list): what an eviction of it frees.
+    node_names: tuple[str, ...] = ()
     reason: str = ""  # Slurm's pending reason
     started_at: float | None = None  # first seen running
     adopted_at: float | None = None  # when a restarted daemon found the job (None: it placed it)
@@ -177,18 +188,32 @@ def _partition(model: Model, cfg: PlanConfig) -> str | None:
     return model.resources.partition or cfg.default_partition
 
 
+@dataclass(frozen=True)
+class _Freed:
+    """What stopping one replica gives back on one of its nodes."""
+
+    gpus: int
+    gpu_type: str  # its model's gpu type; "" when the model names none
+    cpus: int
+    memory_mb: int | None  # its model's memory per node (0: all); None: unknown
+
+
 def fits(
-    model: Model, nodes: Sequence[NodeInfo], cfg: PlanConfig, taken: Mapping[str, int]
+    model: Model,
+    nodes: Sequence[NodeInfo],
+    cfg: PlanConfig,
+    taken: Mapping[str, int],
+    freed: Mapping[str, _Freed] | None = None,
 ) -> tuple[bool, str]:
     """Can a replica of ``model`` start now? Returns (fits, where or why not).
 
     ``taken`` holds GPUs this pass already promised to earlier submissions, so
-    two new replicas do not both count the same free GPUs.
+    two new replicas do not both count the same free GPUs; ``freed``, what an
+    eviction would give back, per node (to ask whether it would fit then).
     """
     res = model.resources
     part = _partition(model, cfg)
     parts = part.split(",") if part else ()
-    gpu_type = res.gpu_type or ""
     good: list[str] = []
     # A pass may call this for hundreds of models over hundreds of nodes: stop at
     # the first nodes that fit, and format only the refusals that are shown.
@@ -197,34 +222,126 @@ def fits(
     for n in nodes:
         if parts and not any(p in n.partitions for p in parts):
             continue
-        why = ""
-        if not n.usable:
-            why = "state"
-        else:
-            free = n.gpus_free(gpu_type) - taken.get(n.name, 0)
-            if free < res.gpus:
-                why = "gpus"
-            elif n.cpus_total - n.cpus_alloc < res.cpus:
-                why = "cpus"
+        fr = freed.get(n.name) if freed else None
+        why = _refusal(n, model, taken.get(n.name, 0), fr)
         if not why:
             good.append(n.name)
             if len(good) >= res.nodes:
                 return True, ",".join(good)
             continue
         n_refused += 1
-        if n_refused > 8:
-            continue
-        if why == "state":
-            refused.append(f"{n.name}: {n.state}")
-        elif why == "gpus":
-            what = f"gpu:{gpu_type}" if gpu_type else "gpu"
-            refused.append(f"{n.name}: {max(free, 0)} {what} free")
-        else:
-            refused.append(f"{n.name}: {n.cpus_total - n.cpus_alloc} cpus free")
+        if n_refused <= 8:
+            refused.append(f"{n.name}: {_refusal_text(n, model, why, taken.get(n.name, 0), fr)}")
     if not n_refused:
         return False, f"no node in partition {part or '(default)'}"
+    gpu_type = res.gpu_type or ""
     need = f"needs {res.nodes} node(s) with {res.gpus} free gpu{':' + gpu_type if gpu_type else ''}"
     return False, f"{need}; " + "; ".join(refused) + ("; ..." if n_refused > 8 else "")
+
+
+def _refusal(n: NodeInfo, model: Model, taken: int, fr: _Freed | None) -> str:
+    """Why one node of the model's partitions cannot take a replica: "" (it can), "state",
+    "features", "gpus", "cpus" or "memory"."""
+    res = model.resources
+    if not n.usable:
+        return "state"
+    if res.constraint and n.features is not None and not satisfies(n.features, res.constraint):
+        return "features"
+    if _free_gpus(n, res.gpu_type or "", taken, fr) < res.gpus:
+        return "gpus"
+    if n.cpus_total - n.cpus_alloc + (fr.cpus if fr else 0) < res.cpus:
+        return "cpus"
+    need = res.memory_mb
+    free = _free_memory(n, fr)
+    if need is not None and free is not None and free < (need or n.memory_mb):
+        return "memory"
+    return ""
+
+
+def _free_memory(n: NodeInfo, fr: _Freed | None) -> int | None:
+    """MB of memory not allocated on ``n`` (plus what ``fr`` frees); None: not known, so
+    not checked (a listing without it, or a replica whose model sets none)."""
+    if n.memory_alloc_mb is None or (fr is not None and fr.memory_mb is None):
+        return None
+    freed = (fr.memory_mb or n.memory_mb) if fr is not None and fr.memory_mb is not None else 0
+    return min(n.memory_mb, n.memory_mb - n.memory_alloc_mb + freed)
+
+
+def _refusal_text(n: NodeInfo, model: Model, why: str, taken: int, fr: _Freed | None) -> str:
+    gpu_type = model.resources.gpu_type or ""
+    if why == "state":
+        return n.state
+    if why == "features":
+        return f"features {','.join(n.features or ()) or '(none)'}"
+    if why == "gpus":
+        what = f"gpu:{gpu_type}" if gpu_type else "gpu"
+        return f"{_free_gpus(n, gpu_type, taken, fr)} {what} free"
+    if why == "memory":
+        return f"{_free_memory(n, fr)} MB memory free"
+    return f"{n.cpus_total - n.cpus_alloc + (fr.cpus if fr else 0)} cpus free"
+
+
+def _free_gpus(n: NodeInfo, gpu_type: str, taken: int, fr: _Freed | None) -> int:
+    free = n.gpus_free(gpu_type) - taken
+    if fr is not None and _same_type(n, gpu_type, fr.gpu_type):
+        free = min(free + fr.gpus, n.gpus_total(gpu_type) - taken)
+    return max(free, 0)
+
+
+def _same_type(n: NodeInfo, wanted: str, held: str) -> bool:
+    """Are the GPUs a replica holds (its model's type ``held``) of the ``wanted`` type?
+
+    A model that names no type holds whatever the node has: of the wanted type
+    for sure only when the node has GPUs of no other type.
+    """
+    if not wanted or held == wanted:
+        return True
+    return not held and all(g.type == wanted for g in n.gpus if g.total)
+
+
+_CONSTRAINT_TOKEN = re.compile(r"[()&|,]|[^()&|,]+")
+
+
+def satisfies(features: Sequence[str], constraint: str) -> bool:
+    """Do a node's features meet a Slurm constraint (``&`` and, ``|`` or ``,`` or, ``()``)?
+
+    Brackets (one choice for all nodes) read as parentheses and ``*N`` counts
+    are dropped: for one node, the question is only whether it could be one of them.
+    """
+    text = re.sub(r"\*\d+", "", constraint).replace("[", "(").replace("]", ")")
+    tokens = [t.strip() for t in _CONSTRAINT_TOKEN.findall(text) if t.strip()]
+    have = set(features)
+    pos = 0
+
+    def any_of() -> bool:
+        nonlocal pos
+        ok = all_of()
+        while pos < len(tokens) and tokens[pos] in ("|", ","):
+            pos += 1
+            ok = all_of() or ok
+        return ok
+
+    def all_of() -> bool:
+        nonlocal pos
+        ok = one()
+        while pos < len(tokens) and tokens[pos] == "&":
+            pos += 1
+            ok = one() and ok
+        return ok
+
+    def one() -> bool:
+        nonlocal pos
+        if pos >= len(tokens):
+            return False
+        tok = tokens[pos]
+        pos += 1
+        if tok == "(":
+            ok = any_of()
+            pos += 1  # the ")"
+            return ok
+        return tok in have
+
+    return any_of()
 
 
 def why_kept(r: ReplicaView, models: Mapping[str, Model], cfg: PlanConfig, now: float) -> str:
@@ -272,9 +389,14 @@ def evictable(
         if r.model == wanted_by or r.state is not ReplicaState.READY:
             continue
         if not why_kept(r, models, cfg, now):
-            out.append((now - (r.last_used or now), r))
+            out.append((_idle(r, now), r))
     out.sort(key=lambda t: t[0], reverse=True)
     return [r for _, r in out]
+
+
+def _idle(r: ReplicaView, now: float) -> float:
+    """Seconds since its last use (0 when nobody reported one; a last use at 0.0 is one)."""
+    return 0.0 if r.last_used is None else now - r.last_used
 
 
 def backoff_left(f: Failures | None, cfg: PlanConfig, now: float) -> float:
@@ -296,13 +418,19 @@ def plan(
     cfg: PlanConfig,
     now: float,
     new_id: Callable[[], str],
+    held_since: Mapping[str, float] | None = None,
 ) -> PlanResult:
-    """What to do now: the rules of the module docstring, applied in its order."""
+    """What to do now: the rules of the module docstring, applied in its order.
+
+    ``held_since``: per model, when its oldest request still held began waiting
+    (default: ``wanted_at``); the longest waiting model goes first.
+    """
     st = _PlanState(models, replicas, nodes, wanted_at, failures, cfg, now, new_id)
+    st.held_since = held_since if held_since is not None else wanted_at
     for r in replicas:
         _replica_rules(st, r)
     st.start_models()
-    for m in models.values():
+    for m in _in_turn(st):
         mv = _model_view(st, m)
         _renew(st, mv)
         # A handed-over replica is draining now; its replacement counts in its
@@ -342,6 +470,11 @@ class _PlanState:
     evicted: bool = False
     # An earlier pass's eviction whose job is still being killed: its GPUs are not free yet.
     eviction_in_progress: bool = False
+    # Per model, when its oldest held request began waiting (plan()'s held_since).
+    held_since: Mapping[str, float] = field(default_factory=dict)
+    # Per model whose start found no eviction that makes room: each candidate turned
+    # down ("MODEL ID on NODE: why"), for the placement span.
+    turned_down: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def start_models(self) -> None:
         self.live = [
@@ -353,6 +486,14 @@ class _PlanState:
             r.state is ReplicaState.STOPPING and r.stop_reason.startswith("evicted")
             for r in self.replicas
         )
+
+    def window(self, m: Model) -> float:
+        # A request may wait as long as its model's hold deadline: a model that
+        # holds for 30 min must not have its pending job cancelled after the
+        # server's 5 min while requests still wait for it. A shorter hold keeps
+        # the server's window: a client retrying after its 503 finds the job
+        # still queued, not resubmitted at the back of the queue.
+        return max(self.cfg.want_window, m.scaling.hold_timeout or 0.0)
 
     def stop(
         self,
@@ -498,6 +639,23 @@ def _count_once(mine: list[ReplicaView]) -> list[ReplicaView]:
     return [r for r in mine if not r.replaces or r.replaces not in present]
 
 
+def _in_turn(st: _PlanState) -> list[Model]:
+    """The models in the order rule 2 takes them: those a request waits for first, the
+    longest waiting first (it gets free GPUs and the pass's eviction first), then the
+    rest in catalog order. Catalog order alone let the first listed model take every
+    eviction while another's requests waited longer."""
+    ms = list(st.models.values())
+
+    def key(i: int) -> tuple[int, float, int]:
+        m = ms[i]
+        w = st.wanted_at.get(m.name)
+        if w is None or st.now - w >= st.window(m):
+            return (1, 0.0, i)
+        return (0, st.held_since.get(m.name, w), i)
+
+    return [ms[i] for i in sorted(range(len(ms)), key=key)]
+
+
 def _model_view(st: _PlanState, m: Model) -> _ModelView:
     # An earlier model's eviction may have taken one of these: it is going
     # away and gets no second action (no drain, no renewal).
@@ -505,13 +663,7 @@ def _model_view(st: _PlanState, m: Model) -> _ModelView:
     ready = [r for r in mine if r.state is ReplicaState.READY]
     in_flight = sum(r.in_flight for r in mine)
     w = st.wanted_at.get(m.name)
-    # A request may wait as long as its model's hold deadline: a model that
-    # holds for 30 min must not have its pending job cancelled after the
-    # server's 5 min while requests still wait for it. A shorter hold keeps
-    # the server's window: a client retrying after its 503 finds the job
-    # still queued, not resubmitted at the back of the queue.
-    window = max(st.cfg.want_window, m.scaling.hold_timeout or 0.0)
-    waiting = w is not None and st.now - w < window and not ready
+    waiting = w is not None and st.now - w < st.window(m) and not ready
     target = math.ceil(in_flight / m.scaling.target_inflight) if in_flight else 0
     desired = min(m.scaling.max, max(m.scaling.min, target, 1 if waiting else 0))
     return _ModelView(m, mine, _count_once(mine), ready, in_flight, waiting, target, desired)
@@ -527,7 +679,7 @@ def _renew(st: _PlanState, mv: _ModelView) -> None:
         left = r.ends_at - st.now
         if left < st.cfg.renewal_margin and len(mv.counted) <= m.scaling.max:
             reason = f"renewal: {r.replica_id} has {format_duration(max(0.0, left))} left"
-            _submit(st, m, reason, replaces=r.replica_id)
+            _submit(st, m, reason, "renewal", replaces=r.replica_id)
     for r in mv.ready:
         if r.replaces and any(
             o.replica_id == r.replaces and o.state is ReplicaState.READY for o in mv.mine
@@ -568,7 +720,18 @@ def _scale_up(st: _PlanState, mv: _ModelView) -> None:
     else:
         why = f"{mv.in_flight} in flight, target {m.scaling.target_inflight} per replica"
     for _ in range(mv.desired - len(mv.counted)):
-        _submit(st, m, f"scale up to {mv.desired}: {why}")
+        _submit(st, m, f"scale up to {mv.desired}: {why}", _purpose(mv))
+
+
+def _purpose(mv: _ModelView, r: ReplicaView | None = None) -> EvictFor:
+    """Why a replica of the model starts (``r``: one already queued), in scaling.evict_for's
+    words: only a start that a held request waits for evicts by default."""
+    if r is not None and r.replaces:
+        return "renewal"
+    if mv.waiting:
+        return "held"
+    mine = len(mv.counted) - (1 if r is not None else 0)
+    return "min" if mine < mv.model.scaling.min else "load"
 
 
 def _scale_down(st: _PlanState, mv: _ModelView) -> None:
@@ -588,7 +751,9 @@ def _scale_down(st: _PlanState, mv: _ModelView) -> None:
         return
 
     def since(r: ReplicaView) -> float:
-        return r.last_used if r.last_used is not None else (r.ready_at or now)
+        if r.last_used is not None:
+            return r.last_used
+        return r.ready_at if r.ready_at is not None else now
 
     idle = (r for r in mv.counted if r.state is ReplicaState.READY and r.in_flight == 0)
     for r in sorted(idle, key=since):
@@ -613,11 +778,17 @@ def _queued(st: _PlanState, mv: _ModelView) -> None:
         ):
             continue
         ok, where = fits(m, st.nodes, st.cfg, st.taken)
+        purpose = _purpose(mv, r)
         if not ok:
-            st.out.notes[m.name] = f"queued ({r.reason}): {where}; {_evict(st, m, where)}"
+            note = _evict(st, m, where, purpose)
+            st.out.notes[m.name] = f"queued ({r.reason}): {where}; {note}"
             continue
         st.out.notes[m.name] = f"queued ({r.reason})"
-        if not (st.evicted or st.eviction_in_progress) and _eviction_candidates(st, m):
+        if (
+            purpose in m.scaling.evict_for
+            and not (st.evicted or st.eviction_in_progress)
+            and _eviction_candidates(st, m)
+        ):
             # On nodes that say it does not fit, this would evict: only a fresh
             # listing may decide that it fits.
             st.out.nodes_decide = True
@@ -626,19 +797,22 @@ def _queued(st: _PlanState, mv: _ModelView) -> None:
 # ---- 3. placement ---------------------------------------------------------------------
 
 
-def _submit(st: _PlanState, m: Model, reason: str, replaces: str = "") -> None:
+def _submit(st: _PlanState, m: Model, reason: str, purpose: EvictFor, replaces: str = "") -> None:
     """A new replica of ``m``: placed on free GPUs this plan has not promised yet, or,
     fitting nowhere, submitted all the same (Slurm queues it) and making room (``_evict``)."""
     st.out.nodes_decide = True
     ok, where = fits(m, st.nodes, st.cfg, st.taken)
+    attrs: dict[str, object] = {}
     if ok:
         for n in where.split(","):
             st.taken[n] = st.taken.get(n, 0) + m.resources.gpus
         placement = where
     else:
-        note = _evict(st, m, where)
+        note = _evict(st, m, where, purpose)
         placement = f"no room now: {where}; {note}"
         st.out.notes[m.name] = f"no room: {where}; {note}"
+        if m.name in st.turned_down:
+            attrs["evict.turned_down"] = st.turned_down[m.name]
     st.out.actions.append(
         Action(
             ActionKind.SUBMIT,
@@ -647,6 +821,7 @@ def _submit(st: _PlanState, m: Model, reason: str, replaces: str = "") -> None:
             replica_id=st.new_id(),
             replaces=replaces,
             placement=placement,
+            attrs=attrs,
         )
     )
 
@@ -660,31 +835,129 @@ def _eviction_candidates(st: _PlanState, m: Model) -> list[ReplicaView]:
     ]
 
 
-def _evict(st: _PlanState, m: Model, why: str) -> str:
+_PURPOSE_WORDS: Mapping[str, str] = {
+    "held": "an on-demand start",
+    "min": "a scale-up to min",
+    "renewal": "a renewal",
+    "load": "a load scale-up",
+}
+
+
+def _evict(st: _PlanState, m: Model, why: str, purpose: EvictFor) -> str:
     """Stop the best candidate for ``m`` (which fits nowhere: ``why``); the note to show.
 
-    At most one eviction per pass, and none while an earlier one's job is still
-    being killed.
+    Only for a start its ``scaling.evict_for`` names (by default one that a held
+    request waits for), only a candidate whose stop makes ``m`` fit (the longest
+    idle of those), at most one eviction per pass, and none while an earlier
+    one's job is still being killed.
     """
+    if purpose not in m.scaling.evict_for:
+        allowed = ", ".join(m.scaling.evict_for) or "[]"
+        return f"{_PURPOSE_WORDS[purpose]} queues in Slurm (scaling.evict_for: {allowed})"
     if st.evicted or st.eviction_in_progress:
         return "waiting for an evicted replica to give its GPUs back"
     candidates = _eviction_candidates(st, m)
     if not candidates:
         return _nothing_to_evict(st, m)
-    best = candidates[0]
+    tried = ((c, _room_made_by(st, m, c)) for c in candidates)
+    best, where = next(((c, w) for c, w in tried if w), (None, ""))
+    if best is None:
+        return _none_makes_room(st, m, candidates)
     st.evicted = True
     st.out.nodes_decide = True
-    idle = st.now - (best.last_used or st.now)
+    # The room is promised to m: a later model of this pass must not count the
+    # free nodes m fits on beside the evicted one (m would then wait for two).
+    for n in where.split(","):
+        st.taken[n] = st.taken.get(n, 0) + m.resources.gpus
+    idle = _idle(best, st.now)
     attrs = {
         "for": m.name,
         "idle_seconds": idle,
         "gpus": best.gpus_per_node * best.nodes,
         "candidates": len(candidates),
+        "nodes": ",".join(best.node_names),
+        "fits_on": where,
         "why": why,
     }
     reason = f"evicted, idle {format_duration(idle)}, to make room for {m.name}"
     st.stop(ActionKind.EVICT, best, reason, attrs=attrs)
     return f"evicting {best.model} replica {best.replica_id} (idle {format_duration(idle)})"
+
+
+def _freed_by(st: _PlanState, c: ReplicaView) -> dict[str, _Freed]:
+    cm = st.models.get(c.model)
+    gpu_type = (cm.resources.gpu_type or "") if cm else ""
+    cpus = cm.resources.cpus if cm else 0
+    mem = cm.resources.memory_mb if cm else None
+    return {n: _Freed(c.gpus_per_node, gpu_type, cpus, mem) for n in c.node_names}
+
+
+def _room_made_by(st: _PlanState, m: Model, c: ReplicaView) -> str:
+    """Where ``m`` would fit once ``c``'s job is gone (the same listing, every other job
+    counted), "" if nowhere."""
+    if not c.node_names:
+        return ""  # where it runs is unknown: what it frees is too
+    pool: Sequence[NodeInfo] = st.nodes
+    if m.resources.nodes == 1:
+        # Only its own nodes change: the others said no already.
+        pool = [n for n in st.nodes if n.name in c.node_names]
+    ok, where = fits(m, pool, st.cfg, st.taken, _freed_by(st, c))
+    return where if ok else ""
+
+
+def _none_makes_room(st: _PlanState, m: Model, candidates: list[ReplicaView]) -> str:
+    """Idle replicas could be stopped, but none makes ``m`` fit: each, on each of its
+    nodes, and why that node would still be turned down; and the nearest one."""
+    by_name = {n.name: n for n in st.nodes}
+    down: list[str] = []
+    nearest, best_free = candidates[0], -1
+    for c in candidates:
+        fr = _freed_by(st, c)
+        for name in c.node_names or ("(nodes unknown)",):
+            n = by_name.get(name)
+            why, free = _turned_down(st, m, n, fr.get(name))
+            down.append(f"{c.model} {c.replica_id} on {name}: {why}")
+            if free > best_free:
+                nearest, best_free = c, free
+    st.turned_down[m.name] = tuple(down)
+    more = "; ..." if len(down) > 4 else ""
+    return (
+        f"{len(candidates)} idle replica(s) could be stopped, none makes room "
+        f"({'; '.join(down[:4])}{more}); nearest candidate: {nearest.model} {nearest.replica_id}"
+    )
+
+
+def _turned_down(
+    st: _PlanState, m: Model, n: NodeInfo | None, fr: _Freed | None
+) -> tuple[str, int]:
+    """Why node ``n`` could not take ``m`` even with ``fr`` freed, and the GPUs of
+    ``m``'s type it would have free (-1: it could never take ``m``)."""
+    res = m.resources
+    if n is None:
+        return "not in the node listing", -1
+    part = _partition(m, st.cfg)
+    if part and not any(p in n.partitions for p in part.split(",")):
+        return f"partition {','.join(n.partitions) or '(none)'}, needs {part}", -1
+    gpu_type = res.gpu_type or ""
+    if gpu_type and not n.gpus_total(gpu_type):
+        have = ",".join(sorted({g.type or "(untyped)" for g in n.gpus})) or "none"
+        return f"gpu type {have}, needs {gpu_type}", -1
+    why = _refusal(n, m, st.taken.get(n.name, 0), fr)
+    free = _free_gpus(n, gpu_type, st.taken.get(n.name, 0), fr)
+    if why == "state":
+        return f"state {n.state}", -1
+    if why == "features":
+        return f"features {','.join(n.features or ()) or '(none)'}, needs {res.constraint}", -1
+    what = f"gpu:{gpu_type}" if gpu_type else "gpu"
+    if why == "gpus":
+        return f"{free} {what} free once stopped, needs {res.gpus}", free
+    if why == "cpus":
+        cpus = n.cpus_total - n.cpus_alloc + (fr.cpus if fr else 0)
+        return f"{cpus} cpus free once stopped, needs {res.cpus}", free
+    if why == "memory":
+        need = f"{res.memory_mb} MB" if res.memory_mb else "all of it"
+        return f"{_free_memory(n, fr)} MB memory free once stopped, needs {need}", free
+    return f"fits once stopped, but {res.nodes} such node(s) needed", free
 
 
 def _nothing_to_evict(st: _PlanState, m: Model) -> str:

@@ -154,6 +154,7 @@ def build_view(r: Replica) -> ReplicaView:
         submitted_at=r.submitted_at,
         gpus_per_node=r.gpus_per_node,
         nodes=r.node_count,
+        node_names=r.nodes,
         reason=r.reason,
         started_at=r.started_at,
         adopted_at=r.adopted_at,

@@ -96,8 +96,10 @@ def _placement_attrs(placement: str) -> dict[str, Any]:
         "llmgw.placement.fits": False,
         "llmgw.placement.detail": detail,
         # "node: why" entries; the first part says what was needed, the last
-        # what eviction could do.
-        "llmgw.placement.refused": [p for p in parts if ": " in p and not p.startswith("needs ")],
+        # what eviction could do (its "MODEL ID: why" entries are not nodes).
+        "llmgw.placement.refused": [
+            p for p in parts if ": " in p and " " not in p.split(": ", 1)[0]
+        ],
     }
 
 
@@ -243,6 +245,8 @@ class ReconcileTracing:
         for k, v in a.attrs.items():
             if isinstance(v, (str, bool, int, float)):
                 attrs[f"llmgw.{k}"] = v
+            elif isinstance(v, tuple) and all(isinstance(x, str) for x in v):
+                attrs[f"llmgw.{k}"] = list(v)
         if a.kind is ActionKind.SUBMIT:
             name = "replica.place"
             attrs.update(_placement_attrs(a.placement))

@@ -66,6 +66,10 @@ SINFO_FIELDS = (
     "GresUsed",
     "NodeAddr",
     "Reason",
+    # The node's features, for a model's constraint (plan.fits): "(null)" when none.
+    "Features",
+    # Memory allocated to jobs, in MB (plan.fits, for a model that sets its memory).
+    "AllocMem",
 )
 
 SACCT_FIELDS = (
@@ -392,10 +396,18 @@ def parse_sinfo(stdout: str) -> list[NodeInfo]:
             gpus=gpus,
             address=f[7].strip(),
             reason="" if _none(f[8].strip()) else f[8].strip(),
+            features=parse_features(f[9]),
+            memory_alloc_mb=None if _none(f[10].strip()) else _int(f[10], 0),
         )
     if unreadable and not readable:
         raise _nothing_readable("sinfo", unreadable)
     return list(nodes.values())
+
+
+def parse_features(text: str) -> tuple[str, ...]:
+    """A node's features as sinfo lists them ("nvlink,ib"; "(null)" when it has none)."""
+    text = text.strip()
+    return () if _none(text) else tuple(f for f in text.split(",") if f)
 
 
 def _replace_partitions(n: NodeInfo, parts: tuple[str, ...]) -> NodeInfo:

@@ -301,7 +301,22 @@ def node_from_pyslurm(obj: Any) -> NodeInfo:
         ),
         address=_text(_attr(obj, "address")),
         reason=_text(_attr(obj, "reason")),
+        features=_features(_attr(obj, "available_features", "features")),
+        memory_alloc_mb=_opt_int(_attr(obj, "allocated_memory", "alloc_memory")),
     )
+
+
+def _opt_int(val: Any) -> int | None:
+    return None if val is None else _int(val, 0)
+
+
+def _features(val: Any) -> tuple[str, ...] | None:
+    """pyslurm's features (a list, or a comma string); None when it gives none at all."""
+    if val is None:
+        return None
+    if isinstance(val, str):
+        return tuple(f for f in val.split(",") if f and _text(f))
+    return tuple(str(f) for f in val if f)
 
 
 def nodes_from_pyslurm(objs: Iterable[Any]) -> list[NodeInfo]:

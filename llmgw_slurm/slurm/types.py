@@ -251,6 +251,10 @@ class NodeInfo:
     gpus: tuple[GpuCount, ...]
     address: str = ""
     reason: str = ""
+    # Its features (sinfo %f), for a model's constraint; None: the listing has none.
+    features: tuple[str, ...] | None = None
+    # Memory allocated to jobs (sinfo AllocMem); None: the listing does not say.
+    memory_alloc_mb: int | None = None
 
     @property
     def usable(self) -> bool:

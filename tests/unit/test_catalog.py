@@ -388,7 +388,7 @@ def test_unknown_key_suggests_the_closest_and_lists_valid_keys(tmp_path: Path) -
     assert errs == [
         "F:5: models[0].scaling.hold_timout: unknown key 'hold_timout'; did you mean "
         "'hold_timeout'? (valid "
-        "keys: hold_timeout, idle_timeout, max, min, target_inflight)"
+        "keys: evict_for, hold_timeout, idle_timeout, max, min, target_inflight)"
     ]
     errs = errors_of(tmp_path, one_model("    zzz: 1\n"))
     assert errs == [
@@ -879,3 +879,22 @@ def test_loaded_models_are_frozen_and_hashable() -> None:
     assert len({*cat.models, *cat.models}) == 3
     assert copy.deepcopy(big) == big and pickle.loads(pickle.dumps(big)) == big
     assert json.loads(json.dumps(big.engine.env)) == {"NCCL_SOCKET_IFNAME": "ib0"}
+
+
+def test_scaling_evict_for(tmp_path: Path) -> None:
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    cat = load_catalog(write(ok, one_model("    scaling: {evict_for: [held, min]}\n")))
+    assert cat.models[0].scaling.evict_for == ("held", "min")
+    default = tmp_path / "default"
+    default.mkdir()
+    assert load_catalog(write(default, one_model(""))).models[0].scaling.evict_for == ("held",)
+    text = one_model("    scaling:\n      evict_for: [held, mni]\n")
+    assert errors_of(tmp_path, text) == [
+        "F:6: models[0].scaling.evict_for[1]: expected one of: held, min, renewal, load; "
+        "got the string 'mni'; did you mean 'min'?"
+    ]
+    text = one_model("    scaling: {evict_for: [load, load]}\n")
+    assert errors_of(tmp_path, text) == [
+        "F:5: models[0].scaling.evict_for: evict_for names load more than once"
+    ]

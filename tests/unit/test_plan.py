@@ -763,7 +763,9 @@ def _eviction_catalog(tmp_path: Path, *, kept: bool = False) -> dict[str, Model]
 
 
 def idle_rv(rid: str, model: str, idle: float, **kw: object) -> ReplicaView:
-    return rv(rid, model, R, last_used=NOW - idle, **kw)
+    """A ready replica holding all four GPUs of full_node()'s n1: stopping it makes room."""
+    placed: dict[str, object] = {"node_names": ("n1",), "gpus_per_node": 4}
+    return rv(rid, model, R, last_used=NOW - idle, **{**placed, **kw})
 
 
 def test_evictable_only_ready_replicas_of_on_demand_models(tmp_path: Path) -> None:
@@ -850,7 +852,7 @@ def test_no_room_evicts_the_longest_idle_replica(tmp_path: Path) -> None:
     assert ev.job_id == "jbbbbbbbb"
     assert ev.reason == "evicted, idle 33m20s, to make room for want"
     assert ev.attrs["for"] == "want" and ev.attrs["candidates"] == 2
-    assert ev.attrs["idle_seconds"] == 2000 and ev.attrs["gpus"] == 1
+    assert ev.attrs["idle_seconds"] == 2000 and ev.attrs["gpus"] == 4
     sub = res.of(ActionKind.SUBMIT)[0]
     assert sub.placement.startswith("no room now: needs 1 node(s) with 4 free gpu; n1: 0 gpu")
     assert sub.placement.endswith("evicting od2 replica bbbbbbbb (idle 33m20s)")
@@ -970,19 +972,32 @@ def test_evicted_replica_gets_no_other_action(tmp_path: Path) -> None:
     assert brief(res) == [("evict", "od1", "aaaaaaaa"), ("submit", "want", "00000001")]
 
 
-def test_replica_drained_this_pass_is_not_evicted(tmp_path: Path) -> None:
-    # od1 comes first and drains its idle replica itself; `want` then finds
-    # nothing else to stop.
+def test_replica_stopped_this_pass_is_not_evicted(tmp_path: Path) -> None:
+    # Rule 1 cancels od1's replica (its agent reported a failure) before `want`
+    # looks for room: `want` then finds nothing else to stop. (A replica that its
+    # own model drains this pass cannot be one: a waiting model goes first.)
+    ms = models_of(
+        tmp_path,
+        entry("od1", "{idle_timeout: 10m}") + entry("want", resources="{gpus: 4}"),
+    )
+    reps = [idle_rv("aaaaaaaa", "od1", 5000, agent_failed="engine exited 1")]
+    res = run(ms, reps, nodes=full_node(), wanted={"want": NOW - 1})
+    assert brief(res) == [("cancel", "od1", "aaaaaaaa"), ("submit", "want", "00000001")]
+    assert res.notes["want"].endswith(
+        "nothing idle enough to stop (no other model has a replica ready and not already stopping)"
+    )
+
+
+def test_a_waiting_model_evicts_before_the_idle_model_drains_itself(tmp_path: Path) -> None:
+    # od1 is listed first and idle past its idle_timeout, but `want` waits: it
+    # goes first and its eviction takes od1's replica, which gets no drain.
     ms = models_of(
         tmp_path,
         entry("od1", "{idle_timeout: 10m}") + entry("want", resources="{gpus: 4}"),
     )
     reps = [idle_rv("aaaaaaaa", "od1", 5000)]
     res = run(ms, reps, nodes=full_node(), wanted={"want": NOW - 1})
-    assert brief(res) == [("drain", "od1", "aaaaaaaa"), ("submit", "want", "00000001")]
-    assert res.notes["want"].endswith(
-        "nothing idle enough to stop (no other model has a replica ready and not already stopping)"
-    )
+    assert brief(res) == [("evict", "od1", "aaaaaaaa"), ("submit", "want", "00000001")]
 
 
 def test_multi_node_replica_is_never_evicted_in_the_plan(tmp_path: Path) -> None:

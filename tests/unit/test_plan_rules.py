@@ -113,14 +113,21 @@ def test_evict_stops_one_replica_a_plan(tmp_path: Path) -> None:
         tmp_path,
         entry("big", resources="{gpus: 4}") + entry("x", "{min: 0}") + entry("y", "{min: 0}"),
     )
-    idle = {"last_used": NOW - 3_600.0}
-    st = state(ms, [rv("a", "x", R, **idle), rv("b", "y", R, **idle)])
-    note = _evict(st, ms["big"], "needs 4 gpus")
+    idle = {"last_used": NOW - 3_600.0, "gpus_per_node": 4}
+    reps = [
+        rv("a", "x", R, node_names=("n1",), **idle),
+        rv("b", "y", R, node_names=("n2",), **idle),
+    ]
+    nodes = [node("n1", gpus=4, used=4), node("n2", gpus=4, used=4)]
+    st = state(ms, reps, nodes)
+    note = _evict(st, ms["big"], "needs 4 gpus", "held")
     (ev,) = st.out.actions
     assert (ev.kind, ev.replica_id, ev.attrs["for"]) == (ActionKind.EVICT, "a", "big")
     assert note == "evicting x replica a (idle 1h00m)" and st.out.nodes_decide
     # A second model short of room in the same plan waits for the GPUs to come back.
-    assert _evict(st, ms["big"], "") == "waiting for an evicted replica to give its GPUs back"
+    assert (
+        _evict(st, ms["big"], "", "held") == "waiting for an evicted replica to give its GPUs back"
+    )
     assert len(st.out.actions) == 1
 
 
@@ -132,12 +139,29 @@ def test_evict_waits_while_an_earlier_eviction_is_being_killed(tmp_path: Path) -
     ]
     st = state(ms, reps)
     assert st.eviction_in_progress
-    assert _evict(st, ms["big"], "") == "waiting for an evicted replica to give its GPUs back"
+    assert (
+        _evict(st, ms["big"], "", "held") == "waiting for an evicted replica to give its GPUs back"
+    )
     assert st.out.actions == []
 
 
 def test_evict_with_nothing_to_stop_says_what_keeps_each_replica(tmp_path: Path) -> None:
     ms = models_of(tmp_path, entry("big", resources="{gpus: 4}") + entry("x", "{min: 1}"))
     st = state(ms, [rv("a", "x", R)])
-    assert _evict(st, ms["big"], "") == "nothing idle enough to stop (x a: min 1)"
+    assert _evict(st, ms["big"], "", "held") == "nothing idle enough to stop (x a: min 1)"
     assert st.out.actions == [] and not st.evicted
+
+
+def test_evict_only_for_the_starts_the_model_allows(tmp_path: Path) -> None:
+    ms = models_of(
+        tmp_path,
+        entry("big", "{evict_for: [held, min]}", "{gpus: 4}") + entry("x", "{min: 0}"),
+    )
+    reps = [rv("a", "x", R, last_used=NOW - 3_600.0, node_names=("n1",), gpus_per_node=4)]
+    st = state(ms, reps, [node("n1", gpus=4, used=4)])
+    assert _evict(st, ms["big"], "", "load") == (
+        "a load scale-up queues in Slurm (scaling.evict_for: held, min)"
+    )
+    assert _evict(st, ms["big"], "", "renewal").startswith("a renewal queues in Slurm")
+    assert st.out.actions == []
+    assert _evict(st, ms["big"], "", "min") == "evicting x replica a (idle 1h00m)"

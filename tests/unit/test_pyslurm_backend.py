@@ -279,6 +279,14 @@ def test_node_translates_every_field() -> None:
     assert node.gpus_free() == 3
     assert node.address == "10.0.0.1"
     assert node.reason == ""
+    assert node.features is None  # this pyslurm gives none: the plan does not check them
+    assert node.memory_alloc_mb is None
+    assert node_from_pyslurm(pnode(allocated_memory=4096)).memory_alloc_mb == 4096
+    assert node_from_pyslurm(pnode(available_features=["nvlink", "ib"])).features == (
+        "nvlink",
+        "ib",
+    )
+    assert node_from_pyslurm(pnode(features="nvlink,ib")).features == ("nvlink", "ib")
 
 
 def test_node_older_names_and_a_broken_node_is_skipped(caplog: pytest.LogCaptureFixture) -> None:

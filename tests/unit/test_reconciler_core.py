@@ -272,7 +272,10 @@ async def evicting_world(tmp_path: Path, first: list[NodeInfo]) -> tuple[Reconci
     rec, fake = make(tmp_path, {"min": 0, "max": 1, "idle_timeout": "1d"}, names=("a", "b"), gpus=4)
     rec.clock = clock = Clock()
     fake.nodes = first
-    fake.jobs = [job("7", "a", "0a1b2c3d", JobState.RUNNING)]
+    # a's job holds all four GPUs of n0: evicting it makes room for b.
+    running = job("7", "a", "0a1b2c3d", JobState.RUNNING)
+    whole = dataclasses.replace(running.components[0], tres_per_node="gres:gpu:a100:4")
+    fake.jobs = [dataclasses.replace(running, components=(whole,))]
     await rec.pass_once()
     r = rec.replicas["0a1b2c3d"]
     r.base_url = "http://127.0.0.1:1"

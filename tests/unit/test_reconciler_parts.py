@@ -142,6 +142,28 @@ async def test_directory_routes_to_ready_and_draining_replicas_only() -> None:
     assert table.wake.is_set() and d.wanted_at() == {"m": 100.0}
 
 
+async def test_directory_keeps_when_the_oldest_held_request_began_waiting() -> None:
+    now = [100.0]
+    table = ReplicaTable(Catalog(models=()), lambda: now[0], ReconcileTracing(None, False))
+    d = ReplicaDirectory(table, KEY, PinnedContexts(GATEWAY), want_window=300.0)
+    d.want("m")
+    now[0] = 250.0
+    d.want("m")  # a later request: the oldest still waits since 100
+    assert d.held_since() == {"m": 100.0} and d.wanted_at() == {"m": 250.0}
+    # Every earlier request has had its 503 (past the window): a new wait begins.
+    now[0] = 600.0
+    d.want("m")
+    assert d.held_since() == {"m": 600.0}
+    # Ready: nobody waits any more.
+    table.replicas["0a0a0a0a"] = running("0a0a0a0a", base_url="http://a")
+    d.signal_ready("m")
+    assert d.held_since() == {}
+    # A request held while a replica is ready (it drains, say) waits from now.
+    now[0] = 700.0
+    d.want("m")
+    assert d.held_since() == {"m": 700.0}
+
+
 def test_report_nonces_survive_a_restart_of_the_daemon(tmp_path: Path) -> None:
     journal = tmp_path / "report-nonces"
     raw = json.dumps({"event": "heartbeat"}).encode()

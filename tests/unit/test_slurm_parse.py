@@ -81,6 +81,18 @@ def test_sinfo_folds_partitions_and_counts_gpus() -> None:
     assert n1.gpus_free() == 4 - sum(g.used for g in n1.gpus)
     assert n1.address == "127.0.10.1"
     assert n1.usable
+    assert n1.features == ()  # the listing has features, the node none: "(null)"
+    assert n1.memory_alloc_mb == 0
+
+
+def test_sinfo_features() -> None:
+    sep = parse.SEP
+    row = ["h1", "idle", "big", "0/64/0/64", "512000", "gpu:h100:8", "gpu:h100:0", "10.0.0.1"]
+    line = sep.join([*row, "none", "nvlink,ib", "131072"]) + sep
+    (n,) = parse.parse_sinfo(line + "\n")
+    assert n.features == ("nvlink", "ib")
+    assert (n.memory_mb, n.memory_alloc_mb) == (512_000, 131_072)
+    assert parse.parse_features("(null)") == ()
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import ServerConfig, TracingConfig, load_server_config
 from llmgw_slurm.errors import ConfigError
 from llmgw_slurm.reconciler.core import Reconciler
+from llmgw_slurm.reconciler.plan import Action, ActionKind
 from llmgw_slurm.reconciler.spans import decision_of, traceparent_from_comment
 from llmgw_slurm.router import ModelInfo, RouterConfig, StaticDirectory, create_app
 from llmgw_slurm.router import gateway as gateway_mod
@@ -328,6 +329,32 @@ async def test_eviction_span_has_the_reference_attributes_and_placement_follows(
     assert p["llmgw.placement.fits"] is False
     assert "n1: 0 gpu:a100 free" in tuple(p["llmgw.placement.refused"])  # type: ignore[arg-type]
     assert "evicting alpha" in str(p["llmgw.placement.detail"])
+
+
+def test_placement_span_lists_each_eviction_candidate_turned_down(w: World) -> None:
+    # A start that no single eviction makes room for: plan.py's note after the
+    # refusals names candidates ("MODEL ID on NODE: why"), which are not nodes.
+    placement = (
+        "no room now: needs 1 node(s) with 1 free gpu:h100; n1: 0 gpu:h100 free; "
+        "1 idle replica(s) could be stopped, none makes room (alpha 0a0a0a0a on a1: "
+        "gpu type a100, needs h100); nearest candidate: alpha 0a0a0a0a"
+    )
+    turned_down = ("alpha 0a0a0a0a on a1: gpu type a100, needs h100",)
+    a = Action(
+        ActionKind.SUBMIT,
+        "beta",
+        "scale up to 1: a request is waiting",
+        replica_id="0b0b0b0b",
+        placement=placement,
+        attrs={"evict.turned_down": turned_down},
+    )
+    with w.rec.tracing.action(a, {}):
+        pass
+    p = only(w.named("replica.place")).attributes
+    assert p is not None
+    assert tuple(p["llmgw.placement.refused"]) == ("n1: 0 gpu:h100 free",)  # type: ignore[arg-type]
+    assert tuple(p["llmgw.evict.turned_down"]) == turned_down  # type: ignore[arg-type]
+    assert "1 idle replica(s) could be stopped" in str(p["llmgw.placement.detail"])
 
 
 async def test_reap_of_a_pending_replica_ends_its_start_with_the_cause(w: World) -> None:
