@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -256,9 +257,13 @@ class NodeInfo:
     # Memory allocated to jobs (sinfo AllocMem); None: the listing does not say.
     memory_alloc_mb: int | None = None
 
-    @property
+    @functools.cached_property
     def usable(self) -> bool:
-        """Can take new work (not down, drained, failing or unresponsive)."""
+        """Can take new work (not down, drained, failing or unresponsive).
+
+        Cached: a pass asks it of every node for every model it places
+        (250,000 times for 500 models on 500 nodes), and a listing never changes.
+        """
         s = self.state.lower()
         bad = ("down", "drain", "fail", "maint", "reboot", "unknown", "inval", "future", "power")
         return not s.endswith("*") and not any(b in s for b in bad)
