@@ -288,9 +288,30 @@ def node_state(text: str) -> str:
     return word + suffix
 
 
+def used_gpus(total: Mapping[str, int], used: Mapping[str, int]) -> dict[str, int]:
+    """GPUs in use per configured type, from what pyslurm's ``allocated_gres`` says.
+
+    pyslurm 25.11's Node has no ``gres_used`` (sinfo's GresUsed); its
+    ``allocated_gres`` comes from the node's allocated TRES, which names a GPU
+    type only where the site tracks it (``AccountingStorageTRES=gres/gpu:a100``);
+    otherwise it is ``{"gpu": 2}``, and when typed counts are there, the untyped
+    one is their sum. Untyped use goes to the node's one GPU type; a node with
+    several types counts it against each (it could be any of them): fewer free
+    GPUs than the truth, never more, so nothing is placed where it cannot run.
+    """
+    out = {t: n for t, n in used.items() if t in total}
+    if "" in total:
+        return out
+    untyped = used.get("", 0) - sum(out.values())
+    if untyped > 0:
+        for t in total:
+            out[t] = min(total[t], out.get(t, 0) + untyped)
+    return out
+
+
 def node_from_pyslurm(obj: Any) -> NodeInfo:
     total = gpu_counts(obj.configured_gres)
-    used = gpu_counts(obj.allocated_gres)
+    used = used_gpus(total, gpu_counts(obj.allocated_gres))
     partitions = obj.partitions or []
     if isinstance(partitions, str):
         partitions = partitions.split(",")
@@ -515,8 +536,32 @@ def sbatch_options(script: str) -> dict[str, Any]:
             out[attr] = int(given)
         elif attr in _MINUTES and given.isdigit():
             out[attr] = int(given)
+        elif attr == "signal":
+            out[attr] = _warn_signal(given)
         else:
             out[attr] = given
+    return out
+
+
+def _warn_signal(value: str) -> dict[str, Any]:
+    """sbatch's ``--signal=[{R|B}:]SIG[@SECONDS]`` as pyslurm's signal dict.
+
+    pyslurm's own reading of the string looks the name up without its SIG
+    prefix ("Invalid Signal: USR1"), so the number is passed instead.
+    """
+    flags, colon, rest = value.rpartition(":") if ":" in value else ("", "", value)
+    sig, at, secs = rest.partition("@")
+    if (colon and not set(flags.upper()) <= {"R", "B"}) or (at and not secs.isdigit()):
+        raise _sbatch_error(f"#SBATCH --signal={value} is not [{{R|B}}:]SIG[@SECONDS]")
+    try:
+        number = signal_number(sig)
+    except SlurmError as exc:
+        raise _sbatch_error(f"#SBATCH --signal={value}: {exc.message}") from exc
+    out: dict[str, Any] = {"signal": number, "time": int(secs) if at else 60}
+    if "B" in flags.upper():
+        out["batch_only"] = True
+    if "R" in flags.upper():
+        out["allow_reservation_overlap"] = True
     return out
 
 

@@ -359,3 +359,20 @@ async def test_requeue_puts_a_running_job_back_in_the_queue(
     # A queued job has neither started nor an end, whatever its last run had.
     assert (again.start_time, again.end_time) == (None, None)
     assert again.submit_time is not None
+
+
+async def test_a_running_gpu_job_shows_as_used_gpus_on_its_node(
+    backend: SlurmBackend, prefix: str
+) -> None:
+    job_id = await backend.submit(
+        JobSpec(
+            name=prefix + "used.0000000c",
+            script=script("sleep 300", directives=("--partition=llm", "--gres=gpu:a100:2")),
+        )
+    )
+    job = await wait_state(backend, prefix, job_id, JobState.RUNNING)
+    assert job.components[0].tres_per_node == "gres/gpu:a100:2"
+    (node,) = [n for n in await backend.list_nodes() if n.name == job.nodes[0]]
+    # Other tests' jobs may share the node: at least ours is counted, per type.
+    assert 2 <= node.gpus_total("a100") - node.gpus_free("a100") <= 4
+    assert node.state in ("mixed", "allocated")

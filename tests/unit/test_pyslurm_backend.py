@@ -293,6 +293,22 @@ def test_node_translates_every_field() -> None:
     assert node.reason == ""
 
 
+def test_untyped_gpu_use_goes_to_the_nodes_gpu_type() -> None:
+    # pyslurm 25.11 on a site tracking only gres/gpu: {"gpu": 2}, as on the dev cluster.
+    one = node_from_pyslurm(pnode(configured_gres={"gpu:a100": 4}, allocated_gres={"gpu": 2}))
+    assert [(g.type, g.total, g.used) for g in one.gpus] == [("a100", 4, 2)]
+    # Typed counts tracked too: the untyped one is their sum, not more use.
+    both = {"gpu": 3, "gpu:a100": 2, "gpu:v100": 1}
+    exact = node_from_pyslurm(pnode(allocated_gres=both))
+    assert [(g.type, g.used) for g in exact.gpus] == [("a100", 2), ("v100", 1)]
+    # Two types and only an untyped count: it may be either, so neither is counted free.
+    unsure = node_from_pyslurm(pnode(allocated_gres={"gpu": 3}))
+    assert [(g.type, g.used) for g in unsure.gpus] == [("a100", 3), ("v100", 2)]
+    assert unsure.gpus_free() == 1
+    untyped = node_from_pyslurm(pnode(configured_gres={"gpu": 2}, allocated_gres={"gpu": 1}))
+    assert [(g.type, g.total, g.used) for g in untyped.gpus] == [("", 2, 1)]
+
+
 def test_node_older_names_and_a_broken_node_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
     old = Fake(
         **{
@@ -409,11 +425,12 @@ def test_sbatch_options_read_like_sbatch() -> None:
         "priority": 0,
         "name": "x",
         "standard_output": "/dev/null",
-        "signal": "B:USR1@60",
+        "signal": {"signal": int(signal.SIGUSR1), "time": 60, "batch_only": True},
     }
-    assert sbatch_options("#!/bin/sh\n#SBATCH -t 01:00:00 --no-requeue\n") == {
+    assert sbatch_options("#!/bin/sh\n#SBATCH -t 01:00:00 --no-requeue --signal=10\n") == {
         "time_limit": "01:00:00",
         "is_requeueable": False,
+        "signal": {"signal": 10, "time": 60},
     }
 
 
@@ -425,6 +442,9 @@ def test_sbatch_options_read_like_sbatch() -> None:
         ("#SBATCH --partition", "has no value"),
         ("#SBATCH llm", "unexpected #SBATCH word 'llm'"),
         ("#SBATCH --comment='open", "cannot read the #SBATCH line"),
+        ("#SBATCH --signal=X:USR1@60", "is not [{R|B}:]SIG[@SECONDS]"),
+        ("#SBATCH --signal=USR1@soon", "is not [{R|B}:]SIG[@SECONDS]"),
+        ("#SBATCH --signal=NOPE", "unknown signal 'NOPE'"),
     ],
 )
 def test_sbatch_options_refuse_what_they_cannot_pass_on(line: str, says: str) -> None:
