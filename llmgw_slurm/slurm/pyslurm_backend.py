@@ -6,20 +6,23 @@ docs/slurm-backends.md):
 
 - No fork per call: each call is one RPC to slurmctld (or slurmdbd), run in a
   worker thread because pyslurm's calls block.
-- ``list_jobs`` loads EVERY job on the cluster (``pyslurm.Jobs.load`` has no
-  server-side user filter, unlike ``squeue -u``) and filters by user and name
-  prefix here. On a cluster with tens of thousands of queued jobs that is a big
-  reply per reconcile pass; the CLI backend is cheaper there.
+- ``list_jobs`` loads EVERY job slurmctld holds (``pyslurm.Jobs.load`` has no
+  user filter, unlike ``squeue -u``; libslurm's ``slurm_load_job_user`` is not
+  offered to Python) and filters by user and name prefix here: 4 times a bare
+  ``squeue -u`` at 2,000 jobs on the dev cluster, and it grows with the whole
+  queue, not the service's part of it.
 - pyslurm cannot submit a heterogeneous job: those go through ``sbatch``
-  (a :class:`CliBackend`), logged each time.
-- pyslurm reads ``#SBATCH`` lines only from a file, so the script is written
-  to a private temporary file for the length of the submit call.
+  (a :class:`CliBackend`), logged each time; so do accounting queries for
+  every run of requeued jobs (``sacct --duplicates``).
+- The script's ``#SBATCH`` lines are read here (:func:`sbatch_options`), not by
+  pyslurm's reader, which fails on ``-p`` in 25.11.2; the script goes to
+  pyslurm as a private temporary file for the length of the submit call.
 
 The translation from pyslurm objects to our types is kept in pure functions
-that take any attribute-bearing object, so it is unit-tested without pyslurm.
-It has NOT been run against a real Slurm 25.11: attribute names come from
-pyslurm's source and docs, and where they were in doubt the code tries the
-alternatives with a fallback (listed in docs/slurm-backends.md).
+that take any attribute-bearing object, so it is unit-tested without pyslurm;
+the contract tests (tests/slurm/test_adapter.py) and the reconciler tests run
+it against Slurm 25.11.7 with pyslurm 25.11.2. Attribute names that older
+pyslurm releases spelled differently are still tried as fallbacks.
 """
 
 from __future__ import annotations
