@@ -1,11 +1,13 @@
 """Cost of the adapter's one-call job listing against a bare ``squeue``.
 
 With 0, 500 and 2,000 of the service's jobs queued (held, so they cost the
-cluster nothing), times ``CliBackend.list_jobs(prefix)`` and a bare
+cluster nothing), times ``list_jobs(prefix)`` of every backend that works here
+(the CLI always; pyslurm on a Slurm 25.11 cluster where it imports) and a bare
 ``squeue -u USER`` in the same run, alternating, and prints medians and the
-ratio. Needs the dev cluster: ``eval "$(scripts/dev-cluster env)"``.
+ratio. Needs the dev cluster: ``eval "$(scripts/dev-cluster env)"`` (or
+``LLMGW_SLURM=25.11 scripts/dev-cluster env`` for both backends).
 
-    python3 bench/slurm_listing.py [--repeats 15]
+    python3 bench/slurm_listing.py [--repeats 15] [--backends cli,pyslurm]
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import median, print_table, result, write
-from llmgw_slurm.slurm import JobSpec
+from llmgw_slurm.errors import SlurmUnavailable
+from llmgw_slurm.slurm import BACKENDS, JobSpec, SlurmBackend, make_backend
 from llmgw_slurm.slurm.cli import CliBackend
 
 PREFIX = "llmgwbench."
@@ -52,7 +55,7 @@ async def bare_squeue() -> float:
     return time.perf_counter() - t0
 
 
-async def adapter(backend: CliBackend, expect: int) -> float:
+async def adapter(backend: SlurmBackend, expect: int) -> float:
     t0 = time.perf_counter()
     jobs = [j for j in await backend.list_jobs(PREFIX) if j.state.is_active]
     dt = time.perf_counter() - t0
@@ -63,8 +66,15 @@ async def adapter(backend: CliBackend, expect: int) -> float:
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
     args = ap.parse_args()
     backend = CliBackend(timeout=120)
+    listers: dict[str, SlurmBackend] = {}
+    for kind in args.backends.split(","):
+        try:
+            listers[kind] = make_backend(kind, timeout=120)
+        except SlurmUnavailable as exc:
+            print(f"{kind}: skipped ({exc})")
     stale = [j.job_id for j in await backend.list_jobs(PREFIX)]
     if stale:
         subprocess.run(["scancel", *stale], check=False)
@@ -74,19 +84,22 @@ async def main() -> None:
     try:
         for n in (0, 500, 2000):
             ids += await fill(backend, len(ids), n)
-            ours, bare = [], []
+            ours: dict[str, list[float]] = {kind: [] for kind in listers}
+            bare = []
             for _ in range(args.repeats):
-                ours.append(await adapter(backend, n))
+                for kind, lister in listers.items():
+                    ours[kind].append(await adapter(lister, n))
                 bare.append(await bare_squeue())
-            results.append(
-                result(
-                    f"list_jobs, {n} service jobs queued",
-                    median(ours),
-                    "s",
-                    "bare squeue -u",
-                    median(bare),
+            for kind in listers:
+                results.append(
+                    result(
+                        f"list_jobs ({kind}), {n} service jobs queued",
+                        median(ours[kind]),
+                        "s",
+                        "bare squeue -u",
+                        median(bare),
+                    )
                 )
-            )
     finally:
         for i in range(0, len(ids), 500):
             subprocess.run(["scancel", *ids[i : i + 500]], check=False)

@@ -4,7 +4,9 @@ Works on every Slurm from 22.05 on. Costs to keep in mind:
 - ``squeue -u USER`` is the cheap listing (slurmctld filters by user); any other
   filter is applied client-side after loading every job, and asking per job is
   a call per replica per pass, so the daemon lists once and filters here.
-- ``squeue --json`` ignores filters in 22.05: not used.
+- ``squeue --json`` ignores filters in 22.05; 25.11 applies them, but with 515
+  jobs it took 1.41 s and 4.3 MB against 0.086 s and 83 KB for ``--Format``
+  and our parser (median of 7, dev cluster): not used.
 - Each call forks a process (tens of milliseconds); the reconciler makes two per
   pass (squeue, sinfo) however many replicas it runs.
 """

@@ -288,7 +288,7 @@ def _job_from_rows(key: str, rows: list[list[str]]) -> Job:
                 state=JobState.parse(f[4]),
                 nodes=expand(f[6]),
                 node_count=_int(f[7], 0),
-                tres_per_node="" if _none(f[9].strip()) else f[9].strip(),
+                tres_per_node=tres_per_node(f[9]),
             )
         )
     comps.sort(key=lambda c: c.offset)
@@ -314,6 +314,18 @@ def _job_from_rows(key: str, rows: list[list[str]]) -> Job:
         end_time=parse_time(head[11]) if not pending else None,
         restarts=_int(head[14], 0),
         components=tuple(comps),
+    )
+
+
+def tres_per_node(text: str) -> str:
+    """squeue's tres-per-node in TRES form: 22.05 prints ``gres:gpu:a100:2``, 25.11
+    (and pyslurm) ``gres/gpu:a100:2``; both read as the latter."""
+    text = text.strip()
+    if _none(text):
+        return ""
+    return ",".join(
+        "gres/" + item[len("gres:") :] if item.startswith("gres:") else item
+        for item in text.split(",")
     )
 
 

@@ -6,20 +6,23 @@ docs/slurm-backends.md):
 
 - No fork per call: each call is one RPC to slurmctld (or slurmdbd), run in a
   worker thread because pyslurm's calls block.
-- ``list_jobs`` loads EVERY job on the cluster (``pyslurm.Jobs.load`` has no
-  server-side user filter, unlike ``squeue -u``) and filters by user and name
-  prefix here. On a cluster with tens of thousands of queued jobs that is a big
-  reply per reconcile pass; the CLI backend is cheaper there.
+- ``list_jobs`` loads EVERY job slurmctld holds (``pyslurm.Jobs.load`` has no
+  user filter, unlike ``squeue -u``; libslurm's ``slurm_load_job_user`` is not
+  offered to Python) and filters by user and name prefix here: 4 times a bare
+  ``squeue -u`` at 2,000 jobs on the dev cluster, and it grows with the whole
+  queue, not the service's part of it.
 - pyslurm cannot submit a heterogeneous job: those go through ``sbatch``
-  (a :class:`CliBackend`), logged each time.
-- pyslurm reads ``#SBATCH`` lines only from a file, so the script is written
-  to a private temporary file for the length of the submit call.
+  (a :class:`CliBackend`), logged each time; so do accounting queries for
+  every run of requeued jobs (``sacct --duplicates``).
+- The script's ``#SBATCH`` lines are read here (:func:`sbatch_options`), not by
+  pyslurm's reader, which fails on ``-p`` in 25.11.2; the script goes to
+  pyslurm as a private temporary file for the length of the submit call.
 
 The translation from pyslurm objects to our types is kept in pure functions
-that take any attribute-bearing object, so it is unit-tested without pyslurm.
-It has NOT been run against a real Slurm 25.11: attribute names come from
-pyslurm's source and docs, and where they were in doubt the code tries the
-alternatives with a fallback (listed in docs/slurm-backends.md).
+that take any attribute-bearing object, so it is unit-tested without pyslurm;
+the contract tests (tests/slurm/test_adapter.py) and the reconciler tests run
+it against Slurm 25.11.7 with pyslurm 25.11.2. Attribute names that older
+pyslurm releases spelled differently are still tried as fallbacks.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import logging
 import os
 import pwd
 import re
+import shlex
 import signal as _signal
 import tempfile
 import threading
@@ -159,7 +163,11 @@ def _job_from_components(key: str, objs: list[Any]) -> Job:
     pending = head_comp.state is JobState.PENDING
     start = None if pending else _time(head.start_time)
     end = None if pending else _time(_attr(head, "end_time"))
-    if end is None and start is not None and limit_s is not None:
+    if not head_comp.state.is_finished and limit_s is None:
+        # Slurm fills a running job without a limit with start + a year; squeue
+        # prints NONE, and Job.end_time says None: no end is coming.
+        end = None
+    elif end is None and start is not None and limit_s is not None:
         end = start + timedelta(seconds=limit_s)
     return Job(
         job_id=key,
@@ -283,9 +291,30 @@ def node_state(text: str) -> str:
     return word + suffix
 
 
+def used_gpus(total: Mapping[str, int], used: Mapping[str, int]) -> dict[str, int]:
+    """GPUs in use per configured type, from what pyslurm's ``allocated_gres`` says.
+
+    pyslurm 25.11's Node has no ``gres_used`` (sinfo's GresUsed); its
+    ``allocated_gres`` comes from the node's allocated TRES, which names a GPU
+    type only where the site tracks it (``AccountingStorageTRES=gres/gpu:a100``);
+    otherwise it is ``{"gpu": 2}``, and when typed counts are there, the untyped
+    one is their sum. Untyped use goes to the node's one GPU type; a node with
+    several types counts it against each (it could be any of them): fewer free
+    GPUs than the truth, never more, so nothing is placed where it cannot run.
+    """
+    out = {t: n for t, n in used.items() if t in total}
+    if "" in total:
+        return out
+    untyped = used.get("", 0) - sum(out.values())
+    if untyped > 0:
+        for t in total:
+            out[t] = min(total[t], out.get(t, 0) + untyped)
+    return out
+
+
 def node_from_pyslurm(obj: Any) -> NodeInfo:
     total = gpu_counts(obj.configured_gres)
-    used = gpu_counts(obj.allocated_gres)
+    used = used_gpus(total, gpu_counts(obj.allocated_gres))
     partitions = obj.partitions or []
     if isinstance(partitions, str):
         partitions = partitions.split(",")
@@ -333,18 +362,34 @@ def nodes_from_pyslurm(objs: Iterable[Any]) -> list[NodeInfo]:
 
 
 def _tres_text(tres: Any) -> str:
-    """Allocated TRES as sacct's AllocTRES string (``cpu=4,gres/gpu=2,...``)."""
+    """Allocated TRES as sacct's AllocTRES string (``billing=1,cpu=4,gres/gpu=2,mem=500M``).
+
+    pyslurm 25.11's ``db.Job.allocated_tres`` is a TrackableResources whose
+    ``to_dict()`` maps a kind to a resource (``cpu``) or to a dict of them
+    (``gres``), each with ``type_and_name`` and ``count``; its ``raw_str`` is
+    empty. Memory counts are in megabytes, which sacct prints with an M.
+    """
     if isinstance(tres, str):
         return _text(tres)
     if isinstance(tres, Mapping):
         return ",".join(f"{k}={v}" for k, v in tres.items())
-    return ""
+    to_dict = getattr(tres, "to_dict", None)
+    if not callable(to_dict):
+        return ""
+    items: list[tuple[str, int]] = []
+    for value in to_dict().values():
+        for res in value.values() if isinstance(value, Mapping) else [value]:
+            name = _text(_attr(res, "type_and_name"))
+            count = _attr(res, "count")
+            if name and isinstance(count, int):
+                items.append((name, count))
+    return ",".join(f"{n}={c}M" if n == "mem" else f"{n}={c}" for n, c in sorted(items))
 
 
 def accounting_from_pyslurm(obj: Any) -> AccountingRecord:
-    # The allocated TRES attribute is the least certain name in pyslurm's db.Job
-    # (commented out in some releases); without it, gpus (and GPU-hours) read 0.
-    tres = _tres_text(_attr(obj, "tres_alloc_str", "allocated_tres", "tres_allocated"))
+    # Older pyslurm releases named the allocated TRES differently (or left it out);
+    # without it, gpus (and GPU-hours) read 0.
+    tres = _tres_text(_attr(obj, "allocated_tres", "tres_alloc_str", "tres_allocated"))
     return AccountingRecord(
         job_id=str(obj.id),
         name=_text(obj.name),
@@ -382,18 +427,174 @@ def accounting_from_pyslurm_all(
 # --------------------------------------------------------------- submit and signal
 
 
+# sbatch's options -> JobSubmitDescription attributes, for the options a batch
+# script's #SBATCH lines may use here. pyslurm's own reader
+# (load_sbatch_options) is not used: in 25.11.2 it sets ``partition``, which
+# JobSubmitDescription does not have (AttributeError on every -p line), drops
+# options it does not know without a word, and cuts values at any "#". Ours
+# refuses what it cannot map, naming the option: a replica submitted without
+# its --gres would run on no GPU. Value None: the option takes an argument.
+_FLAGS: dict[str, tuple[str, object]] = {
+    "hold": ("priority", 0),
+    "requeue": ("is_requeueable", True),
+    "no-requeue": ("is_requeueable", False),
+    "exclusive": ("resource_sharing", "no"),
+    "oversubscribe": ("resource_sharing", "yes"),
+    "contiguous": ("requires_contiguous_nodes", True),
+}
+_VALUED: dict[str, str] = {
+    "account": "account",
+    "begin": "begin_time",
+    "chdir": "working_directory",
+    "comment": "comment",
+    "constraint": "constraints",
+    "cpus-per-gpu": "cpus_per_gpu",
+    "cpus-per-task": "cpus_per_task",
+    "deadline": "deadline",
+    "dependency": "dependencies",
+    "error": "standard_error",
+    "exclude": "excluded_nodes",
+    "gpus": "gpus",
+    "gpus-per-task": "gpus_per_task",
+    "gres": "gres_per_node",
+    "input": "standard_in",
+    "job-name": "name",
+    "licenses": "licenses",
+    "mail-type": "mail_types",
+    "mail-user": "mail_user",
+    "mem": "memory_per_node",
+    "mem-per-cpu": "memory_per_cpu",
+    "mem-per-gpu": "memory_per_gpu",
+    "nice": "nice",
+    "nodelist": "required_nodes",
+    "nodes": "nodes",
+    "ntasks": "ntasks",
+    "ntasks-per-node": "ntasks_per_node",
+    "open-mode": "log_files_open_mode",
+    "output": "standard_output",
+    "partition": "partitions",
+    "qos": "qos",
+    "reservation": "reservations",
+    "signal": "signal",
+    "time": "time_limit",
+    "time-min": "time_limit_min",
+    "tmp": "temporary_disk_per_node",
+    "wckey": "wckey",
+}
+_SHORT = {
+    "A": "account", "b": "begin", "C": "constraint", "c": "cpus-per-task", "D": "chdir",
+    "d": "dependency", "e": "error", "G": "gpus", "H": "hold", "i": "input", "J": "job-name",
+    "L": "licenses", "N": "nodes", "n": "ntasks", "o": "output", "p": "partition", "q": "qos",
+    "s": "oversubscribe", "t": "time", "w": "nodelist", "x": "exclude",
+}  # fmt: skip
+# pyslurm stores these through u16/u32 converters that take numbers, not text.
+_NUMERIC = frozenset({"cpus_per_task", "cpus_per_gpu", "ntasks", "ntasks_per_node", "nice"})
+# Times in minutes: pyslurm passes a value of digits on as it is, and then wants an int.
+_MINUTES = frozenset({"time_limit", "time_limit_min"})
+
+
+def _sbatch_error(message: str) -> SlurmError:
+    return SlurmError(
+        f"{message}; the pyslurm backend reads these #SBATCH options: "
+        f"{', '.join(sorted([*_FLAGS, *_VALUED]))} (or use slurm.backend: cli)",
+        command=["pyslurm.JobSubmitDescription"],
+    )
+
+
+def _sbatch_tokens(script: str) -> list[str]:
+    """The options of the script's #SBATCH lines, in order, as sbatch reads them:
+    up to the first line that is neither blank nor a comment."""
+    tokens: list[str] = []
+    for line in script.splitlines()[1:]:
+        text = line.strip()
+        if not text:
+            continue
+        if not text.startswith("#"):
+            break
+        if not text.startswith("#SBATCH"):
+            continue
+        try:
+            tokens.extend(shlex.split(text[len("#SBATCH") :]))
+        except ValueError as exc:
+            raise _sbatch_error(f"cannot read the #SBATCH line {text!r}: {exc}") from exc
+    return tokens
+
+
+def sbatch_options(script: str) -> dict[str, Any]:
+    """``#SBATCH`` lines -> JobSubmitDescription keyword arguments (the last wins, as in sbatch)."""
+    out: dict[str, Any] = {}
+    tokens = _sbatch_tokens(script)
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        i += 1
+        if tok.startswith("--"):
+            name, eq, value = tok[2:].partition("=")
+            given: str | None = value if eq else None
+        elif tok.startswith("-") and len(tok) > 1:
+            name = _SHORT.get(tok[1], "-" + tok[1])
+            given = tok[2:] or None
+        else:
+            raise _sbatch_error(f"unexpected #SBATCH word {tok!r}")
+        if name in _FLAGS and given is None:
+            attr, flag = _FLAGS[name]
+            out[attr] = flag
+            continue
+        if name not in _VALUED:
+            raise _sbatch_error(f"#SBATCH option {tok!r} is not one it can pass on")
+        if given is None:
+            if i >= len(tokens):
+                raise _sbatch_error(f"#SBATCH option {tok!r} has no value")
+            given = tokens[i]
+            i += 1
+        attr = _VALUED[name]
+        if attr in _NUMERIC:
+            if not given.isdigit():
+                raise _sbatch_error(f"#SBATCH {tok} wants a number, got {given!r}")
+            out[attr] = int(given)
+        elif attr in _MINUTES and given.isdigit():
+            out[attr] = int(given)
+        elif attr == "signal":
+            out[attr] = _warn_signal(given)
+        else:
+            out[attr] = given
+    return out
+
+
+def _warn_signal(value: str) -> dict[str, Any]:
+    """sbatch's ``--signal=[{R|B}:]SIG[@SECONDS]`` as pyslurm's signal dict.
+
+    pyslurm's own reading of the string looks the name up without its SIG
+    prefix ("Invalid Signal: USR1"), so the number is passed instead.
+    """
+    flags, colon, rest = value.rpartition(":") if ":" in value else ("", "", value)
+    sig, at, secs = rest.partition("@")
+    if (colon and not set(flags.upper()) <= {"R", "B"}) or (at and not secs.isdigit()):
+        raise _sbatch_error(f"#SBATCH --signal={value} is not [{{R|B}}:]SIG[@SECONDS]")
+    try:
+        number = signal_number(sig)
+    except SlurmError as exc:
+        raise _sbatch_error(f"#SBATCH --signal={value}: {exc.message}") from exc
+    out: dict[str, Any] = {"signal": number, "time": int(secs) if at else 60}
+    if "B" in flags.upper():
+        out["batch_only"] = True
+    if "R" in flags.upper():
+        out["allow_reservation_overlap"] = True
+    return out
+
+
 def submit_kwargs(spec: JobSpec, script_path: str, base_env: Mapping[str, str]) -> dict[str, Any]:
     """Keyword arguments for ``pyslurm.JobSubmitDescription``.
 
-    Set before ``load_sbatch_options()`` (which only fills what is still None),
-    so name, comment and work dir beat the script's ``#SBATCH`` lines, as
-    sbatch's own options do in the CLI backend. ``environment`` is the whole
-    submitting environment plus the spec's, which is what sbatch exports by
-    default; a dict here also keeps an ``#SBATCH --export`` line from changing
-    it (documented). ``script`` is a path: pyslurm reads ``#SBATCH`` lines only
-    from a file.
+    The script's ``#SBATCH`` options (read by :func:`sbatch_options`), then the
+    spec's name, comment and work dir over them, as sbatch's own options beat
+    the script's in the CLI backend. ``environment`` is the whole submitting
+    environment plus the spec's, which is what sbatch exports by default (an
+    ``#SBATCH --export`` line is refused). ``script`` is a path: pyslurm reads
+    the script from it.
     """
     kwargs: dict[str, Any] = {
+        **sbatch_options(spec.script),
         "name": spec.name,
         "script": script_path,
         "environment": {
@@ -516,7 +717,6 @@ class PyslurmBackend:
                 with os.fdopen(fd, "w") as f:
                     f.write(spec.script)
                 desc = m.JobSubmitDescription(**submit_kwargs(spec, path, base_env))
-                desc.load_sbatch_options()
                 return str(desc.submit())
             finally:
                 os.unlink(path)

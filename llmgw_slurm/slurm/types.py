@@ -196,7 +196,7 @@ class JobComponent:
     state: JobState
     nodes: tuple[str, ...]
     node_count: int
-    tres_per_node: str
+    tres_per_node: str  # TRES form, "gres/gpu:a100:2" on every Slurm version; "" when none
 
 
 @dataclass(frozen=True)

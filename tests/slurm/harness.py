@@ -23,7 +23,7 @@ import yaml
 from llmgw_slurm import daemon as daemonmod
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.slurm.cli import CliBackend
-from tests.slurm.conftest import eventually
+from tests.slurm.conftest import daemon_backend, eventually, need_backend
 
 TOP = Path(__file__).resolve().parents[2]
 
@@ -85,6 +85,8 @@ class Harness:
     internal_port: int = field(default_factory=free_port)
     reconcile: dict[str, Any] = field(default_factory=dict)
     router: dict[str, Any] = field(default_factory=dict)
+    # LLMGW_TEST_SLURM_BACKEND: the same reconciler tests on either backend.
+    backend: str = field(default_factory=daemon_backend)
     d: daemonmod.Daemon | None = None
     _task: asyncio.Task[None] | None = None
     _stop: asyncio.Event | None = None
@@ -99,6 +101,7 @@ class Harness:
         return self.folder / "server.yaml"
 
     def write(self, models: list[dict[str, Any]]) -> None:
+        need_backend(self.backend)
         self.folder.mkdir(parents=True, exist_ok=True)
         reconcile = {
             "interval": "1s",
@@ -110,7 +113,7 @@ class Harness:
             **self.reconcile,
         }
         server = {
-            "slurm": {"backend": "cli", "partition": "llm", "job_prefix": self.prefix},
+            "slurm": {"backend": self.backend, "partition": "llm", "job_prefix": self.prefix},
             "listen": {
                 "gateway": f"127.0.0.1:{self.gateway_port}",
                 "internal": f"127.0.0.1:{self.internal_port}",

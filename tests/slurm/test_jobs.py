@@ -22,7 +22,9 @@ from tests.slurm.harness import Harness, running, tiny_model
 
 
 async def admin(*args: str) -> tuple[int, str, str]:
-    env = {**os.environ, "PYTHONPATH": str(TOP)}
+    # This checkout first; the rest kept (with LLMGW_TEST_SLURM_BACKEND=pyslurm, pyslurm's folder).
+    path = [str(TOP), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",

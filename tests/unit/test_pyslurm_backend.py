@@ -10,6 +10,7 @@ instead of reading as a silent default.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -31,6 +32,7 @@ from llmgw_slurm.slurm.pyslurm_backend import (
     node_from_pyslurm,
     node_state,
     nodes_from_pyslurm,
+    sbatch_options,
     signal_number,
     submit_kwargs,
 )
@@ -190,6 +192,16 @@ def test_unlimited_time_reads_as_none() -> None:
     assert job.end_time is None
 
 
+def test_a_running_job_without_a_limit_has_no_end_whatever_slurm_filled_in() -> None:
+    # Slurm 25.11 sets a year past the start; squeue prints NONE.
+    [job] = jobs_from_pyslurm([pjob(time_limit=None, end_time=START + 365 * 86400)], uid=1000)
+    assert job.end_time is None
+    [ended] = jobs_from_pyslurm(
+        [pjob(state="COMPLETED", time_limit=None, end_time=START + 5)], uid=1000
+    )
+    assert ended.end_time == datetime.fromtimestamp(START + 5)
+
+
 def test_a_running_job_without_an_end_time_ends_at_start_plus_limit() -> None:
     [job] = jobs_from_pyslurm([pjob(end_time=None)], uid=1000)
     assert job.end_time == datetime.fromtimestamp(START + 3600)
@@ -289,6 +301,22 @@ def test_node_translates_every_field() -> None:
     assert node_from_pyslurm(pnode(features="nvlink,ib")).features == ("nvlink", "ib")
 
 
+def test_untyped_gpu_use_goes_to_the_nodes_gpu_type() -> None:
+    # pyslurm 25.11 on a site tracking only gres/gpu: {"gpu": 2}, as on the dev cluster.
+    one = node_from_pyslurm(pnode(configured_gres={"gpu:a100": 4}, allocated_gres={"gpu": 2}))
+    assert [(g.type, g.total, g.used) for g in one.gpus] == [("a100", 4, 2)]
+    # Typed counts tracked too: the untyped one is their sum, not more use.
+    both = {"gpu": 3, "gpu:a100": 2, "gpu:v100": 1}
+    exact = node_from_pyslurm(pnode(allocated_gres=both))
+    assert [(g.type, g.used) for g in exact.gpus] == [("a100", 2), ("v100", 1)]
+    # Two types and only an untyped count: it may be either, so neither is counted free.
+    unsure = node_from_pyslurm(pnode(allocated_gres={"gpu": 3}))
+    assert [(g.type, g.used) for g in unsure.gpus] == [("a100", 3), ("v100", 2)]
+    assert unsure.gpus_free() == 1
+    untyped = node_from_pyslurm(pnode(configured_gres={"gpu": 2}, allocated_gres={"gpu": 1}))
+    assert [(g.type, g.total, g.used) for g in untyped.gpus] == [("", 2, 1)]
+
+
 def test_node_older_names_and_a_broken_node_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
     old = Fake(
         **{
@@ -359,7 +387,78 @@ def test_accounting_tres_as_a_mapping_and_prefix_filter() -> None:
     assert [(r.job_id, r.gpus, r.alloc_tres) for r in recs] == [("77", 3, "cpu=4,gres/gpu=3")]
 
 
+def test_accounting_tres_from_pyslurm_2511_trackable_resources() -> None:
+    # db.Job.allocated_tres: kinds to a resource or to a dict of them; raw_str is None.
+    def res(name: str, count: int) -> Fake:
+        return Fake(type_and_name=name, count=count)
+
+    tres = Fake(
+        to_dict=lambda: {
+            "cpu": res("cpu", 1),
+            "energy": None,
+            "gres": {"gpu": res("gres/gpu", 2)},
+            "mem": res("mem", 500),
+            "fs": {},
+            "raw_str": None,
+        }
+    )
+    rec = accounting_from_pyslurm(dbjob(allocated_tres=tres))
+    assert (rec.alloc_tres, rec.gpus) == ("cpu=1,gres/gpu=2,mem=500M", 2)
+
+
 # ---------------------------------------------------------------------- submit
+
+
+def test_sbatch_options_read_like_sbatch() -> None:
+    script = "\n".join(
+        [
+            "#!/bin/bash",
+            "# a comment",
+            "#SBATCH --partition=llm -N 1 --gres=gpu:a100:2",
+            "",
+            "#SBATCH -t 10 --cpus-per-task=4 --mem=500M --requeue --hold",
+            "#SBATCH --job-name=x --output=/dev/null --signal=B:USR1@60",
+            "echo run",
+            "#SBATCH --qos=after-the-first-command-is-not-read",
+        ]
+    )
+    assert sbatch_options(script) == {
+        "partitions": "llm",
+        "nodes": "1",
+        "gres_per_node": "gpu:a100:2",
+        "time_limit": 10,
+        "cpus_per_task": 4,
+        "memory_per_node": "500M",
+        "is_requeueable": True,
+        "priority": 0,
+        "name": "x",
+        "standard_output": "/dev/null",
+        "signal": {"signal": int(signal.SIGUSR1), "time": 60, "batch_only": True},
+    }
+    assert sbatch_options("#!/bin/sh\n#SBATCH -t 01:00:00 --no-requeue --signal=10\n") == {
+        "time_limit": "01:00:00",
+        "is_requeueable": False,
+        "signal": {"signal": 10, "time": 60},
+    }
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("#SBATCH --export=NONE", "'--export=NONE' is not one it can pass on"),
+        ("#SBATCH --cpus-per-task=four", "wants a number, got 'four'"),
+        ("#SBATCH --partition", "has no value"),
+        ("#SBATCH llm", "unexpected #SBATCH word 'llm'"),
+        ("#SBATCH --comment='open", "cannot read the #SBATCH line"),
+        ("#SBATCH --signal=X:USR1@60", "is not [{R|B}:]SIG[@SECONDS]"),
+        ("#SBATCH --signal=USR1@soon", "is not [{R|B}:]SIG[@SECONDS]"),
+        ("#SBATCH --signal=NOPE", "unknown signal 'NOPE'"),
+    ],
+)
+def test_sbatch_options_refuse_what_they_cannot_pass_on(line: str, says: str) -> None:
+    with pytest.raises(SlurmError, match=re.escape(says)) as err:
+        sbatch_options(f"#!/bin/sh\n{line}\n")
+    assert "or use slurm.backend: cli" in err.value.message
 
 
 def test_submit_kwargs_merge_env_and_leave_unset_options_to_the_script() -> None:
@@ -401,9 +500,99 @@ class RPCError(Exception):
 
 
 class FakeSubmitDescription:
-    """Accepts only the keyword arguments the backend is meant to pass."""
+    """Accepts only the attributes pyslurm 25.11.2's JobSubmitDescription has."""
 
-    KNOWN = frozenset({"name", "script", "environment", "comment", "working_directory"})
+    KNOWN = frozenset(
+        [
+            "name",
+            "account",
+            "user_id",
+            "group_id",
+            "priority",
+            "site_factor",
+            "wckey",
+            "array",
+            "batch_constraints",
+            "begin_time",
+            "clusters",
+            "cluster_constraints",
+            "comment",
+            "admin_comment",
+            "requires_contiguous_nodes",
+            "cores_reserved_for_system",
+            "threads_reserved_for_system",
+            "working_directory",
+            "cpu_frequency",
+            "nodes",
+            "deadline",
+            "delay_boot_time",
+            "dependencies",
+            "excluded_nodes",
+            "required_nodes",
+            "constraints",
+            "kill_on_node_fail",
+            "licenses",
+            "mail_user",
+            "mail_types",
+            "mcs_label",
+            "memory_per_cpu",
+            "memory_per_node",
+            "memory_per_gpu",
+            "network",
+            "nice",
+            "log_files_open_mode",
+            "overcommit",
+            "partitions",
+            "profile_types",
+            "accounting_gather_frequency",
+            "qos",
+            "requires_node_reboot",
+            "is_requeueable",
+            "reservations",
+            "script",
+            "script_args",
+            "environment",
+            "resource_sharing",
+            "distribution",
+            "time_limit",
+            "time_limit_min",
+            "container",
+            "container_id",
+            "cpus_per_task",
+            "cpus_per_gpu",
+            "sockets_per_node",
+            "cores_per_socket",
+            "threads_per_core",
+            "gpus",
+            "gpus_per_socket",
+            "gpus_per_task",
+            "gres_per_node",
+            "gpu_binding",
+            "ntasks",
+            "ntasks_per_node",
+            "ntasks_per_socket",
+            "ntasks_per_core",
+            "ntasks_per_gpu",
+            "switches",
+            "signal",
+            "standard_in",
+            "standard_output",
+            "standard_error",
+            "kill_on_invalid_dependency",
+            "spreads_over_nodes",
+            "use_min_nodes",
+            "gres_binding",
+            "gres_tasks_per_sharing",
+            "temporary_disk_per_node",
+            "get_user_environment",
+            "min_cpus_per_node",
+            "wait_all_nodes",
+            "selinux_context",
+            "segment_size",
+            "reserved_ports",
+            "extra",
+        ]
+    )
     seen: list[dict[str, Any]] = []
 
     def __init__(self, **kwargs: Any) -> None:
@@ -411,21 +600,12 @@ class FakeSubmitDescription:
         if unknown:
             raise AttributeError(f"JobSubmitDescription has no {sorted(unknown)}")
         self.kwargs = kwargs
-        self.loaded: list[str] | None = None
-
-    def load_sbatch_options(self, overwrite: bool = False) -> None:
-        # pyslurm reads #SBATCH lines from the file named by `script`, nothing else.
-        with open(self.kwargs["script"]) as f:
-            self.loaded = [ln for ln in f.read().splitlines() if ln.startswith("#SBATCH")]
 
     def submit(self) -> int:
-        assert self.loaded is not None, "submit before load_sbatch_options"
+        with open(self.kwargs["script"]) as f:
+            text = f.read()
         self.seen.append(
-            {
-                **self.kwargs,
-                "sbatch": self.loaded,
-                "mode": os.stat(self.kwargs["script"]).st_mode & 0o777,
-            }
+            {**self.kwargs, "text": text, "mode": os.stat(self.kwargs["script"]).st_mode & 0o777}
         )
         return 4242
 
@@ -527,7 +707,8 @@ async def test_submit_writes_a_private_script_file_and_removes_it() -> None:
     assert seen["name"] == "llmgw.tiny.0123abcd"
     assert seen["comment"] == "llmgw replica"
     assert seen["environment"] == {"PATH": "/usr/bin", "LLMGW_REPLICA_SECRET": "s3cret"}
-    assert seen["sbatch"] == ["#SBATCH --gres=gpu:a100:1", "#SBATCH --time=01:00:00"]
+    assert (seen["gres_per_node"], seen["time_limit"]) == ("gpu:a100:1", "01:00:00")
+    assert seen["text"] == spec.script
     assert seen["mode"] == 0o600
     assert not os.path.exists(seen["script"])
     assert b.calls == 1

@@ -26,7 +26,7 @@ def test_squeue_folds_het_components_and_keeps_comment_with_separators() -> None
     assert single.comment == "model=m1|x\x1fy"
     assert single.time_limit_s == 365 * 86400
     assert single.end_time == datetime(2027, 12, 2, 16, 48, 54)
-    assert single.components[0].tres_per_node == "gres:gpu:a100:2"
+    assert single.components[0].tres_per_node == "gres/gpu:a100:2"
     assert not single.heterogeneous
 
     het = jobs["llmgw.big.11223344"]
@@ -45,6 +45,20 @@ def test_squeue_folds_het_components_and_keeps_comment_with_separators() -> None
     # squeue prints an estimated start for pending jobs; it is not a start.
     assert pending.start_time is None
     assert pending.end_time is None
+
+
+@pytest.mark.parametrize(
+    ("printed", "want"),
+    [
+        ("gres:gpu:a100:2", "gres/gpu:a100:2"),  # Slurm 22.05
+        ("gres/gpu:a100:2", "gres/gpu:a100:2"),  # Slurm 25.11
+        ("gres:gpu:1,gres:shard:2", "gres/gpu:1,gres/shard:2"),
+        ("cpu=2", "cpu=2"),
+        ("N/A", ""),
+    ],
+)
+def test_tres_per_node_reads_the_same_on_every_version(printed: str, want: str) -> None:
+    assert parse.tres_per_node(printed) == want
 
 
 def test_squeue_takes_no_end_time_for_a_pending_job() -> None:
