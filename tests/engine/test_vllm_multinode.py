@@ -1,0 +1,182 @@
+"""A 2-node replica with a real distributed engine: vLLM's CPU build, the tiny
+model split in two by tensor parallelism (one rank per node, over gloo), in a
+heterogeneous Slurm job of two components, served through the gateway.
+
+The head (node rank 0) runs ``vllm serve``; the worker runs ``vllm serve
+--headless``. They meet at the head's distributed port, either derived from
+the job id by every node, or chosen by the head and published in
+``rendezvous.dir``. Each case costs one engine start of two ranks (about
+1-3 minutes on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from llmgw_slurm.slurm.cli import CliBackend
+from tests.engine.conftest import FIGURES
+from tests.engine.test_vllm_e2e import (
+    MODEL,
+    daemon,
+    job_logs,
+    step_seconds,
+    tail,
+    write_configs,
+)
+from tests.slurm.conftest import eventually
+
+# The engine's start on two ranks: tensor parallel 2 needs the multiprocessing
+# executor (uni is one process), which starts one worker per node.
+TP_ARGS = ["--tensor-parallel-size", "2"]
+
+
+def two_node_configs(
+    tmp: Path, prefix: str, vllm_python: str, model_dir: Path, rendezvous: str
+) -> Path:
+    server = write_configs(tmp, prefix, vllm_python, model_dir)
+    models = json.loads((tmp / "models.yaml").read_text())
+    m = models["models"][0]
+    args = list(m["engine"]["args"])
+    args[args.index("--distributed-executor-backend") + 1] = "mp"
+    m["engine"]["args"] = args + TP_ARGS
+    m["resources"]["nodes"] = 2
+    (tmp / "models.yaml").write_text(json.dumps(models))
+    if rendezvous == "dir":
+        agent = json.loads((tmp / "agent.yaml").read_text())
+        shared = tmp / "rendezvous"
+        shared.mkdir()
+        agent["rendezvous"] = {"dir": str(shared), "timeout": "5m"}
+        (tmp / "agent.yaml").write_text(json.dumps(agent))
+    return server
+
+
+async def first_answer(
+    client: openai.AsyncOpenAI, s: aiohttp.ClientSession, gw: str, diagnose: Any
+) -> Any:
+    """The cold request; a failing start fails at once, with the logs."""
+
+    async def start_failed() -> str:
+        while True:
+            await asyncio.sleep(2)
+            async with s.get(gw + "/api/v1/status") as r:
+                body = await r.json()
+            m = next(m for m in body["models"] if m["name"] == MODEL)
+            if m["state"] in ("failing", "backoff"):
+                return f"{MODEL} did not start ({m}):\n{diagnose()}"
+
+    first = asyncio.ensure_future(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say hello."}],
+            temperature=0,
+            max_tokens=8,
+        )
+    )
+    watch = asyncio.ensure_future(start_failed())
+    await asyncio.wait({first, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if watch.done():
+        first.cancel()
+        pytest.fail(watch.result())
+    watch.cancel()
+    try:
+        return first.result()
+    except openai.APIError as err:
+        pytest.fail(f"the first request failed: {err!r}\n{diagnose()}")
+
+
+async def streamed_text(client: openai.AsyncOpenAI) -> tuple[str, int]:
+    pieces: list[str] = []
+    chunks = 0
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        temperature=0,
+        max_tokens=8,
+        stream=True,
+    )
+    async for chunk in stream:
+        chunks += 1
+        pieces += [c.delta.content for c in chunk.choices if c.delta.content]
+    return "".join(pieces), chunks
+
+
+@pytest.mark.parametrize("rendezvous", ["derived", "dir"])
+async def test_two_node_tensor_parallel_replica_through_the_gateway(
+    tmp_path: Path, vllm_python: str, tiny_model: Path, rendezvous: str
+) -> None:
+    prefix = f"llmgwTmn{rendezvous[0]}{os.getpid() % 100000}."
+    server = two_node_configs(tmp_path, prefix, vllm_python, tiny_model, rendezvous)
+    cfg = json.loads(server.read_text())
+    gw = "http://" + cfg["listen"]["gateway"]
+    state = Path(cfg["state_dir"])
+    dlog = tmp_path / "daemon.log"
+    backend = CliBackend(timeout=60)
+
+    def diagnose() -> str:
+        return f"daemon log:\n{tail(dlog)}\njob logs:\n{job_logs(state)}"
+
+    try:
+        async with daemon(server, dlog) as proc, aiohttp.ClientSession() as s:
+
+            async def gateway_up() -> bool:
+                assert proc.poll() is None, f"the daemon exited:\n{tail(dlog)}"
+                try:
+                    async with s.get(gw + "/healthz") as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            await eventually(gateway_up, "the gateway to listen", timeout=60)
+            client = openai.AsyncOpenAI(
+                base_url=gw + "/v1", api_key="no-gateway-keys", max_retries=0, timeout=600
+            )
+            t0 = time.monotonic()
+            chat = await first_answer(client, s, gw, diagnose)
+            FIGURES[f"2-node cold request, rendezvous {rendezvous}"] = (
+                f"{time.monotonic() - t0:.2f}s"
+            )
+            assert isinstance(chat.choices[0].message.content, str)
+            assert chat.usage is not None and 0 < chat.usage.completion_tokens <= 8
+            assert chat.model == MODEL
+
+            # Streamed: the same greedy answer, in pieces, ended by [DONE]
+            # (the client raises on a stream cut short).
+            text, chunks = await streamed_text(client)
+            assert chunks >= 2
+            assert text == chat.choices[0].message.content
+            await client.close()
+
+            async with s.get(gw + "/api/v1/status") as r:
+                body = await r.json()
+            m = next(m for m in body["models"] if m["name"] == MODEL)
+            (rep,) = m["replicas"]
+            jobs = await backend.list_jobs(prefix)
+            assert len(jobs) == 1, jobs
+            nodes = [n for c in jobs[0].components for n in c.nodes]
+            # Two components, one node each, and two different nodes.
+            assert len(jobs[0].components) == 2 and len(set(nodes)) == 2, jobs[0]
+            assert rep["url"].split("//")[1].split(":")[0] == jobs[0].components[0].nodes[0]
+
+            log_text = "\n".join(
+                p.read_text(errors="replace") for p in sorted((state / "logs").glob("*.out"))
+            )
+            # The worker ran vLLM headless: only `serve` honours --headless.
+            assert "--headless" in log_text, job_logs(state)
+            for step in ("rendezvous", "engine_launch", "readiness"):
+                secs = step_seconds(log_text, step)
+                assert secs is not None, f"no 'step {step}: done' in:\n{job_logs(state)}"
+                FIGURES[f"2-node ({rendezvous}) agent step {step}"] = f"{secs:.1f}s"
+    finally:
+        leftover = await backend.list_jobs(prefix)
+        if leftover:
+            subprocess.run(["scancel", *[j.job_id for j in leftover]], check=False, timeout=30)
