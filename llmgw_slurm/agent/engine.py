@@ -170,6 +170,8 @@ class EngineCommand:
 # the seconds before vLLM does (and turn every start into a failed one).
 VLLM_PORT_FILE = "vllm-port.yaml"
 PORT_ENV = "LLMGW_ENGINE_PORT"
+# How often EngineProcess.wait looks whether the engine's process has exited.
+_EXIT_POLL_S = 0.5
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:
@@ -426,10 +428,28 @@ class EngineProcess:
                 pass
 
     async def wait(self) -> int:
+        """The engine's exit code, once its own process has ended; what it
+        spawned is then killed (its children share its process group)."""
         assert self._proc is not None
-        rc = await self._proc.wait()
-        # The pumps end when the pipes close; an orphaned grandchild may hold
-        # them open, so do not wait on them for long.
+        proc = self._proc
+        # Before Python 3.12, Process.wait() returns only once the pipes close
+        # as well, and a child the engine spawned holds them while it lives:
+        # vLLM's worker process outlived its killed headless parent, and the
+        # agent never saw the engine end. The exit code is set at exit.
+        closed = asyncio.ensure_future(proc.wait())
+        try:
+            while proc.returncode is None and not closed.done():
+                await asyncio.wait({closed}, timeout=_EXIT_POLL_S)
+        finally:
+            if not closed.done():
+                closed.cancel()
+        rc = proc.returncode
+        assert rc is not None
+        # An engine is over when its process is: leftover workers would keep
+        # computing (and holding GPU memory) for nobody.
+        self._signal_group(signal.SIGKILL)
+        # The pumps end when the pipes close; an orphaned grandchild in a
+        # session of its own may hold them open, so do not wait long.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*self._pumps, return_exceptions=True), 2.0)
         return rc
