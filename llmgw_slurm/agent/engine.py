@@ -440,18 +440,21 @@ class EngineProcess:
         try:
             while proc.returncode is None and not closed.done():
                 await asyncio.wait({closed}, timeout=_EXIT_POLL_S)
+            rc = proc.returncode
+            assert rc is not None
+            # An engine is over when its process is: leftover workers would
+            # keep computing (and holding GPU memory) for nobody.
+            self._signal_group(signal.SIGKILL)
+            # The pipes close once the group is gone, and the pumps and the
+            # transport finish; an orphaned grandchild in a session of its own
+            # may hold them open, so do not wait long.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(closed, *self._pumps, return_exceptions=True), 2.0
+                )
         finally:
             if not closed.done():
                 closed.cancel()
-        rc = proc.returncode
-        assert rc is not None
-        # An engine is over when its process is: leftover workers would keep
-        # computing (and holding GPU memory) for nobody.
-        self._signal_group(signal.SIGKILL)
-        # The pumps end when the pipes close; an orphaned grandchild in a
-        # session of its own may hold them open, so do not wait long.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*self._pumps, return_exceptions=True), 2.0)
         return rc
 
     def _signal_group(self, sig: int) -> None:
