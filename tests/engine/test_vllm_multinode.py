@@ -7,7 +7,8 @@ The head (node rank 0) runs ``vllm serve``; the worker runs ``vllm serve
 the job id by every node, or chosen by the head and published in
 ``rendezvous.dir``. Each case costs one engine start of two ranks (40 s to
 2.5 min on a 2-core machine); the derived case then kills the worker's
-engine and waits for the replacement, a second start.
+engine and waits for the replacement, a second start; the dir case ends
+with a drain (the time limit's USR1), which stops both nodes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import openai
 import pytest
 
 from llmgw_slurm.slurm.cli import CliBackend
-from llmgw_slurm.slurm.types import Job
+from llmgw_slurm.slurm.types import Job, JobState
 from tests.engine.conftest import FIGURES
 from tests.engine.test_vllm_e2e import (
     MODEL,
@@ -191,6 +192,47 @@ async def worker_death_ends_the_replica(
     assert new_job.job_id != rep["job_id"]
 
 
+def replica_processes(replica_id: str) -> list[int]:
+    """Every process started for this replica: agents, engines and their workers."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                env = (d / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"LLMGW_REPLICA_ID={replica_id}".encode() in env:
+                pids.append(int(d.name))
+    return pids
+
+
+async def drain_stops_both_nodes(
+    backend: CliBackend, prefix: str, rep: dict[str, Any], state: Path
+) -> None:
+    """The time limit's warning (USR1 to the batch shell, which srun forwards to
+    every agent) drains the head and stops the worker: the job ends cleanly and
+    nothing of the replica is left on either node."""
+    assert replica_processes(rep["id"]), "no process of the replica to begin with"
+    t0 = time.monotonic()
+    subprocess.run(["scancel", "--batch", "--signal=USR1", rep["job_id"]], check=True, timeout=30)
+
+    async def job_gone() -> bool:
+        return rep["job_id"] not in {j.job_id for j in await active_jobs(backend, prefix)}
+
+    await eventually(job_gone, "the job to end after the drain", timeout=180)
+    FIGURES["2-node: drain (USR1) to job gone"] = f"{time.monotonic() - t0:.1f}s"
+    # Both agents exited 0: srun's step, and so the job, completed.
+    (final,) = [j for j in await backend.list_jobs(prefix) if j.job_id == rep["job_id"]]
+    assert final.state is JobState.COMPLETED, (final.state, job_logs(state))
+    # No engine died under its agent: each was stopped by it.
+    assert "while serving" not in all_logs(state), job_logs(state)
+
+    async def nothing_left() -> bool:
+        return not replica_processes(rep["id"])
+
+    await eventually(nothing_left, "every process of the replica to end", timeout=60)
+
+
 @pytest.mark.parametrize("rendezvous", ["derived", "dir"])
 async def test_two_node_tensor_parallel_replica_through_the_gateway(
     tmp_path: Path, vllm_python: str, tiny_model: Path, rendezvous: str
@@ -257,6 +299,8 @@ async def test_two_node_tensor_parallel_replica_through_the_gateway(
             if rendezvous == "derived":
                 # Once is enough: how the nodes met does not change how they fail.
                 await worker_death_ends_the_replica(client, backend, prefix, rep, state)
+            else:
+                await drain_stops_both_nodes(backend, prefix, rep, state)
             await client.close()
     finally:
         leftover = await backend.list_jobs(prefix)
