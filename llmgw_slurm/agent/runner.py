@@ -189,6 +189,8 @@ class Agent:
         self._flush = flush
         self._parent: Context = extract_env(self.env)
         self._step_message: str | None = None
+        # This node's llmgw.agent span while it starts.
+        self._start_span: trace.Span | None = None
         self._queued = 0
         self._handled = 0
         self._progress = asyncio.Event()
@@ -378,7 +380,8 @@ class Agent:
             await self._stop_engine()
 
     async def _startup(self, session: aiohttp.ClientSession) -> None:
-        with self._group("llmgw.agent"):
+        with self._group("llmgw.agent") as span:
+            self._start_span = span
             await self._startup_steps(session)
         await self._flush_spans()
 
@@ -401,27 +404,7 @@ class Agent:
         s = self.settings
         model_path = await self._weights_step()
 
-        async with self._step("rendezvous") as span:
-            role = rdzv.compute_role(self.env, self._expand)
-            self.role = role
-            span.set_attribute("llmgw.node_rank", role.rank)
-            span.set_attribute("llmgw.nnodes", role.nnodes)
-            dist, taken = await self._rendezvous(role)
-            if dist is not None:
-                span.set_attribute("llmgw.master_addr", dist.master_addr)
-                span.set_attribute("llmgw.master_port", dist.master_port)
-            # A random start, not one derived from the job id: a port anyone can
-            # compute is a port someone can take first (see check_port_owner).
-            seed = secrets.randbelow(1 << 30)
-            port = (
-                rdzv.pick_free_port(s.port_range, seed, s.bind_host, taken) if role.is_head else 0
-            )
-            if role.is_head and spec.engine.tls:
-                self._tls = make_engine_tls(self.job.gateway_cert, self.job.replica_id)
-                self._engine_ssl = self._tls.agent_context()
-                self._private = self._tls.directory
-            else:
-                self._private = Path(tempfile.mkdtemp(prefix=f"llmgw-engine-{role.job_id}-"))
+        role, dist, port, private = await self._rendezvous_step()
 
         async with self._step("engine_launch", engine=spec.engine.kind) as span:
             binds = (model_path,) if model_path.startswith("/") else ()
@@ -437,11 +420,11 @@ class Agent:
                 apptainer_binds=s.apptainer_binds,
                 binds=binds,
                 tls=self._tls,
-                private_dir=str(self._private),
+                private_dir=str(private),
             )
             cmd = build_engine_command(spec.engine, launch, self.job.engine_api_key)
             for name, text in cmd.files.items():
-                (self._private / name).write_text(text)
+                (private / name).write_text(text)
             self._link_engine_install(span, spec.engine.apptainer_image or cmd.argv[0])
             log.info("engine: %s", _redact(cmd.argv, self.job.engine_api_key))
             out, err = self._engine_log_files(role)
@@ -510,6 +493,45 @@ class Agent:
         span.set_attribute(f"llmgw.link.{what}", tp)
         # The daemon links the replica's start span to it too (it reads trace=...).
         self._step_message = f"{said}; trace={tp}"
+
+    async def _rendezvous_step(self) -> tuple[rdzv.NodeRole, DistInfo | None, int, Path]:
+        """This node's role, where the nodes meet, the engine's API port, and
+        the engine's private directory."""
+        s = self.settings
+        async with self._step("rendezvous") as span:
+            role = rdzv.compute_role(self.env, self._expand)
+            self.role = role
+            # On the node's start span too: a multi-node start has one per node.
+            for sp in (span, self._start_span):
+                if sp is not None:
+                    sp.set_attribute("llmgw.node_rank", role.rank)
+                    sp.set_attribute("llmgw.nnodes", role.nnodes)
+            t0 = time.monotonic()
+            dist, taken = await self._rendezvous(role)
+            if dist is not None:
+                # A worker with rendezvous.dir waits here for the head's file;
+                # with a derived port nobody waits here: the worker's engine
+                # waits for the head's inside its own start (engine_launch and
+                # the head's readiness hold that time).
+                span.set_attribute("llmgw.rendezvous.waited_s", time.monotonic() - t0)
+                span.set_attribute(
+                    "llmgw.rendezvous.via", "dir" if s.rendezvous_dir else "derived_port"
+                )
+                span.set_attribute("llmgw.master_addr", dist.master_addr)
+                span.set_attribute("llmgw.master_port", dist.master_port)
+            # A random start, not one derived from the job id: a port anyone can
+            # compute is a port someone can take first (see check_port_owner).
+            seed = secrets.randbelow(1 << 30)
+            port = (
+                rdzv.pick_free_port(s.port_range, seed, s.bind_host, taken) if role.is_head else 0
+            )
+            if role.is_head and self.job.spec.engine.tls:
+                self._tls = make_engine_tls(self.job.gateway_cert, self.job.replica_id)
+                self._engine_ssl = self._tls.agent_context()
+                self._private = self._tls.directory
+            else:
+                self._private = Path(tempfile.mkdtemp(prefix=f"llmgw-engine-{role.job_id}-"))
+        return role, dist, port, self._private
 
     async def _rendezvous(self, role: rdzv.NodeRole) -> tuple[DistInfo | None, set[int]]:
         """Where the nodes meet, and ports the engine's API must not take."""

