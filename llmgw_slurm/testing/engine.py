@@ -586,8 +586,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.port is None:
-        parser.error("no port: give --port or set LLMGW_ENGINE_PORT")
     world, master_port = 1, None
     if args.rendezvous and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         try:
@@ -598,6 +596,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--rendezvous: MASTER_ADDR/MASTER_PORT/NODE_RANK/WORLD_SIZE: {err}")
         if rank > 0:
             return asyncio.run(_worker(master_addr, master_port, rank))
+    # Only a rank that serves needs a port (a worker's LLMGW_ENGINE_PORT is 0).
+    if args.port is None:
+        parser.error("no port: give --port or set LLMGW_ENGINE_PORT")
     api_key = args.api_key or os.environ.get(API_KEY_ENV, "")
     if not api_key:
         parser.error(f"no API key: give --api-key or set {API_KEY_ENV}")

@@ -197,3 +197,26 @@ def test_command_line_without_a_key_is_a_usage_error() -> None:
     )
     assert proc.returncode == 2
     assert "LLMGW_ENGINE_API_KEY" in proc.stderr
+
+
+def test_command_line_port_from_the_environment_and_only_where_it_serves() -> None:
+    # What the agent does: the port in LLMGW_ENGINE_PORT, not in ps.
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_ENGINE_")}
+    env.update(LLMGW_ENGINE_API_KEY=KEY, LLMGW_ENGINE_PORT=str(port))
+    proc = _serve(["--served-name", "tiny"], env)
+    try:
+        assert _models_status(port, KEY) == 200
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    # A serving rank without any port is a usage error that says where one comes from.
+    env["LLMGW_ENGINE_PORT"] = "0"
+    no_port = subprocess.run(
+        [sys.executable, "-m", "llmgw_slurm.testing.engine", "--served-name", "t"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert no_port.returncode == 2 and "LLMGW_ENGINE_PORT" in no_port.stderr
