@@ -21,7 +21,9 @@ what TLS costs the engine. ``direct-tls`` (the load generator calling the TLS
 engines with the gateway's certificate) shows that cost on its own, and
 ``--engine-plain`` adds ``gateway-plain``, the gateway on the plain engines
 (as before engines served TLS), so that gateway against gateway-plain is what
-TLS costs the gateway, in the same run.
+TLS costs the gateway, in the same run. The engines share their CPU with the
+load generator: what TLS costs an engine slows the load generator too, which
+on a cluster (the engine on a GPU node) it would not.
 
 For each engine, non-streamed and streamed, at 1, 64 and 256 concurrent
 clients, each target gets ``duration`` seconds of closed-loop load after a
@@ -954,6 +956,12 @@ def print_goals(
             f"added p99 {g['p99_ms'] - r['p99_ms']:+.2f} ms (goal < {GOAL_ADDED_P99_MS}), "
             f"throughput {g['rps'] / r['rps']:.3f} of direct (goal >= {GOAL_THROUGHPUT})"
         )
+        t = measured.get(("direct-tls", "paced", mode, 64))
+        if t is not None and target == "gateway":
+            print(
+                f"  {'':6s}  against direct-tls: added p50 {g['p50_ms'] - t['p50_ms']:+.2f} ms, "
+                f"p99 {g['p99_ms'] - t['p99_ms']:+.2f} ms, throughput {g['rps'] / t['rps']:.3f}"
+            )
     if nginx:
         for sfx in ("", ".stream"):
             print(
