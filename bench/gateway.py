@@ -52,7 +52,7 @@ gateway with tracing off (all of them on the TLS engines).
 
 Bounded: about 40 s of set-up the first time (LiteLLM's install takes longer,
 once), then rounds x 12 x targets runs of duration + 0.5 s plus a settling
-pause after each: about 4 minutes with the defaults.
+pause after each: about 6 minutes with the defaults (7 with --engine-plain).
 """
 
 from __future__ import annotations
