@@ -10,6 +10,21 @@ nginx-light is installed if no nginx is found), LiteLLM's proxy (installed
 into .dev-cluster/bench-venv, not into the project's environment) and, with
 ``--bare``, the least an aiohttp proxy can do (what the framework alone costs).
 
+The gateway reaches its engines as it does in production: over mutual TLS.
+Each engine runs twice, once plain and once serving TLS with a key pair from
+``tls.make_engine_tls`` and requiring the gateway's client certificate (made
+by ``tls.load_or_create_identity`` in a temporary directory); the gateway
+pins each engine's certificate (``tls.client_context``). ``direct``, nginx,
+LiteLLM and the bare proxy call the plain engines: the goals are measured
+against ``direct``, so the gateway's added latency includes the TLS hop and
+what TLS costs the engine. ``direct-tls`` (the load generator calling the TLS
+engines with the gateway's certificate) shows that cost on its own, and
+``--engine-plain`` adds ``gateway-plain``, the gateway on the plain engines
+(as before engines served TLS), so that gateway against gateway-plain is what
+TLS costs the gateway, in the same run. The engines share their CPU with the
+load generator: what TLS costs an engine slows the load generator too, which
+on a cluster (the engine on a GPU node) it would not.
+
 For each engine, non-streamed and streamed, at 1, 64 and 256 concurrent
 clients, each target gets ``duration`` seconds of closed-loop load after a
 0.5 s warm-up: p50/p99 latency, p50/p99 time to the first token (streams) and
@@ -25,7 +40,7 @@ the same machine: the absolute numbers are lower bounds, the ratios are what
 to compare; the load average at the start is printed.
 
     python bench/gateway.py [--duration 2] [--rounds 2] [--bare] [--tracing]
-                            [--no-litellm] [--no-nginx]
+                            [--engine-plain] [--no-litellm] [--no-nginx]
 
 ``--tracing`` adds gateways with tracing on, exported over OTLP/HTTP to a
 sink process that accepts and drops: every request a span, sampled at 1.0
@@ -33,11 +48,11 @@ sink process that accepts and drops: every request a span, sampled at 1.0
 only a request whose client asks for a trace gets a span
 (``gateway-traced-default``); and one whose spans are made and batched but
 never exported (``gateway-spans-only``), to set their cost against the
-gateway with tracing off.
+gateway with tracing off (all of them on the TLS engines).
 
 Bounded: about 40 s of set-up the first time (LiteLLM's install takes longer,
 once), then rounds x 12 x targets runs of duration + 0.5 s plus a settling
-pause after each: about 4 minutes with the defaults.
+pause after each: about 6 minutes with the defaults (7 with --engine-plain).
 """
 
 from __future__ import annotations
@@ -60,7 +75,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -68,6 +83,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import result, write
+from llmgw_slurm.tls import (
+    EngineTLS,
+    Identity,
+    client_context,
+    load_or_create_identity,
+    make_engine_tls,
+)
+
+if TYPE_CHECKING:
+    import ssl
+
+    from llmgw_slurm.router import Endpoint
 
 ENGINE_KEY = "bench-engine-key"
 # LiteLLM refuses to start without a master key (it must start with sk-).
@@ -96,17 +123,48 @@ def body(model: str, stream: bool) -> bytes:
     ).encode()
 
 
+@dataclass(frozen=True)
+class BenchTLS:
+    """The gateway's client identity and each TLS engine's key pair (one a model)."""
+
+    gateway: Identity
+    engines: dict[str, EngineTLS]
+
+    @classmethod
+    def make(cls, directory: Path, names: list[str]) -> BenchTLS:
+        gateway = load_or_create_identity(directory / "gateway")
+        engines = {n: make_engine_tls(gateway.cert_pem, n, parent=directory) for n in names}
+        return cls(gateway, engines)
+
+    def client(self, name: str) -> ssl.SSLContext:
+        """What the gateway connects to engine ``name`` with: its pin and the gateway's cert."""
+        ident = self.engines[name].identity
+        return client_context(ident.cert_pem, self.gateway.cert_file, self.gateway.key_file)
+
+    def engine_args(self, name: str) -> list[str]:
+        t = self.engines[name]
+        return [
+            "--ssl-certfile", str(t.identity.cert_file), "--ssl-keyfile", str(t.identity.key_file),
+            "--ssl-ca-certs", str(t.ca_file),
+        ]  # fmt: skip
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+def _wait_http(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    timeout: float = 60.0,
+    context: ssl.SSLContext | None = None,
+) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=2):
+            with urllib.request.urlopen(url, timeout=2, context=context):
                 return
         except OSError as e:
             if proc.poll() is not None:
@@ -119,10 +177,39 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
 # ---- the servers (each its own process) ------------------------------------------------
 
 
-def serve_gateway(
-    port: int, engines: dict[str, str], profile: str = "", collector: str = ""
-) -> None:
+def gateway_spec(engines: dict[str, str], tls: BenchTLS | None) -> str:
+    """What ``--serve-gateway`` receives: the engines' URLs and, for TLS engines,
+    the certificate files to pin and to present (paths: the process reads them)."""
+    spec: dict[str, Any] = {"engines": engines, "tls": None}
+    if tls is not None:
+        spec["tls"] = {
+            "engine_certs": {n: str(t.identity.cert_file) for n, t in tls.engines.items()},
+            "cert": str(tls.gateway.cert_file),
+            "key": str(tls.gateway.key_file),
+        }
+    return json.dumps(spec)
+
+
+def _endpoints(spec: dict[str, Any]) -> list[tuple[str, Endpoint]]:
+    """(model, endpoint) for each engine of a ``gateway_spec``, pinned as the daemon pins."""
+    from llmgw_slurm.router import Endpoint
+
+    tls = spec["tls"]
+    out = []
+    for i, (name, url) in enumerate(spec["engines"].items()):
+        ctx = None
+        if tls is not None:
+            pem = Path(tls["engine_certs"][name]).read_text()
+            ctx = client_context(pem, Path(tls["cert"]), Path(tls["key"]))
+        out.append((name, Endpoint(f"bench{i:04d}", url, ENGINE_KEY, ssl=ctx)))
+    return out
+
+
+def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector: str = "") -> None:
     """The gateway process: one replica a model, no keys, as the daemon would run it.
+
+    ``spec``: from ``gateway_spec``; with its "tls", every engine's certificate
+    is pinned and the gateway presents its own, as in production.
 
     ``collector``: tracing on, every request a span, exported over OTLP/HTTP
     to that URL; "drop": spans made and batched, never encoded or sent (what
@@ -132,7 +219,7 @@ def serve_gateway(
     """
     from aiohttp import web
 
-    from llmgw_slurm.router import Endpoint, ModelInfo, RouterConfig, StaticDirectory, create_app
+    from llmgw_slurm.router import ModelInfo, RouterConfig, StaticDirectory, create_app
 
     policy, ratio = "all", 1.0
     if collector.startswith("sampled:"):
@@ -160,9 +247,9 @@ def serve_gateway(
             exporter=_Drop() if collector == "drop" else None,
         )
 
-    directory = StaticDirectory([ModelInfo(name) for name in engines])
-    for i, (name, url) in enumerate(engines.items()):
-        directory.add_endpoint(name, Endpoint(f"bench{i:04d}", url, ENGINE_KEY))
+    directory = StaticDirectory([ModelInfo(name) for name in spec["engines"]])
+    for name, endpoint in _endpoints(spec):
+        directory.add_endpoint(name, endpoint)
     # The load sends no traceparent: "all" gives every request its span when traced.
     app = create_app(directory, RouterConfig(trace_requests=policy if collector else "sampled"))
 
@@ -354,6 +441,7 @@ async def load(
     duration: float,
     key: str = ENGINE_KEY,
     warmup: float = 0.5,
+    tls: ssl.SSLContext | None = None,
 ) -> Samples:
     """``clients`` loops sending requests back to back for ``warmup + duration`` s.
 
@@ -361,7 +449,8 @@ async def load(
     in a closed loop at a steady state that is the throughput, and their
     latencies are what a client saw. Requests still running at the end are
     cut; a proxy that falls far behind (LiteLLM at 256 streams) shows as few
-    completions, not as a run that never ends.
+    completions, not as a run that never ends. ``tls``: the client context
+    for an https URL (``direct-tls``).
     """
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     out = Samples(seconds=duration)
@@ -377,7 +466,9 @@ async def load(
             t0 = loop.time()
             first: float | None = None
             try:
-                async with session.post(url, data=data, headers=headers) as r:
+                async with session.post(
+                    url, data=data, headers=headers, ssl=tls if tls is not None else True
+                ) as r:
                     if stream:
                         async for chunk in r.content.iter_any():
                             if first is None and _FIRST_TOKEN.search(chunk):
@@ -499,6 +590,12 @@ def main() -> int:
     p.add_argument("--clients", default=",".join(map(str, CLIENTS)), help="client counts")
     p.add_argument("--profile", default="", help="write the gateway's cProfile stats here")
     p.add_argument(
+        "--engine-plain",
+        action="store_true",
+        help="also the gateway on plain-HTTP engines (gateway-plain): what TLS to the "
+        "engines costs it",
+    )
+    p.add_argument(
         "--tracing",
         action="store_true",
         help="also a gateway with tracing on (every request a span, exported to a sink "
@@ -538,6 +635,8 @@ def main() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     # target -> engine name -> chat completions URL
     targets: dict[str, dict[str, str]] = {}
+    # target -> engine name -> the client context for an https URL (direct-tls).
+    target_tls: dict[str, dict[str, ssl.SSLContext]] = {}
     # (target, engine) -> the process that serves it, for its CPU time.
     server_pid: dict[tuple[str, str], int] = {}
 
@@ -549,38 +648,52 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmpd:
         tmp = Path(tmpd)
         try:
+            tls = BenchTLS.make(tmp, list(ENGINES))
+            # The same engines twice: plain (the references) and TLS (the gateway's).
             engines: dict[str, str] = {}
-            waits: list[tuple[str, subprocess.Popen[bytes]]] = []
+            tls_engines: dict[str, str] = {}
+            waits: list[tuple[str, subprocess.Popen[bytes], ssl.SSLContext | None]] = []
             for name, (first, delay) in ENGINES.items():
-                port = _free_port()
-                engines[name] = f"http://127.0.0.1:{port}"
-                cmd = [
-                    sys.executable, "-m", "llmgw_slurm.testing.engine", "--port", str(port),
-                    "--api-key", ENGINE_KEY, "--served-name", name,
-                    "--token-delay", str(delay), "--first-token-delay", str(first),
-                ]  # fmt: skip
-                # Its stderr is noise: a traceback for each stream cut at the end of a run.
-                proc = start(cmd, other_cpus, stderr=subprocess.DEVNULL)
-                server_pid[("direct", name)] = proc.pid
-                waits.append((engines[name] + "/health", proc))
+                for target, urls, ctx in (
+                    ("direct", engines, None),
+                    ("direct-tls", tls_engines, tls.client(name)),
+                ):
+                    port = _free_port()
+                    urls[name] = f"{'https' if ctx else 'http'}://127.0.0.1:{port}"
+                    cmd = [
+                        sys.executable, "-m", "llmgw_slurm.testing.engine", "--port", str(port),
+                        "--api-key", ENGINE_KEY, "--served-name", name,
+                        "--token-delay", str(delay), "--first-token-delay", str(first),
+                    ]  # fmt: skip
+                    cmd += tls.engine_args(name) if ctx else []
+                    # Its stderr is noise: a traceback for each stream cut at the end of a run.
+                    proc = start(cmd, other_cpus, stderr=subprocess.DEVNULL)
+                    server_pid[(target, name)] = proc.pid
+                    waits.append((urls[name] + "/health", proc, ctx))
             targets["direct"] = {n: f"{u}/v1/chat/completions" for n, u in engines.items()}
+            targets["direct-tls"] = {n: f"{u}/v1/chat/completions" for n, u in tls_engines.items()}
+            target_tls["direct-tls"] = {n: tls.client(n) for n in ENGINES}
 
-            g_port = _free_port()
-            cmd = [sys.executable, __file__, "--serve-gateway", str(g_port), json.dumps(engines)]
-            if args.profile:
-                cmd += ["--profile", str(Path(args.profile).resolve())]
-            gw = start(cmd, proxy_cpus)
-            waits.append((f"http://127.0.0.1:{g_port}/health", gw))
-            server_pid |= {("gateway", n): gw.pid for n in engines}
-            targets["gateway"] = {
-                n: f"http://127.0.0.1:{g_port}/v1/chat/completions" for n in engines
-            }
+            gateways = [("gateway", gateway_spec(tls_engines, tls))]
+            if args.engine_plain:
+                gateways.append(("gateway-plain", gateway_spec(engines, None)))
+            for target, spec in gateways:
+                g_port = _free_port()
+                cmd = [sys.executable, __file__, "--serve-gateway", str(g_port), spec]
+                if args.profile and target == "gateway":
+                    cmd += ["--profile", str(Path(args.profile).resolve())]
+                gw = start(cmd, proxy_cpus)
+                waits.append((f"http://127.0.0.1:{g_port}/health", gw, None))
+                server_pid |= {(target, n): gw.pid for n in engines}
+                targets[target] = {
+                    n: f"http://127.0.0.1:{g_port}/v1/chat/completions" for n in engines
+                }
 
             if args.tracing:
                 s_port = _free_port()
                 sink = f"http://127.0.0.1:{s_port}"
                 cmd = [sys.executable, __file__, "--serve-sink", str(s_port)]
-                waits.append((sink + "/health", start(cmd, other_cpus)))
+                waits.append((sink + "/health", start(cmd, other_cpus), None))
                 for target, collector in (
                     ("gateway-traced", sink),
                     ("gateway-spans-only", "drop"),
@@ -592,10 +705,10 @@ def main() -> int:
                     t_port = _free_port()
                     cmd = [
                         sys.executable, __file__, "--serve-gateway", str(t_port),
-                        json.dumps(engines), "--collector", collector,
+                        gateway_spec(tls_engines, tls), "--collector", collector,
                     ]  # fmt: skip
                     traced = start(cmd, proxy_cpus)
-                    waits.append((f"http://127.0.0.1:{t_port}/health", traced))
+                    waits.append((f"http://127.0.0.1:{t_port}/health", traced, None))
                     server_pid |= {(target, n): traced.pid for n in engines}
                     targets[target] = {
                         n: f"http://127.0.0.1:{t_port}/v1/chat/completions" for n in engines
@@ -608,7 +721,7 @@ def main() -> int:
                     cmd = [sys.executable, __file__, "--serve-bare", str(b_port), url]
                     bare = start(cmd, proxy_cpus)
                     server_pid[("aiohttp-bare", name)] = bare.pid
-                    waits.append((f"http://127.0.0.1:{b_port}/health", bare))
+                    waits.append((f"http://127.0.0.1:{b_port}/health", bare, None))
                     targets["aiohttp-bare"][name] = f"http://127.0.0.1:{b_port}/v1/chat/completions"
 
             if nginx is not None:
@@ -632,7 +745,7 @@ def main() -> int:
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
-                waits += [(url + "/health", ng) for url in urls.values()]
+                waits += [(url + "/health", ng, None) for url in urls.values()]
                 server_pid |= {("nginx", n): ng.pid for n in engines}
                 targets["nginx"] = {n: f"{u}/v1/chat/completions" for n, u in urls.items()}
 
@@ -656,15 +769,15 @@ def main() -> int:
                     stdout=open(tmp / "litellm.log", "wb"),  # noqa: SIM115
                     stderr=subprocess.STDOUT,
                 )  # fmt: skip
-                waits.append((f"http://127.0.0.1:{l_port}/health/liveliness", lp))
+                waits.append((f"http://127.0.0.1:{l_port}/health/liveliness", lp, None))
                 server_pid |= {("litellm", n): lp.pid for n in engines}
                 targets["litellm"] = {
                     n: f"http://127.0.0.1:{l_port}/v1/chat/completions" for n in engines
                 }
 
-            for url, proc in waits:
+            for url, proc, ctx in waits:
                 try:
-                    _wait_http(url, proc, timeout=120)
+                    _wait_http(url, proc, timeout=120, context=ctx)
                 except RuntimeError:
                     log = tmp / "litellm.log"
                     if proc is procs[-1] and log.exists():
@@ -694,7 +807,8 @@ def main() -> int:
                                 cpu0 = _cpu_ticks(tree)
                                 s = asyncio.run(
                                     load(urls[engine], data, mode == "stream", clients,
-                                         args.duration, key)
+                                         args.duration, key,
+                                         tls=target_tls.get(target, {}).get(engine))
                                 )  # fmt: skip
                                 s.cpu_s = (_cpu_ticks(tree) - cpu0) * _TICK_S
                                 pooled.setdefault((target, engine, mode, clients), Samples()).add(s)
@@ -797,27 +911,11 @@ def report(
         f"{t} {best[t]:.0f}, {best[t + '.stream']:.0f}" for t in targets
     ))  # fmt: skip
 
-    # The goals, for the gateway.
-    if "gateway" in targets and any(k[1:] == ("paced", m, 64) for k in measured for m in MODES):
-        print("\ngoals (gateway, paced engine, 64 clients):")
-        for mode in MODES:
-            if ("gateway", "paced", mode, 64) not in measured:
-                continue
-            g = measured[("gateway", "paced", mode, 64)]
-            r = measured[("direct", "paced", mode, 64)]
-            added = g["p50_ms"] - r["p50_ms"]
-            print(
-                f"  {mode:6s}: added p50 {added:+.2f} ms (goal < {GOAL_ADDED_P50_MS}), "
-                f"added p99 {g['p99_ms'] - r['p99_ms']:+.2f} ms (goal < {GOAL_ADDED_P99_MS}), "
-                f"throughput {g['rps'] / r['rps']:.3f} of direct (goal >= {GOAL_THROUGHPUT})"
-            )
-        if "nginx" in targets:
-            for sfx in ("", ".stream"):
-                print(
-                    f"  instant{sfx or '.plain'}: {best['gateway' + sfx]:.0f} req/s = "
-                    f"{best['gateway' + sfx] / best['nginx' + sfx]:.2f} of nginx's "
-                    f"{best['nginx' + sfx]:.0f} (goal >= {GOAL_MAX_RPS_VS_NGINX})"
-                )
+    for target in ("gateway", "gateway-plain"):
+        if target in targets:
+            print_goals(measured, best, target, "nginx" in targets)
+    if "gateway-plain" in targets:
+        results += tls_cost(measured)
     # Tracing's cost: each traced gateway against the untraced one, same cases.
     traced = [t for t in targets if t.startswith(("gateway-traced", "gateway-spans"))]
     if traced and "gateway" in targets:
@@ -835,6 +933,63 @@ def report(
                                   f"gateway.{case}.rps", off["rps"]))  # fmt: skip
     path = write("gateway", results)
     print(f"wrote {path} (load average at start {load_avg:.2f})")
+
+
+def print_goals(
+    measured: dict[tuple[str, str, str, int], dict[str, float]],
+    best: dict[str, float],
+    target: str,
+    nginx: bool,
+) -> None:
+    """The goals for one gateway target: paced engine, 64 clients, against direct."""
+    if not any((target, "paced", m, 64) in measured for m in MODES):
+        return
+    print(f"\ngoals ({target}, paced engine, 64 clients, against direct):")
+    for mode in MODES:
+        if (target, "paced", mode, 64) not in measured:
+            continue
+        g = measured[(target, "paced", mode, 64)]
+        r = measured[("direct", "paced", mode, 64)]
+        added = g["p50_ms"] - r["p50_ms"]
+        print(
+            f"  {mode:6s}: added p50 {added:+.2f} ms (goal < {GOAL_ADDED_P50_MS}), "
+            f"added p99 {g['p99_ms'] - r['p99_ms']:+.2f} ms (goal < {GOAL_ADDED_P99_MS}), "
+            f"throughput {g['rps'] / r['rps']:.3f} of direct (goal >= {GOAL_THROUGHPUT})"
+        )
+        t = measured.get(("direct-tls", "paced", mode, 64))
+        if t is not None and target == "gateway":
+            print(
+                f"  {'':6s}  against direct-tls: added p50 {g['p50_ms'] - t['p50_ms']:+.2f} ms, "
+                f"p99 {g['p99_ms'] - t['p99_ms']:+.2f} ms, throughput {g['rps'] / t['rps']:.3f}"
+            )
+    if nginx:
+        for sfx in ("", ".stream"):
+            print(
+                f"  instant{sfx or '.plain'}: {best[target + sfx]:.0f} req/s = "
+                f"{best[target + sfx] / best['nginx' + sfx]:.2f} of nginx's "
+                f"{best['nginx' + sfx]:.0f} (goal >= {GOAL_MAX_RPS_VS_NGINX})"
+            )
+
+
+def tls_cost(measured: dict[tuple[str, str, str, int], dict[str, float]]) -> list[dict[str, Any]]:
+    """What TLS to the engines costs the gateway: gateway against gateway-plain, same cases."""
+    print("\nTLS to the engines (gateway against gateway-plain, same run):")
+    out = []
+    for (target, engine, mode, clients), m in sorted(measured.items()):
+        if target != "gateway" or ("gateway-plain", engine, mode, clients) not in measured:
+            continue
+        plain = measured[("gateway-plain", engine, mode, clients)]
+        case = f"{engine}.{mode}.c{clients}"
+        print(
+            f"  {case:20s} p50 {m['p50_ms'] - plain['p50_ms']:+.2f} ms, "
+            f"p99 {m['p99_ms'] - plain['p99_ms']:+.2f} ms, "
+            f"req/s {m['rps'] / (plain['rps'] or float('nan')):.3f}, "
+            f"CPU/request {m['cpu_us']:.0f} vs {plain['cpu_us']:.0f} us"
+        )
+        for key, short, unit in (("rps", "rps", "req/s"), ("cpu_us", "cpu", "us/request")):
+            out.append(result(f"gateway.{case}.{short}_vs_plain", m[key], unit,
+                              f"gateway-plain.{case}.{short}", plain[key]))  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":
