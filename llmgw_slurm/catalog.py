@@ -93,11 +93,16 @@ PLACEHOLDERS = (
     "model_path",
     "api_key",
     "served_name",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
     "tls_certfile",
     "tls_keyfile",
     "tls_ca_certs",
 )
-"""Placeholders a ``command`` engine may use in ``command`` and ``args``."""
+"""Placeholders a ``command`` engine may use in ``command`` and ``args`` (the agent
+fills them: llmgw_slurm/agent/engine.py; the multi-node ones are torchrun's)."""
 
 EngineKind = Literal["vllm", "sglang", "command"]
 WeightsMethod = Literal["copy", "hf", "none"]

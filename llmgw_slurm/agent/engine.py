@@ -36,7 +36,7 @@ from typing import IO
 import aiohttp
 
 from llmgw_slurm.agent.errors import EngineError
-from llmgw_slurm.catalog import EngineSpec
+from llmgw_slurm.catalog import PLACEHOLDERS, EngineSpec
 from llmgw_slurm.config import EngineRuntime
 from llmgw_slurm.tls import EngineTLS
 
@@ -106,21 +106,6 @@ _VLLM_SERVE_SHIM = (
     "sys.argv = ['vllm', *sys.argv[1:]]\n"
     "from vllm.entrypoints.cli.main import main\n"
     "main()\n"
-)
-
-PLACEHOLDERS = (
-    "host",
-    "port",
-    "model_path",
-    "api_key",
-    "served_name",
-    "nnodes",
-    "node_rank",
-    "master_addr",
-    "master_port",
-    "tls_certfile",
-    "tls_keyfile",
-    "tls_ca_certs",
 )
 
 

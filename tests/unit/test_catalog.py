@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw_slurm.catalog import (
+    PLACEHOLDERS,
     Catalog,
     EngineSpec,
     Model,
@@ -497,7 +498,7 @@ def test_engine_rules(tmp_path: Path) -> None:
         engine: {kind: sglang, health_path: health}
         weights: {source: /m/e}
     """
-    valid = "{host}, {port}, {model_path}, {api_key}, {served_name}, {tls_certfile}, {tls_keyfile}, {tls_ca_certs}"
+    valid = "{host}, {port}, {model_path}, {api_key}, {served_name}, {nnodes}, {node_rank}, {master_addr}, {master_port}, {tls_certfile}, {tls_keyfile}, {tls_ca_certs}"
     assert errors_of(tmp_path, text) == [
         "F:3: models[0].engine.command: kind 'command' needs a command list, e.g. "
         "[python, -m, my.server, --port, '{port}']",
@@ -898,3 +899,17 @@ def test_scaling_evict_for(tmp_path: Path) -> None:
     assert errors_of(tmp_path, text) == [
         "F:5: models[0].scaling.evict_for: evict_for names load more than once"
     ]
+
+
+def test_a_command_engine_may_use_every_placeholder_the_agent_fills(tmp_path: Path) -> None:
+    # The catalog refused the multi-node ones the agent fills ({node_rank}, ...).
+    from llmgw_slurm.agent.engine import LaunchParams, build_engine_command
+
+    argv = [f"--{p}={{{p}}}" for p in PLACEHOLDERS]
+    m = Model(
+        name="m",
+        engine=EngineSpec(kind="command", command=("serve", *argv)),
+    )
+    assert m.engine._problems() == []
+    p = LaunchParams(model_path="/w", served_name="m", host="h", port=1, python="py")
+    assert len(build_engine_command(m.engine, p, "k").argv) == len(PLACEHOLDERS) + 1
