@@ -14,7 +14,7 @@ from aiohttp import web
 
 from llmgw_slurm.agent.engine import check_port_owner
 from llmgw_slurm.agent.errors import EngineError
-from llmgw_slurm.agent.portowner import listeners, port_owner
+from llmgw_slurm.agent.portowner import port_owner
 from llmgw_slurm.tls import (
     PEMError,
     PinnedContexts,
@@ -153,8 +153,9 @@ async def test_an_engine_lets_in_no_client_without_the_gateways_certificate(
     assert app[SEEN] == [None]
 
 
-def test_listeners_are_read_from_the_kernels_socket_table() -> None:
+def test_listeners_are_read_from_the_kernels_socket_table(tmp_path: Path) -> None:
     table = [
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid",
         # sl local rem st tx:rx tr:when retr uid timeout inode
         "0: 0100007F:4E21 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1001 0 1 1",
         "1: 00000000:4E21 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1002 0 2 1",
@@ -163,9 +164,10 @@ def test_listeners_are_read_from_the_kernels_socket_table() -> None:
         "3: 0100007F:4E22 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1004 0 4 1",
         "garbage line",
     ]
-    assert listeners(table, 0x4E21) == {1001, 1002}
-    assert listeners(table, 0x4E22) == {1004}
-    assert listeners(table, 1) == set()
+    (tmp_path / "tcp").write_text("\n".join(table) + "\n")
+    assert port_owner(0x4E21, tmp_path) == {1001, 1002}
+    assert port_owner(0x4E22, tmp_path) == {1004}
+    assert port_owner(1, tmp_path) == set()
 
 
 async def test_a_real_listener_is_owned_by_this_process_user() -> None:
@@ -177,7 +179,7 @@ async def test_a_real_listener_is_owned_by_this_process_user() -> None:
         server.close()
         await server.wait_closed()
     assert port_owner(port) == set()
-    assert port_owner(port, [Path("/nonexistent/tcp")]) is None
+    assert port_owner(port, Path("/nonexistent")) is None
 
 
 def test_a_port_held_by_another_user_is_never_polled() -> None:
