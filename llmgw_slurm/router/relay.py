@@ -121,7 +121,13 @@ class _SseRelay:
         return True
 
 
-class _Pipe(asyncio.Protocol):
+# Where every pipe's transport reads into (see _Pipe.get_buffer). One for all:
+# a transport fills it and hands it over in one synchronous step, so no two
+# reads overlap.
+_READ_BUFFER = memoryview(bytearray(64 * 1024))
+
+
+class _Pipe(asyncio.BufferedProtocol):
     """Moves one streamed answer from the engine's connection to the client's, in callbacks.
 
     For the length of the answer it stands in for aiohttp's protocol on the
@@ -139,6 +145,13 @@ class _Pipe(asyncio.Protocol):
     and puts the connection back in the pool. Raw saves aiohttp's reader and
     parser, a few microseconds a read; a body that is not chunked is read
     through aiohttp to the end.
+
+    A buffered protocol, so that the transport reads into one reused buffer.
+    As a plain protocol, asyncio's TLS layer decrypts every record into a
+    fresh 256 KiB bytes object, twice a read (the second read finds nothing
+    and raises), and so does the plain socket transport's recv: with TLS to
+    the engines that was about a quarter of the gateway's CPU on streams
+    (docs/performance.md, "With TLS to the engines").
 
     Backpressure: when the client's write buffer passes its high-water mark,
     reading from the engine stops until the client drained it, so a slow
@@ -314,7 +327,15 @@ class _Pipe(asyncio.Protocol):
             self.paused = True
             self._wake()
 
-    # asyncio.Protocol, on the engine's connection
+    # asyncio.BufferedProtocol, on the engine's connection
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return _READ_BUFFER
+
+    def buffer_updated(self, nbytes: int) -> None:
+        # A copy: the buffer is the next read's, and aiohttp's parser and the
+        # client's transport may keep what they are given.
+        self.data_received(_READ_BUFFER[:nbytes].tobytes())
 
     def data_received(self, data: bytes) -> None:
         assert self._inner is not None
