@@ -601,6 +601,13 @@ def main() -> int:
         help="also a gateway with tracing on (every request a span, exported to a sink "
         "process that drops them) and one whose spans are made but never exported",
     )
+    p.add_argument(
+        "--against",
+        default="",
+        metavar="COMMIT",
+        help="also that commit's gateway (a git worktree under /tmp) on the plain engines, "
+        "as gateway-plain@COMMIT, to compare with gateway-plain (implies --engine-plain)",
+    )
     p.add_argument("--collector", default="", help=argparse.SUPPRESS)
     p.add_argument("--serve-sink", help=argparse.SUPPRESS)
     p.add_argument("--serve-gateway", nargs=2, help=argparse.SUPPRESS)
@@ -675,7 +682,7 @@ def main() -> int:
             target_tls["direct-tls"] = {n: tls.client(n) for n in ENGINES}
 
             gateways = [("gateway", gateway_spec(tls_engines, tls))]
-            if args.engine_plain:
+            if args.engine_plain or args.against:
                 gateways.append(("gateway-plain", gateway_spec(engines, None)))
             for target, spec in gateways:
                 g_port = _free_port()
@@ -683,6 +690,19 @@ def main() -> int:
                 if args.profile and target == "gateway":
                     cmd += ["--profile", str(Path(args.profile).resolve())]
                 gw = start(cmd, proxy_cpus)
+                waits.append((f"http://127.0.0.1:{g_port}/health", gw, None))
+                server_pid |= {(target, n): gw.pid for n in engines}
+                targets[target] = {
+                    n: f"http://127.0.0.1:{g_port}/v1/chat/completions" for n in engines
+                }
+            if args.against:
+                target = f"gateway-plain@{args.against}"
+                g_port = _free_port()
+                gw = start(
+                    other_gateway_cmd(args.against, g_port, engines),
+                    proxy_cpus,
+                    env=dict(os.environ, PYTHONPATH=str(other_tree(args.against))),
+                )
                 waits.append((f"http://127.0.0.1:{g_port}/health", gw, None))
                 server_pid |= {(target, n): gw.pid for n in engines}
                 targets[target] = {
@@ -916,6 +936,9 @@ def report(
             print_goals(measured, best, target, "nginx" in targets)
     if "gateway-plain" in targets:
         results += tls_cost(measured)
+    for other in targets:
+        if other.startswith("gateway-plain@"):
+            results += against_other(measured, other)
     # Tracing's cost: each traced gateway against the untraced one, same cases.
     traced = [t for t in targets if t.startswith(("gateway-traced", "gateway-spans"))]
     if traced and "gateway" in targets:
@@ -969,6 +992,60 @@ def print_goals(
                 f"{best[target + sfx] / best['nginx' + sfx]:.2f} of nginx's "
                 f"{best['nginx' + sfx]:.0f} (goal >= {GOAL_MAX_RPS_VS_NGINX})"
             )
+
+
+def other_tree(commit: str) -> Path:
+    """A git worktree of ``commit`` under /tmp (made once, kept for reruns)."""
+    path = Path("/tmp") / f"llmgw-tree-{commit[:12]}"
+    if not (path / "llmgw_slurm").is_dir():
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), commit],
+            check=True,
+            capture_output=True,
+        )
+    return path
+
+
+def other_gateway_cmd(commit: str, port: int, engines: dict[str, str]) -> list[str]:
+    """That tree's own gateway process, on the plain engines, as its bench script serves it.
+
+    Before the engines served TLS, the script took the engines' URLs where it now
+    takes a spec with them.
+    """
+    script = other_tree(commit) / "bench" / "gateway.py"
+    spec = gateway_spec(engines, None)
+    if "def gateway_spec" not in script.read_text():
+        spec = json.dumps(engines)
+    return [sys.executable, str(script), "--serve-gateway", str(port), spec]
+
+
+def against_other(
+    measured: dict[tuple[str, str, str, int], dict[str, float]], other: str
+) -> list[dict[str, Any]]:
+    """This tree's gateway against another commit's, both on the plain engines, same cases."""
+    print(f"\nthis tree against {other} (gateway-plain, same run; ratios this / other):")
+    out = []
+    for (target, engine, mode, clients), m in sorted(measured.items()):
+        if target != "gateway-plain" or (other, engine, mode, clients) not in measured:
+            continue
+        o = measured[(other, engine, mode, clients)]
+        d = measured[("direct", engine, mode, clients)]
+        case = f"{engine}.{mode}.c{clients}"
+        print(
+            f"  {case:20s} added p50 {m['p50_ms'] - d['p50_ms']:+.2f} vs "
+            f"{o['p50_ms'] - d['p50_ms']:+.2f} ms, "
+            f"req/s {m['rps'] / (o['rps'] or float('nan')):.3f}, "
+            f"CPU/request {m['cpu_us'] / (o['cpu_us'] or float('nan')):.3f}"
+        )
+        for key, short, unit in (
+            ("rps", "rps", "req/s"),
+            ("cpu_us", "cpu", "us/request"),
+            ("p50_ms", "p50", "ms"),
+            ("p99_ms", "p99", "ms"),
+        ):
+            out.append(result(f"gateway-plain.{case}.{short}_vs_other", m[key], unit,
+                              f"{other}.{case}.{short}", o[key]))  # fmt: skip
+    return out
 
 
 def tls_cost(measured: dict[tuple[str, str, str, int], dict[str, float]]) -> list[dict[str, Any]]:
