@@ -9,8 +9,12 @@ results file the script writes in its own tree.
 
 Parts:
 
-- ``plan``: ``bench/reconcile_pass.py --part plan`` (no cluster): the median
-  ``plan()`` time per synthetic case; the ratio is this tree's over the other's.
+- ``plan``: each tree's own ``time_plan`` of ``bench/reconcile_pass.py`` (no
+  cluster), every synthetic case of its ``--part plan``: the median ``plan()``
+  time per case; the ratio is this tree's over the other's. Timed in CPU time
+  of the process (``time.process_time``), not wall time: ``plan()`` is pure
+  computation in one thread, and on a shared machine at a load average of 10
+  the wall time of the same code moved by 2x between runs.
 
     python3 bench/tree_compare.py [--part plan] [--against 9f66138] [--rounds 3]
 
@@ -26,7 +30,6 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -45,33 +48,42 @@ def worktree(commit: str) -> Path:
     return path
 
 
-def _run(tree: Path, argv: list[str], results: str) -> list[dict[str, Any]]:
-    env_path = str(tree)
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+_PLAN_CASES = [(m, r, False) for m in (10, 100, 500) for r in (40, 400, 2000)] + [
+    (m, 0, True) for m in (10, 100, 500)
+]
+
+# Run in a child with one tree on sys.path: that tree's own plan() and synthetic
+# cases, its clock swapped for CPU time.
+_PLAN_CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+time.perf_counter = time.process_time
+import bench.reconcile_pass as rp
+out = {}
+for m, r, cold in json.loads(sys.argv[2]):
+    t, _ = rp.time_plan(m, r, 500, 7, cold=cold)
+    label = f"cold start, {m} models, 0 replicas" if cold else f"steady, {m} models, {r} replicas"
+    out[f"plan(), {label}, 500 nodes"] = t
+print(json.dumps(out))
+"""
+
+
+def _plan_run(tree: Path) -> dict[str, float]:
     proc = subprocess.run(
-        [sys.executable, *argv],
+        [sys.executable, "-c", _PLAN_CHILD, str(tree), json.dumps(_PLAN_CASES)],
         cwd=tree,
-        env={**_env(), "PYTHONPATH": env_path},
+        env={**_env(), "PYTHONPATH": str(tree)},
         capture_output=True,
         text=True,
         check=False,
     )
     if proc.returncode != 0:
-        raise SystemExit(
-            f"{tree}: {' '.join(argv)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-        )
-    data = json.loads((tree / "bench" / "results" / results).read_text())
-    rows = data["results"] if isinstance(data, dict) else data
-    return list(rows)
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-
-
-def _plan_figures(rows: list[dict[str, Any]]) -> dict[str, float]:
-    return {
-        r["name"]: float(r["value"]) for r in rows if str(r.get("name", "")).startswith("plan()")
-    }
+        raise SystemExit(f"{tree}: the plan timing failed:\n{proc.stderr[-2000:]}")
+    return {k: float(v) for k, v in json.loads(proc.stdout.splitlines()[-1]).items()}
 
 
 def main() -> int:
@@ -81,26 +93,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     other = worktree(args.against)
-    argv, results, figures = (
-        ["bench/reconcile_pass.py", "--part", "plan", "--repeats", "7"],
-        "reconcile_pass_plan.json",
-        _plan_figures,
-    )
     runs: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
     for i in range(args.rounds):
-        for side, tree in (
-            (("other", other), ("this", ROOT))
-            if i % 2 == 0
-            else (
-                ("this", ROOT),
-                ("other", other),
-            )
-        ):
-            runs[side].append(figures(_run(tree, argv, results)))
+        # Alternating who goes first, so that a burst of load falls on both.
+        order = (("other", other), ("this", ROOT))
+        for side, tree in order if i % 2 == 0 else order[::-1]:
+            runs[side].append(_plan_run(tree))
             print(f"round {i + 1}: {side} done", flush=True)
-    subprocess.run(
-        ["git", "-C", str(ROOT), "checkout", "--", f"bench/results/{results}"], check=False
-    )
     out = []
     print(f"\n{'case':<62} {'this':>10} {'other':>10} {'ratio':>7}")
     for name in sorted(set(runs["this"][0]) & set(runs["other"][0])):
@@ -108,7 +107,7 @@ def main() -> int:
         theirs = statistics.median(r[name] for r in runs["other"] if name in r)
         ratio = mine / theirs if theirs else float("nan")
         print(f"{name:<62} {mine:>10.4f} {theirs:>10.4f} {ratio:>7.3f}")
-        out.append(result(name, mine, "s", f"{args.against}, same run", theirs))
+        out.append(result(name, mine, "s CPU", f"{args.against}, same run", theirs))
     write(f"tree_compare_{args.part}", out)
     return 0
 

@@ -436,6 +436,10 @@ def plan(
     st.start_models()
     for m in _in_turn(st):
         mv = _model_view(st, m)
+        if not mv.mine and not mv.desired:
+            # No replica and none wanted: no rule below acts (most of a large
+            # catalog of on-demand models, every pass).
+            continue
         _renew(st, mv)
         # A handed-over replica is draining now; its replacement counts in its
         # place, so the scale-down below does not drain the old one again.

@@ -269,7 +269,18 @@ class NodeInfo:
         return not s.endswith("*") and not any(b in s for b in bad)
 
     def gpus_free(self, gpu_type: str = "") -> int:
-        return sum(g.free for g in self.gpus if not gpu_type or g.type == gpu_type)
+        return self._free_by_type.get(gpu_type, 0)
+
+    @functools.cached_property
+    def _free_by_type(self) -> dict[str, int]:
+        # Cached like ``usable``: placement asks every node once per model it
+        # places, and fit-aware eviction asks again per candidate.
+        out: dict[str, int] = {}
+        for g in self.gpus:
+            if g.type:
+                out[g.type] = out.get(g.type, 0) + g.free
+        out[""] = sum(g.free for g in self.gpus)
+        return out
 
     def gpus_total(self, gpu_type: str = "") -> int:
         return sum(g.total for g in self.gpus if not gpu_type or g.type == gpu_type)
