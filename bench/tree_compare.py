@@ -18,6 +18,13 @@ Parts:
 
     python3 bench/tree_compare.py [--part plan] [--against 9f66138] [--rounds 3]
 
+- ``pass`` (the dev cluster: ``eval "$(scripts/dev-cluster env)"``): each
+  tree's ``bench/reconcile_pass.py --part pass --no-foreign`` at ``--scale``
+  (held jobs: they cost the cluster nothing): per case, the pass's time over a
+  bare ``squeue -u`` timed alternately in that run (the script's own ratio),
+  so that slurmctld's load at the moment cancels; the ratio compared is this
+  tree's over the other's. Each tree's results file is restored afterwards.
+
 Writes ``bench/results/tree_compare_PART.json``.
 """
 
@@ -86,9 +93,31 @@ def _plan_run(tree: Path) -> dict[str, float]:
     return {k: float(v) for k, v in json.loads(proc.stdout.splitlines()[-1]).items()}
 
 
+def _pass_run(tree: Path, scale: float) -> dict[str, float]:
+    argv = ["bench/reconcile_pass.py", "--part", "pass", "--no-foreign", "--repeats", "9"]
+    proc = subprocess.run(
+        [sys.executable, *argv, "--scale", str(scale), "--prefix", "llmgwtree."],
+        cwd=tree,
+        env={**_env(), "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    results = tree / "bench" / "results" / "reconcile_pass_pass.json"
+    try:
+        if proc.returncode != 0:
+            raise SystemExit(f"{tree}: the pass part failed:\n{proc.stderr[-2000:]}")
+        rows = json.loads(results.read_text())["results"]
+    finally:
+        # The tree's committed figures stay what the docs quote.
+        subprocess.run(["git", "-C", str(tree), "checkout", "--", str(results)], check=False)
+    return {r["name"]: float(r["ratio"]) for r in rows if "ratio" in r}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("plan",), default="plan")
+    ap.add_argument("--part", choices=("plan", "pass"), default="plan")
+    ap.add_argument("--scale", type=float, default=0.1, help="pass: fraction of the jobs")
     ap.add_argument("--against", default="9f66138", help="the commit to compare with")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
@@ -98,7 +127,9 @@ def main() -> int:
         # Alternating who goes first, so that a burst of load falls on both.
         order = (("other", other), ("this", ROOT))
         for side, tree in order if i % 2 == 0 else order[::-1]:
-            runs[side].append(_plan_run(tree))
+            runs[side].append(
+                _plan_run(tree) if args.part == "plan" else _pass_run(tree, args.scale)
+            )
             print(f"round {i + 1}: {side} done", flush=True)
     out = []
     print(f"\n{'case':<62} {'this':>10} {'other':>10} {'ratio':>7}")
@@ -107,7 +138,8 @@ def main() -> int:
         theirs = statistics.median(r[name] for r in runs["other"] if name in r)
         ratio = mine / theirs if theirs else float("nan")
         print(f"{name:<62} {mine:>10.4f} {theirs:>10.4f} {ratio:>7.3f}")
-        out.append(result(name, mine, "s CPU", f"{args.against}, same run", theirs))
+        unit = "s CPU" if args.part == "plan" else "x bare squeue -u"
+        out.append(result(name, mine, unit, f"{args.against}, same run", theirs))
     write(f"tree_compare_{args.part}", out)
     return 0
 
