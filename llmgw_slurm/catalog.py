@@ -133,6 +133,7 @@ _DEFAULT_ENDPOINTS: Mapping[str, tuple[EndpointName, ...]] = {
     "command": ("chat/completions", "completions", "embeddings"),
 }
 RoutingPolicy = Literal["least_outstanding", "prefix"]
+ScaleOn = Literal["in_flight", "engine_waiting"]
 
 
 def _reserved_env(name: str) -> bool:
@@ -455,6 +456,17 @@ class Scaling:
     # Default 16: in-flight requests per replica above which another replica is
     # started (up to max). Engines batch well, so one replica takes many.
     target_inflight: int = field(default=16, metadata=rule(ge=1))
+    # Default in_flight: scale up on the gateway's count of requests in flight
+    # (target_inflight). engine_waiting: on the requests the engines themselves
+    # queue (vLLM's vllm:num_requests_waiting, read from each ready replica's
+    # /metrics every pass), one more replica per target_waiting of them. The
+    # engine knows when its batch or KV cache is full, which no fixed
+    # target_inflight does; but the reading is a pass old, and the engine
+    # queues only once it is saturated, so latency has risen by then.
+    scale_on: ScaleOn = "in_flight"
+    # Default 4: with scale_on engine_waiting, requests waiting in the engines'
+    # queues (summed over the model's replicas) per replica to add.
+    target_waiting: int = field(default=4, metadata=rule(ge=1))
     # Default None: the server's router.hold_timeout (5m). How long a request
     # waits for this model to have a ready replica before a 503 with
     # Retry-After. Set it for models whose queue wait plus load is longer than
