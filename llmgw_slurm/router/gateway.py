@@ -246,9 +246,10 @@ class Gateway:
         counts = [self.in_flight.get((model, e.replica_id), 0) for e in eps]
         key = balance.REQUEST_KEY.get()
         if key is not None:
-            # Set only for a model whose policy is prefix (see _route).
-            factor = self._routing(model).load_factor
-            return eps[balance.choose([e.replica_id for e in eps], counts, key, factor)]
+            routing = self._routing(model)
+            if routing.policy == "prefix":
+                ids = [e.replica_id for e in eps]
+                return eps[balance.choose(ids, counts, key, routing.load_factor)]
         least = min(counts)
         ties = [e for e, c in zip(eps, counts, strict=True) if c == least]
         # Rotate among ties so that an idle model's replicas share the load.
@@ -271,8 +272,13 @@ class Gateway:
                 "invalid_request_error",
                 "endpoint_not_served",
             )
+        # Set on every request, None included: aiohttp gives each request a task
+        # (a context) of its own today, and a key left over from another model's
+        # request must never steer this one if that changes.
+        key = None
         if routing.policy == "prefix" and obj is not None:
-            balance.REQUEST_KEY.set(balance.prefix_key(obj, routing.prefix_chars))
+            key = balance.prefix_key(obj, routing.prefix_chars)
+        balance.REQUEST_KEY.set(key)
         return None
 
     def _pinned(self, model: str, obj: dict[str, Any]) -> Endpoint | web.Response | None:
