@@ -52,9 +52,24 @@ ENGINES = TOP.parent / "main" / ".dev-cluster" / "engines"
 VLLM_PY = Path(os.environ.get("LLMGW_VLLM_PYTHON", ENGINES / "vllm" / "bin" / "python"))
 MODEL = Path(os.environ.get("LLMGW_TINY_MODEL", ENGINES / "tiny-llama"))
 KEY = "bench-key"
-# One engine serves the model under both names, so that the gateway can route
-# the same engines under either policy (the gateway sends the model's own name).
-POLICIES = {"least_outstanding": "tiny-lo", "prefix": "tiny-px"}
+# The engines serve the model under one name per policy (and load factor), so
+# that the gateway routes the same engines under each (it sends the model's own name).
+LO = "tiny-lo"
+
+
+def policies(load_factors: list[float]) -> dict[str, ModelRouting]:
+    out = {LO: ModelRouting(policy="least_outstanding")}
+    for i, lf in enumerate(load_factors):
+        out[f"tiny-px{i}"] = ModelRouting(policy="prefix", prefix_chars=512, load_factor=lf)
+    return out
+
+
+def label(name: str, routing: ModelRouting) -> str:
+    if routing.policy != "prefix":
+        return routing.policy
+    return f"prefix (load_factor {routing.load_factor:g})"
+
+
 WORDS = [
     "alpha",
     "bravo",
@@ -91,7 +106,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_engine(port: int, blocks: int, log: Path) -> subprocess.Popen[bytes]:
+def start_engine(port: int, blocks: int, names: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -106,7 +121,7 @@ def start_engine(port: int, blocks: int, log: Path) -> subprocess.Popen[bytes]:
     argv = [
         str(VLLM_PY), "-c", _VLLM_SERVE_SHIM, "serve", str(MODEL),
         "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY,
-        "--served-model-name", *POLICIES.values(),
+        "--served-model-name", *names,
         "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
         "--distributed-executor-backend", "uni",
         "--enable-prefix-caching", "--num-gpu-blocks-override", str(blocks),
@@ -226,12 +241,16 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     ports = [free_port(), free_port()]
-    procs = [start_engine(p, args.blocks, logs / f"vllm-{i}.log") for i, p in enumerate(ports)]
+    pol = policies([float(x) for x in args.load_factors.split(",")])
+    procs = [
+        start_engine(p, args.blocks, list(pol), logs / f"vllm-{i}.log") for i, p in enumerate(ports)
+    ]
     engines = [f"http://127.0.0.1:{p}" for p in ports]
+    per: dict[str, list[dict[str, float]]] = {name: [] for name in pol}
     try:
         directory = StaticDirectory()
-        for policy, name in POLICIES.items():
-            directory.add_model(name, routing=ModelRouting(policy=policy, prefix_chars=512))
+        for name, routing in pol.items():
+            directory.add_model(name, routing=routing)
             for i, url in enumerate(engines):
                 directory.add_endpoint(name, Endpoint(f"r{i}", url, KEY))
         app = create_app(directory)
@@ -252,15 +271,14 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rng = random.Random(1)
             prompts = await system_prompts(s, gw, args.prompts, args.prompt_tokens, rng)
             # Warm both engines (first requests compile and allocate).
-            await phase(s, gw, engines, "tiny-lo", prompts, 16, 2, 0)
-            per: dict[str, list[dict[str, float]]] = {p: [] for p in POLICIES}
+            await phase(s, gw, engines, LO, prompts, 16, 2, 0)
             for rnd in range(args.rounds):
-                for policy, name in POLICIES.items():
+                for name, routing in pol.items():
                     got = await phase(
                         s, gw, engines, name, prompts, args.requests, args.clients, 100 + rnd
                     )
-                    print(f"round {rnd} {policy}: {got}", flush=True)
-                    per[policy].append(got)
+                    print(f"round {rnd} {label(name, routing)}: {got}", flush=True)
+                    per[name].append(got)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -270,22 +288,26 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    def mean(policy: str, key: str) -> float:
-        xs = [r[key] for r in per[policy]]
+    def mean(name: str, key: str) -> float:
+        xs = [r[key] for r in per[name]]
         return sum(xs) / len(xs)
 
     out = []
-    for key, unit in (("hit_rate", "fraction"), ("p50_s", "s"), ("p99_s", "s"),
-                      ("throughput_rps", "req/s")):  # fmt: skip
-        out.append(
-            result(
-                f"prefix routing {key}",
-                mean("prefix", key),
-                unit,
-                f"least_outstanding {key}",
-                mean("least_outstanding", key),
+    for name, routing in pol.items():
+        if name == LO:
+            continue
+        for key, unit in (("hit_rate", "fraction"), ("p50_s", "s"), ("p99_s", "s"),
+                          ("throughput_rps", "req/s"),
+                          ("replicas_per_prompt", "replicas")):  # fmt: skip
+            out.append(
+                result(
+                    f"{label(name, routing)} {key}",
+                    mean(name, key),
+                    unit,
+                    f"least_outstanding {key}",
+                    mean(LO, key),
+                )
             )
-        )
     return out
 
 
@@ -295,7 +317,10 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=6, help="concurrent clients")
     p.add_argument("--rounds", type=int, default=2, help="phases of each policy")
     p.add_argument("--prompts", type=int, default=8, help="distinct system prompts")
-    p.add_argument("--prompt-tokens", type=int, default=720, help="tokens per system prompt")
+    p.add_argument("--prompt-tokens", type=int, default=960, help="tokens per system prompt")
+    p.add_argument(
+        "--load-factors", default="1.25,2", help="prefix routing's load factors to run (comma list)"
+    )
     p.add_argument("--blocks", type=int, default=40, help="KV cache blocks per engine (128 tok)")
     p.add_argument("--logs", default="/tmp/llmgw-bench-prefix", help="where the engines log")
     p.add_argument("--no-write", action="store_true", help="do not write the results file")
