@@ -585,6 +585,14 @@ class Gateway:
     async def _upload_inner(
         self, request: web.Request, endpoint: str, call: _Call
     ) -> web.StreamResponse:
+        resp = await self._upload(request, endpoint, call)
+        if not request.content.is_eof() and not resp.prepared:
+            # Refused before the upload was read to its end: aiohttp would read
+            # (and drop) the rest before the next request, up to a gigabyte.
+            resp.force_close()
+        return resp
+
+    async def _upload(self, request: web.Request, endpoint: str, call: _Call) -> web.StreamResponse:
         """A multipart request: read up to its model field, then stream the rest to the engine."""
         key, denied = self._authenticate(request)
         if denied is not None:
@@ -612,10 +620,7 @@ class Gateway:
                 request.content, boundary, cfg.max_body_bytes, cfg.body_timeout
             )
         except surface.UploadProblem as p:
-            resp = _error(p.status, str(p), "invalid_request_error", p.code)
-            # The rest of the body is unread: the connection cannot serve another request.
-            resp.force_close()
-            return resp
+            return _error(p.status, str(p), "invalid_request_error", p.code)
         model = self.directory.resolve(field.model)
         if model is None:
             return _error(
@@ -628,13 +633,11 @@ class Gateway:
         trace.get_current_span().set_attribute("llmgw.model", model)
         refused = self._route(model, endpoint, None)
         if refused is not None:
-            refused.force_close()
             return refused
         head = field.head if field.model == model else field.with_model(model)
         body = surface.Upload(head, request.content, cfg.max_upload_bytes, cfg.body_timeout)
         ep = await self._pick_or_hold(request, model, key)
         if isinstance(ep, web.Response):
-            ep.force_close()
             return ep
         # A streamed transcription (stream=true in the form) is relayed as any
         # stream; its usage, if asked for, passes through as the client asked.

@@ -293,6 +293,15 @@ async def test_upload_limits_and_malformed_forms() -> None:
         status, out = await _send_form(st.url, _form("xyz", [("model", None, b"nope")]))
         assert (status, out["error"]["code"]) == (404, "model_not_found")
         async with aiohttp.ClientSession() as s:
+            # Refused with the file unread: the connection closes rather than
+            # reading the rest of it for the next request.
+            r = await s.post(
+                st.url + "/v1/audio/transcriptions",
+                data=_form("xyz", [("model", None, b"nope"), ("file", "a", b"z" * 500_000)]),
+                headers={"Content-Type": "multipart/form-data; boundary=xyz"},
+            )
+            assert r.status == 404 and r.headers.get("Connection") == "close"
+        async with aiohttp.ClientSession() as s:
             r = await s.post(st.url + "/v1/audio/transcriptions", json={"model": "tiny"})
             assert r.status == 400
             assert "multipart/form-data" in (await r.json())["error"]["message"]
