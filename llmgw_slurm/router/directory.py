@@ -93,7 +93,7 @@ class ModelRouting:
     endpoints: frozenset[str] | None = None
     policy: str = "least_outstanding"
     prefix_chars: int = 2048
-    load_factor: float = 1.25
+    load_factor: float = 2.0
 
 
 @runtime_checkable
