@@ -17,10 +17,11 @@ the engines' prefix-cache hit rate (``vllm:prefix_cache_hits`` over
 ``vllm:prefix_cache_queries``, in tokens, from their /metrics) and the
 requests' latency (p50, p99) through the gateway.
 
-    python bench/prefix_routing.py [--requests 240] [--clients 6] [--rounds 2]
+    python bench/prefix_routing.py [--requests 200] [--clients 6] [--rounds 2]
+                                   [--prompt-tokens 1040] [--load-factors 1.25,1.5,2]
 
-Writes bench/results/prefix_routing.json. Takes about 5 minutes here (most of
-it the two engines starting).
+Writes bench/results/prefix_routing.json. Takes about 10 minutes here (two
+of them the engines starting). Prefix routing runs at each load factor given.
 """
 
 from __future__ import annotations
@@ -313,14 +314,12 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=240, help="requests per phase")
+    p.add_argument("--requests", type=int, default=200, help="requests per phase")
     p.add_argument("--clients", type=int, default=6, help="concurrent clients")
     p.add_argument("--rounds", type=int, default=2, help="phases of each policy")
     p.add_argument("--prompts", type=int, default=8, help="distinct system prompts")
-    p.add_argument("--prompt-tokens", type=int, default=960, help="tokens per system prompt")
-    p.add_argument(
-        "--load-factors", default="1.25,2", help="prefix routing's load factors to run (comma list)"
-    )
+    p.add_argument("--prompt-tokens", type=int, default=1040, help="tokens per system prompt")
+    p.add_argument("--load-factors", default="1.25,1.5,2", help="prefix load factors (comma list)")
     p.add_argument("--blocks", type=int, default=40, help="KV cache blocks per engine (128 tok)")
     p.add_argument("--logs", default="/tmp/llmgw-bench-prefix", help="where the engines log")
     p.add_argument("--no-write", action="store_true", help="do not write the results file")
