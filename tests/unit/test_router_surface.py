@@ -27,6 +27,7 @@ from llmgw_slurm.router import (
     create_app,
 )
 from llmgw_slurm.router.directory import ModelRouting
+from llmgw_slurm.router.surface import Home
 
 
 @dataclass
@@ -142,6 +143,10 @@ async def test_previous_response_id_unknown_or_gone_is_a_clear_400() -> None:
             await client.responses.create(model="tiny", input="x", previous_response_id="resp_x")
         assert err.value.code == "previous_response_not_found"
         assert "resp_x" in str(err.value)
+        st.gateway.responses.remember("resp_y", Home("chatonly", "c0", 1))
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.responses.create(model="tiny", input="x", previous_response_id="resp_y")
+        assert err.value.code == "previous_response_other_model"
         first = await client.responses.create(model="tiny", input="one")
         # The replica stops; a new one (another run, another address) takes its place.
         st.directory.remove_endpoint("tiny", "r0")
