@@ -734,40 +734,14 @@ class Gateway:
                     if upload is not None and upload.problem is not None:
                         p = upload.problem
                         return _error(p.status, str(p), "invalid_request_error", p.code)
-                    # Nothing was received: the engine did not see the
-                    # request, or died before answering; one retry elsewhere.
-                    self.metrics.upstream_errors.labels(model, "connect").inc()
-                    span.add_event(
-                        "llmgw.upstream_connect_failed",
-                        {"llmgw.replica_id": ep.replica_id, "error": repr(e)},
-                    )
-                    unreachable.add(ep.identity)
                     # Not for a request pinned to its replica, nor for an
                     # upload the engine began to take (it cannot be read again).
-                    retry = (
-                        self.config.retry_once
-                        and len(tried) < 2
-                        and not pinned
-                        and not (upload is not None and upload.started)
+                    retryable = not pinned and not (upload is not None and upload.started)
+                    nxt = await self._elsewhere(
+                        request, model, ep, e, retryable, (tried, unreachable), key
                     )
-                    nxt = self._pick(model, frozenset(tried)) if retry else None
-                    if nxt is None and retry and len(unreachable) == 1:
-                        # No other replica: the one that failed is gone before the daemon
-                        # knew (preempted, crashed). The engine saw nothing, so the
-                        # request waits, as for a cold start, for another replica or
-                        # for this one's next run (back from the queue, often at the
-                        # same address: the endpoint's epoch tells the runs apart).
-                        held = await self._hold(request, model, frozenset(unreachable), key)
-                        if isinstance(held, web.Response):
-                            return held
-                        nxt = held
-                    if nxt is None:
-                        return _error(
-                            502,
-                            f"Could not reach a replica of model '{model}' ({type(e).__name__}).",
-                            "server_error",
-                            "upstream_unavailable",
-                        )
+                    if isinstance(nxt, web.Response):
+                        return nxt
                     ep = nxt
                     continue
                 try:
@@ -786,6 +760,44 @@ class Gateway:
                 if not self.in_flight[key_]:
                     del self.in_flight[key_]
                 self.directory.request_finished(*key_)
+
+    async def _elsewhere(
+        self,
+        request: web.Request,
+        model: str,
+        ep: Endpoint,
+        e: BaseException,
+        retryable: bool,
+        seen: tuple[set[str], set[tuple[str, str, int]]],
+        key: KeyRecord | None,
+    ) -> Endpoint | web.Response:
+        """After ``ep`` could not be reached: the replica to try next, or the answer."""
+        tried, unreachable = seen
+        # Nothing was received: the engine did not see the
+        # request, or died before answering; one retry elsewhere.
+        self.metrics.upstream_errors.labels(model, "connect").inc()
+        trace.get_current_span().add_event(
+            "llmgw.upstream_connect_failed",
+            {"llmgw.replica_id": ep.replica_id, "error": repr(e)},
+        )
+        unreachable.add(ep.identity)
+        retry = self.config.retry_once and len(tried) < 2 and retryable
+        nxt = self._pick(model, frozenset(tried)) if retry else None
+        if nxt is None and retry and len(unreachable) == 1:
+            # No other replica: the one that failed is gone before the daemon
+            # knew (preempted, crashed). The engine saw nothing, so the
+            # request waits, as for a cold start, for another replica or
+            # for this one's next run (back from the queue, often at the
+            # same address: the endpoint's epoch tells the runs apart).
+            return await self._hold(request, model, frozenset(unreachable), key)
+        if nxt is None:
+            return _error(
+                502,
+                f"Could not reach a replica of model '{model}' ({type(e).__name__}).",
+                "server_error",
+                "upstream_unavailable",
+            )
+        return nxt
 
     @staticmethod
     async def _pump(
