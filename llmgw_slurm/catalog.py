@@ -33,7 +33,7 @@ import string
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from llmgw_slurm import _schema
 from llmgw_slurm._schema import Ctx, FrozenMap, Invalid, rule
@@ -50,6 +50,7 @@ from llmgw_slurm.yamlsrc import (
 )
 
 __all__ = [
+    "ENDPOINTS",
     "MODEL_NAME_RE",
     "PLACEHOLDERS",
     "SPEC_ENV",
@@ -57,6 +58,7 @@ __all__ = [
     "EngineSpec",
     "Model",
     "Resources",
+    "Routing",
     "Scaling",
     "TimeLimit",
     "WeightsSpec",
@@ -108,6 +110,30 @@ EngineKind = Literal["vllm", "sglang", "command"]
 WeightsMethod = Literal["copy", "hf", "none"]
 # Why a replica of a model is started (plan.py), for scaling.evict_for.
 EvictFor = Literal["held", "min", "renewal", "load"]
+# The API endpoints the gateway routes (their paths: llmgw_slurm/router/surface.py).
+EndpointName = Literal[
+    "chat/completions",
+    "completions",
+    "embeddings",
+    "responses",
+    "rerank",
+    "score",
+    "tokenize",
+    "detokenize",
+    "audio/transcriptions",
+    "audio/translations",
+]
+ENDPOINTS: tuple[EndpointName, ...] = get_args(EndpointName)
+# What a model serves when its entry does not say: vLLM serves every one of
+# them (a model that cannot do one, a chat model asked to rerank, gets vLLM's
+# own error); for the others only what every OpenAI-compatible server has.
+_DEFAULT_ENDPOINTS: Mapping[str, tuple[EndpointName, ...]] = {
+    "vllm": ENDPOINTS,
+    "sglang": ("chat/completions", "completions", "embeddings"),
+    "command": ("chat/completions", "completions", "embeddings"),
+}
+RoutingPolicy = Literal["least_outstanding", "prefix"]
+ScaleOn = Literal["in_flight", "engine_waiting"]
 
 
 def _reserved_env(name: str) -> bool:
@@ -430,6 +456,17 @@ class Scaling:
     # Default 16: in-flight requests per replica above which another replica is
     # started (up to max). Engines batch well, so one replica takes many.
     target_inflight: int = field(default=16, metadata=rule(ge=1))
+    # Default in_flight: scale up on the gateway's count of requests in flight
+    # (target_inflight). engine_waiting: on the requests the engines themselves
+    # queue (vLLM's vllm:num_requests_waiting, read from each ready replica's
+    # /metrics every pass), one more replica per target_waiting of them. The
+    # engine knows when its batch or KV cache is full, which no fixed
+    # target_inflight does; but the reading is a pass old, and the engine
+    # queues only once it is saturated, so latency has risen by then.
+    scale_on: ScaleOn = "in_flight"
+    # Default 4: with scale_on engine_waiting, requests waiting in the engines'
+    # queues (summed over the model's replicas) per replica to add.
+    target_waiting: int = field(default=4, metadata=rule(ge=1))
     # Default None: the server's router.hold_timeout (5m). How long a request
     # waits for this model to have a ready replica before a 503 with
     # Retry-After. Set it for models whose queue wait plus load is longer than
@@ -460,6 +497,28 @@ class Scaling:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """How the gateway chooses among a model's ready replicas (docs/configuration.md)."""
+
+    # Default least_outstanding: the replica with the fewest requests in
+    # flight. prefix: requests whose prompts begin alike go to the same
+    # replica (consistent hashing with bounded loads, router/balance.py), so
+    # that its prefix cache answers the shared part; a long shared system
+    # prompt is then computed once per replica, not once per request.
+    policy: RoutingPolicy = "least_outstanding"
+    # Default 2048: how many characters of the prompt (the messages in order,
+    # or the prompt text) make the key. Long enough to cover a shared system
+    # prompt, short enough that one conversation's turns share it.
+    prefix_chars: int = field(default=2048, metadata=rule(ge=1, le=1_000_000))
+    # Default 2: no replica takes more than this times the mean load (plus
+    # one); a prefix whose replica is full goes on to the next one on the ring.
+    # Nearer 1 spreads load more evenly and reuses caches less: at 1.25, two
+    # replicas (a model's usual count where GPUs are scarce) shared every
+    # prefix in bench/prefix_routing.py, at 2 each stayed on one.
+    load_factor: float = field(default=2.0, metadata=rule(ge=1.0, le=100.0))
+
+
+@dataclass(frozen=True)
 class Model:
     """One catalog entry."""
 
@@ -481,8 +540,19 @@ class Model:
     resources: Resources = field(default_factory=Resources)
     # Default: see Scaling (on demand, at most 1 replica, 30m idle timeout).
     scaling: Scaling = field(default_factory=Scaling)
+    # Default None: the engine kind's (vllm: all of ENDPOINTS; sglang and
+    # command: chat/completions, completions, embeddings). A request for
+    # another endpoint gets a 400 naming the model and the endpoint, before
+    # any replica is started for it.
+    endpoints: tuple[EndpointName, ...] | None = None
+    # Default: least outstanding requests (see Routing).
+    routing: Routing = field(default_factory=Routing)
 
     def _problems(self) -> list[tuple[str, str]]:
+        eps = self.endpoints or ()
+        twice = sorted({e for e in eps if eps.count(e) > 1})
+        if twice:
+            return [("endpoints", f"endpoints names {', '.join(twice)} more than once")]
         if self.engine.kind != "command" and self.weights is None:
             return [
                 (
@@ -492,6 +562,13 @@ class Model:
                 )
             ]
         return []
+
+    @property
+    def served_endpoints(self) -> tuple[EndpointName, ...]:
+        """The endpoints this model serves: its own list, else its engine kind's."""
+        if self.endpoints is not None:
+            return self.endpoints
+        return _DEFAULT_ENDPOINTS[self.engine.kind]
 
     @property
     def multi_node(self) -> bool:
@@ -568,7 +645,7 @@ class Catalog:
         return isinstance(name_or_alias, str) and self.resolve(name_or_alias) is not None
 
 
-_MERGEABLE = ("engine", "weights", "resources", "scaling")
+_MERGEABLE = ("engine", "weights", "resources", "scaling", "routing")
 _TOP_KEYS = ("defaults", "models")
 
 

@@ -302,6 +302,12 @@ class RouterConfig:
     max_body_bytes: int = field(
         default=16 * 1024 * 1024, metadata=rule(ge=1024, parse=_schema.parse_size)
     )
+    # Default 1G: multipart uploads (/v1/audio/*) beyond this get 413. They are
+    # streamed to the engine as they arrive, never held whole, so this bounds
+    # what one client can make an engine take, not the gateway's memory.
+    max_upload_bytes: int = field(
+        default=1024 * 1024 * 1024, metadata=rule(ge=1024, parse=_schema.parse_size)
+    )
     # Default 1m: the longest wait for a request body once its headers are in;
     # a client that trickles or stalls its body (slow loris) gets a 408 instead
     # of holding a connection and a handler forever. 16 MiB over a slow link fits.

@@ -43,7 +43,7 @@ from llmgw_slurm.reconciler.admin import AdminRequests
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.intake import ReportIntake
 from llmgw_slurm.reconciler.jobs import JobBuilder, new_replica_id, parse_job_name
-from llmgw_slurm.reconciler.plan import Action, ActionKind, Failures, PlanConfig
+from llmgw_slurm.reconciler.plan import Action, ActionKind, Failures, PlanConfig, ReplicaState
 from llmgw_slurm.reconciler.probes import EngineProbe
 from llmgw_slurm.reconciler.replicas import Decision, Replica, ReplicaTable, view_of
 from llmgw_slurm.reconciler.reports import ReportVerifier
@@ -127,6 +127,7 @@ class PassLoop:
         jobs, with_nodes, now = listing
         await self._reap(self._observe(jobs, now, pass_id), now, pass_id)
         self._forgive(now)
+        self._scrape_waiting()
         result = self._plan(now)
         refreshed = False
         if result.nodes_decide and not with_nodes:
@@ -222,6 +223,22 @@ class PassLoop:
         self.last_pass_error = str(exc)
         # Status may be stale; acting on a stale view could cancel what is running.
         log.warning("pass %s: Slurm did not answer, nothing done: %s", pass_id, exc)
+
+    def _scrape_waiting(self) -> None:
+        """Start reading the engines' queues of the models that scale on them; the
+        plan uses the last reading, a pass old (the pass does not wait on engines)."""
+        scaled = {
+            m.name for m in self.table.catalog.models if m.scaling.scale_on == "engine_waiting"
+        }
+        if not scaled:
+            return
+        for r in self.table.replicas.values():
+            if r.model in scaled and r.base_url and r.state() is ReplicaState.READY:
+
+                def done(n: int, r: Replica = r) -> None:
+                    r.engine_waiting = n
+
+                self.intake.probe.scrape_waiting(r.replica_id, r.base_url, r.engine_cert, done)
 
     def _plan(self, now: float) -> planmod.PlanResult:
         views = [view_of(r) for r in self.table.replicas.values()]

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from llmgw_slurm.catalog import Catalog
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.replicas import ReplicaTable
-from llmgw_slurm.router.directory import Endpoint, ModelInfo
+from llmgw_slurm.router.directory import Endpoint, ModelInfo, ModelRouting
 from llmgw_slurm.secrets import engine_api_key
 from llmgw_slurm.tls import PinnedContexts
 
@@ -50,6 +51,8 @@ class ReplicaDirectory:
         self.server_key = server_key
         self.engine_tls = engine_tls
         self._demand: dict[str, _ModelDemand] = {}
+        # Per request, so built once per catalog (a reload makes a new one).
+        self._routing: tuple[Catalog | None, dict[str, ModelRouting]] = (None, {})
 
     def resolve(self, name: str) -> str | None:
         m = self.table.catalog.resolve(name)
@@ -71,6 +74,23 @@ class ReplicaDirectory:
                 )
             )
         return out
+
+    def routing(self, model: str) -> ModelRouting | None:
+        """The model's served endpoints and balancing policy, from the catalog."""
+        catalog, table = self._routing
+        if catalog is not self.table.catalog:
+            catalog = self.table.catalog
+            table = {
+                m.name: ModelRouting(
+                    endpoints=frozenset(m.served_endpoints),
+                    policy=m.routing.policy,
+                    prefix_chars=m.routing.prefix_chars,
+                    load_factor=m.routing.load_factor,
+                )
+                for m in catalog.models
+            }
+            self._routing = (catalog, table)
+        return table.get(model)
 
     def endpoints(self, model: str) -> Sequence[Endpoint]:
         out = []

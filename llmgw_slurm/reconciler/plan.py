@@ -19,7 +19,8 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    first, the oldest held request first (``_in_turn``), then the rest in
    catalog order. The desired
    count is ``max(min, ceil(in_flight / target), 1 if a request is waiting)``
-   capped at ``max`` (``_model_view``).
+   capped at ``max`` (``_model_view``); with ``scale_on: engine_waiting`` the
+   load term is the replicas in use plus ``ceil(engine waiting / target_waiting)``.
 
    a. Renewal (``_renew``): a ready replica whose time limit is within
       ``renewal_margin`` gets a replacement; once the replacement is ready,
@@ -108,6 +109,7 @@ class ReplicaView:
     ready_at: float | None = None  # first seen ready (after a restart: when adopted as ready)
     last_used: float | None = None  # None: nobody has reported a use (unknown is not idle)
     in_flight: int = 0
+    engine_waiting: int = 0  # requests its engine queues (scaling.scale_on engine_waiting)
     draining_since: float | None = None
     drain_reason: str = ""
     ends_at: float | None = None  # when Slurm ends the job (Unix time), None when unlimited
@@ -675,6 +677,17 @@ def _in_turn(st: _PlanState) -> list[Model]:
     return [ms[i] for i in sorted(range(len(ms)), key=key)]
 
 
+def _load_target(m: Model, ready: list[ReplicaView], in_flight: int) -> int:
+    """Replicas the model's load calls for (scaling.scale_on)."""
+    if m.scaling.scale_on == "engine_waiting":
+        # The replicas in use stay, and the engines' queues ask for more; an idle
+        # replica is not counted, so that it can be scaled down after idle_timeout.
+        waiting = sum(r.engine_waiting for r in ready)
+        busy = sum(1 for r in ready if r.in_flight)
+        return busy + math.ceil(waiting / m.scaling.target_waiting)
+    return math.ceil(in_flight / m.scaling.target_inflight) if in_flight else 0
+
+
 def _model_view(st: _PlanState, m: Model) -> _ModelView:
     # An earlier model's eviction may have taken one of these: it is going
     # away and gets no second action (no drain, no renewal).
@@ -683,7 +696,7 @@ def _model_view(st: _PlanState, m: Model) -> _ModelView:
     in_flight = sum(r.in_flight for r in mine)
     w = st.wanted_at.get(m.name)
     waiting = w is not None and st.now - w < st.window(m) and not ready
-    target = math.ceil(in_flight / m.scaling.target_inflight) if in_flight else 0
+    target = _load_target(m, ready, in_flight)
     desired = min(m.scaling.max, max(m.scaling.min, target, 1 if waiting else 0))
     return _ModelView(m, mine, _count_once(mine), ready, in_flight, waiting, target, desired)
 
@@ -736,6 +749,9 @@ def _scale_up(st: _PlanState, mv: _ModelView) -> None:
         why = f"below min {m.scaling.min}"
     elif mv.waiting and not mv.target:
         why = "a request is waiting"
+    elif m.scaling.scale_on == "engine_waiting":
+        waiting = sum(r.engine_waiting for r in mv.ready)
+        why = f"{waiting} waiting in the engines, target {m.scaling.target_waiting} per replica"
     else:
         why = f"{mv.in_flight} in flight, target {m.scaling.target_inflight} per replica"
     for _ in range(mv.desired - len(mv.counted)):

@@ -16,7 +16,24 @@ import aiohttp
 from llmgw_slurm.secrets import engine_api_key
 from llmgw_slurm.tls import PinnedContexts
 
-__all__ = ["EngineProbe"]
+__all__ = ["EngineProbe", "waiting_from_metrics"]
+
+_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+
+
+def waiting_from_metrics(text: str) -> int | None:
+    """Requests the engine queues, from its Prometheus text; None when it does not say."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name not in _WAITING:
+            continue
+        try:
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+        except (ValueError, IndexError):
+            continue
+    return round(total) if seen else None
 
 
 class EngineProbe:
@@ -72,6 +89,44 @@ class EngineProbe:
         finally:
             self._probing.discard(url)
         return ok, why
+
+    def scrape_waiting(
+        self, replica_id: str, url: str, cert: str, done: Callable[[int], None]
+    ) -> None:
+        """Read the requests the engine queues from its /metrics, in the background;
+        then ``done(count)``. Nothing is called when it cannot be read (the last
+        reading stands): a replica whose metrics fail is judged by its health
+        elsewhere, not scaled on a guess. One reading per URL at a time."""
+        key = "metrics " + url
+        if key in self._probing:
+            return
+        self._probing.add(key)
+        task = asyncio.get_running_loop().create_task(
+            self._scrape(key, replica_id, url, cert, done)
+        )
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _scrape(
+        self, key: str, replica_id: str, url: str, cert: str, done: Callable[[int], None]
+    ) -> None:
+        try:
+            if self._http is None or self._http.closed:
+                self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            ctx = self.engine_tls.get(cert) if cert else None
+            async with self._http.get(
+                url.rstrip("/") + "/metrics",
+                headers={"Authorization": f"Bearer {engine_api_key(self.server_key, replica_id)}"},
+                ssl=ctx if ctx is not None else True,
+            ) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+            text = ""
+        finally:
+            self._probing.discard(key)
+        count = waiting_from_metrics(text)
+        if count is not None:
+            done(count)
 
     async def close(self) -> None:
         for t in list(self.tasks):

@@ -55,6 +55,9 @@ class Replica:
     epoch: int = 0
     last_used: float | None = None
     in_flight: int = 0
+    # Requests the engine itself queues (vllm:num_requests_waiting), as last read
+    # from its /metrics; only for models that scale on it.
+    engine_waiting: int = 0
     draining_since: float | None = None
     drain_reason: str = ""
     stop_reason: str = ""
@@ -161,6 +164,7 @@ def build_view(r: Replica) -> ReplicaView:
         ready_at=r.ready_at,
         last_used=r.last_used,
         in_flight=r.in_flight,
+        engine_waiting=r.engine_waiting,
         draining_since=r.draining_since,
         drain_reason=r.drain_reason or r.agent_draining,
         self_draining=bool(r.agent_draining) and r.draining_since is None,

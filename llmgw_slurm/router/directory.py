@@ -4,6 +4,10 @@ The router depends only on :class:`ModelDirectory`. The reconciler implements
 it over its replica table; :class:`StaticDirectory` implements it in memory
 for tests and benchmarks.
 
+Optional: ``routing(model) -> ModelRouting``, which endpoints a model serves
+and how its replicas are chosen; without it (or for None) a model serves
+every endpoint, least outstanding first.
+
 Optional: ``start_span_context(model) -> opentelemetry.trace.SpanContext | None``,
 the start span of one of the model's starting replicas. A request held for a
 cold start links to it. Not part of the protocol, so that directories written
@@ -26,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Endpoint", "ModelDirectory", "ModelInfo", "StaticDirectory"]
+__all__ = ["Endpoint", "ModelDirectory", "ModelInfo", "ModelRouting", "StaticDirectory"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,20 @@ class ModelInfo:
     ready: bool = False
     replicas: Mapping[str, int] = field(default_factory=dict)
     hold_timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRouting:
+    """What the gateway needs per request from a model's catalog entry.
+
+    ``endpoints``: the endpoint names it serves (catalog.ENDPOINTS); None, every one.
+    ``policy``, ``prefix_chars``, ``load_factor``: as catalog.Routing.
+    """
+
+    endpoints: frozenset[str] | None = None
+    policy: str = "least_outstanding"
+    prefix_chars: int = 2048
+    load_factor: float = 2.0
 
 
 @runtime_checkable
@@ -146,11 +164,17 @@ class StaticDirectory:
         self.started: Counter[tuple[str, str]] = Counter()
         self.last_used: dict[str, float] = {}
         self._epochs = 0
+        self._routing: dict[str, ModelRouting] = {}
         for m in models:
             self.add_model(m.name, aliases=m.aliases, hold_timeout_s=m.hold_timeout_s)
 
     def add_model(
-        self, name: str, *, aliases: Iterable[str] = (), hold_timeout_s: float | None = None
+        self,
+        name: str,
+        *,
+        aliases: Iterable[str] = (),
+        hold_timeout_s: float | None = None,
+        routing: ModelRouting | None = None,
     ) -> None:
         aliases = tuple(aliases)
         for a in (name, *aliases):
@@ -160,6 +184,11 @@ class StaticDirectory:
         self._endpoints[name] = []
         for a in aliases:
             self._aliases[a] = name
+        if routing is not None:
+            self._routing[name] = routing
+
+    def routing(self, model: str) -> ModelRouting | None:
+        return self._routing.get(model)
 
     def _known(self, model: str) -> list[Endpoint]:
         try:

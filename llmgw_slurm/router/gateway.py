@@ -34,8 +34,9 @@ from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmgw_slurm.config import RouterConfig
+from llmgw_slurm.router import balance, surface
 from llmgw_slurm.router._body import with_fields
-from llmgw_slurm.router.directory import Endpoint, ModelDirectory
+from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
 from llmgw_slurm.router.keys import KeyRecord, KeyRing
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.relay import _Call, _Pipe, _SseRelay
@@ -118,7 +119,7 @@ def _upstream_body(
         )
     stream = obj.get("stream") is True
     strip_usage = False
-    if stream and endpoint != "embeddings":
+    if stream and endpoint in surface.STREAM_USAGE_ENDPOINTS:
         so = obj.get("stream_options")
         if so is None or (isinstance(so, dict) and so.get("include_usage") is not True):
             fields["stream_options"] = {**(so or {}), "include_usage": True}
@@ -129,6 +130,13 @@ def _upstream_body(
 def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
+
+
+_TOKEN_FIELDS = frozenset(
+    {"prompt_tokens", "completion_tokens", "total_tokens", "input_tokens", "output_tokens"}
+)
+# A model the directory says nothing about: every endpoint, least outstanding.
+_ANY_ROUTING = ModelRouting()
 
 
 def _int(value: Any) -> int:
@@ -159,6 +167,7 @@ class Gateway:
         self._cold_since: dict[str, float] = {}
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
+        self.responses = surface.ResponseHomes()
 
     # lifecycle
 
@@ -235,11 +244,76 @@ class Gateway:
         if not eps:
             return None
         counts = [self.in_flight.get((model, e.replica_id), 0) for e in eps]
+        key = balance.REQUEST_KEY.get()
+        if key is not None:
+            routing = self._routing(model)
+            if routing.policy == "prefix":
+                ids = [e.replica_id for e in eps]
+                return eps[balance.choose(ids, counts, key, routing.load_factor)]
         least = min(counts)
         ties = [e for e, c in zip(eps, counts, strict=True) if c == least]
         # Rotate among ties so that an idle model's replicas share the load.
         self._rr += 1
         return ties[self._rr % len(ties)]
+
+    def _routing(self, model: str) -> ModelRouting:
+        get = getattr(self.directory, "routing", None)
+        routing = get(model) if get is not None else None
+        return routing if isinstance(routing, ModelRouting) else _ANY_ROUTING
+
+    def _route(self, model: str, endpoint: str, obj: dict[str, Any] | None) -> web.Response | None:
+        """The 400 for an endpoint the model does not serve; else set up its replica choice."""
+        routing = self._routing(model)
+        if routing.endpoints is not None and endpoint not in routing.endpoints:
+            served = ", ".join(sorted(routing.endpoints)) or "none"
+            return _error(
+                400,
+                f"Model '{model}' does not serve {endpoint} (it serves: {served}).",
+                "invalid_request_error",
+                "endpoint_not_served",
+            )
+        # Set on every request, None included: aiohttp gives each request a task
+        # (a context) of its own today, and a key left over from another model's
+        # request must never steer this one if that changes.
+        key = None
+        if routing.policy == "prefix" and obj is not None:
+            key = balance.prefix_key(obj, routing.prefix_chars)
+        balance.REQUEST_KEY.set(key)
+        return None
+
+    def _pinned(self, model: str, obj: dict[str, Any]) -> Endpoint | web.Response | None:
+        """The replica holding ``previous_response_id``, or the 400 saying it cannot be had."""
+        prev = obj.get("previous_response_id")
+        if not isinstance(prev, str):
+            return None
+        home = self.responses.get(prev)
+        if home is None:
+            return _error(
+                400,
+                f"Previous response '{prev}' is not known to this gateway: it was not "
+                "made through it, or before its last restart. Send the whole conversation "
+                "as input instead.",
+                "invalid_request_error",
+                "previous_response_not_found",
+            )
+        if home.model != model:
+            return _error(
+                400,
+                f"Previous response '{prev}' was made by model '{home.model}', not '{model}'.",
+                "invalid_request_error",
+                "previous_response_other_model",
+            )
+        for e in self.directory.endpoints(model):
+            if e.replica_id == home.replica_id and e.epoch == home.epoch:
+                return e
+        return _error(
+            400,
+            f"Previous response '{prev}' was held by replica {home.replica_id} of model "
+            f"'{model}', which has stopped since, and its stored responses with it. Send "
+            "the whole conversation as input instead.",
+            "invalid_request_error",
+            "previous_response_gone",
+        )
 
     def _hold_timeout(self, model: str) -> float:
         for m in self.directory.models():
@@ -359,10 +433,12 @@ class Gateway:
     def _record_usage(
         self, key: KeyRecord | None, model: str, endpoint: str, usage: dict[str, Any] | None
     ) -> None:
-        if usage is None:
+        if usage is None or not _TOKEN_FIELDS.intersection(usage):
+            # A transcription's usage is in seconds of audio: no tokens to count.
             return
-        prompt = _int(usage.get("prompt_tokens"))
-        completion = _int(usage.get("completion_tokens"))
+        # The Responses API says input/output where the others say prompt/completion.
+        prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
+        completion = _int(usage.get("completion_tokens", usage.get("output_tokens")))
         total = _int(usage.get("total_tokens")) or prompt + completion
         self.metrics.tokens.labels(model, "prompt").inc(prompt)
         self.metrics.tokens.labels(model, "completion").inc(completion)
@@ -381,6 +457,9 @@ class Gateway:
                 total_tokens=total,
             )
         )
+
+    def _remember_response(self, response_id: str, model: str, ep: Endpoint) -> None:
+        self.responses.remember(response_id, surface.Home(model, ep.replica_id, ep.epoch))
 
     # handlers
 
@@ -407,7 +486,20 @@ class Gateway:
 
         return handler
 
-    async def _proxy(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    def upload(self, endpoint: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """The handler of a multipart endpoint (surface.ROUTES): streamed, not read whole."""
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._proxy(request, endpoint, self._upload_inner)
+
+        return handler
+
+    async def _proxy(
+        self,
+        request: web.Request,
+        endpoint: str,
+        inner: Callable[[web.Request, str, _Call], Awaitable[web.StreamResponse]] | None = None,
+    ) -> web.StreamResponse:
         call = _Call(t0=time.monotonic())
         ctx = propagate.extract(request.headers)
         span_cm: contextlib.AbstractContextManager[trace.Span]
@@ -426,7 +518,7 @@ class Gateway:
             span_cm = _attached(ctx)
         with span_cm as span:
             try:
-                resp = await self._proxy_inner(request, endpoint, call)
+                resp = await (inner or self._proxy_inner)(request, endpoint, call)
                 call.status = call.outcome or resp.status
                 return resp
             except asyncio.CancelledError:
@@ -464,15 +556,93 @@ class Gateway:
             )
         call.model = model
         trace.get_current_span().set_attribute("llmgw.model", model)
+        refused = self._route(model, endpoint, obj)
+        if refused is not None:
+            return refused
         prepared = _upstream_body(raw, obj, model, endpoint)
         if isinstance(prepared, web.Response):
             return prepared
         body, stream, strip_usage = prepared
-        ep = await self._pick_or_hold(request, model, key)
+        pinned = self._pinned(model, obj) if endpoint == "responses" else None
+        if isinstance(pinned, web.Response):
+            return pinned
+        ep = pinned or await self._pick_or_hold(request, model, key)
         if isinstance(ep, web.Response):
             return ep
         return await self._forward(
-            request, endpoint, model, ep, body, stream, strip_usage, key, call
+            request,
+            endpoint,
+            model,
+            ep,
+            body,
+            stream,
+            strip_usage,
+            key,
+            call,
+            pinned=pinned is not None,
+        )
+
+    async def _upload_inner(
+        self, request: web.Request, endpoint: str, call: _Call
+    ) -> web.StreamResponse:
+        resp = await self._upload(request, endpoint, call)
+        if not request.content.is_eof() and not resp.prepared:
+            # Refused before the upload was read to its end: aiohttp would read
+            # (and drop) the rest before the next request, up to a gigabyte.
+            resp.force_close()
+        return resp
+
+    async def _upload(self, request: web.Request, endpoint: str, call: _Call) -> web.StreamResponse:
+        """A multipart request: read up to its model field, then stream the rest to the engine."""
+        key, denied = self._authenticate(request)
+        if denied is not None:
+            return denied
+        ctype = request.headers.get("Content-Type", "")
+        boundary = surface.multipart_boundary(ctype)
+        if boundary is None:
+            return _error(
+                400,
+                f"{request.path} takes multipart/form-data (a 'file' and a 'model' field); "
+                f"got {ctype or 'no Content-Type'}.",
+                "invalid_request_error",
+                "invalid_content_type",
+            )
+        cfg = self.config
+        if (request.content_length or 0) > cfg.max_upload_bytes:
+            return _error(
+                413,
+                f"The upload is larger than {cfg.max_upload_bytes} bytes.",
+                "invalid_request_error",
+                "request_too_large",
+            )
+        try:
+            field = await surface.read_model_field(
+                request.content, boundary, cfg.max_body_bytes, cfg.body_timeout
+            )
+        except surface.UploadProblem as p:
+            return _error(p.status, str(p), "invalid_request_error", p.code)
+        model = self.directory.resolve(field.model)
+        if model is None:
+            return _error(
+                404,
+                f"The model '{field.model}' does not exist. Known models: {self._known_names()}.",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        call.model = model
+        trace.get_current_span().set_attribute("llmgw.model", model)
+        refused = self._route(model, endpoint, None)
+        if refused is not None:
+            return refused
+        head = field.head if field.model == model else field.with_model(model)
+        body = surface.Upload(head, request.content, cfg.max_upload_bytes, cfg.body_timeout)
+        ep = await self._pick_or_hold(request, model, key)
+        if isinstance(ep, web.Response):
+            return ep
+        # A streamed transcription (stream=true in the form) is relayed as any
+        # stream; its usage, if asked for, passes through as the client asked.
+        return await self._forward(
+            request, endpoint, model, ep, body, False, False, key, call, content_type=ctype
         )
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
@@ -527,18 +697,23 @@ class Gateway:
         endpoint: str,
         model: str,
         ep: Endpoint,
-        body: bytes,
+        body: bytes | surface.Upload,
         stream: bool,
         strip_usage: bool,
         key: KeyRecord | None,
         call: _Call,
+        *,
+        pinned: bool = False,
+        content_type: str = "application/json",
     ) -> web.StreamResponse:
         assert self._session is not None, "the gateway app was not started"
+        upload = body if isinstance(body, surface.Upload) else None
         tried: set[str] = set()
         unreachable: set[tuple[str, str, int]] = set()
         while True:
             tried.add(ep.replica_id)
             headers = _upstream_headers(request, ep)
+            headers["Content-Type"] = content_type
             span = trace.get_current_span()
             span.set_attribute("llmgw.replica_id", ep.replica_id)
             key_ = (model, ep.replica_id)
@@ -550,39 +725,23 @@ class Gateway:
                     # one): a listener that took the engine's port fails the handshake
                     # before the request, its key or its prompt is sent.
                     upstream = await self._session.post(
-                        f"{ep.base_url.rstrip('/')}/v1/{endpoint}",
-                        data=body,
+                        ep.base_url.rstrip("/") + surface.upstream_path(endpoint),
+                        data=body if upload is None else upload.stream(),
                         headers=headers,
                         ssl=ep.ssl if ep.ssl is not None else True,
                     )
                 except (aiohttp.ClientConnectionError, TimeoutError) as e:
-                    # Nothing was received: the engine did not see the
-                    # request, or died before answering; one retry elsewhere.
-                    self.metrics.upstream_errors.labels(model, "connect").inc()
-                    span.add_event(
-                        "llmgw.upstream_connect_failed",
-                        {"llmgw.replica_id": ep.replica_id, "error": repr(e)},
+                    if upload is not None and upload.problem is not None:
+                        p = upload.problem
+                        return _error(p.status, str(p), "invalid_request_error", p.code)
+                    # Not for a request pinned to its replica, nor for an
+                    # upload the engine began to take (it cannot be read again).
+                    retryable = not pinned and not (upload is not None and upload.started)
+                    nxt = await self._elsewhere(
+                        request, model, ep, e, retryable, (tried, unreachable), key
                     )
-                    unreachable.add(ep.identity)
-                    retry = self.config.retry_once and len(tried) < 2
-                    nxt = self._pick(model, frozenset(tried)) if retry else None
-                    if nxt is None and retry and len(unreachable) == 1:
-                        # No other replica: the one that failed is gone before the daemon
-                        # knew (preempted, crashed). The engine saw nothing, so the
-                        # request waits, as for a cold start, for another replica or
-                        # for this one's next run (back from the queue, often at the
-                        # same address: the endpoint's epoch tells the runs apart).
-                        held = await self._hold(request, model, frozenset(unreachable), key)
-                        if isinstance(held, web.Response):
-                            return held
-                        nxt = held
-                    if nxt is None:
-                        return _error(
-                            502,
-                            f"Could not reach a replica of model '{model}' ({type(e).__name__}).",
-                            "server_error",
-                            "upstream_unavailable",
-                        )
+                    if isinstance(nxt, web.Response):
+                        return nxt
                     ep = nxt
                     continue
                 try:
@@ -601,6 +760,44 @@ class Gateway:
                 if not self.in_flight[key_]:
                     del self.in_flight[key_]
                 self.directory.request_finished(*key_)
+
+    async def _elsewhere(
+        self,
+        request: web.Request,
+        model: str,
+        ep: Endpoint,
+        e: BaseException,
+        retryable: bool,
+        seen: tuple[set[str], set[tuple[str, str, int]]],
+        key: KeyRecord | None,
+    ) -> Endpoint | web.Response:
+        """After ``ep`` could not be reached: the replica to try next, or the answer."""
+        tried, unreachable = seen
+        # Nothing was received: the engine did not see the
+        # request, or died before answering; one retry elsewhere.
+        self.metrics.upstream_errors.labels(model, "connect").inc()
+        trace.get_current_span().add_event(
+            "llmgw.upstream_connect_failed",
+            {"llmgw.replica_id": ep.replica_id, "error": repr(e)},
+        )
+        unreachable.add(ep.identity)
+        retry = self.config.retry_once and len(tried) < 2 and retryable
+        nxt = self._pick(model, frozenset(tried)) if retry else None
+        if nxt is None and retry and len(unreachable) == 1:
+            # No other replica: the one that failed is gone before the daemon
+            # knew (preempted, crashed). The engine saw nothing, so the
+            # request waits, as for a cold start, for another replica or
+            # for this one's next run (back from the queue, often at the
+            # same address: the endpoint's epoch tells the runs apart).
+            return await self._hold(request, model, frozenset(unreachable), key)
+        if nxt is None:
+            return _error(
+                502,
+                f"Could not reach a replica of model '{model}' ({type(e).__name__}).",
+                "server_error",
+                "upstream_unavailable",
+            )
+        return nxt
 
     @staticmethod
     async def _pump(
@@ -743,9 +940,14 @@ class Gateway:
                 status=200,
                 headers={**out_headers, "Content-Type": ctype, "Cache-Control": "no-cache"},
             )
-            return await self._relay_stream(
-                request, upstream, resp, _SseRelay(strip_usage), endpoint, model, key, call
-            )
+            relay = surface.ResponsesRelay() if endpoint == "responses" else _SseRelay(strip_usage)
+            try:
+                return await self._relay_stream(
+                    request, upstream, resp, relay, endpoint, model, key, call
+                )
+            finally:
+                if isinstance(relay, surface.ResponsesRelay) and relay.response_id:
+                    self._remember_response(relay.response_id, model, ep)
 
         if upstream.status in (401, 403):
             # The engine refused the replica's key: a deployment fault, never
@@ -775,6 +977,12 @@ class Gateway:
                 parsed = None
             if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
                 self._record_usage(key, model, endpoint, parsed["usage"])
+            if (
+                endpoint == "responses"
+                and isinstance(parsed, dict)
+                and isinstance(parsed.get("id"), str)
+            ):
+                self._remember_response(parsed["id"], model, ep)
         if ctype:
             out_headers["Content-Type"] = ctype
         call.first_byte = time.monotonic()
@@ -853,6 +1061,10 @@ def create_app(
     app.router.add_post("/v1/chat/completions", gw.proxy("chat/completions"))
     app.router.add_post("/v1/completions", gw.proxy("completions"))
     app.router.add_post("/v1/embeddings", gw.proxy("embeddings"))
+    for route in surface.ROUTES:
+        handler = gw.upload(route.name) if route.multipart else gw.proxy(route.name)
+        for path in route.paths:
+            app.router.add_post(path, handler)
     app.router.add_get("/metrics", gw.metrics_handler)
     return app
 

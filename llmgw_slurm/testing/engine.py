@@ -4,7 +4,12 @@ It answers like vLLM's OpenAI server does, in the parts the gateway and the
 agent rely on: ``/health``, ``/v1/models``, ``/v1/chat/completions`` and
 ``/v1/completions`` (plain and streamed as server-sent events ending with
 ``data: [DONE]``, with ``stream_options.include_usage``), ``/v1/embeddings``,
-and the ``Authorization: Bearer KEY`` check. Its output is deterministic: the
+``/v1/responses`` (plain and streamed as vLLM's typed events; ``store`` and
+``previous_response_id`` as vLLM keeps them, in this process's memory),
+``/v1/rerank`` and ``/rerank``, ``/v1/score``, ``/tokenize``, ``/detokenize``,
+``/v1/audio/transcriptions`` and ``/translations`` (multipart, read as it
+arrives: ``/debug/stats`` shows ``upload_bytes``, the file bytes received so
+far), and the ``Authorization: Bearer KEY`` check. Its output is deterministic: the
 completion repeats the words of the prompt, one word per token, so tests can
 assert on exact text and token counts.
 
@@ -51,7 +56,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from llmgw_slurm.agent.engine import API_KEY_ENV
 
@@ -108,6 +113,11 @@ class _EngineState:
         self.last_body: Any = None
         self.ranks: set[int] = {0}
         self.peers: list[asyncio.StreamWriter] = []
+        # Stored responses (id -> their output text), as vLLM keeps them.
+        self.responses: dict[str, str] = {}
+        self.vocab: dict[str, int] = {}
+        self.upload_bytes = 0
+        self.last_form: dict[str, str] = {}
 
 
 _OPTIONS = web.AppKey("options", EngineOptions)
@@ -212,6 +222,8 @@ async def _debug_stats(request: web.Request) -> web.Response:
             "ranks": sorted(st.ranks),
             "prompt_tokens": st.prompt_tokens,
             "completion_tokens": st.completion_tokens,
+            "upload_bytes": st.upload_bytes,
+            "last_form": st.last_form,
         }
     )
 
@@ -504,6 +516,240 @@ async def _embeddings(request: web.Request) -> web.Response:
     )
 
 
+def _response_input(body: dict[str, Any]) -> str | None:
+    inp = body.get("input")
+    if isinstance(inp, str):
+        return inp
+    if isinstance(inp, list):
+        return _prompt_text_chat(
+            [m if "role" in m else {"role": "user", **m} for m in inp if isinstance(m, dict)]
+        )
+    return None
+
+
+def _response_obj(
+    rid: str, model: str, text: str, usage: dict[str, int] | None, prev: Any
+) -> dict[str, Any]:
+    done = usage is not None
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "status": "completed" if done else "in_progress",
+        "output": [
+            {
+                "type": "message",
+                "id": "msg_" + rid[5:],
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        ]
+        if done
+        else [],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "previous_response_id": prev,
+        "usage": usage,
+    }
+
+
+def _event(type_: str, seq: int, **fields: Any) -> bytes:
+    data = json.dumps({"type": type_, "sequence_number": seq, **fields}, separators=(",", ":"))
+    return f"event: {type_}\ndata: {data}\n\n".encode()
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    """vLLM's /v1/responses, text only: the answer repeats the input's words, after
+    the words of the previous response when ``previous_response_id`` is given."""
+    opts, st = request.app[_OPTIONS], request.app[_STATE]
+    st.requests += 1
+    body = await _read_body(request)
+    if isinstance(body, web.Response):
+        return body
+    prompt = _response_input(body)
+    if prompt is None:
+        return _error(400, "input must be a string or a list of messages.", "invalid_request_error")
+    prev = body.get("previous_response_id")
+    if prev is not None:
+        if prev not in st.responses:
+            return _error(404, f"Response with id '{prev}' not found.", "invalid_request_error")
+        prompt = st.responses[prev] + " " + prompt
+    max_tokens = body.get("max_output_tokens") or _DEFAULT_MAX_TOKENS
+    tokens = _tokens(prompt, max_tokens)
+    text = "".join(tokens)
+    rid = "resp_" + uuid.uuid4().hex[:24]
+    usage = {
+        "input_tokens": len(_words(prompt)),
+        "output_tokens": len(tokens),
+        "total_tokens": len(_words(prompt)) + len(tokens),
+    }
+    st.prompt_tokens += usage["input_tokens"]
+    st.completion_tokens += len(tokens)
+    if body.get("store", True):
+        st.responses[rid] = text
+    if not body.get("stream"):
+        return web.json_response(_response_obj(rid, opts.served_name, text, usage, prev))
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    started = _response_obj(rid, opts.served_name, "", None, prev)
+    await resp.write(_event("response.created", 0, response=started))
+    item = "msg_" + rid[5:]
+    for i, tok in enumerate(tokens):
+        if opts.token_delay:
+            await asyncio.sleep(opts.token_delay)
+        await resp.write(
+            _event(
+                "response.output_text.delta",
+                i + 1,
+                item_id=item,
+                output_index=0,
+                content_index=0,
+                delta=tok,
+                logprobs=[],
+            )
+        )
+    final = _response_obj(rid, opts.served_name, text, usage, prev)
+    await resp.write(_event("response.completed", len(tokens) + 1, response=final))
+    await resp.write_eof()
+    return resp
+
+
+def _texts_of(value: Any) -> list[str] | None:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(x, str) for x in value):
+        return list(value)
+    return None
+
+
+def _similarity(a: str, b: str) -> float:
+    """Shared words over all words: deterministic, and higher for closer texts."""
+    wa, wb = set(_words(a.lower())), set(_words(b.lower()))
+    return round(len(wa & wb) / len(wa | wb), 6)
+
+
+async def _rerank(request: web.Request) -> web.Response:
+    request.app[_STATE].requests += 1
+    body = await _read_body(request)
+    if isinstance(body, web.Response):
+        return body
+    query, docs = body.get("query"), _texts_of(body.get("documents"))
+    if not isinstance(query, str) or docs is None:
+        return _error(
+            400, "query must be a string and documents a list of strings.", "invalid_request_error"
+        )
+    ranked = sorted(range(len(docs)), key=lambda i: -_similarity(query, docs[i]))
+    top = body.get("top_n") or len(docs)
+    n_tokens = sum(len(_words(query)) + len(_words(d)) for d in docs)
+    return web.json_response(
+        {
+            "id": "rerank-" + uuid.uuid4().hex[:16],
+            "model": request.app[_OPTIONS].served_name,
+            "usage": {"total_tokens": n_tokens},
+            "results": [
+                {
+                    "index": i,
+                    "document": {"text": docs[i]},
+                    "relevance_score": _similarity(query, docs[i]),
+                }
+                for i in ranked[:top]
+            ],
+        }
+    )
+
+
+async def _score(request: web.Request) -> web.Response:
+    request.app[_STATE].requests += 1
+    body = await _read_body(request)
+    if isinstance(body, web.Response):
+        return body
+    t1, t2 = _texts_of(body.get("text_1")), _texts_of(body.get("text_2"))
+    if t1 is None or t2 is None or (len(t1) != 1 and len(t1) != len(t2)):
+        return _error(
+            400,
+            "text_1 and text_2 must be strings or lists (text_1 of one or as many as text_2).",
+            "invalid_request_error",
+        )
+    pairs = [(t1[0] if len(t1) == 1 else t1[i], b) for i, b in enumerate(t2)]
+    n_tokens = sum(len(_words(a)) + len(_words(b)) for a, b in pairs)
+    return web.json_response(
+        {
+            "id": "score-" + uuid.uuid4().hex[:16],
+            "object": "list",
+            "created": int(time.time()),
+            "model": request.app[_OPTIONS].served_name,
+            "data": [
+                {"index": i, "object": "score", "score": _similarity(a, b)}
+                for i, (a, b) in enumerate(pairs)
+            ],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+    )
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    """One token per word; ids given in order of first sight, so /detokenize can undo them."""
+    st = request.app[_STATE]
+    body = await _read_body(request)
+    if isinstance(body, web.Response):
+        return body
+    if "messages" in body:
+        text = _prompt_text_chat(body.get("messages"))
+    else:
+        text = _prompt_text_completion(body.get("prompt"))
+    if text is None:
+        return _error(400, "prompt must be a string, or messages a list.", "invalid_request_error")
+    ids = [st.vocab.setdefault(w, len(st.vocab)) for w in _words(text)]
+    return web.json_response(
+        {"count": len(ids), "max_model_len": 2048, "tokens": ids, "token_strs": None}
+    )
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    st = request.app[_STATE]
+    body = await _read_body(request)
+    if isinstance(body, web.Response):
+        return body
+    ids = body.get("tokens")
+    words = {v: k for k, v in st.vocab.items()}
+    if not isinstance(ids, list) or not all(isinstance(i, int) and i in words for i in ids):
+        return _error(400, "tokens must be a list of known token ids.", "invalid_request_error")
+    return web.json_response({"prompt": " ".join(words[i] for i in ids)})
+
+
+async def _audio(request: web.Request) -> web.Response:
+    """A transcription of the file's size: read as it arrives, never held."""
+    st = request.app[_STATE]
+    st.requests += 1
+    st.last_form = {}
+    size = 0
+    reader = await request.multipart()
+    while (part := await reader.next()) is not None:
+        if not isinstance(part, BodyPartReader) or part.name is None:
+            continue
+        if part.filename is None:
+            st.last_form[part.name] = (await part.read()).decode()
+            continue
+        while chunk := await part.read_chunk():
+            size += len(chunk)
+            st.upload_bytes += len(chunk)
+    if st.last_form.get("model") != request.app[_OPTIONS].served_name:
+        return _error(
+            404, f"The model `{st.last_form.get('model')}` does not exist.", "NotFoundError"
+        )
+    if not size:
+        return _error(400, "No audio file in the form.", "invalid_request_error")
+    text = f"heard {size} bytes"
+    if st.last_form.get("response_format") == "text":
+        return web.Response(text=text)
+    return web.json_response({"text": text, "usage": {"type": "duration", "seconds": 1}})
+
+
 def create_engine_app(options: EngineOptions) -> web.Application:
     app = web.Application(middlewares=[_auth_middleware])
     app[_OPTIONS] = options
@@ -513,6 +759,14 @@ def create_engine_app(options: EngineOptions) -> web.Application:
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/embeddings", _embeddings)
+    app.router.add_post("/v1/responses", _responses)
+    app.router.add_post("/v1/rerank", _rerank)
+    app.router.add_post("/rerank", _rerank)
+    app.router.add_post("/v1/score", _score)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
+    app.router.add_post("/v1/audio/transcriptions", _audio)
+    app.router.add_post("/v1/audio/translations", _audio)
     app.router.add_get("/debug/last-headers", _debug_headers)
     app.router.add_get("/debug/last-body", _debug_body)
     app.router.add_get("/debug/stats", _debug_stats)

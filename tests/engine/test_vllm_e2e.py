@@ -320,6 +320,26 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
             # 3. /v1/models through the gateway lists it.
             listed = [m.id async for m in client.models.list()]
             assert MODEL in listed
+
+            # 3b. The Responses API, plain and streamed, and /tokenize and
+            # /detokenize, through the gateway on the same warm replica.
+            resp = await client.responses.create(
+                model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0
+            )
+            assert resp.id.startswith("resp") and isinstance(resp.output_text, str)
+            assert resp.usage is not None and 0 < resp.usage.output_tokens <= 8
+            events = await client.responses.create(
+                model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0, stream=True
+            )
+            kinds = [ev.type async for ev in events]
+            assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+            async with s.post(
+                gw + "/tokenize", json={"model": MODEL, "prompt": "hello world"}
+            ) as r:
+                assert r.status == 200, await r.text()
+                tokens = (await r.json())["tokens"]
+            async with s.post(gw + "/detokenize", json={"model": MODEL, "tokens": tokens}) as r:
+                assert r.status == 200 and (await r.json())["prompt"] == "hello world"
             await client.close()
 
             # 4. The Slurm job is what serves: running on a GPU node, with a

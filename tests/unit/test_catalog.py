@@ -371,7 +371,7 @@ def test_defaults_may_not_set_name_or_unknown_blocks(tmp_path: Path) -> None:
     """
     assert errors_of(tmp_path, text) == [
         "F:2: defaults.name: unknown key 'name' (valid keys: description, engine, resources, "
-        "scaling, weights); name and aliases belong to each model",
+        "routing, scaling, weights); name and aliases belong to each model",
         "F:3: defaults.resources: expected a mapping; got the integer 3",
     ]
 
@@ -389,12 +389,13 @@ def test_unknown_key_suggests_the_closest_and_lists_valid_keys(tmp_path: Path) -
     assert errs == [
         "F:5: models[0].scaling.hold_timout: unknown key 'hold_timout'; did you mean "
         "'hold_timeout'? (valid "
-        "keys: evict_for, hold_timeout, idle_timeout, max, min, target_inflight)"
+        "keys: evict_for, hold_timeout, idle_timeout, max, min, scale_on, target_inflight, "
+        "target_waiting)"
     ]
     errs = errors_of(tmp_path, one_model("    zzz: 1\n"))
     assert errs == [
-        "F:5: models[0].zzz: unknown key 'zzz' (valid keys: aliases, description, engine, name, "
-        "resources, scaling, weights)"
+        "F:5: models[0].zzz: unknown key 'zzz' (valid keys: aliases, description, endpoints, "
+        "engine, name, resources, routing, scaling, weights)"
     ]
 
 

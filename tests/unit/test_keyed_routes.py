@@ -71,9 +71,17 @@ def test_every_other_route_that_changes_state_is_keyed_or_behind_the_admin_token
     )
     assert gateway_posts == [
         "/api/v1/models/{model}/up",
+        "/detokenize",
+        "/rerank",
+        "/tokenize",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/embeddings",
+        "/v1/rerank",
+        "/v1/responses",
+        "/v1/score",
     ]
     rd = keyed[0]
     for path in gateway_posts:
