@@ -1,0 +1,141 @@
+"""The Batch API end to end on the real cluster, through the official openai client (issue 19).
+
+One daemon for the module's one test (a daemon and its engines cost seconds
+each): a batch runs in its own Slurm job with the test engine and completes
+with each custom_id once; a slow batch is cancelled mid-way and keeps what
+was done; a file with bad lines fails at create time and submits nothing;
+another user's file is a 404.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import openai
+import yaml
+
+from llmgw_slurm.router.keys import add_key
+from tests.slurm.conftest import eventually
+from tests.slurm.harness import TINY_ENGINE, Harness, running, tiny_model
+
+FAST = tiny_model("fast", scaling={"min": 0, "max": 1})
+# 0.2 s a token, 10 tokens: two seconds a request, so a cancel lands mid-way.
+SLOW = tiny_model(
+    "slow",
+    engine={"kind": "command", "command": [*TINY_ENGINE, "--token-delay", "0.2"]},
+    scaling={"min": 0, "max": 1},
+)
+
+
+def lines(model: str, n: int, max_tokens: int = 3) -> bytes:
+    out = []
+    for i in range(n):
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"question {i}"}],
+            "max_tokens": max_tokens,
+        }
+        out.append(
+            {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        )
+    return "".join(json.dumps(o) + "\n" for o in out).encode()
+
+
+def client(h: Harness, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=h.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def with_batch_section(h: Harness) -> None:
+    server = yaml.safe_load(h.server_yaml.read_text())
+    server["batch"] = {"partition": "llm", "concurrency": 2, "poll_interval": "1s"}
+    h.server_yaml.write_text(yaml.safe_dump(server, sort_keys=False))
+
+
+async def wait_status(c: openai.AsyncOpenAI, batch_id: str, *statuses: str) -> Any:
+    async def probe() -> Any:
+        b = await c.batches.retrieve(batch_id)
+        return b if b.status in statuses else None
+
+    return await eventually(probe, f"batch {batch_id} to be {' or '.join(statuses)}", timeout=120)
+
+
+async def test_a_batch_runs_as_a_slurm_job_and_a_cancelled_one_keeps_its_results(
+    tmp_path: Path, prefix: str
+) -> None:
+    keys = tmp_path / "keys.json"
+    alice, bob = add_key(keys, "alice").key, add_key(keys, "bob").key
+    async with running(
+        tmp_path,
+        prefix,
+        [FAST, SLOW],
+        router={"keys_file": str(keys)},
+        configure=with_batch_section,
+    ) as h:
+        c = client(h, alice)
+        # A file with a duplicate id and an unknown model: failed at once, no job.
+        bad = lines("fast", 3) + lines("nope", 1)
+        f_bad = await c.files.create(file=("bad.jsonl", io.BytesIO(bad)), purpose="batch")
+        b_bad = await c.batches.create(
+            input_file_id=f_bad.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert b_bad.status == "failed"
+        assert b_bad.errors is not None
+        assert [(e.code, e.line) for e in b_bad.errors.data] == [("duplicate_custom_id", 4)]
+
+        # Another user's file is not there for bob.
+        f_ok = await c.files.create(
+            file=("ok.jsonl", io.BytesIO(lines("fast", 5))), purpose="batch"
+        )
+        with_bob = client(h, bob)
+        try:
+            await with_bob.batches.create(
+                input_file_id=f_ok.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            raise AssertionError("bob used alice's file")
+        except openai.NotFoundError:
+            pass
+        assert h.jobs() == []
+
+        batch = await c.batches.create(
+            input_file_id=f_ok.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch.status == "in_progress"
+        assert [j[1] for j in h.jobs()] == [f"{prefix}_batch.{batch.id}"]
+        done = await wait_status(c, batch.id, "completed", "failed")
+        assert done.status == "completed", done
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (5, 0)
+        assert done.output_file_id is not None and done.error_file_id is None
+        content = (await c.files.content(done.output_file_id)).read()
+        out = [json.loads(line) for line in content.splitlines()]
+        assert sorted(o["custom_id"] for o in out) == [f"q{i}" for i in range(5)]
+        assert {o["response"]["status_code"] for o in out} == {200}
+        with_bob_files = await with_bob.files.list()
+        assert with_bob_files.data == []
+
+        # A slow batch, cancelled once some requests are done: those are kept.
+        f_slow = await c.files.create(
+            file=("slow.jsonl", io.BytesIO(lines("slow", 30, max_tokens=10))), purpose="batch"
+        )
+        slow = await c.batches.create(
+            input_file_id=f_slow.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+        async def some_done() -> bool:
+            b = await c.batches.retrieve(slow.id)
+            return b.request_counts is not None and b.request_counts.completed >= 2
+
+        await eventually(some_done, "the slow batch to answer two requests", timeout=120)
+        cancelling = await c.batches.cancel(slow.id)
+        assert cancelling.status == "cancelling"
+        cancelled = await wait_status(c, slow.id, "cancelled")
+        assert cancelled.request_counts is not None
+        kept = cancelled.request_counts.completed
+        assert 2 <= kept < 30
+        assert cancelled.output_file_id is not None
+        content = (await c.files.content(cancelled.output_file_id)).read()
+        ids = [json.loads(line)["custom_id"] for line in content.splitlines()]
+        assert len(ids) == len(set(ids)) == kept
