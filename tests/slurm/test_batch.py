@@ -2,8 +2,8 @@
 
 One daemon for the module's one test (a daemon and its engines cost seconds
 each): a batch runs in its own Slurm job with the test engine and completes
-with each custom_id once; a slow batch is cancelled mid-way and keeps what
-was done; a file with bad lines fails at create time and submits nothing;
+with each custom_id once; a slow batch goes on across a daemon restart and
+is cancelled mid-way, keeping what was done; a file with bad lines fails at create time and submits nothing;
 another user's file is a 404.
 """
 
@@ -129,6 +129,20 @@ async def test_a_batch_runs_as_a_slurm_job_and_a_cancelled_one_keeps_its_results
             return b.request_counts is not None and b.request_counts.completed >= 2
 
         await eventually(some_done, "the slow batch to answer two requests", timeout=120)
+        # A daemon that stops (as a crash leaves things: the job runs on) and starts
+        # again finds the batch on disk and its job in Slurm, and the job's reports
+        # keep coming.
+        before = (await c.batches.retrieve(slow.id)).request_counts
+        assert before is not None
+        await h.stop()
+        await h.start()
+
+        async def more_done() -> bool:
+            b = await c.batches.retrieve(slow.id)
+            assert b.status == "in_progress", b
+            return b.request_counts is not None and b.request_counts.completed > before.completed
+
+        await eventually(more_done, "progress after the daemon's restart", timeout=60)
         cancelling = await c.batches.cancel(slow.id)
         assert cancelling.status == "cancelling"
         cancelled = await wait_status(c, slow.id, "cancelled")
