@@ -415,6 +415,11 @@ class BatchConfig:
     # Default 16: requests a batch job keeps in flight to its engine; the engine's
     # own scheduler batches them, more only lengthens its queue.
     concurrency: int = field(default=16, metadata=rule(ge=1, le=4096))
+    # Default auto: a vllm model's batches run through vLLM's offline runner
+    # (run_batch: the model loaded once, no server, no port; its answers arrive at
+    # its end), other engines' through their server. server: always the server,
+    # whose answers are kept as they come (a preempted job loses none).
+    runner: Literal["auto", "server"] = "auto"
     # Default 5s: how often the daemon lists batch jobs (one squeue for all of them).
     poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=_schema.parse_duration))
 

@@ -79,6 +79,7 @@ class BatchJobs:
             "LLMGW_BATCH_ERRORS": str(work / ERRORS),
             "LLMGW_BATCH_ENDPOINT": batch.endpoint,
             "LLMGW_BATCH_CONCURRENCY": str(cfg.batch.concurrency),
+            "LLMGW_BATCH_RUNNER": cfg.batch.runner,
         }
         gpus = model.resources.gpus
         return JobSpec(

@@ -10,7 +10,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from llmgw_slurm.agent.batch import BatchJob, BatchRun, batch_job_from_env
+from llmgw_slurm.agent.batch import (
+    BatchJob,
+    BatchRun,
+    _append_run,
+    _write_todo,
+    batch_job_from_env,
+)
+from llmgw_slurm.agent.engine import LaunchParams, build_run_batch_command
+from llmgw_slurm.agent.errors import EngineError
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.errors import ConfigError, ConfigErrors
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
@@ -107,3 +115,57 @@ def test_the_batch_section_defaults_and_its_errors_name_file_and_line(tmp_path: 
     p.write_text("batch: {directory: \"sh ared\"}\n")
     with pytest.raises(ConfigError, match=r"batch\.directory"):
         load_server_config(p)
+
+
+def test_the_offline_runner_gets_only_what_is_left_and_its_answers_land_once(
+    tmp_path: Path,
+) -> None:
+    b = job(tmp_path, *(request(f"q{i}") for i in range(4)))
+    b.output.write_text(json.dumps({"custom_id": "q0"}) + "\n")
+    run_in = tmp_path / "run-in.jsonl"
+    counts, left = _write_todo(b, run_in, "tiny")
+    assert (counts, left) == ({"completed": 1, "failed": 0}, 3)
+    sent = rows(run_in)
+    assert [s["custom_id"] for s in sent] == ["q1", "q2", "q3"]
+    assert {s["body"]["model"] for s in sent} == {"tiny"}  # type: ignore[index]
+    produced = tmp_path / "run-out.jsonl"
+    ok = {"status_code": 200, "body": {"usage": {"prompt_tokens": 5, "completion_tokens": 2}}}
+    produced.write_text(
+        "".join(
+            json.dumps(line) + "\n"
+            for line in (
+                {"custom_id": "q1", "response": ok},
+                {"custom_id": "q2", "response": {"status_code": 400, "body": None}},
+                {"custom_id": "q0", "response": ok},  # already answered: not again
+                {"custom_id": "q3", "response": ok},
+            )
+        )
+    )
+    got = _append_run(b, produced, counts)
+    assert got == {"completed": 3, "failed": 1, "prompt_tokens": 10, "completion_tokens": 4}
+    assert [r["custom_id"] for r in rows(b.output)] == ["q0", "q1", "q3"]
+    assert [r["custom_id"] for r in rows(b.errors)] == ["q2"]
+
+
+def test_the_offline_runner_command_keeps_the_key_and_paths_as_arguments() -> None:
+    from llmgw_slurm.catalog import EngineSpec
+    from llmgw_slurm.config import EngineRuntime
+
+    spec = EngineSpec(kind="vllm", args=("--dtype", "float32"), env={"A": "1"})
+    p = LaunchParams(
+        model_path="/w/m; rm -rf /",
+        served_name="tiny",
+        host="0.0.0.0",
+        port=0,
+        python="/venv/bin/python",
+        runtime=EngineRuntime(env={"B": "2"}),
+    )
+    cmd = build_run_batch_command(spec, p, "/p/in.jsonl", "/p/out.jsonl")
+    assert cmd.argv == [
+        "/venv/bin/python", "-m", "vllm.entrypoints.openai.run_batch",
+        "-i", "/p/in.jsonl", "-o", "/p/out.jsonl", "--model", "/w/m; rm -rf /",
+        "--served-model-name", "tiny", "--dtype", "float32",
+    ]
+    assert cmd.env == {"A": "1", "B": "2"}
+    with pytest.raises(EngineError, match="no offline batch runner"):
+        build_run_batch_command(EngineSpec(kind="command", command=("x",)), p, "/i", "/o")
