@@ -47,7 +47,7 @@ from llmgw_slurm.durations import parse_duration
 from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.secrets import batch_secret
-from llmgw_slurm.slurm.types import Job, SlurmBackend
+from llmgw_slurm.slurm.types import Job, JobState, SlurmBackend
 
 __all__ = ["MAX_JOBS", "BatchRefused", "BatchService"]
 
@@ -88,6 +88,8 @@ class BatchService:
         self.clock = clock
         self.prefix = batch_job_prefix(server)
         self.last_poll_error = ""
+        # Batches whose sbatch is under way: a poll meanwhile must not submit again.
+        self._submitting: set[str] = set()
         # Called with each batch once it ends (its tokens go to the usage store).
         self.on_usage: Callable[[BatchRecord], None] | None = None
 
@@ -193,26 +195,37 @@ class BatchService:
     # ---- jobs -------------------------------------------------------------------------
 
     async def _submit(self, batch: BatchRecord) -> BatchRecord:
+        """Submit the batch's next job, once at a time per batch, and record its id
+        on the batch as it is then (a cancel may have come while sbatch ran)."""
         model = self._catalog().get(batch.model)
         if model is None:
             return self._fail(batch, "model_not_found", f"model {batch.model!r} left the catalog")
+        if batch.id in self._submitting:
+            return batch
         spec = self.jobs.spec(
             batch, model, self.store.data_path(batch.input_file_id), self.store.work_dir(batch.id)
         )
+        self._submitting.add(batch.id)
         try:
             job_id = await self.backend.submit(spec)
         except SlurmError as err:
             # Kept in progress without a job: the next poll tries again.
             log.warning("batch %s: submitting its job failed: %s", batch.id, err)
-            batch = replace(batch, note=f"submitting its job failed: {err}")
-            self.store.save(batch)
-            return batch
+            current = self.store.get(batch.id) or batch
+            current = replace(current, note=f"submitting its job failed: {err}")
+            self.store.save(current)
+            return current
+        finally:
+            self._submitting.discard(batch.id)
         log.info("batch %s: job %s submitted (%s)", batch.id, job_id, batch.model)
-        batch = replace(
-            batch, job_id=job_id, jobs_submitted=batch.jobs_submitted + 1, note="job queued"
+        current = self.store.get(batch.id) or batch
+        current = replace(
+            current, job_id=job_id, jobs_submitted=current.jobs_submitted + 1, note="job queued"
         )
-        self.store.save(batch)
-        return batch
+        self.store.save(current)
+        if current.status is BatchStatus.CANCELLING:
+            await self._cancel_job(current)
+        return current
 
     async def _cancel_job(self, batch: BatchRecord) -> None:
         try:
@@ -244,20 +257,31 @@ class BatchService:
             log.warning("batch poll: Slurm did not answer: %s", err)
             return
         self.last_poll_error = ""
-        for batch in active:
-            await self._poll_one(batch, listed.get(self.prefix + batch.id))
+        for b in active:
+            # Read again: an earlier batch's await may have let a cancel or a report in.
+            batch = self.store.get(b.id)
+            if batch is not None and not batch.status.is_final and b.id not in self._submitting:
+                await self._poll_one(batch, listed.get(self.prefix + batch.id))
 
     async def _poll_one(self, batch: BatchRecord, job: Job | None) -> None:
         now = self.clock()
-        running = job is not None and job.job_id == batch.job_id and job.state.is_active
-        if running:
-            assert job is not None
-            if now >= batch.expires_at and batch.status is BatchStatus.IN_PROGRESS:
-                log.info(
-                    "batch %s: completion window passed, cancelling job %s", batch.id, job.job_id
+        if job is not None and job.state.is_active:
+            if job.job_id != batch.job_id:
+                # Submitted by a daemon that died before it recorded the id (or a
+                # record older than the job): adopted, never submitted twice.
+                log.info("batch %s: adopting job %s", batch.id, job.job_id)
+                batch = replace(
+                    batch,
+                    job_id=job.job_id,
+                    jobs_submitted=batch.jobs_submitted + (0 if batch.job_id else 1),
                 )
-                await self._cancel_job(batch)
-            elif job.reason and job.state.value == "PENDING":
+                self.store.save(batch)
+            expired = now >= batch.expires_at and batch.status is BatchStatus.IN_PROGRESS
+            if expired or batch.status is BatchStatus.CANCELLING:
+                # Again on every poll while the job is listed: a scancel that Slurm
+                # did not take is retried, and one more to a dying job is harmless.
+                await self._cancel_job(replace(batch, job_id=job.job_id))
+            elif job.state is JobState.PENDING and job.reason:
                 self.store.save(replace(batch, note=f"job {job.job_id} pending ({job.reason})"))
             return
         if batch.status is BatchStatus.IN_PROGRESS and not batch.job_id and now < batch.expires_at:
@@ -269,7 +293,7 @@ class BatchService:
         work = self.store.work_dir(batch.id)
         out, err = work / results.OUTPUT, work / results.ERRORS
         done, failed = await asyncio.to_thread(_read_counts, out, err)
-        batch = replace(batch, completed=done, failed=failed)
+        batch = replace(self.store.get(batch.id) or batch, completed=done, failed=failed)
         if batch.status is BatchStatus.CANCELLING:
             self._finish(batch, BatchStatus.CANCELLED, now)
         elif done + failed >= batch.total:
@@ -288,7 +312,9 @@ class BatchService:
                 done + failed,
                 batch.total,
             )
-            await self._submit(replace(batch, job_id=""))
+            batch = replace(batch, job_id="")
+            self.store.save(batch)
+            await self._submit(batch)
         else:
             message = (
                 f"the batch's {batch.jobs_submitted} jobs ended with {done + failed} of "

@@ -490,3 +490,45 @@ async def test_hostile_uploads_get_clear_errors_and_leave_nothing(
             made = await r.json()
         assert "/" not in made["filename"] and made["bytes"] == len(line("a"))
     assert sorted(p.suffix for p in files.iterdir()) == [".json", ".jsonl"]
+
+
+async def test_a_job_the_record_does_not_name_is_adopted_not_submitted_again(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    b = await create(s, upload(s, "alice", line("a")))
+    # The daemon died between sbatch and recording the job's id.
+    s.store.save(replace(b, job_id="", jobs_submitted=0))
+    backend.run(backend.submitted[0], "555")
+    await s.poll()
+    adopted = s.store.batch("alice", b.id)
+    assert adopted is not None and (adopted.job_id, adopted.jobs_submitted) == ("555", 1)
+    assert len(backend.submitted) == 1
+
+
+async def test_a_cancel_while_sbatch_runs_cancels_the_new_job_and_a_poll_submits_nothing(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    fid = upload(s, "alice", line("a"))
+    gate = asyncio.Event()
+    submit = backend.submit
+
+    async def slow_submit(spec: JobSpec) -> str:
+        await gate.wait()
+        return await submit(spec)
+
+    backend.submit = slow_submit  # type: ignore[method-assign]
+    creating = asyncio.create_task(create(s, fid))
+    while not s.store.batches("alice"):
+        await asyncio.sleep(0)
+    (b,) = s.store.batches("alice")
+    await s.poll()  # sbatch is under way: no second job
+    await s.cancel("alice", b.id)
+    gate.set()
+    await creating
+    assert len(backend.submitted) == 1 and backend.cancelled == ["101"]
+    backend.jobs = []
+    await s.poll()
+    done = s.store.batch("alice", b.id)
+    assert done is not None and done.status is BatchStatus.CANCELLED
