@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,86 @@ async def test_a_batch_runs_as_a_slurm_job_and_a_cancelled_one_keeps_its_results
         content = (await c.files.content(cancelled.output_file_id)).read()
         ids = [json.loads(line)["custom_id"] for line in content.splitlines()]
         assert len(ids) == len(set(ids)) == kept
+
+
+# A whole node (4 GPUs), so that a research job pinned to its node preempts it.
+WHOLE_NODE = tiny_model(
+    "whole",
+    engine={"kind": "command", "command": [*TINY_ENGINE, "--token-delay", "0.1"]},
+    resources={"gpus": 4},
+    scaling={"min": 0, "max": 1},
+)
+
+
+def node_of(job_name: str) -> str:
+    out = subprocess.run(
+        ["squeue", "-h", "-n", job_name, "-o", "%T|%N"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    state, _, node = out.partition("|")
+    return node if state == "RUNNING" else ""
+
+
+async def test_a_preempted_batch_job_is_requeued_and_answers_each_custom_id_once(
+    tmp_path: Path, prefix: str
+) -> None:
+    async with running(tmp_path, prefix, [WHOLE_NODE], configure=with_batch_section) as h:
+        c = client(h, "unused")
+        n = 40
+        f = await c.files.create(
+            file=("p.jsonl", io.BytesIO(lines("whole", n, max_tokens=10))), purpose="batch"
+        )
+        batch = await c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+        async def some_done() -> bool:
+            b = await c.batches.retrieve(batch.id)
+            return b.request_counts is not None and b.request_counts.completed >= 4
+
+        await eventually(some_done, "the batch to answer some requests", timeout=120)
+        node = node_of(f"{prefix}_batch.{batch.id}")
+        assert node, "the batch job is not running"
+        research = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                "research",
+                f"--nodelist={node}",
+                "--gres=gpu:a100:4",
+                f"--job-name={prefix}research",
+                "--output=/dev/null",
+                "--wrap",
+                "sleep 600",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        try:
+
+            async def requeued() -> bool:
+                out = subprocess.run(
+                    ["squeue", "-h", "-n", f"{prefix}_batch.{batch.id}", "-o", "%T"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.strip()
+                return out == "PENDING"
+
+            await eventually(requeued, "the batch job to be preempted and requeued")
+        finally:
+            subprocess.run(["scancel", research], check=False)
+        # Slurm holds a requeued job back for a while (its begin time); the test does
+        # not wait for that, as an admin would not.
+        subprocess.run(
+            ["scontrol", "update", f"JobName={prefix}_batch.{batch.id}", "StartTime=now"],
+            check=False,
+        )
+        done = await wait_status(c, batch.id, "completed", "failed")
+        assert done.status == "completed", done
+        assert done.output_file_id is not None and done.request_counts is not None
+        assert done.request_counts.completed == n
+        content = (await c.files.content(done.output_file_id)).read()
+        ids = [json.loads(line)["custom_id"] for line in content.splitlines()]
+        assert sorted(ids) == sorted(f"q{i}" for i in range(n))
