@@ -160,6 +160,9 @@ class BatchRecord:
     note: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # The key that created it, for the usage store (its tokens count to that key).
+    key_id: str = ""
+    project: str = ""
 
     def to_api(self) -> dict[str, Any]:
         stamps = {name: getattr(self, name) for name in _STAMPS.values()}

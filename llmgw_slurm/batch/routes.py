@@ -261,6 +261,7 @@ async def _create_batch(request: web.Request, svc: BatchService, who: Caller) ->
         _string(body, "completion_window", "24h"),
         _metadata(body),
         allowed_model(gw.directory, who.key),
+        (who.key.key_id, who.key.project) if who.key is not None else ("", ""),
     )
     return web.json_response(batch.to_api())
 

@@ -119,11 +119,13 @@ class BatchService:
         completion_window: str,
         metadata: Mapping[str, str],
         resolve: Callable[[str], str | None],
+        key: tuple[str, str] = ("", ""),
     ) -> BatchRecord:
         """Check the input file, then (when it is valid) submit the batch's job.
 
         A refused request raises BatchRefused (nothing is recorded); a file with bad
         lines gives a batch that is ``failed`` with the lines' errors, and no job.
+        ``key``: the creating key's id and project, for the usage store.
         """
         if endpoint not in ENDPOINTS:
             raise BatchRefused(
@@ -155,6 +157,8 @@ class BatchService:
             created_at=int(now),
             expires_at=int(now + window),
             metadata=dict(metadata),
+            key_id=key[0],
+            project=key[1],
         )
         path = self.store.data_path(input_file_id)
         checked = await asyncio.to_thread(self._check, path, endpoint, resolve)

@@ -37,16 +37,16 @@ def install(
     if usage is not None:
 
         def record(batch: BatchRecord) -> None:
-            # One record per batch, on the owner: tokens counted as the online
-            # gateway counts them, under the endpoint "batch".
+            # One record per batch, on the key that created it: tokens counted as
+            # the online gateway counts them, under the endpoint "batch".
             total = batch.prompt_tokens + batch.completion_tokens
             if total:
                 usage.record(
                     UsageRecord(
                         time.time(),
-                        "",
+                        batch.key_id,
                         batch.owner,
-                        "",
+                        batch.project,
                         batch.model,
                         "batch",
                         batch.prompt_tokens,

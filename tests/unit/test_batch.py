@@ -532,3 +532,23 @@ async def test_a_cancel_while_sbatch_runs_cancels_the_new_job_and_a_poll_submits
     await s.poll()
     done = s.store.batch("alice", b.id)
     assert done is not None and done.status is BatchStatus.CANCELLED
+
+
+async def test_a_finished_batch_hands_its_tokens_and_its_key_to_the_usage_store(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    ended: list[BatchRecord] = []
+    s.on_usage = ended.append
+    fid = upload(s, "alice", line("a"))
+    b = await s.create("alice", fid, CHAT, "1h", {}, KNOWN.get, ("0a0b0c0d", "proj"))
+    body = {"event": "progress", "counts": {"completed": 1, "prompt_tokens": 7, "completion_tokens": 3}}
+    raw = json.dumps(body).encode()
+    s.report(b.id, sign_report(batch_secret(b"k" * 32, b.id), b.id, int(time.time()), raw), raw, body)
+    answer(s.store.work_dir(b.id), results.OUTPUT, "a")
+    backend.jobs = []
+    await s.poll()
+    (done,) = ended
+    assert (done.status, done.key_id, done.project) == (BatchStatus.COMPLETED, "0a0b0c0d", "proj")
+    assert (done.prompt_tokens, done.completion_tokens) == (7, 3)
+    assert done.to_api()["usage"] == {"input_tokens": 7, "output_tokens": 3, "total_tokens": 10}
