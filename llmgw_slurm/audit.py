@@ -3,7 +3,9 @@
 The input is what :meth:`SlurmBackend.accounting` returns: one record per
 allocation (a heterogeneous job gives one per component, ``1234+0``,
 ``1234+1``). Which model a job served comes from its comment (``llmgw
-model=X replica=Y gpus=N``, set at submission), or else from its name.
+model=X replica=Y gpus=N``, set at submission), or else from its name. A
+Batch API job's comment (``llmgw batch=ID model=X gpus=N``) puts it under
+``batch:X``, apart from the model's online replicas.
 
 How each figure is counted:
 
@@ -59,6 +61,7 @@ FAILED_STATES = frozenset(
 
 _COMMENT_MODEL = re.compile(r"(?:^|\s)model=([a-z0-9][a-z0-9._-]{0,47})(?:\s|$)")
 _COMMENT_TAG = re.compile(r"^llmgw\s")
+_COMMENT_BATCH = re.compile(r"(?:^|\s)batch=\S+")
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def model_of(rec: AccountingRecord, prefix: str) -> str | None:
         return None
     m = _COMMENT_MODEL.search(rec.comment) if _COMMENT_TAG.match(rec.comment) else None
     if m:
-        return m.group(1)
+        return ("batch:" if _COMMENT_BATCH.search(rec.comment) else "") + m.group(1)
     # No comment (AccountingStoreFlags=job_comment is off): the name is
     # "{prefix}{model}.{replica_id}".
     rest = rec.name[len(prefix) :]

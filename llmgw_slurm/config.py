@@ -35,6 +35,7 @@ __all__ = [
     "AgentConfig",
     "AgentWeightsConfig",
     "ApptainerConfig",
+    "BatchConfig",
     "DrainConfig",
     "EngineRuntime",
     "EnginesConfig",
@@ -383,6 +384,53 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
+class BatchConfig:
+    """The OpenAI Batch API (``/v1/files``, ``/v1/batches``): where files live, how jobs run."""
+
+    # Default None: state_dir/batch. Uploaded files, outputs and batch records; the
+    # batch jobs read and write it on the compute nodes, so on a site it must be on a
+    # shared filesystem the daemon's user owns.
+    directory: Path | None = None
+    # Default None: slurm.partition. Batches wait for capacity, so a site usually
+    # sends them to its preemptible partition.
+    partition: str | None = field(
+        default=None,
+        metadata=rule(
+            pattern=r"[A-Za-z0-9_.+-]{1,64}(,[A-Za-z0-9_.+-]{1,64})*", pattern_help=_SLURM_NAME_HELP
+        ),
+    )
+    # Default None: slurm.qos. The QOS of batch jobs (a low-priority, preemptible one).
+    qos: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+    # Default 4h: a batch job's time limit; a batch that needs longer resumes in a
+    # new job where the last one stopped.
+    time_limit: float = field(
+        default=4 * 3600.0, metadata=rule(ge=60, parse=_schema.parse_duration)
+    )
+    # Default 200M: OpenAI's limit for one batch input file.
+    max_file_bytes: int = field(
+        default=200 * 1024 * 1024, metadata=rule(ge=1, parse=_schema.parse_size)
+    )
+    # Default 50000: OpenAI's limit of requests in one batch.
+    max_requests: int = field(default=50_000, metadata=rule(ge=1))
+    # Default 24h: the longest completion_window a batch may ask for (OpenAI offers only 24h).
+    max_completion_window: float = field(
+        default=24 * 3600.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+    )
+    # Default 16: requests a batch job keeps in flight to its engine; the engine's
+    # own scheduler batches them, more only lengthens its queue.
+    concurrency: int = field(default=16, metadata=rule(ge=1, le=4096))
+    # Default auto: a vllm model's batches run through vLLM's offline runner
+    # (run_batch: the model loaded once, no server, no port; its answers arrive at
+    # its end), other engines' through their server. server: always the server,
+    # whose answers are kept as they come (a preempted job loses none).
+    runner: Literal["auto", "server"] = "auto"
+    # Default 5s: how often the daemon lists batch jobs (one squeue for all of them).
+    poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """``server.yaml``: the daemon's settings."""
 
@@ -407,6 +455,8 @@ class ServerConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     # Default: tracing off, see TracingConfig.
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    # Default: see BatchConfig.
+    batch: BatchConfig = field(default_factory=BatchConfig)
     # Default: plain http on the gateway, see TlsConfig.
     tls: TlsConfig = field(default_factory=TlsConfig)
     # Default None: $RUNTIME_DIRECTORY (the unit's RuntimeDirectory=, i.e.
@@ -424,6 +474,11 @@ class ServerConfig:
         default=None,
         metadata=rule(pattern=r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}", pattern_help="a group name"),
     )
+
+    @property
+    def batch_directory(self) -> Path:
+        """``batch.directory``, else ``state_dir/batch``."""
+        return Path(self.batch.directory or Path(self.state_dir) / "batch")
 
     def effective_runtime_dir(self, environ: Mapping[str, str] | None = None) -> Path:
         """``runtime_dir``, else ``$RUNTIME_DIRECTORY`` (systemd), else ``state_dir/run``."""
@@ -688,13 +743,20 @@ def load_server_config(path: str | Path) -> ServerConfig:
         models=_absolute(cfg.models, base, file, "models"),
         agent_config=_absolute(cfg.agent_config, base, file, "agent_config"),
     )
+    if cfg.batch.directory is not None:
+        batch_dir = _absolute(cfg.batch.directory, base, file, "batch.directory")
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, directory=batch_dir))
     # Both reach every replica's batch script (the job log goes under state_dir on an
     # #SBATCH line; agent_config on the agent's command line): a path no script can
     # hold would let the daemon start and then fail every submission.
     errors = []
-    for key in ("state_dir", "agent_config"):
+    for key, value in (
+        ("state_dir", cfg.state_dir),
+        ("agent_config", cfg.agent_config),
+        ("batch.directory", cfg.batch_directory),
+    ):
         try:
-            check_job_path(str(getattr(cfg, key)), key)
+            check_job_path(str(value), key)
         except TemplateError as exc:
             errors.append(ConfigError(str(exc), file=file, field=key))
     if len(errors) == 1:

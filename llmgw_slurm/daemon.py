@@ -27,6 +27,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
 from llmgw_slurm import api, identity, private, sdnotify
+from llmgw_slurm.batch.setup import install as install_batch_api
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import HostPort, ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
@@ -213,6 +214,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         token,
         provider,
     )
+    install_batch_api(gateway, d.internal, server, backend, rec, key, daemon_url, usage)
     api.add_admin_routes(d.internal, rec, api.token_gate(token), d.reload)
     api.add_admin_routes(d.admin, rec, api.peer_gate(server.admin_group), d.reload)
     return d

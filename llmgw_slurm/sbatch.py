@@ -45,6 +45,7 @@ __all__ = [
     "ModelJobParams",
     "ReplicaParams",
     "default_template_dir",
+    "render_batch",
     "render_engine_install",
     "render_model_job",
     "render_replica",
@@ -57,6 +58,7 @@ REPLICA_TEMPLATE = "replica.sbatch.j2"
 HETJOB_TEMPLATE = "replica-hetjob.sbatch.j2"
 MODEL_JOB_TEMPLATE = "model-job.sbatch.j2"
 ENGINE_INSTALL_TEMPLATE = "engine-install.sbatch.j2"
+BATCH_TEMPLATE = "batch.sbatch.j2"
 
 
 def default_template_dir() -> Path:
@@ -460,6 +462,13 @@ def render_replica_hetjob(params: HetReplicaParams, template_dir: Path | str | N
             "cpus_per_task": params.components[0].resources.cpus,
         },
     )
+
+
+def render_batch(params: ReplicaParams, template_dir: Path | str | None = None) -> str:
+    """The batch script of a Batch API job: one node, the model's resources, the agent's
+    ``batch`` command (its input, outputs and secrets reach it in the environment)."""
+    params.validate()
+    return _render(BATCH_TEMPLATE, template_dir, {"p": params, "job": params.job})
 
 
 def render_model_job(params: ModelJobParams, template_dir: Path | str | None = None) -> str:

@@ -19,6 +19,7 @@ from llmgw_slurm.fsutil import atomic_write
 __all__ = [
     "REPORT_SCHEME",
     "AdminToken",
+    "batch_secret",
     "constant_time_equal",
     "engine_api_key",
     "load_or_create_server_key",
@@ -46,6 +47,11 @@ def _derive(server_key: bytes, purpose: str, replica_id: str) -> str:
 def replica_secret(server_key: bytes, replica_id: str) -> str:
     """The secret an agent presents to prove it runs replica ``replica_id``."""
     return _derive(server_key, "replica", replica_id)
+
+
+def batch_secret(server_key: bytes, batch_id: str) -> str:
+    """The secret a Batch API job signs its progress reports with (as a replica's agent does)."""
+    return _derive(server_key, "batch", batch_id)
 
 
 def engine_api_key(server_key: bytes, replica_id: str) -> str:

@@ -49,6 +49,7 @@ __all__ = [
     "EngineProcess",
     "LaunchParams",
     "build_engine_command",
+    "build_run_batch_command",
     "check_port_owner",
     "engine_env",
     "in_flight_from_metrics",
@@ -315,15 +316,40 @@ def build_engine_command(spec: EngineSpec, p: LaunchParams, api_key: str) -> Eng
         )
     # The model's own env wins over the site's for its kind.
     env.update(spec.env)
-    if spec.apptainer_image:
-        # --nv binds the host's NVIDIA driver; the host environment (the key
-        # included) passes into the container by Apptainer's default.
-        wrap = [p.apptainer, "exec", "--nv"]
-        private = (p.private_dir,) if p.private_dir is not None else ()
-        for b in (*p.apptainer_binds, *p.binds, *private):
-            wrap += ["--bind", b]
-        argv = [*wrap, spec.apptainer_image, *argv]
-    return EngineCommand(argv=argv, env=env, files=files)
+    return EngineCommand(argv=_in_image(spec, p, argv), env=env, files=files)
+
+
+def _in_image(spec: EngineSpec, p: LaunchParams, argv: list[str]) -> list[str]:
+    """``argv`` run inside the model's Apptainer image, when it has one."""
+    if not spec.apptainer_image:
+        return argv
+    # --nv binds the host's NVIDIA driver; the host environment (the key
+    # included) passes into the container by Apptainer's default.
+    wrap = [p.apptainer, "exec", "--nv"]
+    private = (p.private_dir,) if p.private_dir is not None else ()
+    for b in (*p.apptainer_binds, *p.binds, *private):
+        wrap += ["--bind", b]
+    return [*wrap, spec.apptainer_image, *argv]
+
+
+def build_run_batch_command(
+    spec: EngineSpec, p: LaunchParams, input_path: str, output_path: str
+) -> EngineCommand:
+    """vLLM's offline batch runner over ``input_path`` (OpenAI batch lines) into
+    ``output_path``: the model loaded once, no HTTP server, no port. Both files
+    belong in ``p.private_dir`` (bound into an Apptainer image)."""
+    if spec.kind != "vllm":
+        raise EngineError(f"engine.kind {spec.kind!r} has no offline batch runner")
+    in_image = spec.apptainer_image is not None
+    if p.runtime.executable:
+        program = [p.runtime.executable, "run-batch"]
+    else:
+        python = p.runtime.python or ("python3" if in_image else p.python)
+        program = [python, "-m", "vllm.entrypoints.openai.run_batch"]
+    argv = [*program, "-i", input_path, "-o", output_path, "--model", p.model_path]
+    argv += ["--served-model-name", p.served_name, *spec.args]
+    env: dict[str, str] = {**p.runtime.env, **spec.env}
+    return EngineCommand(argv=_in_image(spec, p, argv), env=env)
 
 
 def engine_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
     llmgw-agent --config agent.yaml run      # a replica: weights, engine, serve, drain
     llmgw-agent --config agent.yaml fetch    # a model job: weights into the cache only
+    llmgw-agent --config agent.yaml batch    # a Batch API job: engine, the batch's requests
 
 The model spec and secrets come from the job environment (LLMGW_*), set by
 the daemon at submission; the options here override agent.yaml. Without
@@ -23,6 +24,7 @@ from typing import Any
 
 import click
 
+from llmgw_slurm.agent.batch import BatchAgent, batch_job_from_env
 from llmgw_slurm.agent.runner import Agent, job_context_from_env, replica_spec
 from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
 from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
@@ -243,6 +245,25 @@ def run(ctx: click.Context) -> None:
     flush = provider.force_flush if provider is not None else None
     try:
         code = asyncio.run(Agent(settings, job, env, flush=flush).run())
+    finally:
+        _shutdown_tracing(provider)
+    sys.exit(code)
+
+
+@main.command()
+@click.pass_context
+def batch(ctx: click.Context) -> None:
+    """Run a Batch API batch: weights, engine, readiness, then the batch's requests."""
+    settings, daemon_url = _settings(ctx)
+    env = job_environment(os.environ, daemon_url)
+    try:
+        job, work = batch_job_from_env(env)
+    except LlmgwError as err:
+        raise click.ClickException(str(err)) from err
+    provider = _setup_tracing(ctx.obj[0])
+    flush = provider.force_flush if provider is not None else None
+    try:
+        code = asyncio.run(BatchAgent(work, settings, job, env, flush=flush).run())
     finally:
         _shutdown_tracing(provider)
     sys.exit(code)

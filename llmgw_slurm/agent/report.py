@@ -28,7 +28,7 @@ __all__ = ["EVENTS", "DaemonClient", "ReportAnswer"]
 
 log = logging.getLogger(__name__)
 
-EVENTS = ("step", "ready", "heartbeat", "draining", "failed", "stopped")
+EVENTS = ("step", "ready", "heartbeat", "draining", "failed", "stopped", "progress")
 STATUSES = ("started", "done", "failed")
 
 
@@ -48,9 +48,11 @@ class DaemonClient:
         node: str,
         job_id: str,
         timeout_s: float = 10.0,
+        kind: str = "replicas",
     ) -> None:
         self._session = session
-        self.url = f"{daemon_url.rstrip('/')}/internal/v1/replicas/{replica_id}/report"
+        # kind: "replicas", or "batches" for a Batch API job (its id in replica_id).
+        self.url = f"{daemon_url.rstrip('/')}/internal/v1/{kind}/{replica_id}/report"
         self.replica_id = replica_id
         self._secret = secret
         self.node = node
@@ -67,12 +69,13 @@ class DaemonClient:
         message: str | None = None,
         elapsed_s: float | None = None,
         cert: str | None = None,
+        counts: dict[str, int] | None = None,
     ) -> dict[str, Any]:
         if event not in EVENTS:
             raise ValueError(f"unknown report event {event!r}")
         if status is not None and status not in STATUSES:
             raise ValueError(f"unknown report status {status!r}")
-        return {
+        body: dict[str, Any] = {
             "event": event,
             "step": step,
             "status": status,
@@ -85,6 +88,10 @@ class DaemonClient:
             # in a signed report, so only this replica's agent can name it.
             "cert": cert,
         }
+        if counts is not None:
+            # A batch job's progress: completed, failed, tokens.
+            body["counts"] = counts
+        return body
 
     async def send_once(self, body: dict[str, Any]) -> ReportAnswer | None:
         """One attempt; None when the daemon did not take it."""

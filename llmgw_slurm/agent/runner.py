@@ -152,6 +152,9 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
 
 
 class Agent:
+    # Where its reports go: /internal/v1/KIND/ID/report (a batch job's agent: "batches").
+    report_kind = "replicas"
+
     def __init__(
         self,
         settings: AgentSettings,
@@ -298,6 +301,7 @@ class Agent:
                 node=self.hostname,
                 job_id=self.env.get("SLURM_JOB_ID", ""),
                 timeout_s=self.settings.report_timeout_s,
+                kind=self.report_kind,
             )
             sender = asyncio.create_task(self._sender())
             try:

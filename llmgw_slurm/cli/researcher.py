@@ -32,6 +32,8 @@ import click
 import yaml
 
 from llmgw_slurm import __version__
+from llmgw_slurm.cli.batch import SETTINGS_KEY
+from llmgw_slurm.cli.batch import batch as batch_commands
 from llmgw_slurm.cli.common import DaemonReply, call_daemon, parse_when, print_json, run, table
 from llmgw_slurm.durations import format_duration
 
@@ -167,11 +169,16 @@ def main(ctx: click.Context, url: str | None, key: str | None, ca_file: str | No
     """
     # Read lazily: `llmgw --help` must work with a broken config file.
     ctx.obj = (url, key, ca_file)
+    # How `llmgw batch` (cli/batch.py, which cannot import this module back) gets them.
+    ctx.meta[SETTINGS_KEY] = lambda: _get(ctx)
 
 
 def _get(ctx: click.Context) -> Settings:
     url, key, ca_file = ctx.find_root().obj or (None, None, None)
     return _settings(url, key, ca_file)
+
+
+main.add_command(batch_commands)
 
 
 async def _status(s: Settings) -> dict[str, Any]:

@@ -56,8 +56,13 @@ class ReportVerifier:
         if not constant_time_equal(secret, replica_secret(self.server_key, replica_id)):
             raise PermissionError("bad replica secret")
 
-    def verify(self, replica_id: str, authorization: str, raw: bytes) -> None:
+    def verify(
+        self, replica_id: str, authorization: str, raw: bytes, *, secret: str | None = None
+    ) -> None:
         """Accept a signed report (``raw``: the body's exact bytes) once.
+
+        ``secret``: the signer's secret when it is not a replica's (a batch job's,
+        :func:`llmgw_slurm.secrets.batch_secret`); the nonces are shared either way.
 
         Raises PermissionError, saying why, on a malformed, wrong, old or replayed
         signature: a report copied off the network is refused, and the secret that
@@ -75,7 +80,8 @@ class ReportVerifier:
                 f"report signed at {ts}, {now - ts:+.0f} s from the daemon's clock "
                 f"(limit {REPORT_MAX_AGE_S:g} s): are the login and compute nodes' clocks set?"
             )
-        secret = replica_secret(self.server_key, replica_id)
+        if secret is None:
+            secret = replica_secret(self.server_key, replica_id)
         if not constant_time_equal(sig, report_signature(secret, replica_id, ts, nonce, raw)):
             raise PermissionError("bad signature")
         key = f"{replica_id}:{nonce}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 from llmgw_slurm.audit import aggregate, model_of, period_label, period_start, to_csv, totals
@@ -120,6 +121,16 @@ def test_other_jobs_are_left_out_and_name_is_the_fallback() -> None:
     assert model_of(recs[2], P) is None
     (row,) = aggregate(recs, P, SINCE, UNTIL, "day", NOW)
     assert row.model == "m1" and row.jobs == 1
+
+
+def test_batch_jobs_gpu_hours_are_apart_from_the_models_replicas() -> None:
+    h = timedelta(hours=1)
+    batch = replace(
+        rec("9", "m1", D, D + h, gpus=2, name=f"{P}_batch.batch_{'0' * 24}"),
+        comment=f"llmgw batch=batch_{'0' * 24} model=m1 gpus=2",
+    )
+    rows = aggregate([rec("1", "m1", D, D + h), batch], P, SINCE, UNTIL, "day", NOW)
+    assert sorted((r.model, r.gpu_hours) for r in rows) == [("batch:m1", 2.0), ("m1", 1.0)]
 
 
 def test_never_started_job_counts_as_a_job_without_gpu_hours() -> None:

@@ -65,27 +65,32 @@ def test_every_other_route_that_changes_state_is_keyed_or_behind_the_admin_token
 ) -> None:
     # The audit as a test: a new POST route on the gateway must be added here.
     gateway_posts = sorted(
-        r.resource.canonical
+        (r.resource.canonical, r.method)
         for r in rd_routes(keyed[0])
         if r.method not in ("GET", "HEAD", "OPTIONS")
     )
     assert gateway_posts == [
-        "/api/v1/models/{model}/up",
-        "/detokenize",
-        "/rerank",
-        "/tokenize",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/rerank",
-        "/v1/responses",
-        "/v1/score",
+        ("/api/v1/models/{model}/up", "POST"),
+        ("/detokenize", "POST"),
+        ("/rerank", "POST"),
+        ("/tokenize", "POST"),
+        ("/v1/audio/transcriptions", "POST"),
+        ("/v1/audio/translations", "POST"),
+        ("/v1/batches", "POST"),
+        ("/v1/batches/{batch_id}/cancel", "POST"),
+        ("/v1/chat/completions", "POST"),
+        ("/v1/completions", "POST"),
+        ("/v1/embeddings", "POST"),
+        ("/v1/files", "POST"),
+        ("/v1/files/{file_id}", "DELETE"),
+        ("/v1/rerank", "POST"),
+        ("/v1/responses", "POST"),
+        ("/v1/score", "POST"),
     ]
     rd = keyed[0]
-    for path in gateway_posts:
-        status, _ = request(rd, "POST", path.replace("{model}", "tiny"), None)
+    for path, method in gateway_posts:
+        filled = path.replace("{model}", "tiny").replace("{batch_id}", "b").replace("{file_id}", "f")
+        status, _ = request(rd, method, filled, None)
         assert status == 401, path
 
 

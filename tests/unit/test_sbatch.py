@@ -21,6 +21,7 @@ from llmgw_slurm.sbatch import (
     JobOptions,
     ModelJobParams,
     ReplicaParams,
+    render_batch,
     render_engine_install,
     render_model_job,
     render_replica,
@@ -101,6 +102,14 @@ def test_hetjob_matches_record(tmp_path: Path) -> None:
     )
     text = render_replica_hetjob(params)
     assert_matches_record("replica-hetjob.sbatch", text)
+    bash_n(text, tmp_path)
+
+
+def test_batch_job_matches_record(tmp_path: Path) -> None:
+    job = replace(JOB, job_name="llmgw._batch.batch_0123456789abcdef01234567", qos="preempt")
+    params = ReplicaParams(job, Resources(gpus=1, gpu_type="a100", cpus=4), AGENT_CONFIG, 120)
+    text = render_batch(params)
+    assert_matches_record("batch.sbatch", text)
     bash_n(text, tmp_path)
 
 
@@ -512,3 +521,18 @@ def test_replica_script_from_a_multi_node_model() -> None:
     assert "--het-group=0-2" in text
     # A 5-minute job is warned at half its limit, not at once.
     assert "#SBATCH --signal=B:USR1@150\n" in text
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_hostile_values_in_a_batch_job_are_literal(hostile: str, tmp_path: Path) -> None:
+    if "\n" in hostile:
+        with pytest.raises(TemplateError, match="python"):
+            render_batch(ReplicaParams(replace(JOB, python=hostile), Resources(), AGENT_CONFIG))
+        return
+    text = render_batch(
+        ReplicaParams(replace(JOB, python=hostile), Resources(gpus=0, cpus=2), AGENT_CONFIG)
+    )
+    calls = _run_with_stubs(text, tmp_path, ["srun"])
+    argv = calls[0]
+    i = argv.index(hostile)
+    assert argv[i + 1 :] == ["-m", "llmgw_slurm.agent.main", "--config", AGENT_CONFIG, "batch"]

@@ -1,0 +1,554 @@
+"""The Batch API without Slurm: the input check, the state machine, result files,
+the store's ownership, and the service's decisions over a recording backend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw_slurm.batch import results
+from llmgw_slurm.batch.jobs import BatchJobs
+from llmgw_slurm.batch.model import (
+    MAX_ERRORS,
+    BatchRecord,
+    BatchStatus,
+    Checked,
+    check_input,
+    transition,
+)
+from llmgw_slurm.batch.service import MAX_JOBS, BatchRefused, BatchService
+from llmgw_slurm.batch.store import BatchStore, clean_filename
+from llmgw_slurm.catalog import parse_catalog
+from llmgw_slurm.config import BatchConfig, ServerConfig, SlurmConfig
+from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.reconciler.reports import ReportVerifier
+from llmgw_slurm.secrets import batch_secret, sign_report
+from llmgw_slurm.slurm.types import Job, JobSpec, JobState
+from llmgw_slurm.yamlsrc import load_yaml
+from tests.unit._router_support import serve
+
+CHAT = "/v1/chat/completions"
+KNOWN = {"tiny": "tiny", "tiny-alias": "tiny", "other": "other"}
+
+
+def line(cid: str, model: str = "tiny", **over: Any) -> bytes:
+    obj: dict[str, Any] = {
+        "custom_id": cid,
+        "method": "POST",
+        "url": CHAT,
+        "body": {"model": model, "messages": [{"role": "user", "content": "hi"}]},
+    }
+    obj.update(over)
+    return json.dumps(obj).encode() + b"\n"
+
+
+def check(*lines: bytes, max_requests: int = 1000) -> Checked | list[tuple[str, int | None]]:
+    got = check_input(list(lines), CHAT, KNOWN.get, max_requests)
+    if isinstance(got, Checked):
+        return got
+    return [(e.code, e.line) for e in got]
+
+
+# ---- the input check ------------------------------------------------------------------
+
+
+def test_a_valid_file_gives_its_count_and_its_one_model_through_an_alias() -> None:
+    got = check(line("a"), line("b", "tiny-alias"))
+    assert got == Checked(2, "tiny", ("a", "b"))
+
+
+@pytest.mark.parametrize(
+    ("bad", "code"),
+    [
+        (b"{not json\n", "invalid_json_line"),
+        (b"[1, 2]\n", "invalid_json_line"),
+        (b"\xff\xfe\n", "invalid_json_line"),
+        (b"[" * 100_000 + b"\n", "invalid_json_line"),
+        (line("", "tiny"), "missing_required_parameter"),
+        (line("x" * 513), "invalid_value"),
+        (line("c", method="GET"), "invalid_method"),
+        (line("c", url="/v1/embeddings"), "invalid_url"),
+        (line("c", url="/../../etc/passwd"), "invalid_url"),
+        (line("c", body="text"), "missing_required_parameter"),
+        (line("c", body={"messages": []}), "missing_required_parameter"),
+        (line("c", body={"model": "tiny", "stream": True}), "invalid_value"),
+        (line("c", "nope"), "model_not_found"),
+        (line("c", "other"), "mismatched_model"),
+        (line("a"), "duplicate_custom_id"),
+    ],
+)
+def test_each_bad_line_is_named_with_its_code_and_line_number(bad: bytes, code: str) -> None:
+    assert check(line("a"), bad, line("b")) == [(code, 2)]
+
+
+def test_an_empty_file_and_a_file_over_the_limit_are_refused() -> None:
+    assert check() == [("empty_file", None)]
+    assert check(line("a"), line("b"), line("c"), max_requests=2) == [("too_many_requests", 3)]
+
+
+def test_the_errors_list_is_cut_at_its_limit() -> None:
+    got = check(*[b"nope\n"] * (MAX_ERRORS + 50))
+    assert isinstance(got, list) and len(got) == MAX_ERRORS
+
+
+# ---- the state machine ----------------------------------------------------------------
+
+
+def record(**over: Any) -> BatchRecord:
+    base = BatchRecord(
+        id="batch_" + "0" * 24,
+        owner="alice",
+        endpoint=CHAT,
+        input_file_id="file-" + "0" * 24,
+        completion_window="24h",
+        created_at=1000,
+        expires_at=1000 + 86400,
+    )
+    return replace(base, **over)
+
+
+def test_each_move_sets_its_timestamp_and_a_final_batch_never_moves() -> None:
+    b = transition(record(), BatchStatus.IN_PROGRESS, 1001.5)
+    assert (b.status, b.in_progress_at) == (BatchStatus.IN_PROGRESS, 1001)
+    b = transition(b, BatchStatus.CANCELLING, 1002)
+    b = transition(b, BatchStatus.CANCELLED, 1003)
+    assert (b.cancelling_at, b.cancelled_at) == (1002, 1003)
+    for to in BatchStatus:
+        with pytest.raises(ValueError, match="no move from cancelled"):
+            transition(b, to, 1004)
+
+
+def test_a_cancelling_batch_can_only_end_cancelled() -> None:
+    b = transition(record(status=BatchStatus.IN_PROGRESS), BatchStatus.CANCELLING, 1)
+    with pytest.raises(ValueError, match="no move"):
+        transition(b, BatchStatus.COMPLETED, 2)
+
+
+def test_a_record_reads_back_from_its_json() -> None:
+    errors = check_input([b"x\n"], CHAT, KNOWN.get, 9)
+    assert isinstance(errors, list)
+    b = transition(record(), BatchStatus.FAILED, 5, errors=tuple(errors))
+    assert BatchRecord.from_json(json.loads(json.dumps(b.to_json()))) == b
+    api = b.to_api()
+    assert api["errors"]["data"] == [
+        {"code": "invalid_json_line", "message": "This line is not valid JSON.", "param": None,
+         "line": 1}
+    ]
+
+
+# ---- result files ---------------------------------------------------------------------
+
+
+def test_repair_cuts_only_a_partial_last_line(tmp_path: Path) -> None:
+    f = tmp_path / "out.jsonl"
+    whole = b'{"custom_id": "a"}\n{"custom_id": "b"}\n'
+    f.write_bytes(whole + b'{"custom_id": "c", "resp')
+    results.repair(f)
+    assert f.read_bytes() == whole
+    results.repair(f)
+    assert f.read_bytes() == whole
+    assert results.custom_ids(f) == {"a", "b"}
+    g = tmp_path / "one.jsonl"
+    g.write_bytes(b'{"custom_id": "half')
+    results.repair(g)
+    assert g.read_bytes() == b""
+    results.repair(tmp_path / "missing.jsonl")
+
+
+# ---- the store ------------------------------------------------------------------------
+
+
+def test_another_owners_objects_are_missing_and_ids_never_become_paths(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path / "b")
+    up = store.new_upload()
+    up.write_bytes(line("a"))
+    f = store.add_file("alice", "../../etc/passwd\n", "batch", up)
+    assert f.filename == "passwd_"
+    assert store.file("bob", f.id) is None and store.files("bob") == []
+    assert not store.delete_file("bob", f.id)
+    assert store.file("alice", f.id) == f
+    for bad in ("../x", "file-" + "0" * 23 + "/", f.id + "/../x"):
+        with pytest.raises(ValueError, match="not a file id"):
+            store.data_path(bad)
+    # Records outlive the daemon.
+    assert BatchStore(tmp_path / "b").file("alice", f.id) == f
+
+
+def test_clean_filename_keeps_the_base_name_only() -> None:
+    assert clean_filename("C:\\x\\y.jsonl") == "y.jsonl"
+    assert clean_filename("") == "upload.jsonl"
+    assert len(clean_filename("a" * 1000)) == 255
+
+
+# ---- the service over a recording backend ---------------------------------------------
+
+MODELS = """
+models:
+  - name: tiny
+    aliases: [tiny-alias]
+    engine: {kind: command, command: [python3, -m, llmgw_slurm.testing.engine]}
+    resources: {gpus: 1, partition: service, qos: normal, time_limit: 1h}
+"""
+
+
+class Backend:
+    def __init__(self) -> None:
+        self.submitted: list[JobSpec] = []
+        self.cancelled: list[str] = []
+        self.jobs: list[Job] = []
+        self.fail_submit = False
+
+    async def submit(self, spec: JobSpec) -> str:
+        if self.fail_submit:
+            raise SlurmError("sbatch: slurmctld not answering")
+        self.submitted.append(spec)
+        return str(100 + len(self.submitted))
+
+    async def list_jobs(self, name_prefix: str = "") -> list[Job]:
+        return [j for j in self.jobs if j.name.startswith(name_prefix)]
+
+    async def cancel(self, job_id: str, *, signal: str | None = None, batch_only: bool = False) -> None:
+        self.cancelled.append(job_id)
+
+    def run(self, spec: JobSpec, job_id: str, state: JobState = JobState.RUNNING) -> None:
+        self.jobs = [
+            Job(job_id, spec.name, state, "", "batch", "u", spec.comment, (), None, None, None,
+                None, 0, ())
+        ]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def svc(tmp_path: Path) -> tuple[BatchService, Backend, Clock]:
+    catalog_file = tmp_path / "models.yaml"
+    catalog_file.write_text(MODELS)
+    catalog = parse_catalog(load_yaml(catalog_file), str(catalog_file))
+    server = ServerConfig(
+        slurm=SlurmConfig(partition="llm", job_prefix="llmgw."),
+        state_dir=tmp_path / "state",
+        agent_config=tmp_path / "agent.yaml",
+        batch=BatchConfig(partition="preempt", qos="low", max_completion_window=7200),
+    )
+    backend, clock = Backend(), Clock()
+    store = BatchStore(server.batch_directory)
+    jobs = BatchJobs(server, b"k" * 32, "http://login:8001", "CERT", python="/usr/bin/python3")
+    verifier = ReportVerifier(b"k" * 32)
+    service = BatchService(store, server, backend, lambda: catalog, jobs, verifier, clock)  # type: ignore[arg-type]
+    return service, backend, clock
+
+
+def upload(svc: BatchService, owner: str, data: bytes) -> str:
+    p = svc.store.new_upload()
+    p.write_bytes(data)
+    return svc.store.add_file(owner, "in.jsonl", "batch", p).id
+
+
+async def create(svc: BatchService, fid: str, owner: str = "alice", window: str = "1h") -> BatchRecord:
+    return await svc.create(owner, fid, CHAT, window, {}, KNOWN.get)
+
+
+async def test_a_valid_batch_is_submitted_in_the_batch_partition_with_secrets_off_argv(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    b = await create(s, upload(s, "alice", line("a") + line("b", "tiny-alias")))
+    assert (b.status, b.total, b.model, b.job_id) == (BatchStatus.IN_PROGRESS, 2, "tiny", "101")
+    (spec,) = backend.submitted
+    assert spec.name == "llmgw._batch." + b.id
+    assert "#SBATCH --partition=preempt" in spec.script
+    assert "#SBATCH --qos=low" in spec.script
+    assert "#SBATCH --time=4:00:00" in spec.script
+    secret = spec.env["LLMGW_BATCH_SECRET"]
+    assert secret == batch_secret(b"k" * 32, b.id)
+    assert secret not in spec.script and secret not in spec.comment
+    assert spec.comment == f"llmgw batch={b.id} model=tiny gpus=1"
+
+
+async def test_a_bad_file_fails_the_batch_and_submits_nothing(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    b = await create(s, upload(s, "alice", line("a") + line("a")))
+    assert b.status is BatchStatus.FAILED and b.failed_at is not None
+    assert [(e.code, e.line) for e in b.errors] == [("duplicate_custom_id", 2)]
+    assert backend.submitted == []
+
+
+@pytest.mark.parametrize(
+    ("owner", "endpoint", "window", "status"),
+    [
+        ("bob", CHAT, "1h", 404),
+        ("alice", "/v1/images", "1h", 400),
+        ("alice", CHAT, "3h", 400),
+        ("alice", CHAT, "soon", 400),
+    ],
+)
+async def test_refused_creates_record_nothing(
+    svc: tuple[BatchService, Backend, Clock], owner: str, endpoint: str, window: str, status: int
+) -> None:
+    s, backend, _ = svc
+    fid = upload(s, "alice", line("a"))
+    with pytest.raises(BatchRefused) as err:
+        await s.create(owner, fid, endpoint, window, {}, KNOWN.get)
+    assert err.value.status == status
+    assert s.store.batches(owner) == [] and backend.submitted == []
+
+
+def answer(work: Path, name: str, *cids: str) -> None:
+    with (work / name).open("ab") as f:
+        for c in cids:
+            f.write(json.dumps({"custom_id": c, "response": {"status_code": 200}}).encode() + b"\n")
+
+
+async def test_a_finished_job_with_every_answer_completes_with_files_of_the_owner(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    b = await create(s, upload(s, "alice", line("a") + line("b") + line("c")))
+    backend.run(backend.submitted[0], b.job_id)
+    await s.poll()
+    assert s.store.batch("alice", b.id).status is BatchStatus.IN_PROGRESS  # type: ignore[union-attr]
+    work = s.store.work_dir(b.id)
+    answer(work, results.OUTPUT, "a", "b")
+    answer(work, results.ERRORS, "c")
+    backend.run(backend.submitted[0], b.job_id, JobState.COMPLETED)
+    await s.poll()
+    done = s.store.batch("alice", b.id)
+    assert done is not None and done.status is BatchStatus.COMPLETED
+    assert (done.completed, done.failed) == (2, 1)
+    assert done.output_file_id and done.error_file_id
+    out = s.store.file("alice", done.output_file_id)
+    assert out is not None and out.purpose == "batch_output"
+    assert s.store.file("bob", done.output_file_id) is None
+    assert results.custom_ids(s.store.data_path(done.output_file_id)) == {"a", "b"}
+
+
+async def test_a_job_that_ends_short_is_resubmitted_then_the_batch_fails(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    b = await create(s, upload(s, "alice", line("a") + line("b")))
+    answer(s.store.work_dir(b.id), results.OUTPUT, "a")
+    for n in range(1, MAX_JOBS):
+        backend.jobs = []  # gone (time limit): squeue forgot it
+        await s.poll()
+        assert len(backend.submitted) == n + 1
+    backend.jobs = []
+    await s.poll()
+    failed = s.store.batch("alice", b.id)
+    assert failed is not None and failed.status is BatchStatus.FAILED
+    assert failed.errors[0].code == "batch_job_failed"
+    assert "1 of 2 requests" in failed.errors[0].message
+
+
+async def test_a_failed_submission_is_tried_again_on_the_next_poll(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    backend.fail_submit = True
+    b = await create(s, upload(s, "alice", line("a")))
+    assert b.job_id == "" and "slurmctld" in b.note
+    backend.fail_submit = False
+    await s.poll()
+    assert s.store.batch("alice", b.id).job_id == "101"  # type: ignore[union-attr]
+
+
+async def test_cancel_cancels_the_job_and_keeps_what_was_done(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    b = await create(s, upload(s, "alice", line("a") + line("b")))
+    backend.run(backend.submitted[0], b.job_id)
+    with pytest.raises(BatchRefused) as err:
+        await s.cancel("bob", b.id)
+    assert err.value.status == 404 and backend.cancelled == []
+    c = await s.cancel("alice", b.id)
+    assert c.status is BatchStatus.CANCELLING and backend.cancelled == [b.job_id]
+    answer(s.store.work_dir(b.id), results.OUTPUT, "a")
+    backend.jobs = []
+    await s.poll()
+    done = s.store.batch("alice", b.id)
+    assert done is not None and done.status is BatchStatus.CANCELLED and done.completed == 1
+    with pytest.raises(BatchRefused) as again:
+        await s.cancel("alice", b.id)
+    assert again.value.status == 409
+
+
+async def test_expiry_cancels_the_job_and_lists_the_requests_not_done(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, clock = svc
+    b = await create(s, upload(s, "alice", line("a") + line("b") + line("c")))
+    backend.run(backend.submitted[0], b.job_id)
+    answer(s.store.work_dir(b.id), results.OUTPUT, "a")
+    clock.now = b.expires_at
+    await s.poll()
+    assert backend.cancelled == [b.job_id]
+    backend.jobs = []
+    await s.poll()
+    done = s.store.batch("alice", b.id)
+    assert done is not None and done.status is BatchStatus.EXPIRED
+    assert (done.completed, done.failed) == (1, 2)
+    assert done.error_file_id is not None
+    errs = [json.loads(x) for x in s.store.data_path(done.error_file_id).read_text().splitlines()]
+    assert {(e["custom_id"], e["error"]["code"]) for e in errs} == {
+        ("b", "batch_expired"),
+        ("c", "batch_expired"),
+    }
+
+
+async def test_a_batch_jobs_report_must_be_signed_with_its_own_secret_once(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, _, _ = svc
+    b = await create(s, upload(s, "alice", line("a") + line("b")))
+    body = {"event": "progress", "job_id": "101", "counts": {"completed": 1, "failed": 0}}
+    raw = json.dumps(body).encode()
+    other = batch_secret(b"k" * 32, "batch_" + "1" * 24)
+    with pytest.raises(PermissionError, match="bad signature"):
+        s.report(b.id, sign_report(other, b.id, int(time.time()), raw), raw, body)
+    auth = sign_report(batch_secret(b"k" * 32, b.id), b.id, int(time.time()), raw)
+    assert s.report(b.id, auth, raw, body) == {"ok": True, "drain": False}
+    assert s.store.batch("alice", b.id).completed == 1  # type: ignore[union-attr]
+    with pytest.raises(PermissionError, match="replayed"):
+        s.report(b.id, auth, raw, body)
+    await s.cancel("alice", b.id)
+    auth = sign_report(batch_secret(b"k" * 32, b.id), b.id, int(time.time()), raw)
+    assert s.report(b.id, auth, raw, body)["drain"] is True
+
+
+async def test_slurm_not_answering_finishes_nothing(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    b = await create(s, upload(s, "alice", line("a")))
+
+    async def down(name_prefix: str = "") -> list[Job]:
+        raise SlurmError("squeue: timed out")
+
+    backend.list_jobs = down  # type: ignore[method-assign]
+    await s.poll()
+    assert s.store.batch("alice", b.id).status is BatchStatus.IN_PROGRESS  # type: ignore[union-attr]
+    assert "timed out" in s.last_poll_error
+
+
+# ---- the HTTP routes, hostile clients -------------------------------------------------
+
+
+async def test_hostile_uploads_get_clear_errors_and_leave_nothing(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    import aiohttp
+
+    from llmgw_slurm.batch.routes import add_batch_routes
+    from llmgw_slurm.router import create_app
+    from llmgw_slurm.router.directory import StaticDirectory
+
+    s, _, _ = svc
+    app = create_app(StaticDirectory())
+    add_batch_routes(app, s)
+    files = s.store.root / "files"
+    async with serve(app) as url, aiohttp.ClientSession() as http:
+        # A 10 GB claim is refused before a byte of it is read.
+        head = (
+            "POST /v1/files HTTP/1.1\r\nHost: x\r\n"
+            "Content-Type: multipart/form-data; boundary=x\r\n"
+            f"Content-Length: {10**10}\r\n\r\n--x\r\n"
+        ).encode()
+        reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
+        writer.write(head)
+        status = await reader.readline()
+        writer.close()
+        assert status.split()[1] == b"413", status
+        form = aiohttp.FormData()
+        form.add_field("purpose", "fine-tune")
+        form.add_field("file", line("a"), filename="../../x.jsonl")
+        async with http.post(url + "/v1/files", data=form) as r:
+            assert r.status == 400
+            assert "purpose" in (await r.json())["error"]["message"]
+        async with http.get(url + "/v1/files/..%2F..%2Fetc%2Fpasswd/content") as r:
+            assert r.status == 404
+        async with http.post(url + "/v1/batches", data=b"[[[") as r:
+            assert r.status == 400
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", line("a"), filename="../../x.jsonl")
+        async with http.post(url + "/v1/files", data=form) as r:
+            made = await r.json()
+        assert "/" not in made["filename"] and made["bytes"] == len(line("a"))
+    assert sorted(p.suffix for p in files.iterdir()) == [".json", ".jsonl"]
+
+
+async def test_a_job_the_record_does_not_name_is_adopted_not_submitted_again(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    b = await create(s, upload(s, "alice", line("a")))
+    # The daemon died between sbatch and recording the job's id.
+    s.store.save(replace(b, job_id="", jobs_submitted=0))
+    backend.run(backend.submitted[0], "555")
+    await s.poll()
+    adopted = s.store.batch("alice", b.id)
+    assert adopted is not None and (adopted.job_id, adopted.jobs_submitted) == ("555", 1)
+    assert len(backend.submitted) == 1
+
+
+async def test_a_cancel_while_sbatch_runs_cancels_the_new_job_and_a_poll_submits_nothing(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    fid = upload(s, "alice", line("a"))
+    gate = asyncio.Event()
+    submit = backend.submit
+
+    async def slow_submit(spec: JobSpec) -> str:
+        await gate.wait()
+        return await submit(spec)
+
+    backend.submit = slow_submit  # type: ignore[method-assign]
+    creating = asyncio.create_task(create(s, fid))
+    while not s.store.batches("alice"):
+        await asyncio.sleep(0)
+    (b,) = s.store.batches("alice")
+    await s.poll()  # sbatch is under way: no second job
+    await s.cancel("alice", b.id)
+    gate.set()
+    await creating
+    assert len(backend.submitted) == 1 and backend.cancelled == ["101"]
+    backend.jobs = []
+    await s.poll()
+    done = s.store.batch("alice", b.id)
+    assert done is not None and done.status is BatchStatus.CANCELLED
+
+
+async def test_a_finished_batch_hands_its_tokens_and_its_key_to_the_usage_store(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    ended: list[BatchRecord] = []
+    s.on_usage = ended.append
+    fid = upload(s, "alice", line("a"))
+    b = await s.create("alice", fid, CHAT, "1h", {}, KNOWN.get, ("0a0b0c0d", "proj"))
+    body = {"event": "progress", "counts": {"completed": 1, "prompt_tokens": 7, "completion_tokens": 3}}
+    raw = json.dumps(body).encode()
+    s.report(b.id, sign_report(batch_secret(b"k" * 32, b.id), b.id, int(time.time()), raw), raw, body)
+    answer(s.store.work_dir(b.id), results.OUTPUT, "a")
+    backend.jobs = []
+    await s.poll()
+    (done,) = ended
+    assert (done.status, done.key_id, done.project) == (BatchStatus.COMPLETED, "0a0b0c0d", "proj")
+    assert (done.prompt_tokens, done.completion_tokens) == (7, 3)
+    assert done.to_api()["usage"] == {"input_tokens": 7, "output_tokens": 3, "total_tokens": 10}

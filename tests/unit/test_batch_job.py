@@ -1,0 +1,171 @@
+"""The job side of a batch (the agent's batch run against the test engine) and the
+server.yaml ``batch:`` section."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from llmgw_slurm.agent.batch import (
+    BatchJob,
+    BatchRun,
+    _append_run,
+    _write_todo,
+    batch_job_from_env,
+)
+from llmgw_slurm.agent.engine import LaunchParams, build_run_batch_command
+from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.config import load_server_config
+from llmgw_slurm.errors import ConfigError, ConfigErrors
+from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
+from tests.unit._router_support import free_port, serve
+
+CHAT = "/v1/chat/completions"
+
+
+def request(cid: str, **body: object) -> str:
+    b = {"model": "alias-of-tiny", "messages": [{"role": "user", "content": cid}], **body}
+    return json.dumps({"custom_id": cid, "method": "POST", "url": CHAT, "body": b}) + "\n"
+
+
+def job(tmp_path: Path, *lines: str) -> BatchJob:
+    (tmp_path / "in.jsonl").write_text("".join(lines))
+    return BatchJob(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl", CHAT, 2)
+
+
+def rows(path: Path) -> list[dict[str, object]]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+async def test_a_run_skips_what_is_done_and_writes_each_answer_once(tmp_path: Path) -> None:
+    b = job(tmp_path, *(request(f"q{i}") for i in range(6)), request("bad", max_tokens=-1))
+    # An earlier job answered q0 and was killed writing q1.
+    b.output.write_text(json.dumps({"custom_id": "q0"}) + "\n" + '{"custom_id": "q1", "resp')
+    app = create_engine_app(EngineOptions(api_key="k", served_name="tiny"))
+    async with serve(app) as url, aiohttp.ClientSession() as s:
+        run = BatchRun(b, s, url, "k", "tiny", None)
+        await run.run()
+    out, err = rows(b.output), rows(b.errors)
+    assert sorted(str(o["custom_id"]) for o in out) == [f"q{i}" for i in range(6)]
+    assert [e["custom_id"] for e in err] == ["bad"]
+    assert err[0]["response"]["status_code"] == 400  # type: ignore[index]
+    # The alias was replaced by the engine's served name: every request was answered.
+    assert (run.completed, run.failed) == (6, 1)
+    assert run.prompt_tokens > 0
+
+
+async def test_an_engine_that_does_not_answer_leaves_the_request_for_the_next_job(
+    tmp_path: Path,
+) -> None:
+    b = job(tmp_path, request("q0"))
+    async with aiohttp.ClientSession() as s:
+        run = BatchRun(b, s, f"http://127.0.0.1:{free_port()}", "k", "tiny", None)
+        await run.run()
+    assert run.unreached == 1
+    assert b.output.read_text() == "" and b.errors.read_text() == ""
+
+
+def test_a_job_without_its_batch_environment_says_what_is_missing() -> None:
+    with pytest.raises(ConfigError, match="LLMGW_BATCH_ID"):
+        batch_job_from_env({})
+    env = {
+        "LLMGW_BATCH_ID": "../../x",
+        "LLMGW_MODEL": "m",
+        "LLMGW_DAEMON_URL": "http://x:1",
+        "LLMGW_BATCH_SECRET": "s",
+        "LLMGW_ENGINE_API_KEY": "k",
+        "LLMGW_BATCH_INPUT": "/i",
+        "LLMGW_BATCH_OUTPUT": "/o",
+        "LLMGW_BATCH_ERRORS": "/e",
+        "LLMGW_BATCH_ENDPOINT": CHAT,
+    }
+    with pytest.raises(ConfigError, match="not a batch id"):
+        batch_job_from_env(env)
+
+
+def test_the_batch_section_defaults_and_its_errors_name_file_and_line(tmp_path: Path) -> None:
+    p = tmp_path / "server.yaml"
+    p.write_text("state_dir: st\n")
+    cfg = load_server_config(p)
+    assert cfg.batch_directory == tmp_path / "st" / "batch"
+    assert cfg.batch.max_requests == 50_000 and cfg.batch.time_limit == 4 * 3600
+    p.write_text(
+        textwrap.dedent(
+            """\
+            batch:
+              directory: shared/batch
+              partition: "bad partition"
+              max_file_bytes: lots
+              time_limit: 10s
+            """
+        )
+    )
+    with pytest.raises(ConfigErrors) as info:
+        load_server_config(p)
+    got = sorted(str(e).replace(str(p), "F") for e in info.value.errors)
+    assert [g.split(":")[:3] for g in got] == [
+        ["F", "3", " batch.partition"],
+        ["F", "4", " batch.max_file_bytes"],
+        ["F", "5", " batch.time_limit"],
+    ], got
+    p.write_text("batch: {directory: \"sh ared\"}\n")
+    with pytest.raises(ConfigError, match=r"batch\.directory"):
+        load_server_config(p)
+
+
+def test_the_offline_runner_gets_only_what_is_left_and_its_answers_land_once(
+    tmp_path: Path,
+) -> None:
+    b = job(tmp_path, *(request(f"q{i}") for i in range(4)))
+    b.output.write_text(json.dumps({"custom_id": "q0"}) + "\n")
+    run_in = tmp_path / "run-in.jsonl"
+    counts, left = _write_todo(b, run_in, "tiny")
+    assert (counts, left) == ({"completed": 1, "failed": 0}, 3)
+    sent = rows(run_in)
+    assert [s["custom_id"] for s in sent] == ["q1", "q2", "q3"]
+    assert {s["body"]["model"] for s in sent} == {"tiny"}  # type: ignore[index]
+    produced = tmp_path / "run-out.jsonl"
+    ok = {"status_code": 200, "body": {"usage": {"prompt_tokens": 5, "completion_tokens": 2}}}
+    produced.write_text(
+        "".join(
+            json.dumps(line) + "\n"
+            for line in (
+                {"custom_id": "q1", "response": ok},
+                {"custom_id": "q2", "response": {"status_code": 400, "body": None}},
+                {"custom_id": "q0", "response": ok},  # already answered: not again
+                {"custom_id": "q3", "response": ok},
+            )
+        )
+    )
+    got = _append_run(b, produced, counts)
+    assert got == {"completed": 3, "failed": 1, "prompt_tokens": 10, "completion_tokens": 4}
+    assert [r["custom_id"] for r in rows(b.output)] == ["q0", "q1", "q3"]
+    assert [r["custom_id"] for r in rows(b.errors)] == ["q2"]
+
+
+def test_the_offline_runner_command_keeps_the_key_and_paths_as_arguments() -> None:
+    from llmgw_slurm.catalog import EngineSpec
+    from llmgw_slurm.config import EngineRuntime
+
+    spec = EngineSpec(kind="vllm", args=("--dtype", "float32"), env={"A": "1"})
+    p = LaunchParams(
+        model_path="/w/m; rm -rf /",
+        served_name="tiny",
+        host="0.0.0.0",
+        port=0,
+        python="/venv/bin/python",
+        runtime=EngineRuntime(env={"B": "2"}),
+    )
+    cmd = build_run_batch_command(spec, p, "/p/in.jsonl", "/p/out.jsonl")
+    assert cmd.argv == [
+        "/venv/bin/python", "-m", "vllm.entrypoints.openai.run_batch",
+        "-i", "/p/in.jsonl", "-o", "/p/out.jsonl", "--model", "/w/m; rm -rf /",
+        "--served-model-name", "tiny", "--dtype", "float32",
+    ]
+    assert cmd.env == {"A": "1", "B": "2"}
+    with pytest.raises(EngineError, match="no offline batch runner"):
+        build_run_batch_command(EngineSpec(kind="command", command=("x",)), p, "/i", "/o")
