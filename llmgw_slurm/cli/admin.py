@@ -1111,3 +1111,27 @@ def install_engine(
         time=time_limit,
     )
     _submit_service_job(server, spec, wait, poll)
+
+
+@main.command("trace")
+@click.argument("target", metavar="MODEL|REPLICA|TRACE_ID")
+@click.option("--json", "as_json", is_flag=True, help="The waterfall and its spans as JSON.")
+@click.option("--no-color", is_flag=True, help="Plain text (also when NO_COLOR is set).")
+@_server_option
+@friendly_errors
+def trace_cmd(target: str, as_json: bool, no_color: bool, server_path: Path) -> None:
+    """A replica's start as a waterfall: the pass, Slurm's queue, each agent step, serving.
+
+    From the daemon's own recent traces (no collector needed): the newest
+    start of MODEL or REPLICA, or the trace TRACE_ID.
+    """
+    from llmgw_slurm.cli import charts
+
+    reply = _admin_call(_load_server(server_path), "trace", {"target": target})
+    if as_json:
+        print_json({k: reply.data[k] for k in ("waterfall", "spans", "store") if k in reply.data})
+        return
+    lines = charts.waterfall_lines(
+        reply.data["waterfall"], cols=charts.width(), color=charts.use_color(no_color)
+    )
+    click.echo("\n".join(lines))

@@ -481,7 +481,9 @@ class Reconciler:
             default_partition=server.slurm.partition,
         )
         # Spans of passes and replica starts; no-ops (and no TRACEPARENT for jobs) when off.
-        self.tracing = ReconcileTracing(tracer, server.tracing.enabled)
+        self.tracing = ReconcileTracing(
+            tracer, server.tracing.enabled or server.tracing.keep_spans > 0
+        )
         self.table = ReplicaTable(catalog, clock, self.tracing)
         # The gateway's client identity: the only client, beside each replica's
         # own agent, that the replicas' engines let in (llmgw_slurm/tls.py).
