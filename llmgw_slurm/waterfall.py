@@ -155,15 +155,19 @@ def waterfall(spans: Sequence[dict[str, Any]], start: dict[str, Any], now: float
     ready_at = float(start["end"]) if start["end"] is not None else None
     last = ready_at if ready_at is not None else now
     t0 = pass_["start"] if pass_ is not None else start["start"]
-    running = next((e["t"] for e in start["events"] if e["name"] == "slurm.running"), None)
     agent_start = min((g["start"] for g in groups), default=None)
     agent_end = max((_end(g, now) for g in groups), default=None)
+    procs = [g["attrs"].get("llmgw.process_start") for g in groups]
+    proc_start = min((p for p in procs if isinstance(p, int | float)), default=agent_start)
     # Contiguous boundaries, each clamped between its neighbours (see the module).
     b = [t0, start["start"]]
-    q_end = running if running is not None else (agent_start if agent_start is not None else last)
-    if agent_start is not None:
-        q_end = min(q_end, agent_start)
-    b += [q_end, agent_start if agent_start is not None else q_end]
+    q_end = _job_started(start)
+    if q_end is None:
+        q_end = proc_start if proc_start is not None else last
+    elif proc_start is not None:
+        q_end = min(q_end, proc_start)
+    b += [q_end, proc_start if proc_start is not None else q_end]
+    b += [agent_start if agent_start is not None else b[-1]]
     b += [agent_end if agent_end is not None else b[-1], last]
     for i in range(1, len(b)):
         b[i] = min(max(b[i], b[i - 1]), last)
@@ -180,12 +184,13 @@ def waterfall(spans: Sequence[dict[str, Any]], start: dict[str, Any], now: float
     rows.append(Row("queued in Slurm", 0, b[1], b[2], str(start["attrs"].get("llmgw.job_id", ""))))
     rows += _queue_rows(start, b[2])
     if groups:
-        rows.append(Row("job launch", 0, b[2], b[3], "batch script, srun, agent start"))
+        rows.append(Row("job launch", 0, b[2], b[3]))
+        rows.append(Row("agent start-up", 0, b[3], b[4]))
         nodes = ",".join(str(g["attrs"].get("llmgw.node", "?")) for g in groups)
-        rows.append(Row(f"agent on {nodes}", 0, b[3], b[4]))
+        rows.append(Row(f"agent on {nodes}", 0, b[4], b[5]))
         rows += _agent_rows(groups, spans, now)
     if ready_at is not None and start["attrs"].get("llmgw.start.outcome") in _SERVED:
-        rows.append(Row("daemon: ready", 0, b[4], b[5], "the daemon's probe of the engine"))
+        rows.append(Row("daemon: ready", 0, b[5], b[6], "the daemon's probe of the engine"))
         rows.append(Row("serving", 0, ready_at, now, counted=False))
     return Waterfall(
         trace_id=start["trace_id"],
@@ -196,6 +201,16 @@ def waterfall(spans: Sequence[dict[str, Any]], start: dict[str, Any], now: float
         ready_at=ready_at if start["attrs"].get("llmgw.start.outcome") in _SERVED else None,
         rows=tuple(rows),
     )
+
+
+def _job_started(start: dict[str, Any]) -> float | None:
+    """When Slurm started the job: its own start time (to the second) if the daemon
+    saw it, else when the daemon first saw it running."""
+    for e in start["events"]:
+        if e["name"] == "slurm.running":
+            at = e["attrs"].get("llmgw.slurm.start_time")
+            return float(at) if isinstance(at, int | float) else float(e["t"])
+    return None
 
 
 def _place_detail(place: dict[str, Any] | None) -> str:

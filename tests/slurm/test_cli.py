@@ -7,6 +7,7 @@ chat with it, look at it, drain it, then audit the jobs sacct recorded.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,8 +137,14 @@ def test_1_models_lists_tiny_cold(daemon: Daemon) -> None:
     assert tiny["state"] == "cold" and tiny["endpoint"] == daemon.url + "/v1"
 
 
+# The cold start of test_2, as the test saw it (epoch seconds): test_2b compares the trace.
+COLD_START: dict[str, float] = {}
+
+
 def test_2_up_waits_until_ready(daemon: Daemon) -> None:
+    COLD_START["asked"] = time.time()
     r = llmgw(daemon, "up", "tiny", "--timeout", "150")
+    COLD_START["ready"] = time.time()
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     # Not a TTY: one line per phase, each with the time since the request.
@@ -144,6 +152,53 @@ def test_2_up_waits_until_ready(daemon: Daemon) -> None:
     assert lines[-2].endswith("] ready") and lines[-1].startswith("tiny is ready: ")
     r = llmgw(daemon, "models")
     assert re.search(r"^tiny\s+test/tiny-chat\s+ready 1\s+1$", r.stdout, re.M), r.stdout
+
+
+def _trace(d: Daemon, deadline: float) -> dict[str, Any]:
+    """``llmgw-admin trace tiny --json`` once the agent's spans are in (it sends them
+    as its start ends, beside the ready report)."""
+    while True:
+        r = admin(d, "trace", "tiny", "--json")
+        assert r.returncode == 0, r.stderr
+        data: dict[str, Any] = json.loads(r.stdout)
+        wf = data["waterfall"]
+        if any(row["label"].startswith("agent on ") for row in wf["rows"]):
+            return data
+        assert time.monotonic() < deadline, r.stdout
+        time.sleep(0.5)
+
+
+def test_2b_trace_shows_every_step_of_the_cold_start(daemon: Daemon) -> None:
+    wf = _trace(daemon, time.monotonic() + 30)["waterfall"]
+    rows = wf["rows"]
+    top = [r for r in rows if r["depth"] == 0 and r["counted"]]
+    labels = [r["label"] for r in top]
+    assert labels[0].startswith("placed by pass ")
+    assert labels[1:4] == ["queued in Slurm", "job launch", "agent start-up"]
+    assert re.fullmatch(r"agent on gpunode\d", labels[4]) and labels[5] == "daemon: ready"
+    steps = [r["label"] for r in rows if r["depth"] == 2]
+    assert steps == ["weights", "rendezvous", "engine_launch", "readiness", "register"]
+    assert rows[-1]["label"] == "serving" and not rows[-1]["counted"]
+    # Every step on the node is within the agent's row, one after the other.
+    agent = top[4]
+    for a, b in itertools.pairwise([r for r in rows if r["depth"] == 2]):
+        assert agent["start"] <= a["start"] <= a["end"] <= b["start"] <= agent["end"]
+    # The rows follow each other and add up to the time to serve ...
+    for a, b in itertools.pairwise(top):
+        assert a["end"] == b["start"]
+    tts = wf["time_to_serve_s"]
+    assert sum(r["duration_s"] for r in top) == pytest.approx(tts, abs=1e-6)
+    # ... which is within what the test measured around `llmgw up` (same clock:
+    # the dev cluster is this machine): asked before the pass, ready after.
+    assert COLD_START["asked"] <= wf["start"] and wf["ready_at"] <= COLD_START["ready"]
+    measured = COLD_START["ready"] - COLD_START["asked"]
+    print(f"time to serve {tts:.3f}s in the trace, {measured:.3f}s measured around llmgw up")
+    r = admin(daemon, "trace", "tiny", "--no-color")
+    assert r.returncode == 0, r.stderr
+    assert f"time to serve: {tts:.3f}s" in r.stdout and "\x1b[" not in r.stdout
+    print(r.stdout)
+    r = admin(daemon, "trace", "nope")
+    assert r.returncode == 1 and "no start of 'nope' among the traces kept" in r.stderr
 
 
 def test_3_chat_answers(daemon: Daemon) -> None:

@@ -125,7 +125,8 @@ async def test_a_cold_start_is_one_waterfall_from_the_pass_to_serving(w: World) 
     assert labels[0][1].startswith("placed by pass ")
     assert (0, "queued in Slurm") in labels
     assert (1, "PENDING (Resources)") in labels and (1, "PENDING (Priority)") in labels
-    assert (0, "job launch") in labels and (0, "agent on n1") in labels
+    assert (0, "job launch") in labels and (0, "agent start-up") in labels
+    assert (0, "agent on n1") in labels
     assert [lb for d, lb in labels if d == 2] == list(steps)
     assert (0, "daemon: ready") in labels and labels[-1] == (0, "serving")
     # The rows at the left margin follow each other and add up to the time to serve.
