@@ -16,7 +16,15 @@ from typing import Any
 
 from llmgw_slurm.durations import format_duration
 
-__all__ = ["bar", "bar_chart", "use_color", "waterfall_lines", "width"]
+__all__ = [
+    "audit_chart",
+    "bar",
+    "bar_chart",
+    "usage_chart",
+    "use_color",
+    "waterfall_lines",
+    "width",
+]
 
 # Eighths of a cell: a bar's length is exact to an eighth of a character.
 _EIGHTHS = " ▏▎▍▌▋▊▉"
@@ -83,9 +91,7 @@ def waterfall_lines(wf: Mapping[str, Any], *, cols: int, color: bool) -> list[st
         out.append(f"time to serve: {tts:.3f}s (the rows at the left margin add up to it)")
     if not rows:
         return [*out, "(no spans)"]
-    span = max(
-        [r["offset_s"] + r["duration_s"] for r in rows if r.get("counted", True)] or [1.0]
-    )
+    span = max([r["offset_s"] + r["duration_s"] for r in rows if r.get("counted", True)] or [1.0])
     labels = [
         "  " * r["depth"] + r["label"] + (f" [{r['detail']}]" if 0 < len(r["detail"]) <= 24 else "")
         for r in rows
@@ -93,8 +99,8 @@ def waterfall_lines(wf: Mapping[str, Any], *, cols: int, color: bool) -> list[st
     lw = min(max(len(lb) for lb in labels), cols // 3)
     cells = max(10, cols - lw - 22)
     for r, lb in zip(rows, labels, strict=True):
-        dur = f"{r['duration_s']:.3f}s" if r["duration_s"] < 60 else format_duration(
-            r["duration_s"]
+        dur = (
+            f"{r['duration_s']:.3f}s" if r["duration_s"] < 60 else format_duration(r["duration_s"])
         )
         start = f"+{r['offset_s']:.3f}"
         if r.get("counted", True):
@@ -104,3 +110,66 @@ def waterfall_lines(wf: Mapping[str, Any], *, cols: int, color: bool) -> list[st
             b = "→ (not part of the time to serve)"
         out.append(f"{lb[:lw]:<{lw}} {start:>9} {dur:>9} {b}")
     return out
+
+
+def audit_chart(rows: Sequence[Any], *, by: str, cols: int, color: bool) -> list[str]:
+    """``llmgw-admin audit --chart``: GPU hours by model, then by period (AuditRow rows)."""
+    models: dict[str, float] = {}
+    periods: dict[str, float] = {}
+    for r in rows:
+        models[r.model] = models.get(r.model, 0.0) + r.gpu_hours
+        periods[r.period] = periods.get(r.period, 0.0) + r.gpu_hours
+    by_model = sorted(models.items(), key=lambda kv: -kv[1])
+    return [
+        *bar_chart(
+            [(m, h, f"{h:.2f} h") for m, h in by_model],
+            cols=cols,
+            color=color,
+            title="GPU hours by model",
+        ),
+        "",
+        *bar_chart(
+            [(p, h, f"{h:.2f} h") for p, h in sorted(periods.items())],
+            cols=cols,
+            color=color,
+            title=f"GPU hours by {by}",
+        ),
+    ]
+
+
+def _count(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def usage_chart(rows: Sequence[Mapping[str, Any]], *, cols: int, color: bool) -> list[str]:
+    """``llmgw usage --chart``: tokens, then requests, by model (the usage API's rows)."""
+
+    def num(r: Mapping[str, Any], k: str) -> float:
+        v = r.get(k)
+        return float(v) if isinstance(v, int | float) else 0.0
+
+    ordered = sorted(rows, key=lambda r: -num(r, "total_tokens"))
+    return [
+        *bar_chart(
+            [
+                (str(r.get("model")), num(r, "total_tokens"), _count(num(r, "total_tokens")))
+                for r in ordered
+            ],
+            cols=cols,
+            color=color,
+            title="tokens by model (prompt + completion)",
+        ),
+        "",
+        *bar_chart(
+            [
+                (str(r.get("model")), num(r, "requests"), _count(num(r, "requests")))
+                for r in ordered
+            ],
+            cols=cols,
+            color=color,
+            title="requests by model",
+        ),
+    ]

@@ -331,6 +331,11 @@ def test_7_audit_reads_the_jobs_from_sacct(daemon: Daemon) -> None:
     assert any(ln.split(",")[1] == "tiny" for ln in r.stdout.splitlines()[1:])
     r = admin(daemon, "audit", "--since", "2h", "--by", "month")
     assert r.returncode == 0 and re.search(r"^\d{4}-\d\d\s+tiny\s+\d+", r.stdout, re.M), r.stdout
+    r = admin(daemon, "audit", "--since", "2h", "--chart", "--no-color", env={"COLUMNS": "70"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1] == "GPU hours by model" and lines[2].startswith("tiny ") and "█" in lines[2]
+    assert "GPU hours by day" in lines and all(len(ln) <= 70 for ln in lines[1:])
 
 
 def test_8_audit_with_slurmdbd_unreachable(daemon: Daemon, tmp_path: Path, slurm_conf: str) -> None:
