@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from llmgw_slurm import api, identity, private, sdnotify, traceapi
+from llmgw_slurm import api, chartsapi, identity, private, sdnotify, traceapi
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import HostPort, ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
@@ -219,6 +219,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     )
     api.add_admin_routes(d.internal, rec, api.token_gate(token), d.reload)
     api.add_admin_routes(d.admin, rec, api.peer_gate(server.admin_group), d.reload)
+    chartsapi.add_chart_routes(gateway, rec, store)
     traceapi.add_span_route(d.internal, rec, store)
     traceapi.add_trace_route(d.internal, rec, store, api.token_gate(token))
     traceapi.add_trace_route(d.admin, rec, store, api.peer_gate(server.admin_group))
