@@ -112,7 +112,7 @@ def bars(values: Mapping[str, float], unit: str) -> dict[str, Any]:
                 "y": 18 * i + 2,
                 "w": f"{v / vmax * width:.1f}",
                 "value": _num(v),
-                "text": f"{v:.1f} {unit}",
+                "text": f"{v:.3g} {unit}",
             }
             for i, (k, v) in enumerate(items)
         ],

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -291,6 +292,106 @@ def test_5_status_page_in_headless_chromium(daemon: Daemon, tmp_path: Path) -> N
     assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
 
 
+class _Svgs(HTMLParser):
+    """Every element of the page's SVGs with its attributes, and which chart it is in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, dict[str, str], dict[str, str]]] = []
+        self._svg: dict[str, str] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag == "svg":
+            self._svg = a
+        self.found.append((tag, a, self._svg))
+
+
+def _num(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def _chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is missing: run scripts/install-deps"
+    return subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            f"--user-data-dir={profile}",
+            *args,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _charts_api(d: Daemon) -> dict[str, Any]:
+    with urllib.request.urlopen(d.url + "/api/v1/charts", timeout=30) as resp:
+        data: dict[str, Any] = json.loads(resp.read())
+    return data
+
+
+def _page_matches_api(d: Daemon, profile: Path) -> tuple[bool, str]:
+    """Load the page in chromium; do its SVGs' numbers match the API's (asked just before)?"""
+    api = _charts_api(d)
+    r = _chromium(d.url + "/", profile, "--dump-dom")
+    assert r.returncode == 0, r.stderr[-2000:]
+    svgs = _Svgs()
+    svgs.feed(r.stdout)
+    # GPU hours by model: tiny's bar is accounting's number (running jobs count to now,
+    # so a refresh between the two asks may change it: the caller asks again).
+    gpu = {
+        a["data-label"]: a["data-value"]
+        for t, a, svg in svgs.found
+        if t == "g" and svg.get("class") == "bars"
+    }
+    want_gpu = api["gpu_hours"]["by_model"].get("tiny")
+    if want_gpu is None or gpu.get("tiny") != _num(want_gpu):
+        return False, f"GPU hours: page {gpu}, API {api['gpu_hours']}"
+    # The cold start's waterfall: each drawn row is the API's row.
+    (wf,) = [w for w in api["cold_starts"] if w["model"] == "tiny"]
+    want_rows = [
+        (("   " if r["depth"] else "") + r["label"], _num(r["duration_s"]))
+        for r in wf["rows"]
+        if r["counted"] and r["depth"] in (0, 2)
+    ]
+    rows = [
+        (a["data-label"], a["data-value"])
+        for t, a, svg in svgs.found
+        if t == "g" and svg.get("class") == "waterfall" and svg.get("data-model") == "tiny"
+    ]
+    assert rows == want_rows, (rows, want_rows)
+    # The hour: the replicas line has the API's points, the live last one aside.
+    lines = {
+        (svg.get("data-panel"), a["data-series"]): a["data-values"].split()
+        for t, a, svg in svgs.found
+        if t == "polyline" and svg.get("data-model") == "tiny"
+    }
+    names = ["t", *api["history"]["series"]]
+    pts = api["history"]["models"]["tiny"]
+    want_reps = [_num(p[names.index("replicas")]) for p in pts]
+    got_reps = lines[("replicas", "replicas")]
+    if got_reps[:-1] != want_reps[:-1]:
+        return False, f"replicas: page {got_reps}, API {want_reps}"
+    assert set(lines) == {
+        ("requests/s", "rps"),
+        ("tokens/s", "tokens_per_s"),
+        ("time to first byte p50, p95", "ttfb_p50"),
+        ("time to first byte p50, p95", "ttfb_p95"),
+        ("held requests", "held"),
+        ("replicas", "replicas"),
+    }
+    assert "script" not in {t for t, _, _ in svgs.found}
+    return True, ""
+
+
 def test_6_drain_then_the_replica_goes(daemon: Daemon) -> None:
     r = admin(daemon, "drain", "tiny", "--reason", "test drain")
     assert r.returncode == 0, r.stderr
@@ -352,6 +453,26 @@ def test_8_audit_with_slurmdbd_unreachable(daemon: Daemon, tmp_path: Path, slurm
     assert r.returncode == 1
     assert r.stderr.startswith("Error: cannot reach accounting (slurmdbd): ")
     assert "Traceback" not in r.stderr
+
+
+def test_8b_status_page_charts_are_the_apis_numbers(daemon: Daemon, tmp_path: Path) -> None:
+    # Accounting is asked within a minute of the last decision (the drain, by now).
+    deadline = time.monotonic() + 150
+    while True:
+        ok, why = _page_matches_api(daemon, tmp_path / "profile")
+        if ok:
+            break
+        assert time.monotonic() < deadline, why
+        time.sleep(3)
+    shot = TOP / "docs" / "img" / "status-charts.png"
+    r = _chromium(
+        daemon.url + "/",
+        tmp_path / "profile2",
+        f"--screenshot={shot}",
+        "--window-size=1280,1500",
+        "--hide-scrollbars",
+    )
+    assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
 
 
 def test_9_systemd_unit_verifies(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@ whose numbers are the API's."""
 
 from __future__ import annotations
 
-import re
 from html.parser import HTMLParser
 from typing import Any
 
