@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 GPU_HOURS_EVERY = 600.0
 # How often the daemon looks for a reason to ask accounting sooner.
 GPU_HOURS_CHECK = 60.0
+# An open start's waterfall grows with the clock: built again this often.
+COLD_STARTS_EVERY = 5.0
 GPU_HOURS_DAYS = 7
 
 
@@ -48,6 +50,8 @@ class Charts:
         self.history = history
         self.store = store
         self.gpu_hours: dict[str, Any] = {"at": None, "by_model": {}, "by_account": {}}
+        self._model_charts: tuple[int, dict[str, Any]] | None = None
+        self._cold: tuple[tuple[int, int], list[dict[str, Any]]] | None = None
 
     async def refresh_gpu_hours(self) -> None:
         """GPU hours of the service's jobs over the last 7 days, from accounting."""
@@ -76,19 +80,38 @@ class Charts:
         }
 
     def cold_starts(self, now: float) -> list[dict[str, Any]]:
-        """The latest start of each model as a waterfall, newest first."""
+        """The latest start of each model as a waterfall, newest first; built again
+        when the store changed, or every few seconds while a start is open."""
         if self.store is None:
             return []
+        key = (self.store.version, int(now // COLD_STARTS_EVERY))
+        if self._cold is None or self._cold[0] != key:
+            self._cold = (key, self._cold_starts(self.store, now))
+        return self._cold[1]
+
+    @staticmethod
+    def _cold_starts(store: TraceStore, now: float) -> list[dict[str, Any]]:
         latest: dict[str, dict[str, Any]] = {}
-        for sp in self.store.starts():
+        for sp in store.starts():
             model = str(sp["attrs"].get("llmgw.model", ""))
             if model not in latest or sp["start"] > latest[model]["start"]:
                 latest[model] = sp
         ordered = sorted(latest.values(), key=lambda s: -s["start"])
         return [
-            waterfall(self.store.spans(sp["trace_id"]), sp, now).to_json()
+            waterfall(store.spans(sp["trace_id"]), sp, now).to_json()
             for sp in ordered[: svgcharts.MAX_WATERFALLS]
         ]
+
+    def model_charts(self, history: dict[str, Any]) -> dict[str, Any]:
+        """The hour's small multiples, computed once per sample of the history."""
+        key = self.history.samples
+        if self._model_charts is None or self._model_charts[0] != key:
+            at = history.get("sampled_at") or time.time()
+            self._model_charts = (key, svgcharts.model_charts(history, at))
+        return self._model_charts[1]
+
+    def page(self) -> dict[str, Any]:
+        return _page(self)
 
     def to_json(self) -> dict[str, Any]:
         now = time.time()
@@ -154,10 +177,14 @@ def page_data(app: web.Application) -> dict[str, Any] | None:
     charts = app.get(CHARTS_KEY)
     if charts is None:
         return None
+    return charts.page()
+
+
+def _page(charts: Charts) -> dict[str, Any]:
     data = charts.to_json()
     gh = data["gpu_hours"]
     return {
-        "models": svgcharts.model_charts(data["history"], data["now"]),
+        "models": charts.model_charts(data["history"]),
         "gpu_at": gh["at"],
         "gpu_by_model": svgcharts.bars(gh["by_model"], "GPU h"),
         "gpu_by_account": svgcharts.bars(gh["by_account"], "GPU h"),

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "MAX_BARS",
     "MAX_MODEL_CHARTS",
     "MAX_WATERFALLS",
     "PANELS",
@@ -31,6 +32,7 @@ __all__ = [
 
 MAX_MODEL_CHARTS = 40
 MAX_WATERFALLS = 12
+MAX_BARS = 25
 W, H = 160.0, 44.0
 # (title, series names in History.SERIES order, unit)
 PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -100,8 +102,12 @@ def model_charts(history: Mapping[str, Any], now: float) -> dict[str, Any]:
 
 
 def bars(values: Mapping[str, float], unit: str) -> dict[str, Any]:
-    """A horizontal bar chart (largest first) of e.g. GPU hours by model."""
+    """A horizontal bar chart (largest first) of e.g. GPU hours by model; past
+    :data:`MAX_BARS`, the rest as one bar ("N others")."""
     items = sorted(values.items(), key=lambda kv: (-kv[1], kv[0]))
+    if len(items) > MAX_BARS:
+        rest = items[MAX_BARS - 1 :]
+        items = [*items[: MAX_BARS - 1], (f"({len(rest)} others)", sum(v for _, v in rest))]
     vmax = max([v for _, v in items] or [0.0]) or 1.0
     width = 300.0
     return {

@@ -9,8 +9,11 @@ another replica's trace.
 
 The store is bounded, whatever the daemon runs for: at most ``max_spans``
 spans in all (each with at most :data:`MAX_ATTRS` attributes of at most
-:data:`MAX_VALUE` characters and :data:`MAX_EVENTS` events) and at most
-``max_spans_per_trace`` in one trace. Over the bound, whole traces go, oldest
+:data:`MAX_VALUE` characters and the latest :data:`MAX_EVENTS` events, about
+:data:`MAX_SPAN_BYTES` of them in all: with Python's overhead, 20,000 spans
+are at most about 150 MB, and about 20 MB as the daemon and agents fill
+them, bench/status_page.py) and at most ``max_spans_per_trace`` in one
+trace. Over the bound, whole traces go, oldest
 first, the reconcile passes that started no replica before the traces of
 replica starts (those are what ``llmgw-admin trace`` and the status page show).
 
@@ -36,6 +39,7 @@ from opentelemetry.trace import StatusCode
 __all__ = [
     "MAX_ATTRS",
     "MAX_EVENTS",
+    "MAX_SPAN_BYTES",
     "MAX_VALUE",
     "SpanRejected",
     "TraceStore",
@@ -45,6 +49,8 @@ __all__ = [
 MAX_ATTRS = 32
 MAX_EVENTS = 64
 MAX_VALUE = 300
+# About the most a span's attributes and events take, whatever is sent.
+MAX_SPAN_BYTES = 4096
 # A start trace is one whose spans include a replica's start.
 START_NAMES = ("replica.start", "replica.start (adopted)", "replica.start (requeued)")
 _HEX = frozenset("0123456789abcdef")
@@ -70,27 +76,69 @@ def _attrs(a: Mapping[str, Any] | None) -> dict[str, Any]:
     return {str(k)[:100]: _value(v) for k, v in list(a.items())[:MAX_ATTRS]}
 
 
+def _size(attrs: Mapping[str, Any]) -> int:
+    """About the bytes a record's attributes take (keys and text; 16 for a number)."""
+    n = 0
+    for k, v in attrs.items():
+        n += len(k) + (
+            sum(len(x) for x in v) if isinstance(v, list) else len(v) if isinstance(v, str) else 16
+        )
+    return n
+
+
+def _fit(rec: dict[str, Any]) -> dict[str, Any]:
+    """Cut a record to :data:`MAX_SPAN_BYTES`: events go first (Slurm's, then the
+    latest, kept), then attributes (the first kept)."""
+    budget = MAX_SPAN_BYTES - _size(rec["attrs"])
+    if budget < 0:
+        kept: dict[str, Any] = {}
+        room = MAX_SPAN_BYTES
+        for k, v in rec["attrs"].items():
+            room -= _size({k: v})
+            if room < 0:
+                break
+            kept[k] = v
+        rec["attrs"], rec["events"], budget = kept, [], 0
+    # Slurm's state changes before the rest (the start waterfall's queue rows),
+    # then the latest first.
+    order = sorted(
+        range(len(rec["events"])),
+        key=lambda i: (not rec["events"][i]["name"].startswith("slurm."), -i),
+    )
+    kept_i = []
+    for i in order:
+        e = rec["events"][i]
+        budget -= len(e["name"]) + 16 + _size(e["attrs"])
+        if budget < 0:
+            break
+        kept_i.append(i)
+    rec["events"] = [rec["events"][i] for i in sorted(kept_i)]
+    return rec
+
+
 def span_record(span: ReadableSpan) -> dict[str, Any]:
     """A span (open or ended) as the store keeps it."""
     ctx = span.get_span_context()
     assert ctx is not None
     parent = span.parent
     code = span.status.status_code
-    return {
-        "trace_id": f"{ctx.trace_id:032x}",
-        "span_id": f"{ctx.span_id:016x}",
-        "parent_id": f"{parent.span_id:016x}" if parent is not None else "",
-        "name": span.name,
-        "service": str(span.resource.attributes.get("service.name", "")),
-        "start": (span.start_time or 0) / 1e9,
-        "end": span.end_time / 1e9 if span.end_time else None,
-        "status": {StatusCode.OK: "ok", StatusCode.ERROR: "error"}.get(code, ""),
-        "attrs": _attrs(span.attributes),
-        "events": [
-            {"name": e.name, "t": e.timestamp / 1e9, "attrs": _attrs(e.attributes)}
-            for e in list(span.events)[:MAX_EVENTS]
-        ],
-    }
+    return _fit(
+        {
+            "trace_id": f"{ctx.trace_id:032x}",
+            "span_id": f"{ctx.span_id:016x}",
+            "parent_id": f"{parent.span_id:016x}" if parent is not None else "",
+            "name": span.name,
+            "service": str(span.resource.attributes.get("service.name", "")),
+            "start": (span.start_time or 0) / 1e9,
+            "end": span.end_time / 1e9 if span.end_time else None,
+            "status": {StatusCode.OK: "ok", StatusCode.ERROR: "error"}.get(code, ""),
+            "attrs": _attrs(span.attributes),
+            "events": [
+                {"name": e.name, "t": e.timestamp / 1e9, "attrs": _attrs(e.attributes)}
+                for e in list(span.events)[-MAX_EVENTS:]
+            ],
+        }
+    )
 
 
 def _hex(v: object, n: int, what: str) -> str:
@@ -118,26 +166,28 @@ def _checked(raw: object) -> dict[str, Any]:
     if not isinstance(events, list):
         raise SpanRejected("events must be a list")
     parent = raw.get("parent_id") or ""
-    return {
-        "trace_id": _hex(raw.get("trace_id"), 32, "trace_id"),
-        "span_id": _hex(raw.get("span_id"), 16, "span_id"),
-        "parent_id": _hex(parent, 16, "parent_id") if parent else "",
-        "name": name[:200],
-        "service": str(raw.get("service") or "llmgw-agent")[:100],
-        "start": start,
-        "end": max(end, start),
-        "status": raw.get("status") if raw.get("status") in ("ok", "error") else "",
-        "attrs": _attrs(raw.get("attrs") if isinstance(raw.get("attrs"), dict) else None),
-        "events": [
-            {
-                "name": str(e.get("name"))[:200],
-                "t": _time(e.get("t"), "event time"),
-                "attrs": _attrs(e.get("attrs") if isinstance(e.get("attrs"), dict) else None),
-            }
-            for e in events[:MAX_EVENTS]
-            if isinstance(e, dict)
-        ],
-    }
+    return _fit(
+        {
+            "trace_id": _hex(raw.get("trace_id"), 32, "trace_id"),
+            "span_id": _hex(raw.get("span_id"), 16, "span_id"),
+            "parent_id": _hex(parent, 16, "parent_id") if parent else "",
+            "name": name[:200],
+            "service": str(raw.get("service") or "llmgw-agent")[:100],
+            "start": start,
+            "end": max(end, start),
+            "status": raw.get("status") if raw.get("status") in ("ok", "error") else "",
+            "attrs": _attrs(raw.get("attrs") if isinstance(raw.get("attrs"), dict) else None),
+            "events": [
+                {
+                    "name": str(e.get("name"))[:200],
+                    "t": _time(e.get("t"), "event time"),
+                    "attrs": _attrs(e.get("attrs") if isinstance(e.get("attrs"), dict) else None),
+                }
+                for e in events[-MAX_EVENTS:]
+                if isinstance(e, dict)
+            ],
+        }
+    )
 
 
 class _Trace:
@@ -158,6 +208,8 @@ class TraceStore(SpanProcessor):
         self._traces: collections.OrderedDict[str, _Trace] = collections.OrderedDict()
         self._count = 0
         self.dropped = 0
+        # Changes with every span taken, started or ended: readers cache by it.
+        self.version = 0
         # The SDK ends spans on whichever thread ends them (the event loop's, and
         # the batch exporter's for none of ours), and the page reads on the loop.
         self._lock = threading.Lock()
@@ -173,6 +225,7 @@ class TraceStore(SpanProcessor):
             if t is None:
                 return
             t.open[f"{rec_ctx.span_id:016x}"] = span
+            self.version += 1
             t.is_start = t.is_start or span.name in START_NAMES
             self._count += 1
             self._bound()
@@ -187,6 +240,7 @@ class TraceStore(SpanProcessor):
             if t is None or t.open.pop(rec["span_id"], None) is None:
                 return  # its trace went over the bound meanwhile
             t.ended[rec["span_id"]] = rec
+            self.version += 1
 
     def shutdown(self) -> None:
         return None
@@ -222,6 +276,7 @@ class TraceStore(SpanProcessor):
                 t.ended[s["span_id"]] = s
                 self._traces.move_to_end(s["trace_id"])
                 self._count += 1
+                self.version += 1
                 taken += 1
             self._bound()
         return taken

@@ -60,7 +60,8 @@ def test_history_is_the_change_per_minute_and_forgets_models_that_left() -> None
     for _ in range(5):
         clock.t += 60
         h.sample()
-    assert len(h.series()["alpha"]) == 3 + 1  # bounded, plus the live point
+    assert len(h.series()["alpha"]) == 3  # bounded
+    assert h.to_json() is h.to_json()  # built once per sample
     del reps["beta"]
     h.sample()
     assert set(h.series()) == {"alpha"}

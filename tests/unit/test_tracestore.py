@@ -29,7 +29,7 @@ from llmgw_slurm.daemon import internal_app
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.secrets import replica_secret, sign_report
 from llmgw_slurm.traceapi import add_span_route, add_trace_route, trace_of
-from llmgw_slurm.tracestore import MAX_EVENTS, SpanRejected, TraceStore
+from llmgw_slurm.tracestore import MAX_EVENTS, MAX_SPAN_BYTES, SpanRejected, TraceStore
 from llmgw_slurm.tracing import extract_env
 from llmgw_slurm.waterfall import generic, waterfall
 
@@ -225,7 +225,27 @@ def test_agent_spans_are_checked_and_cut_to_the_limits() -> None:
     many = [{"name": "e", "t": 1000.0, "attrs": {"k": "v" * 5000}}] * (MAX_EVENTS + 10)
     assert store.add_remote("aaaaaaaa", [_span(tid, "2" * 16, events=many)]) == 1
     (kept,) = [s for s in store.spans(tid) if s["span_id"] == "2" * 16]
-    assert len(kept["events"]) == MAX_EVENTS and len(kept["events"][0]["attrs"]["k"]) == 300
+    # Values cut to 300 characters, and as many of the latest events as fit the budget.
+    assert len(kept["events"][0]["attrs"]["k"]) == 300
+    assert 0 < len(kept["events"]) < MAX_EVENTS
+    assert len(json.dumps(kept)) < MAX_SPAN_BYTES + 1000
+    small = [{"name": "e", "t": 1000.0 + i, "attrs": {}} for i in range(MAX_EVENTS + 10)]
+    # Slurm's state changes outlast a flood of other events.
+    slurm = {"name": "slurm.pending", "t": 999.0, "attrs": {"r": "v" * 300}}
+    noisy = [
+        slurm,
+        *[{"name": "note", "t": 1000.0 + i, "attrs": {"n": "v" * 300}} for i in range(60)],
+    ]
+    assert store.add_remote("aaaaaaaa", [_span(tid, "7" * 16, events=noisy)]) == 1
+    (kept,) = [s for s in store.spans(tid) if s["span_id"] == "7" * 16]
+    assert kept["events"][0] == slurm and kept["events"][-1]["t"] == 1059.0
+    assert store.add_remote("aaaaaaaa", [_span(tid, "5" * 16, events=small)]) == 1
+    (kept,) = [s for s in store.spans(tid) if s["span_id"] == "5" * 16]
+    assert [e["t"] for e in kept["events"]] == [e["t"] for e in small[-MAX_EVENTS:]]
+    huge = {f"k{i}": "v" * 300 for i in range(32)}
+    assert store.add_remote("aaaaaaaa", [_span(tid, "6" * 16, attrs=huge)]) == 1
+    (kept,) = [s for s in store.spans(tid) if s["span_id"] == "6" * 16]
+    assert 0 < len(kept["attrs"]) < 32 and next(iter(kept["attrs"])) == "k0"
     # Sent twice (a retried batch): kept once.
     assert store.add_remote("aaaaaaaa", [_span(tid, "2" * 16)]) == 0
     for bad, why in (
