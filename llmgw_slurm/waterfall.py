@@ -147,8 +147,13 @@ def waterfall(spans: Sequence[dict[str, Any]], start: dict[str, Any], now: float
     """The waterfall of the start span ``start`` among its trace's ``spans``."""
     ids = _by_id(spans)
     rid = start["attrs"].get("llmgw.replica", "")
+    # A requeued or adopted start hangs under the first start, or under nothing.
     place = ids.get(start["parent_id"])
+    if place is not None and place["name"] != "replica.place":
+        place = None
     pass_ = ids.get(place["parent_id"]) if place is not None else None
+    if pass_ is not None and pass_["name"] != "reconcile.pass":
+        pass_ = None
     groups = [
         s for s in spans if s["name"] == "llmgw.agent" and s["attrs"].get("llmgw.replica_id") == rid
     ]

@@ -305,3 +305,21 @@ async def test_the_admin_trace_route_says_what_it_has(w: World) -> None:
         assert (await ask(url, {}))[0] == 400
         status, answer = await ask(off_url, {"target": "alpha"})
         assert status == 404 and "tracing.keep_spans is 0" in answer["error"]
+
+
+def test_a_requeued_start_begins_at_its_own_start_not_at_the_first_ones_pass() -> None:
+    tid = "a" * 32
+    first = _span(tid, "1" * 16, "replica.start", parent_id="2" * 16, attrs={"llmgw.replica": "r"})
+    place = _span(tid, "2" * 16, "replica.place", parent_id="3" * 16)
+    pass_ = _span(tid, "3" * 16, "reconcile.pass")
+    again = _span(
+        tid,
+        "4" * 16,
+        "replica.start (requeued)",
+        parent_id="1" * 16,
+        start=1005.0,
+        end=None,
+        attrs={"llmgw.replica": "r"},
+    )
+    wf = waterfall([pass_, place, first, again], again, now=1010.0)
+    assert wf.t0 == 1005.0 and wf.rows[0].label == "queued in Slurm"
