@@ -323,3 +323,24 @@ def test_a_requeued_start_begins_at_its_own_start_not_at_the_first_ones_pass() -
     )
     wf = waterfall([pass_, place, first, again], again, now=1010.0)
     assert wf.t0 == 1005.0 and wf.rows[0].label == "queued in Slurm"
+
+
+def test_an_agent_whose_daemon_is_away_drops_the_batch_without_raising() -> None:
+    from _router_support import free_port
+
+    from llmgw_slurm.agent.main import _to_daemon
+    from llmgw_slurm.agent.runner import JobContext
+
+    exporter = DaemonSpanExporter(f"http://127.0.0.1:{free_port()}", "aaaaaaaa", "s", 2.0)
+    mem = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(mem))
+    with provider.get_tracer("t").start_as_current_span("llmgw.agent"):
+        pass
+    assert exporter.export(mem.get_finished_spans()).name == "FAILURE"
+    # A job without a trace context sends no spans at all.
+    job = JobContext("aaaaaaaa", "m", "http://127.0.0.1:1", "s", "k", None)  # type: ignore[arg-type]
+    assert _to_daemon(job, {}) is None
+    sender = _to_daemon(job, {"TRACEPARENT": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"})
+    assert sender is not None
+    sender.shutdown()
