@@ -35,7 +35,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_slurm import __version__
+from llmgw_slurm import __version__, chartsapi
 from llmgw_slurm.errors import LlmgwError
 from llmgw_slurm.identity import peer_credentials
 from llmgw_slurm.reconciler.core import Reconciler
@@ -213,7 +213,7 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
     async def page(request: web.Request) -> web.Response:
         endpoint = f"{request.scheme}://{request.host}/v1"
         return web.Response(
-            text=render_page(status_json(rec), endpoint),
+            text=render_page(status_json(rec), endpoint, chartsapi.page_data(request.app)),
             content_type="text/html",
             headers={
                 # Belt and braces: everything is escaped, and even if something were

@@ -112,6 +112,11 @@ class TracingConfig:
         default_factory=FrozenMap,
         metadata=rule(key_pattern=r"[^\s\x00-\x1f]{1,200}", key_help="a name without spaces"),
     )
+    # Default 20000: the daemon keeps this many recent spans in memory (its own
+    # and its agents'), for llmgw-admin trace and the status page's start
+    # waterfalls, with or without a collector; 0 keeps none (and, with enabled
+    # false, jobs get no TRACEPARENT). Ignored in agent.yaml.
+    keep_spans: int = field(default=20_000, metadata=rule(ge=0, le=1_000_000))
 
 
 # ---------------------------------------------------------------------- server

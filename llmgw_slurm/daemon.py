@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from llmgw_slurm import api, identity, private, sdnotify
+from llmgw_slurm import api, chartsapi, identity, private, sdnotify, traceapi
 from llmgw_slurm.batch.setup import install as install_batch_api
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import HostPort, ServerConfig, load_agent_config
@@ -39,6 +39,7 @@ from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import REPORT_SCHEME, AdminToken, load_or_create_server_key
 from llmgw_slurm.slurm import make_backend
+from llmgw_slurm.tracestore import TraceStore
 from llmgw_slurm.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,8 @@ class Daemon:
     admin_token: AdminToken
     # None when tracing is off (no exporter thread exists then).
     tracer_provider: TracerProvider | None = None
+    # The recent traces (tracing.keep_spans); None when it is 0.
+    trace_store: TraceStore | None = None
     # systemd's Type=notify; a no-op outside systemd.
     notifier: Notifier = field(default_factory=Notifier)
     # The last reload's refusal, kept in systemd's status line until a good reload.
@@ -168,7 +171,8 @@ class Daemon:
 def build(server: ServerConfig, server_path: Path) -> Daemon:
     catalog = load_catalog(server.models)
     # Before anything makes a tracer: the global provider is set once per process.
-    provider = setup_tracing(server.tracing, "llmgw-daemon")
+    store = TraceStore(server.tracing.keep_spans) if server.tracing.keep_spans else None
+    provider = setup_tracing(server.tracing, "llmgw-daemon", local=store)
     agent_timeout = 900.0
     try:
         agent_timeout = load_agent_config(server.agent_config).readiness.timeout
@@ -217,6 +221,11 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     install_batch_api(gateway, d.internal, server, backend, rec, key, daemon_url, usage)
     api.add_admin_routes(d.internal, rec, api.token_gate(token), d.reload)
     api.add_admin_routes(d.admin, rec, api.peer_gate(server.admin_group), d.reload)
+    chartsapi.add_chart_routes(gateway, rec, store)
+    traceapi.add_span_route(d.internal, rec, store)
+    traceapi.add_trace_route(d.internal, rec, store, api.token_gate(token))
+    traceapi.add_trace_route(d.admin, rec, store, api.peer_gate(server.admin_group))
+    d.trace_store = store
     return d
 
 

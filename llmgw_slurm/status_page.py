@@ -116,8 +116,14 @@ def _listed(status: Mapping[str, Any]) -> dict[str, Any] | None:
     return {"ago": format_duration(round(now - at)), "at": _time(at), "counted": counted}
 
 
-def render_page(status: Mapping[str, Any], endpoint: str) -> str:
-    """The whole page for one status snapshot; ``endpoint`` is the OpenAI base URL to show."""
+def render_page(
+    status: Mapping[str, Any], endpoint: str, charts: Mapping[str, Any] | None = None
+) -> str:
+    """The whole page for one status snapshot; ``endpoint`` is the OpenAI base URL to show.
+
+    ``charts``: :func:`llmgw_slurm.chartsapi.page_data`'s values, drawn as inline
+    SVG; None for the tables alone.
+    """
     decisions: Sequence[Mapping[str, Any]] = status.get("decisions") or []
     return (
         _template().render(
@@ -131,6 +137,8 @@ def render_page(status: Mapping[str, Any], endpoint: str) -> str:
             decisions=[_decision(d) for d in reversed(decisions[-30:])],
             listed=_listed(status),
             nodes=[_node(n) for n in status.get("nodes") or []],
+            charts=charts,
+            gpu_at=_time(charts.get("gpu_at")) if charts else "",
         )
         + "\n"
     )

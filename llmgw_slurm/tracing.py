@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Link, SpanContext
@@ -203,22 +203,35 @@ def setup_tracing(
     exporter: SpanExporter | None = None,
     set_global: bool = True,
     error_interval: float = 60.0,
+    local: SpanProcessor | None = None,
 ) -> TracerProvider | None:
     """Configure tracing from the ``tracing:`` block; None (and nothing done) when off.
 
     ``service`` names the process when neither the block nor
     ``OTEL_SERVICE_NAME`` does. ``exporter`` replaces the OTLP one (tests).
-    With ``set_global`` the provider becomes the process's tracer provider,
-    which every ``trace.get_tracer("llmgw_slurm")`` then uses. Call
-    ``shutdown()`` on the result before exiting, so the last spans leave.
+    ``local`` is a processor that gets every span whether or not the block
+    exports (the daemon's trace store, an agent's export to its daemon):
+    with one, spans are made even when the block is off. With ``set_global``
+    the provider becomes the process's tracer provider, which every
+    ``trace.get_tracer("llmgw_slurm")`` then uses. Call ``shutdown()`` on the
+    result before exiting, so the last spans leave.
     """
-    if not cfg.enabled:
+    if not cfg.enabled and local is None:
         return None
-    inner = exporter if exporter is not None else _make_exporter(cfg)
     provider = TracerProvider(
-        sampler=ParentBased(TraceIdRatioBased(cfg.sampling_ratio)),
+        # The ratio is the exporter's business; with no exporter every trace
+        # is kept locally (the daemon makes few, and the store is bounded).
+        sampler=ParentBased(TraceIdRatioBased(cfg.sampling_ratio if cfg.enabled else 1.0)),
         resource=_resource(cfg, service),
     )
+    if local is not None:
+        provider.add_span_processor(local)
+    if not cfg.enabled:
+        log.info("tracing: no exporter; spans kept by %s", type(local).__name__)
+        if set_global:
+            trace.set_tracer_provider(provider)
+        return provider
+    inner = exporter if exporter is not None else _make_exporter(cfg)
     provider.add_span_processor(
         BatchSpanProcessor(RateLimitedExporter(inner, interval=error_interval))
     )

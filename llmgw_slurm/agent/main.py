@@ -25,10 +25,10 @@ from typing import Any
 import click
 
 from llmgw_slurm.agent.batch import BatchAgent, batch_job_from_env
-from llmgw_slurm.agent.runner import Agent, job_context_from_env, replica_spec
+from llmgw_slurm.agent.runner import Agent, JobContext, job_context_from_env, replica_spec
 from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
 from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
-from llmgw_slurm.config import AgentConfig, load_agent_config
+from llmgw_slurm.config import AgentConfig, TracingConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
 
 __all__ = ["build_settings", "job_environment", "main", "settings_from_agent_config"]
@@ -99,23 +99,39 @@ def _load_config(path: Path) -> tuple[AgentSettings, str | None]:
     return settings_from_agent_config(cfg), cfg.daemon_url
 
 
-def _setup_tracing(path: Path | None) -> Any:
+def _setup_tracing(path: Path | None, local: Any = None) -> Any:
     """agent.yaml's ``tracing:`` block; returns the TracerProvider, or None when off.
 
-    Imported lazily, like the config module: an agent without a config file
-    (or with tracing off) never loads the exporter.
+    ``local``: a span processor that gets the spans whatever the block says
+    (the export to the daemon, :func:`_to_daemon`). Imported lazily, like the
+    config module: an agent without a config file (or with tracing off) never
+    loads the OTLP exporter.
     """
-    if path is None:
+    if path is None and local is None:
         return None
     try:
         tracing = importlib.import_module("llmgw_slurm.tracing")
-        cfg = load_agent_config(path)
-        return tracing.setup_tracing(cfg.tracing, "llmgw-agent")
+        cfg = load_agent_config(path).tracing if path is not None else TracingConfig()
+        return tracing.setup_tracing(cfg, "llmgw-agent", local=local)
     except ImportError as err:
         log.warning("tracing: not available in this agent (%s); running without", err)
         return None
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
+
+
+def _to_daemon(job: JobContext, env: Mapping[str, str]) -> Any:
+    """The processor that sends a replica's spans to its daemon; None when the job
+    carries no trace context (the daemon keeps no traces, nor exports any)."""
+    if not env.get("TRACEPARENT"):
+        return None
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from llmgw_slurm.agent.spansend import DaemonSpanExporter
+    from llmgw_slurm.tracing import RateLimitedExporter
+
+    exporter = DaemonSpanExporter(job.daemon_url, job.replica_id, job.replica_secret)
+    return BatchSpanProcessor(RateLimitedExporter(exporter))
 
 
 def _shutdown_tracing(provider: Any) -> None:
@@ -241,7 +257,7 @@ def run(ctx: click.Context) -> None:
         job = job_context_from_env(env)
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
-    provider = _setup_tracing(ctx.obj[0])
+    provider = _setup_tracing(ctx.obj[0], _to_daemon(job, env))
     flush = provider.force_flush if provider is not None else None
     try:
         code = asyncio.run(Agent(settings, job, env, flush=flush).run())

@@ -319,12 +319,17 @@ class Agent:
                     loop.remove_signal_handler(sig)
 
     def _span_attrs(self) -> dict[str, Any]:
-        return {
+        attrs: dict[str, Any] = {
             "llmgw.replica_id": self.job.replica_id,
             "llmgw.model": self.job.model,
             "llmgw.node": self.hostname,
             "llmgw.job_id": self.env.get("SLURM_JOB_ID", ""),
         }
+        started = process_start()
+        if started is not None:
+            # The start waterfall tells the job's launch from the agent's own start-up.
+            attrs["llmgw.process_start"] = started
+        return attrs
 
     @contextlib.contextmanager
     def _group(self, name: str) -> Iterator[trace.Span]:
@@ -720,6 +725,20 @@ class Agent:
 
 def _redact(argv: list[str], secret: str) -> list[str]:
     return [a.replace(secret, "***") if secret else a for a in argv]
+
+
+def process_start(proc: Path = Path("/proc")) -> float | None:
+    """When this process started (epoch seconds, to a clock tick); None off Linux."""
+    try:
+        stat = (proc / "self" / "stat").read_text()
+        # The uptime, not /proc/stat's btime, which is whole seconds.
+        uptime = float((proc / "uptime").read_text().split()[0])
+        now = time.time()
+        # Field 22, counted after the command name (which may hold spaces).
+        ticks = float(stat.rsplit(")", 1)[1].split()[19])
+        return now - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def node_hostname(env: Mapping[str, str]) -> str:

@@ -663,6 +663,8 @@ def _service_user(server: ServerConfig) -> str:
 )
 @click.option("--csv", "as_csv", is_flag=True, help="CSV for spreadsheets.")
 @click.option("--json", "as_json", is_flag=True, help="JSON for scripts.")
+@click.option("--chart", is_flag=True, help="Bar charts: GPU hours by model and by period.")
+@click.option("--no-color", is_flag=True, help="Plain text (also when NO_COLOR is set).")
 @friendly_errors
 def audit(
     server_path: Path,
@@ -672,6 +674,8 @@ def audit(
     user: str | None,
     as_csv: bool,
     as_json: bool,
+    chart: bool = False,
+    no_color: bool = False,
 ) -> None:
     """GPU hours, jobs, failures and preemptions per model and period, from sacct."""
     from llmgw_slurm import audit as auditmod
@@ -713,6 +717,14 @@ def audit(
     )
     if not rows:
         click.echo("no jobs")
+        return
+    if chart:
+        from llmgw_slurm.cli import charts
+
+        lines = charts.audit_chart(
+            rows, by=by, cols=charts.width(), color=charts.use_color(no_color)
+        )
+        click.echo("\n".join(lines))
         return
     _print_audit(rows, auditmod.totals(rows))
 
@@ -1111,3 +1123,27 @@ def install_engine(
         time=time_limit,
     )
     _submit_service_job(server, spec, wait, poll)
+
+
+@main.command("trace")
+@click.argument("target", metavar="MODEL|REPLICA|TRACE_ID")
+@click.option("--json", "as_json", is_flag=True, help="The waterfall and its spans as JSON.")
+@click.option("--no-color", is_flag=True, help="Plain text (also when NO_COLOR is set).")
+@_server_option
+@friendly_errors
+def trace_cmd(target: str, as_json: bool, no_color: bool, server_path: Path) -> None:
+    """A replica's start as a waterfall: the pass, Slurm's queue, each agent step, serving.
+
+    From the daemon's own recent traces (no collector needed): the newest
+    start of MODEL or REPLICA, or the trace TRACE_ID.
+    """
+    from llmgw_slurm.cli import charts
+
+    reply = _admin_call(_load_server(server_path), "trace", {"target": target})
+    if as_json:
+        print_json({k: reply.data[k] for k in ("waterfall", "spans", "store") if k in reply.data})
+        return
+    lines = charts.waterfall_lines(
+        reply.data["waterfall"], cols=charts.width(), color=charts.use_color(no_color)
+    )
+    click.echo("\n".join(lines))

@@ -487,8 +487,12 @@ def _api_message(exc: Any) -> str:
 @main.command()
 @click.option("--since", default="30d", show_default=True, help="30m, 12h, 7d, 2w ago, or a date.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option("--chart", is_flag=True, help="Bar charts: tokens and requests by model.")
+@click.option("--no-color", is_flag=True, help="Plain text (also when NO_COLOR is set).")
 @click.pass_context
-def usage(ctx: click.Context, since: str, as_json: bool) -> None:
+def usage(
+    ctx: click.Context, since: str, as_json: bool, chart: bool = False, no_color: bool = False
+) -> None:
     """Your own token usage (counted per API key), by model.
 
     On a gateway without API keys: the gateway's totals, by model.
@@ -524,6 +528,12 @@ def usage(ctx: click.Context, since: str, as_json: bool) -> None:
     click.echo(f"Usage of {who} since {since}:")
     if not rows:
         click.echo("no requests")
+        return
+    if chart:
+        from llmgw_slurm.cli import charts
+
+        lines = charts.usage_chart(rows, cols=charts.width(), color=charts.use_color(no_color))
+        click.echo("\n".join(lines))
         return
     total = {
         k: sum(int(r.get(k) or 0) for r in rows)

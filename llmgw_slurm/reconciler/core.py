@@ -498,7 +498,12 @@ class Reconciler:
             default_partition=server.slurm.partition,
         )
         # Spans of passes and replica starts; no-ops (and no TRACEPARENT for jobs) when off.
-        self.tracing = ReconcileTracing(tracer, server.tracing.enabled)
+        # On with an exporter, or with the daemon's trace store (whose tracer the
+        # daemon passes); a reconciler given no tracer with tracing off makes none.
+        self.tracing = ReconcileTracing(
+            tracer,
+            server.tracing.enabled or (server.tracing.keep_spans > 0 and tracer is not None),
+        )
         self.table = ReplicaTable(catalog, clock, self.tracing)
         # The gateway's client identity: the only client, beside each replica's
         # own agent, that the replicas' engines let in (llmgw_slurm/tls.py).

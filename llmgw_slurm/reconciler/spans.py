@@ -411,6 +411,10 @@ class ReconcileTracing:
             attrs["llmgw.slurm.pending_reason"] = job.reason or "(none)"
         if job.nodes:
             attrs["llmgw.nodes"] = list(job.nodes)
+        if job.start_time is not None and job.state is not JobState.PENDING:
+            # Slurm's own start (to the second): the daemon sees the job running
+            # only at its next pass, which may be after the agent began.
+            attrs["llmgw.slurm.start_time"] = job.start_time.timestamp()
         st.span.add_event(f"slurm.{job.state.value.lower()}", attrs)
         if job.state is JobState.PENDING and job.reason:
             st.span.set_attribute("llmgw.slurm.pending_reason", job.reason)

@@ -7,6 +7,7 @@ chat with it, look at it, drain it, then audit the jobs sacct recorded.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -16,11 +17,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,8 +138,14 @@ def test_1_models_lists_tiny_cold(daemon: Daemon) -> None:
     assert tiny["state"] == "cold" and tiny["endpoint"] == daemon.url + "/v1"
 
 
+# The cold start of test_2, as the test saw it (epoch seconds): test_2b compares the trace.
+COLD_START: dict[str, float] = {}
+
+
 def test_2_up_waits_until_ready(daemon: Daemon) -> None:
+    COLD_START["asked"] = time.time()
     r = llmgw(daemon, "up", "tiny", "--timeout", "150")
+    COLD_START["ready"] = time.time()
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     # Not a TTY: one line per phase, each with the time since the request.
@@ -144,6 +153,53 @@ def test_2_up_waits_until_ready(daemon: Daemon) -> None:
     assert lines[-2].endswith("] ready") and lines[-1].startswith("tiny is ready: ")
     r = llmgw(daemon, "models")
     assert re.search(r"^tiny\s+test/tiny-chat\s+ready 1\s+1$", r.stdout, re.M), r.stdout
+
+
+def _trace(d: Daemon, deadline: float) -> dict[str, Any]:
+    """``llmgw-admin trace tiny --json`` once the agent's spans are in (it sends them
+    as its start ends, beside the ready report)."""
+    while True:
+        r = admin(d, "trace", "tiny", "--json")
+        assert r.returncode == 0, r.stderr
+        data: dict[str, Any] = json.loads(r.stdout)
+        wf = data["waterfall"]
+        if any(row["label"].startswith("agent on ") for row in wf["rows"]):
+            return data
+        assert time.monotonic() < deadline, r.stdout
+        time.sleep(0.5)
+
+
+def test_2b_trace_shows_every_step_of_the_cold_start(daemon: Daemon) -> None:
+    wf = _trace(daemon, time.monotonic() + 30)["waterfall"]
+    rows = wf["rows"]
+    top = [r for r in rows if r["depth"] == 0 and r["counted"]]
+    labels = [r["label"] for r in top]
+    assert labels[0].startswith("placed by pass ")
+    assert labels[1:4] == ["queued in Slurm", "job launch", "agent start-up"]
+    assert re.fullmatch(r"agent on gpunode\d", labels[4]) and labels[5] == "daemon: ready"
+    steps = [r["label"] for r in rows if r["depth"] == 2]
+    assert steps == ["weights", "rendezvous", "engine_launch", "readiness", "register"]
+    assert rows[-1]["label"] == "serving" and not rows[-1]["counted"]
+    # Every step on the node is within the agent's row, one after the other.
+    agent = top[4]
+    for a, b in itertools.pairwise([r for r in rows if r["depth"] == 2]):
+        assert agent["start"] <= a["start"] <= a["end"] <= b["start"] <= agent["end"]
+    # The rows follow each other and add up to the time to serve ...
+    for a, b in itertools.pairwise(top):
+        assert a["end"] == b["start"]
+    tts = wf["time_to_serve_s"]
+    assert sum(r["duration_s"] for r in top) == pytest.approx(tts, abs=1e-6)
+    # ... which is within what the test measured around `llmgw up` (same clock:
+    # the dev cluster is this machine): asked before the pass, ready after.
+    assert COLD_START["asked"] <= wf["start"] and wf["ready_at"] <= COLD_START["ready"]
+    measured = COLD_START["ready"] - COLD_START["asked"]
+    print(f"time to serve {tts:.3f}s in the trace, {measured:.3f}s measured around llmgw up")
+    r = admin(daemon, "trace", "tiny", "--no-color")
+    assert r.returncode == 0, r.stderr
+    assert f"time to serve: {tts:.3f}s" in r.stdout and "\x1b[" not in r.stdout
+    print(r.stdout)
+    r = admin(daemon, "trace", "nope")
+    assert r.returncode == 1 and "no start of 'nope' among the traces kept" in r.stderr
 
 
 def test_3_chat_answers(daemon: Daemon) -> None:
@@ -236,6 +292,106 @@ def test_5_status_page_in_headless_chromium(daemon: Daemon, tmp_path: Path) -> N
     assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
 
 
+class _Svgs(HTMLParser):
+    """Every element of the page's SVGs with its attributes, and which chart it is in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, dict[str, str], dict[str, str]]] = []
+        self._svg: dict[str, str] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag == "svg":
+            self._svg = a
+        self.found.append((tag, a, self._svg))
+
+
+def _num(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def _chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is missing: run scripts/install-deps"
+    return subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            f"--user-data-dir={profile}",
+            *args,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _charts_api(d: Daemon) -> dict[str, Any]:
+    with urllib.request.urlopen(d.url + "/api/v1/charts", timeout=30) as resp:
+        data: dict[str, Any] = json.loads(resp.read())
+    return data
+
+
+def _page_matches_api(d: Daemon, profile: Path) -> tuple[bool, str]:
+    """Load the page in chromium; do its SVGs' numbers match the API's (asked just before)?"""
+    api = _charts_api(d)
+    r = _chromium(d.url + "/", profile, "--dump-dom")
+    assert r.returncode == 0, r.stderr[-2000:]
+    svgs = _Svgs()
+    svgs.feed(r.stdout)
+    # GPU hours by model: tiny's bar is accounting's number (running jobs count to now,
+    # so a refresh between the two asks may change it: the caller asks again).
+    gpu = {
+        a["data-label"]: a["data-value"]
+        for t, a, svg in svgs.found
+        if t == "g" and svg.get("class") == "bars"
+    }
+    want_gpu = api["gpu_hours"]["by_model"].get("tiny")
+    if want_gpu is None or gpu.get("tiny") != _num(want_gpu):
+        return False, f"GPU hours: page {gpu}, API {api['gpu_hours']}"
+    # The cold start's waterfall: each drawn row is the API's row.
+    (wf,) = [w for w in api["cold_starts"] if w["model"] == "tiny"]
+    want_rows = [
+        (("   " if r["depth"] else "") + r["label"], _num(r["duration_s"]))
+        for r in wf["rows"]
+        if r["counted"] and r["depth"] in (0, 2)
+    ]
+    rows = [
+        (a["data-label"], a["data-value"])
+        for t, a, svg in svgs.found
+        if t == "g" and svg.get("class") == "waterfall" and svg.get("data-model") == "tiny"
+    ]
+    assert rows == want_rows, (rows, want_rows)
+    # The hour: the replicas line has the API's points, the live last one aside.
+    lines = {
+        (svg.get("data-panel"), a["data-series"]): a["data-values"].split()
+        for t, a, svg in svgs.found
+        if t == "polyline" and svg.get("data-model") == "tiny"
+    }
+    names = ["t", *api["history"]["series"]]
+    pts = api["history"]["models"]["tiny"]
+    want_reps = [_num(p[names.index("replicas")]) for p in pts]
+    got_reps = lines[("replicas", "replicas")]
+    if got_reps[:-1] != want_reps[:-1]:
+        return False, f"replicas: page {got_reps}, API {want_reps}"
+    assert set(lines) == {
+        ("requests/s", "rps"),
+        ("tokens/s", "tokens_per_s"),
+        ("time to first byte p50, p95", "ttfb_p50"),
+        ("time to first byte p50, p95", "ttfb_p95"),
+        ("held requests", "held"),
+        ("replicas", "replicas"),
+    }
+    assert "script" not in {t for t, _, _ in svgs.found}
+    return True, ""
+
+
 def test_6_drain_then_the_replica_goes(daemon: Daemon) -> None:
     r = admin(daemon, "drain", "tiny", "--reason", "test drain")
     assert r.returncode == 0, r.stderr
@@ -276,6 +432,11 @@ def test_7_audit_reads_the_jobs_from_sacct(daemon: Daemon) -> None:
     assert any(ln.split(",")[1] == "tiny" for ln in r.stdout.splitlines()[1:])
     r = admin(daemon, "audit", "--since", "2h", "--by", "month")
     assert r.returncode == 0 and re.search(r"^\d{4}-\d\d\s+tiny\s+\d+", r.stdout, re.M), r.stdout
+    r = admin(daemon, "audit", "--since", "2h", "--chart", "--no-color", env={"COLUMNS": "70"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1] == "GPU hours by model" and lines[2].startswith("tiny ") and "█" in lines[2]
+    assert "GPU hours by day" in lines and all(len(ln) <= 70 for ln in lines[1:])
 
 
 def test_8_audit_with_slurmdbd_unreachable(daemon: Daemon, tmp_path: Path, slurm_conf: str) -> None:
@@ -292,6 +453,26 @@ def test_8_audit_with_slurmdbd_unreachable(daemon: Daemon, tmp_path: Path, slurm
     assert r.returncode == 1
     assert r.stderr.startswith("Error: cannot reach accounting (slurmdbd): ")
     assert "Traceback" not in r.stderr
+
+
+def test_8b_status_page_charts_are_the_apis_numbers(daemon: Daemon, tmp_path: Path) -> None:
+    # Accounting is asked within a minute of the last decision (the drain, by now).
+    deadline = time.monotonic() + 150
+    while True:
+        ok, why = _page_matches_api(daemon, tmp_path / "profile")
+        if ok:
+            break
+        assert time.monotonic() < deadline, why
+        time.sleep(3)
+    shot = TOP / "docs" / "img" / "status-charts.png"
+    r = _chromium(
+        daemon.url + "/",
+        tmp_path / "profile2",
+        f"--screenshot={shot}",
+        "--window-size=1280,1500",
+        "--hide-scrollbars",
+    )
+    assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
 
 
 def test_9_systemd_unit_verifies(tmp_path: Path) -> None:

@@ -397,15 +397,21 @@ async def test_an_eviction_pass_is_one_trace_with_the_evict_span_and_the_placeme
 
 
 def disable_tracing(h: Harness, endpoint: str) -> None:
-    """Tracing off in both files, with a collector named: only the switch keeps spans away."""
+    """Tracing off in both files, with a collector named: only the switch keeps spans away.
+
+    The daemon's trace store off too (``keep_spans: 0``): with it on, jobs carry a
+    trace context for their agents to send spans to the daemon, never to a collector.
+    """
     enable_tracing(h, endpoint)
     for path in (h.server_yaml, h.folder / "agent.yaml"):
         cfg = yaml.safe_load(path.read_text())
         cfg["tracing"]["enabled"] = False
+        if path == h.server_yaml:
+            cfg["tracing"]["keep_spans"] = 0
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
-async def test_with_tracing_off_no_span_is_exported_and_no_job_has_a_trace_context(
+async def test_with_tracing_and_the_store_off_no_span_is_made_and_no_job_has_a_trace_context(
     tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with collector() as col:
@@ -435,6 +441,37 @@ async def test_with_tracing_off_no_span_is_exported_and_no_job_has_a_trace_conte
     for cmd, env in envs.items():
         assert "TRACEPARENT" not in env and "TRACESTATE" not in env, cmd
     assert comment.startswith("llmgw model=dark ") and "trace=" not in comment
+    assert col.requests == 0 and col.spans == []
+
+
+async def test_with_tracing_off_the_store_keeps_the_spans_and_none_reach_a_collector(
+    tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def store_only(h: Harness, endpoint: str) -> None:
+        disable_tracing(h, endpoint)
+        cfg = yaml.safe_load(h.server_yaml.read_text())
+        del cfg["tracing"]["keep_spans"]  # the default: the store on
+        h.server_yaml.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    async with collector() as col:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", col.url)
+        configure = functools.partial(store_only, endpoint=col.url)
+        async with running(tmp_path, prefix, [tiny_model("local")], configure=configure) as h:
+            assert h.d is not None and h.d.trace_store is not None
+            await chat(h, "local")
+            store = h.d.trace_store
+
+            async def agent_spans_in() -> bool:
+                names = {s["name"] for st in store.starts() for s in store.spans(st["trace_id"])}
+                return {"replica.start", "llmgw.agent", "llmgw.agent.readiness"} <= names
+
+            await eventually(agent_spans_in, "the agent's spans in the daemon's store")
+            (start,) = store.starts()
+            (job,) = h.jobs()
+            agent_env = agent_environment(job[0])
+    assert agent_env["TRACEPARENT"].startswith(f"00-{start['trace_id']}-")
+    (agent,) = [s for s in store.spans(start["trace_id"]) if s["name"] == "llmgw.agent"]
+    assert agent["service"] == "llmgw-agent" and agent["parent_id"] == start["span_id"]
     assert col.requests == 0 and col.spans == []
 
 

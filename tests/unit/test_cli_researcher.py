@@ -15,6 +15,7 @@ from _cli_support import RunningDaemon, free_port, run_daemon
 from click.testing import CliRunner
 
 from llmgw_slurm.cli import researcher
+from llmgw_slurm.cli.charts import bar
 from llmgw_slurm.cli.researcher import _phase, main
 from llmgw_slurm.router.keys import add_key
 from llmgw_slurm.router.usage import UsageRecord
@@ -338,3 +339,23 @@ def test_help_works_with_a_broken_config(tmp_path: Path) -> None:
     code, out = llmgw("--help")
     assert code == 0 and "models" in out
     assert researcher.config_path() == cfg
+
+
+def test_usage_chart_is_bars_as_wide_as_the_terminal(
+    rd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = rd.d.gateway[researcher_gateway_key()].usage
+    assert store is not None
+    now = time.time()
+    store.record(UsageRecord(now, "", "", "", "tiny", "completions", 30, 10, 40))
+    store.record(UsageRecord(now, "", "", "", "big-model", "completions", 5, 5, 10))
+    monkeypatch.setenv("COLUMNS", "60")
+    code, out = llmgw("usage", "--since", "1d", "--chart", "--no-color", url=rd.url)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[1] == "tokens by model (prompt + completion)"
+    tiny, big = lines[2], lines[3]
+    assert tiny.split()[:2] == ["tiny", "40"] and big.split()[:2] == ["big-model", "10"]
+    # Scaled to the largest, to an eighth of a cell.
+    assert big.split()[2] == bar(10, 40, len(tiny.split()[2])) and "\x1b[" not in out
+    assert all(len(ln) <= 60 for ln in lines)

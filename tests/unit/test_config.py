@@ -276,8 +276,8 @@ def test_tracing_errors(tmp_path: Path) -> None:
         "F:4: tracing.sampling_ratio: must be at most 1; got 1.5",
         "F:5: tracing.headers.bad header: 'bad header' is not a valid name: expected a header name",
         "F:6: tracing.endpont: unknown key 'endpont'; did you mean 'endpoint'? (valid keys: "
-        "enabled, endpoint, headers, protocol, resource_attributes, sampling_ratio, "
-        "service_name)",
+        "enabled, endpoint, headers, keep_spans, protocol, resource_attributes, "
+        "sampling_ratio, service_name)",
     ]
     assert server_errors(tmp_path, text) == expected
     assert agent_errors(tmp_path, text) == expected

@@ -160,7 +160,7 @@ def server_config(tmp_path: Path, tracing: bool) -> ServerConfig:
     (tmp_path / "server.yaml").write_text(
         f"state_dir: {tmp_path / 'state'}\nslurm: {{partition: llm, job_prefix: t.}}\n"
         "reconcile: {eviction_grace: 5s, min_lifetime: 5s}\n"
-        f"tracing: {{enabled: {'true' if tracing else 'false'}}}\n"
+        f"tracing: {{enabled: {'true' if tracing else 'false, keep_spans: 0'}}}\n"
     )
     return load_server_config(tmp_path / "server.yaml")
 
@@ -432,7 +432,7 @@ async def test_a_trace_named_in_a_step_report_links_the_start(
     assert link.attributes is not None and link.attributes["llmgw.link"] == what
 
 
-async def test_tracing_off_no_spans_and_no_trace_context_in_the_job(tmp_path: Path) -> None:
+async def test_tracing_off_and_no_store_no_spans_and_no_trace_context_in_the_job(tmp_path: Path) -> None:
     w = make_world(tmp_path, tracing=False)
     rid, jid = await start_alpha(w)
     w.slurm.run(jid)
