@@ -356,6 +356,21 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class LoginConfig:
+    """``login:``: self-service keys with ``llmgw login`` (munge), see docs/operations.md."""
+
+    # Default false: only the admin hands out keys. true: any user of the
+    # cluster gets a key for themselves with `llmgw login` (needs router.keys_file).
+    enabled: bool = False
+    # Default None: munge's own default socket. munged's socket on the daemon's host.
+    munge_socket: Path | None = None
+    # Default 16: active keys one user may hold; a login past it is refused.
+    max_keys_per_user: int = field(default=16, metadata=rule(ge=1))
+    # Default 10: login attempts per client address per minute; more get 429.
+    attempts_per_minute: int = field(default=10, metadata=rule(ge=1))
+
+
+@dataclass(frozen=True)
 class TlsConfig:
     """TLS on the gateway port (``tls: {cert, key}``)."""
 
@@ -418,6 +433,8 @@ class ServerConfig:
         default=None,
         metadata=rule(pattern=r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}", pattern_help="a group name"),
     )
+    # Default: off, see LoginConfig.
+    login: LoginConfig = field(default_factory=LoginConfig)
 
     def effective_runtime_dir(self, environ: Mapping[str, str] | None = None) -> Path:
         """``runtime_dir``, else ``$RUNTIME_DIRECTORY`` (systemd), else ``state_dir/run``."""
@@ -432,6 +449,16 @@ class ServerConfig:
         if self.admin_socket is not None:
             return Path(self.admin_socket)
         return self.effective_runtime_dir(environ) / "admin.sock"
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.login.enabled and self.router.keys_file is None:
+            return [
+                (
+                    "login.enabled",
+                    "login needs API keys: set router.keys_file (the file the keys go to)",
+                )
+            ]
+        return []
 
 
 # ----------------------------------------------------------------------- agent

@@ -34,6 +34,7 @@ from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.router import create_app
 from llmgw_slurm.router.keys import KeyRing
+from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import REPORT_SCHEME, AdminToken, load_or_create_server_key
@@ -200,6 +201,10 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec)
     api.add_cli_routes(gateway, rec)
+    if keys is not None and server.login.enabled:
+        add_login_routes(
+            gateway, login_settings(server), keys.lookup, sacctmgr_associations(server)
+        )
     token = AdminToken(state / "admin.token")
     token.ensure()
     d = Daemon(

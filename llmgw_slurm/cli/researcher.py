@@ -546,3 +546,7 @@ def usage(ctx: click.Context, since: str, as_json: bool) -> None:
             ],
         )
     )
+
+
+# login, logout, keys: in their own module, which adds them to `main` when imported.
+from llmgw_slurm.cli import login as _login  # noqa: E402,F401

@@ -41,7 +41,7 @@ from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.relay import _Call, _Pipe, _SseRelay
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
-__all__ = ["GATEWAY_KEY", "Gateway", "create_app"]
+__all__ = ["GATEWAY_KEY", "Gateway", "create_app", "request_key"]
 
 _tracer = trace.get_tracer("llmgw_slurm")
 
@@ -205,6 +205,7 @@ class Gateway:
                 "authentication_error",
                 "invalid_api_key",
             )
+        request[_REQUEST_KEY] = rec
         return rec, None
 
     def _too_large(self) -> web.Response:
@@ -800,6 +801,13 @@ async def _openai_errors(
 
 
 GATEWAY_KEY = web.AppKey("llmgw.gateway", Gateway)
+_REQUEST_KEY = web.RequestKey("llmgw.key", KeyRecord)
+
+
+def request_key(request: web.Request) -> KeyRecord | None:
+    """The key a request was let in with: ``.user`` (the Unix user) and ``.project``
+    (the Slurm account); None without keys, or before the gateway checked it."""
+    return request.get(_REQUEST_KEY)
 
 
 def _upstream_headers(request: web.Request, ep: Endpoint) -> dict[str, str]:
