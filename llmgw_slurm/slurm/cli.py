@@ -257,7 +257,7 @@ class CliBackend:
     async def associations(self, user: str) -> Associations:
         """The Slurm accounts ``user`` has an association with in slurmdbd, and the default.
 
-        Two sacctmgr calls (tens of milliseconds each); callers cache.
+        Two sacctmgr calls (tens of milliseconds each): once per `llmgw login`.
         """
         accounts = await self._run(
             [
@@ -266,7 +266,8 @@ class CliBackend:
                 "--parsable2",
                 "show",
                 "associations",
-                f"where users={user}",
+                "where",
+                f"users={user}",
                 "format=account",
             ]
         )
