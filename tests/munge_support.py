@@ -32,7 +32,9 @@ __all__ = ["encode", "munged"]
 def _need_munge() -> None:
     missing = [b for b in ("munged", "munge", "unmunge") if shutil.which(b) is None]
     if missing:
-        pytest.fail(f"these tests need munge installed ({', '.join(missing)} not found): apt install munge")
+        pytest.fail(
+            f"these tests need munge installed ({', '.join(missing)} not found): apt install munge"
+        )
     if os.geteuid() != 0:
         pytest.fail("these tests start their own munged, which needs root here")
 
