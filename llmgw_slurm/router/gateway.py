@@ -33,6 +33,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from llmgw_slurm.access import AccessGuard
 from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
@@ -152,6 +153,7 @@ class Gateway:
         self.keys = keys
         self.usage = usage
         self.metrics = GatewayMetrics(directory, registry)
+        self.access = AccessGuard(registry)
         self.in_flight: dict[tuple[str, str], int] = {}
         self.held: dict[str, int] = {}
         self.held_total = 0
@@ -216,9 +218,16 @@ class Gateway:
             "request_too_large",
         )
 
-    def _known_names(self) -> str:
+    def _may_use(self, model: str, key: KeyRecord | None) -> bool:
+        """The catalog's access rules for ``model`` (a directory may have none)."""
+        rules = getattr(self.directory, "access", None)
+        return rules is None or self.access.allows(rules(model), key)
+
+    def _known_names(self, key: KeyRecord | None) -> str:
         parts = []
         for m in self.directory.models():
+            if not self._may_use(m.name, key):
+                continue
             parts.append(m.name + (f" (aliases: {', '.join(m.aliases)})" if m.aliases else ""))
         return "; ".join(parts) or "none"
 
@@ -386,11 +395,13 @@ class Gateway:
     # handlers
 
     async def models(self, request: web.Request) -> web.Response:
-        _, denied = self._authenticate(request)
+        key, denied = self._authenticate(request)
         if denied is not None:
             return denied
         data: list[dict[str, Any]] = []
         for m in self.directory.models():
+            if not self._may_use(m.name, key):
+                continue
             base = {"object": "model", "created": 0, "owned_by": "llmgw", "ready": m.ready}
             data.append({"id": m.name, **base, "aliases": list(m.aliases)})
             data.extend({"id": a, **base, "alias_for": m.name} for a in m.aliases)
@@ -456,10 +467,14 @@ class Gateway:
             return obj
         name = obj["model"]
         model = self.directory.resolve(name)
+        if model is not None and not self._may_use(model, key):
+            # Answered as an unknown model: nobody learns what exists.
+            self.access.refused(model, key)
+            model = None
         if model is None:
             return _error(
                 404,
-                f"The model '{name}' does not exist. Known models: {self._known_names()}.",
+                f"The model '{name}' does not exist. Known models: {self._known_names(key)}.",
                 "invalid_request_error",
                 "model_not_found",
             )
