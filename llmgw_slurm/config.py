@@ -371,6 +371,28 @@ class LoginConfig:
 
 
 @dataclass(frozen=True)
+class QuotaConfig:
+    """``quotas:``: limits per key, and token budgets per user and per Slurm account.
+
+    Every limit defaults to None (no limit). Budgets count total tokens (prompt
+    and completion) in the calendar day and month (UTC), from the usage store,
+    so they survive a restart; per-minute limits start afresh. Per-account
+    budgets set with ``llmgw-admin quota`` override the account ones here.
+    """
+
+    requests_per_minute: int | None = field(default=None, metadata=rule(ge=1))
+    tokens_per_minute: int | None = field(default=None, metadata=rule(ge=1))
+    user_tokens_per_day: int | None = field(default=None, metadata=rule(ge=1))
+    user_tokens_per_month: int | None = field(default=None, metadata=rule(ge=1))
+    account_tokens_per_day: int | None = field(default=None, metadata=rule(ge=1))
+    account_tokens_per_month: int | None = field(default=None, metadata=rule(ge=1))
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in dataclasses.astuple(self))
+
+
+@dataclass(frozen=True)
 class TlsConfig:
     """TLS on the gateway port (``tls: {cert, key}``)."""
 
@@ -435,6 +457,8 @@ class ServerConfig:
     )
     # Default: off, see LoginConfig.
     login: LoginConfig = field(default_factory=LoginConfig)
+    # Default: no limits, see QuotaConfig.
+    quotas: QuotaConfig = field(default_factory=QuotaConfig)
 
     def effective_runtime_dir(self, environ: Mapping[str, str] | None = None) -> Path:
         """``runtime_dir``, else ``$RUNTIME_DIRECTORY`` (systemd), else ``state_dir/run``."""
@@ -451,14 +475,23 @@ class ServerConfig:
         return self.effective_runtime_dir(environ) / "admin.sock"
 
     def _problems(self) -> list[tuple[str, str]]:
+        out = []
         if self.login.enabled and self.router.keys_file is None:
-            return [
+            out.append(
                 (
                     "login.enabled",
                     "login needs API keys: set router.keys_file (the file the keys go to)",
                 )
-            ]
-        return []
+            )
+        if self.quotas.any and self.router.keys_file is None:
+            out.append(
+                (
+                    "quotas",
+                    "quotas are per key, user and account, which only keys tell apart: "
+                    "set router.keys_file",
+                )
+            )
+        return out
 
 
 # ----------------------------------------------------------------------- agent

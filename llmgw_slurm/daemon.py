@@ -35,6 +35,7 @@ from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.router import create_app
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
+from llmgw_slurm.router.quota import quota_book
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import REPORT_SCHEME, AdminToken, load_or_create_server_key
@@ -197,7 +198,8 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     )
     keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
     usage = UsageStore(state / "usage.sqlite3")
-    gateway = create_app(rec, server.router, keys=keys, usage=usage)
+    quota = quota_book(server, usage.path) if keys is not None else None
+    gateway = create_app(rec, server.router, keys=keys, usage=usage, quota=quota)
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec)
     api.add_cli_routes(gateway, rec)

@@ -1111,3 +1111,9 @@ def install_engine(
         time=time_limit,
     )
     _submit_service_job(server, spec, wait, poll)
+
+
+# quota: in its own module.
+from llmgw_slurm.cli.admin_quota import quota_group  # noqa: E402
+
+main.add_command(quota_group(_server_option, _load_server))

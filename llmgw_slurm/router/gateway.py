@@ -39,6 +39,7 @@ from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
 from llmgw_slurm.router.keys import KeyRecord, KeyRing
 from llmgw_slurm.router.metrics import GatewayMetrics
+from llmgw_slurm.router.quota import QuotaBook, add_quota_headers
 from llmgw_slurm.router.relay import _Call, _Pipe, _SseRelay
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
@@ -147,8 +148,10 @@ class Gateway:
         keys: KeyRing | None,
         usage: UsageStore | None,
         registry: CollectorRegistry,
+        quota: QuotaBook | None = None,
     ) -> None:
         self.directory = directory
+        self.quota = quota
         self.config = config
         self.keys = keys
         self.usage = usage
@@ -376,6 +379,8 @@ class Gateway:
         total = _int(usage.get("total_tokens")) or prompt + completion
         self.metrics.tokens.labels(model, "prompt").inc(prompt)
         self.metrics.tokens.labels(model, "completion").inc(completion)
+        if self.quota is not None and key is not None:
+            self.quota.spent(key, total)
         if self.usage is None:
             return
         self.usage.record(
@@ -480,6 +485,10 @@ class Gateway:
             )
         call.model = model
         trace.get_current_span().set_attribute("llmgw.model", model)
+        if self.quota is not None and key is not None:
+            over = self.quota.admit(key)
+            if over is not None:
+                return over
         prepared = _upstream_body(raw, obj, model, endpoint)
         if isinstance(prepared, web.Response):
             return prepared
@@ -846,6 +855,7 @@ def create_app(
     keys: KeyRing | None = None,
     usage: UsageStore | None = None,
     registry: CollectorRegistry | None = None,
+    quota: QuotaBook | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp app.
 
@@ -853,6 +863,7 @@ def create_app(
     it); otherwise every ``/v1`` request needs a key from the ring. ``usage``:
     where per-key token usage goes (started and closed with the app).
     ``registry``: the Prometheus registry for ``/metrics``; a new one when None.
+    ``quota``: limits and budgets per key, user and account (with ``keys``).
     The daemon may add its own routes to the returned app before starting it;
     ``app[GATEWAY_KEY]`` is the :class:`Gateway` state.
     """
@@ -863,6 +874,7 @@ def create_app(
         keys=keys,
         usage=usage,
         registry=registry if registry is not None else CollectorRegistry(),
+        quota=quota,
     )
     # aiohttp's own limit refuses larger bodies while reading; the
     # Content-Length check in the handler refuses most before reading.
@@ -877,6 +889,8 @@ def create_app(
     app.router.add_post("/v1/completions", gw.proxy("completions"))
     app.router.add_post("/v1/embeddings", gw.proxy("embeddings"))
     app.router.add_get("/metrics", gw.metrics_handler)
+    if quota is not None:
+        add_quota_headers(app, quota)
     return app
 
 

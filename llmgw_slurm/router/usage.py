@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["UsageRecord", "UsageStore", "UsageSummary", "query_usage"]
+__all__ = ["UsageRecord", "UsageStore", "UsageSummary", "query_usage", "token_totals"]
 
 _log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ CREATE TABLE IF NOT EXISTS usage (
     total_tokens INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key_id, ts);
+-- Budgets start from the day's and month's totals over every key (router/quota.py).
+CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
 """
 
 
@@ -105,6 +107,16 @@ def query_usage(
     with contextlib.closing(_connect(path)) as conn:
         rows = conn.execute(sql, args).fetchall()
     return [UsageSummary(*row) for row in rows]
+
+
+def token_totals(path: Path, since: float) -> dict[tuple[str, str], int]:
+    """Total tokens since ``since`` (epoch s) by (user, project): what budgets start from."""
+    if not path.exists():
+        return {}
+    sql = "SELECT user, project, SUM(total_tokens) FROM usage WHERE ts >= ? GROUP BY user, project"
+    with contextlib.closing(_connect(path)) as conn:
+        rows = conn.execute(sql, (since,)).fetchall()
+    return {(u, p): int(t or 0) for u, p, t in rows}
 
 
 class UsageStore:
