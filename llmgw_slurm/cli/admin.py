@@ -1113,7 +1113,9 @@ def install_engine(
     _submit_service_job(server, spec, wait, poll)
 
 
-# quota: in its own module.
+# quota and usage: in their own modules.
 from llmgw_slurm.cli.admin_quota import quota_group  # noqa: E402
+from llmgw_slurm.cli.admin_usage import usage_command  # noqa: E402
 
 main.add_command(quota_group(_server_option, _load_server))
+main.add_command(usage_command(_server_option, _load_server))

@@ -23,7 +23,15 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["UsageRecord", "UsageStore", "UsageSummary", "query_usage", "token_totals"]
+__all__ = [
+    "USAGE_GROUPS",
+    "UsageRecord",
+    "UsageStore",
+    "UsageSummary",
+    "query_usage",
+    "token_totals",
+    "usage_by",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -117,6 +125,27 @@ def token_totals(path: Path, since: float) -> dict[tuple[str, str], int]:
     with contextlib.closing(_connect(path)) as conn:
         rows = conn.execute(sql, (since,)).fetchall()
     return {(u, p): int(t or 0) for u, p, t in rows}
+
+
+# What usage_by may group by: its name and the column.
+USAGE_GROUPS = {"user": "user", "account": "project", "key": "key_id", "model": "model"}
+
+
+def usage_by(path: Path, by: str, since: float | None = None) -> list[dict[str, object]]:
+    """Requests and tokens grouped by user, account (the key's project), key or model."""
+    column = USAGE_GROUPS[by]
+    if not path.exists():
+        return []
+    # column is one of USAGE_GROUPS' fixed names, never the caller's text.
+    sql = (
+        f"SELECT {column}, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens),"  # noqa: S608
+        " SUM(total_tokens) FROM usage WHERE ts >= ?"
+        f" GROUP BY {column} ORDER BY SUM(total_tokens) DESC, {column}"
+    )
+    with contextlib.closing(_connect(path)) as conn:
+        rows = conn.execute(sql, (since or 0.0,)).fetchall()
+    names = ("requests", "prompt_tokens", "completion_tokens", "total_tokens")
+    return [{by: row[0], **dict(zip(names, row[1:], strict=True))} for row in rows]
 
 
 class UsageStore:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import calendar
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -262,3 +263,42 @@ def test_admin_quota_set_list_unset(tmp_path: Path) -> None:
     assert code == 2 and "not a Slurm account name" in out
     assert run("quota", "unset", "t18phys")[0] == 0
     assert json.loads(run("quota", "list", "--json")[1])["accounts"] == {}
+
+
+def test_admin_usage_by_user_account_key_and_model(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from llmgw_slurm.cli.admin import main as admin
+
+    server = tmp_path / "server.yaml"
+    server.write_text(f"state_dir: {tmp_path / 'state'}\n")
+    store = UsageStore(tmp_path / "state" / "usage.sqlite3")
+    now = calendar.timegm(time.gmtime())
+    rows = [
+        ("0000000a", "alice", "t18phys", "m1", 10),
+        ("0000000b", "alice", "t18chem", "m2", 5),
+        ("0000000c", "bob", "t18phys", "m1", 1),
+        ("00000000", "old", "t18phys", "m1", 1000),
+    ]
+    for key_id, user, account, model, tokens in rows:
+        ts = now - 100 if user != "old" else now - 90 * 86400
+        store._write(
+            [UsageRecord(ts, key_id, user, account, model, "completions", tokens, 1, tokens + 1)]
+        )
+
+    def usage(by: str) -> list[dict[str, object]]:
+        res = CliRunner().invoke(admin, ["usage", "--by", by, "--json", "--server", str(server)])
+        assert res.exit_code == 0, res.output
+        return [{k: r[k] for k in (by, "requests", "total_tokens")} for r in json.loads(res.output)]
+
+    assert usage("user") == [
+        {"user": "alice", "requests": 2, "total_tokens": 17},
+        {"user": "bob", "requests": 1, "total_tokens": 2},
+    ]
+    assert usage("account") == [
+        {"account": "t18phys", "requests": 2, "total_tokens": 13},
+        {"account": "t18chem", "requests": 1, "total_tokens": 6},
+    ]
+    assert [r["key"] for r in usage("key")] == ["0000000a", "0000000b", "0000000c"]
+    res = CliRunner().invoke(admin, ["usage", "--by", "account", "--server", str(server)])
+    assert res.exit_code == 0 and "t18phys" in res.output and "TOTAL TOKENS" in res.output
