@@ -17,14 +17,18 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
+import yaml
 from aiohttp import web
 
 from llmgw_slurm.munge import LOGIN_PAYLOAD
-from llmgw_slurm.router.keys import KeyRing
+from llmgw_slurm.router.keys import KeyRing, add_key
 from llmgw_slurm.router.login import LoginSettings, add_login_routes
 from llmgw_slurm.slurm.cli import CliBackend
 from tests.hostile_user import INTRUDER, HostileUser, world_dir
+from tests.slurm.conftest import eventually
+from tests.slurm.harness import Harness, running, tiny_model
 
 ALICE, BOB = HostileUser("t18alice"), HostileUser("t18bob")
 ACCOUNTS = ("t18phys", "t18chem")
@@ -81,6 +85,13 @@ def associations() -> Iterator[None]:
             sacctmgr("delete", "user", u.name)
         for acct in ACCOUNTS:
             sacctmgr("delete", "account", acct)
+
+
+@pytest.fixture
+def top() -> Iterator[Path]:
+    """A folder the other users may traverse (pytest's tmp_path is root's, 0700)."""
+    with world_dir() as d:
+        yield d
 
 
 @pytest.fixture
@@ -157,3 +168,92 @@ async def test_a_forged_credential_is_refused(gateway: tuple[str, KeyRing]) -> N
     forged = cred[:i] + ("A" if cred[i] != "A" else "B") + cred[i + 1 :]
     status, body, _ = await login(BOB, url, cred=forged)
     assert status == 401 and body["error"]["code"] == "munge_invalid"
+
+
+# ---- the whole story on a real daemon: login, access, quotas, a restart ---------------
+
+GROUP = "t18grp"
+
+
+@pytest.fixture(scope="module")
+def bob_in_group(associations: None) -> Iterator[None]:
+    subprocess.run(["groupadd", "-f", GROUP], check=True)
+    subprocess.run(["usermod", "-a", "-G", GROUP, BOB.name], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["groupdel", GROUP], check=False)
+
+
+def with_login_and_quotas(h: Harness) -> None:
+    server = yaml.safe_load(h.server_yaml.read_text())
+    server["login"] = {"enabled": True, "munge_socket": str(munge_socket())}
+    server["quotas"] = {"requests_per_minute": 50, "user_tokens_per_day": 40}
+    h.server_yaml.write_text(yaml.safe_dump(server, sort_keys=False))
+
+
+async def test_login_access_and_budgets_through_a_daemon_with_the_openai_client(
+    top: Path, prefix: str, bob_in_group: None
+) -> None:
+    keys_file = top / "keys.json"
+    outsider = add_key(keys_file, INTRUDER.name, "t18none").key
+    models = [
+        tiny_model(
+            "phys",
+            scaling={"min": 1, "max": 1},
+            access={"accounts": ["t18phys"], "groups": [GROUP]},
+        ),
+        tiny_model("secret", access={"users": ["t18nobody"]}),
+    ]
+    async with running(
+        top, prefix, models, router={"keys_file": str(keys_file)}, configure=with_login_and_quotas
+    ) as h:
+        status, alice, _ = await login(ALICE, h.url)  # account t18phys
+        assert status == 200, alice
+        status, bob, _ = await login(BOB, h.url)  # account t18chem, group t18grp
+        assert status == 200, bob
+
+        def client(key: str) -> openai.AsyncOpenAI:
+            return openai.AsyncOpenAI(api_key=key, base_url=h.url + "/v1", max_retries=0)
+
+        a, b, o = client(alice["key"]), client(bob["key"]), client(outsider)
+        assert {m.id for m in (await a.models.list()).data} == {"phys"}  # by account
+        assert {m.id for m in (await b.models.list()).data} == {"phys"}  # by group
+        assert {m.id for m in (await o.models.list()).data} == set()
+        for model in ("phys", "secret", "no-such-model"):
+            with pytest.raises(openai.NotFoundError) as e:
+                await o.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "x"}], max_tokens=1
+                )
+            assert e.value.code == "model_not_found"
+
+        async def ready() -> bool:
+            return bool(h.rec.endpoints("phys"))
+
+        await eventually(ready, "phys to serve", timeout=120)
+        raw = await a.chat.completions.with_raw_response.create(
+            model="phys",
+            messages=[{"role": "user", "content": " ".join(["w"] * 30)}],
+            max_tokens=16,
+        )
+        assert raw.headers["x-ratelimit-limit-requests"] == "50"
+        assert raw.headers["x-ratelimit-limit-tokens"] == "40"
+        with pytest.raises(openai.RateLimitError) as e:  # 30 + 16 tokens > 40
+            await a.chat.completions.create(
+                model="phys", messages=[{"role": "user", "content": "x"}], max_tokens=1
+            )
+        assert e.value.code == "insufficient_quota"
+        assert int(e.value.response.headers["retry-after"]) > 0
+        assert e.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
+        # Bob's budget is his own.
+        await b.chat.completions.create(
+            model="phys", messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
+        await h.stop()
+        await h.start()  # the budget comes back from the usage store
+        with pytest.raises(openai.RateLimitError):
+            await a.chat.completions.create(
+                model="phys", messages=[{"role": "user", "content": "x"}], max_tokens=1
+            )
+        for c in (a, b, o):
+            await c.close()
