@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -155,11 +155,11 @@ def _next_month(now: float) -> float:
     return float(calendar.timegm((year, month, 1, 0, 0, 0)))
 
 
-@dataclass(frozen=True)
-class _Limit:
-    """One limit as the headers and a refusal tell it."""
+class _Limit(NamedTuple):
+    """One limit as the headers and a refusal tell it (a tuple: made per request)."""
 
-    what: str  # e.g. "tokens per day of account climate"
+    # (what, per, whose): ("tokens", "day", "account climate"); words only for a refusal.
+    what: tuple[str, str, str]
     limit: int
     used: int
     reset: float  # seconds
@@ -170,18 +170,35 @@ class _Limit:
 
 
 class _Period:
-    """Token counts per name within one calendar period; a new period starts at 0."""
+    """Token counts per name within one calendar period (a UTC day or month).
 
-    def __init__(self, start_of: Callable[[float], float]) -> None:
-        self.start_of = start_of
-        self.start = 0.0
+    The period's bounds are worked out only when the clock leaves them (the
+    calendar arithmetic costs more than the rest of a request's check).
+    """
+
+    def __init__(self, span: str) -> None:
+        self.span = span
+        self.start = self.end = 0.0
         self.used: dict[str, int] = {}
 
     def at(self, now: float) -> dict[str, int]:
-        start = self.start_of(now)
-        if start != self.start:
-            self.start, self.used = start, {}
+        if not self.start <= now < self.end:
+            if self.span == "day":
+                start, end = _day_start(now), _day_start(now) + 86400.0
+            else:
+                start, end = _month_start(now), _next_month(now)
+            if start != self.start:
+                self.used = {}
+            self.start, self.end = start, end
         return self.used
+
+
+# (whose, span, the QuotaConfig field): the budgets, in the order refusals name them.
+_BUDGETS = tuple(
+    (kind, span, f"{kind}_tokens_per_{span}")
+    for kind in ("user", "account")
+    for span in ("day", "month")
+)
 
 
 class QuotaBook:
@@ -197,17 +214,19 @@ class QuotaBook:
         self.budgets = budgets
         self._clock = clock
         self._minute: dict[str, tuple[int, int, int]] = {}  # key id -> (minute, requests, tokens)
-        self._periods = {
-            (kind, span): _Period(_day_start if span == "day" else _month_start)
-            for kind in ("user", "account")
-            for span in ("day", "month")
-        }
+        self._periods = {(kind, span): _Period(span) for kind, span, _ in _BUDGETS}
+        self._server_budgets = [
+            (kind, span, self._periods[(kind, span)], getattr(config, name))
+            for kind, span, name in _BUDGETS
+        ]
 
     def load(self, usage_db: Path) -> None:
         """Start the day and month budgets from the usage store (after a restart)."""
         now = self._clock()
-        for span, start_of in (("day", _day_start), ("month", _month_start)):
-            totals = token_totals(usage_db, start_of(now))
+        for span in ("day", "month"):
+            self._periods[("user", span)].at(now)
+            since = self._periods[("user", span)].start
+            totals = token_totals(usage_db, since)
             for kind, pick in (("user", 0), ("account", 1)):
                 used = self._periods[(kind, span)].at(now)
                 for names, tokens in totals.items():
@@ -237,27 +256,27 @@ class QuotaBook:
         to_minute = 60.0 - (now % 60)
         req = None
         if cfg.requests_per_minute is not None:
-            req = _Limit("requests per minute", cfg.requests_per_minute, reqs, to_minute)
+            req = _Limit(("requests", "minute", ""), cfg.requests_per_minute, reqs, to_minute)
         tokens = []
         if cfg.tokens_per_minute is not None:
-            tokens.append(_Limit("tokens per minute", cfg.tokens_per_minute, toks, to_minute))
+            tokens.append(_Limit(("tokens", "minute", ""), cfg.tokens_per_minute, toks, to_minute))
         own = self.budgets.budgets.get(key.project) if self.budgets and key.project else None
-        resets = {"day": _day_start(now) + 86400 - now, "month": _next_month(now) - now}
-        for (kind, span), period in self._periods.items():
+        for kind, span, period, server_limit in self._server_budgets:
             name = key.user if kind == "user" else key.project
-            limit: int | None = getattr(cfg, f"{kind}_tokens_per_{span}")
+            limit: int | None = server_limit
             if kind == "account" and own is not None:
-                limit = getattr(own, f"tokens_per_{span}")
+                limit = own.tokens_per_day if span == "day" else own.tokens_per_month
             if limit is None or not name:
                 continue
             used = period.at(now).get(name, 0)
-            tokens.append(_Limit(f"tokens per {span} of {kind} {name}", limit, used, resets[span]))
+            tokens.append(
+                _Limit(("tokens", span, kind + " " + name), limit, used, period.end - now)
+            )
         return req, tokens
 
     def headers(self, key: KeyRecord) -> dict[str, str]:
-        """OpenAI's x-ratelimit-* headers for ``key`` as things stand."""
-        if self.budgets is not None:
-            self.budgets.refresh()
+        """OpenAI's x-ratelimit-* headers for ``key`` as things stand (the budgets
+        file as :meth:`admit` last read it: one stat a request is enough)."""
         req, tokens = self._limits(key, self._clock())
         return _headers(req, tokens)
 
@@ -267,8 +286,8 @@ class QuotaBook:
             self.budgets.refresh()
         now = self._clock()
         req, tokens = self._limits(key, now)
-        over = [t for t in tokens if t.remaining <= 0]
-        if req is not None and req.remaining <= 0:
+        over = [t for t in tokens if t.limit <= t.used]
+        if req is not None and req.limit <= req.used:
             over.insert(0, req)
         if over:
             return _refusal(key, max(over, key=lambda t: t.reset), _headers(req, tokens))
@@ -297,15 +316,17 @@ def _headers(req: _Limit | None, tokens: list[_Limit]) -> dict[str, str]:
 
 
 def _refusal(key: KeyRecord, over: _Limit, headers: Mapping[str, str]) -> web.Response:
-    budget = "per day" in over.what or "per month" in over.what
+    what, per, whose = over.what
+    budget = per != "minute"
+    words = f"{what} per {per}" + (f" of {whose}" if whose else "")
     message = (
-        f"Rate limit reached for key {key.key_id} on {over.what}: limit {over.limit}, "
+        f"Rate limit reached for key {key.key_id} on {words}: limit {over.limit}, "
         f"used {over.used}. Try again in {format_reset(over.reset)}."
     )
     body: dict[str, Any] = {
         "error": {
             "message": message,
-            "type": "insufficient_quota" if budget else over.what.split()[0],
+            "type": "insufficient_quota" if budget else what,
             "param": None,
             "code": "insufficient_quota" if budget else "rate_limit_exceeded",
         }
