@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import pwd
 import stat
 import time
@@ -157,6 +158,14 @@ def call(
     return asyncio.run(go())
 
 
+def call_text(rd: RunningDaemon, path: str) -> tuple[int, str, dict[str, str]]:
+    async def go() -> tuple[int, str, dict[str, str]]:
+        async with aiohttp.ClientSession() as s, s.get(rd.url + path) as r:
+            return r.status, await r.text(), dict(r.headers)
+
+    return asyncio.run(go())
+
+
 def login(rd: RunningDaemon, sock: Path, uid: int, account: str | None = None) -> tuple[int, Any]:
     body = {"credential": encode(sock, munge.LOGIN_PAYLOAD, uid=uid)}
     if account is not None:
@@ -179,8 +188,9 @@ def fresh(rd: RunningDaemon) -> Iterator[None]:
 
 
 def test_login_gives_a_key_for_the_proven_user_and_default_account(
-    rd: RunningDaemon, sock: Path
+    rd: RunningDaemon, sock: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO)
     status, data = login(rd, sock, INTRUDER.uid)
     assert status == 200, data
     assert (data["user"], data["account"]) == (INTRUDER.name, "t18phys")
@@ -190,6 +200,12 @@ def test_login_gives_a_key_for_the_proven_user_and_default_account(
     keys_file = rd.d.gateway[LOGIN_KEY].settings.keys_file
     assert data["key"] not in keys_file.read_text()
     assert stat.S_IMODE(keys_file.stat().st_mode) == 0o600
+    # The log names the key by its id, never the key; the metrics do not name it.
+    assert f"got key {data['key_id']}" in caplog.text
+    secret = data["key"].rsplit("-", 1)[1]
+    assert secret not in caplog.text
+    status, metrics, _ = call_text(rd, "/metrics")
+    assert status == 200 and secret not in metrics and data["key_id"] not in metrics
 
 
 def test_login_with_an_associated_account(rd: RunningDaemon, sock: Path) -> None:
