@@ -165,6 +165,22 @@ def key_required(app: web.Application, request: web.Request) -> web.Response | N
     )
 
 
+def _usage_scope(rec_key: KeyRecord | None, by: str) -> dict[str, str] | web.Response:
+    """Whose usage ``/api/v1/usage?by=`` asks for: the key's own, its user's (all their
+    keys) or its account's (every key charged to it); nobody's in particular without keys."""
+    if rec_key is None:
+        return {}
+    if by == "key":
+        return {"key_id": rec_key.key_id}
+    if by == "user":
+        return {"user": rec_key.user}
+    if by == "account" and rec_key.project:
+        return {"project": rec_key.project}
+    if by == "account":
+        return _error(400, "your key is charged to no account", "bad_request")
+    return _error(400, f"by must be key, user or account, not {by!r}", "bad_request")
+
+
 def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
     """The status page and ``/api/v1/usage`` on the gateway app (made by ``create_app``)."""
 
@@ -187,12 +203,15 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
                 since = float(request.query["since"])
             except ValueError:
                 return _error(400, "since must be a Unix time in seconds", "bad_request")
+        by = request.query.get("by", "key")
+        scope = _usage_scope(rec_key, by)
+        if isinstance(scope, web.Response):
+            return scope
         rows = []
         if gw.usage is not None:
             # The store commits about once a second; the caller's last request counts.
             await gw.usage.flush()
-            key_id = rec_key.key_id if rec_key is not None else None
-            rows = query_usage(gw.usage.path, key_id=key_id, since=since)
+            rows = query_usage(gw.usage.path, since=since, **scope)
         if rec_key is None:
             # Without keys nobody's use is told apart: the gateway's totals, by
             # model (anyone who reaches the port may use it, and see this).
@@ -205,6 +224,7 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
                 "key_id": rec_key.key_id,
                 "user": rec_key.user,
                 "project": rec_key.project,
+                "by": by,
                 "since": since,
                 "models": _by_model(rows),
             }

@@ -479,12 +479,20 @@ def _api_message(exc: Any) -> str:
 
 @main.command()
 @click.option("--since", default="30d", show_default=True, help="30m, 12h, 7d, 2w ago, or a date.")
+@click.option(
+    "--by",
+    type=click.Choice(["key", "user", "account"]),
+    default="key",
+    show_default=True,
+    help="This key's usage, all your keys', or your key's Slurm account's.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
-def usage(ctx: click.Context, since: str, as_json: bool) -> None:
+def usage(ctx: click.Context, since: str, by: str, as_json: bool) -> None:
     """Your own token usage (counted per API key), by model.
 
-    On a gateway without API keys: the gateway's totals, by model.
+    --by user: all your keys; --by account: every key charged to your key's
+    Slurm account. On a gateway without API keys: the gateway's totals, by model.
     """
     s = _get(ctx)
     t0 = parse_when(since, time.time())
@@ -496,7 +504,7 @@ def usage(ctx: click.Context, since: str, as_json: bool) -> None:
             s.url,
             "/api/v1/usage",
             token=s.key,
-            params={"since": f"{t0:.0f}"},
+            params={"since": f"{t0:.0f}", "by": by},
             ssl=s.ssl_context(),
         )
     )
@@ -511,6 +519,10 @@ def usage(ctx: click.Context, since: str, as_json: bool) -> None:
         # Keys are off: usage is nobody's in particular, so the daemon gives
         # the gateway's totals.
         who = "the whole gateway (it has no API keys)"
+    elif by == "user":
+        who = f"user {data.get('user')} (all keys)"
+    elif by == "account":
+        who = f"account {data.get('project')} (every key charged to it)"
     else:
         who = f"key {data.get('key_id')} ({data.get('user')}"
         who += f", project {data['project']})" if data.get("project") else ")"

@@ -95,9 +95,15 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 def query_usage(
-    path: Path, *, key_id: str | None = None, since: float | None = None
+    path: Path,
+    *,
+    key_id: str | None = None,
+    since: float | None = None,
+    user: str | None = None,
+    project: str | None = None,
 ) -> list[UsageSummary]:
-    """Usage summed by key and model, optionally for one key and since a time (epoch s)."""
+    """Usage summed by key and model, optionally for one key, user or project (account),
+    and since a time (epoch s)."""
     if not path.exists():
         return []
     sql = (
@@ -105,9 +111,10 @@ def query_usage(
         " SUM(completion_tokens), SUM(total_tokens) FROM usage WHERE 1=1"
     )
     args: list[object] = []
-    if key_id is not None:
-        sql += " AND key_id = ?"
-        args.append(key_id)
+    for column, value in (("key_id", key_id), ("user", user), ("project", project)):
+        if value is not None:
+            sql += f" AND {column} = ?"
+            args.append(value)
     if since is not None:
         sql += " AND ts >= ?"
         args.append(since)

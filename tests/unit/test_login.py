@@ -343,3 +343,32 @@ def test_cli_sends_no_credential_to_a_server_that_is_not_proven(
 def test_cli_revoke_needs_a_key_id(xdg: Path) -> None:
     code, out = llmgw("--key", "llmgw-00000000-" + "x" * 43, "keys", "revoke", "nope")
     assert code == 2 and "8 hex digits" in out
+
+
+def test_usage_by_key_user_and_account(rd: RunningDaemon, xdg: Path) -> None:
+    from llmgw_slurm.router.gateway import GATEWAY_KEY
+    from llmgw_slurm.router.keys import add_key
+    from llmgw_slurm.router.usage import UsageRecord
+
+    keys_file = rd.d.gateway[LOGIN_KEY].settings.keys_file
+    a1 = add_key(keys_file, "t18ann", "t18acct")
+    a2 = add_key(keys_file, "t18ann", "t18other")
+    b = add_key(keys_file, "t18ben", "t18acct")
+    store = rd.d.gateway[GATEWAY_KEY].usage
+    assert store is not None
+    now = time.time()
+    for k, tokens in ((a1, 10), (a2, 20), (b, 40)):
+        rec = k.record
+        row = UsageRecord(
+            now, rec.key_id, rec.user, rec.project, "tiny", "completions", tokens, 0, tokens
+        )
+        rd.call(lambda row=row: store.record(row))
+
+    def total(by: str) -> int:
+        code, out = llmgw("--url", rd.url, "--key", a1.key, "usage", "--by", by, "--json")
+        assert code == 0, out
+        return sum(m["total_tokens"] for m in json.loads(out)["models"])
+
+    assert (total("key"), total("user"), total("account")) == (10, 30, 50)
+    code, out = llmgw("--url", rd.url, "--key", a1.key, "usage", "--by", "account")
+    assert code == 0 and "account t18acct (every key charged to it)" in out
