@@ -58,8 +58,13 @@ __all__ = [
 ADMIN_PREFIX = "/internal/v1/admin"
 
 
-def status_json(rec: Reconciler) -> dict[str, Any]:
-    """``Reconciler.status()`` plus what the CLIs and the page show beside it."""
+def status_json(rec: Reconciler, visible: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """``Reconciler.status()`` plus what the CLIs and the page show beside it.
+
+    ``visible``: which models the caller may know of (the catalog's access
+    rules); the others, and the decisions about them, are left out. Their
+    GPUs still count on the nodes: a GPU taken is taken.
+    """
     out = rec.status()
     out["version"] = __version__
     out["now"] = time.time()
@@ -84,7 +89,20 @@ def status_json(rec: Reconciler) -> dict[str, Any]:
         }
         for n in rec.nodes
     ]
+    if visible is not None:
+        out["models"] = [m for m in out["models"] if visible(m["name"])]
+        out["decisions"] = [
+            d for d in out["decisions"] if not d.get("model") or visible(d["model"])
+        ]
     return out
+
+
+def caller_may_see(app: web.Application, request: web.Request) -> Callable[[str], bool]:
+    """The models the request's key (or no key) may use, for the status routes."""
+    gw = app[GATEWAY_KEY]
+    token = _bearer(request)
+    key = gw.keys.lookup(token) if gw.keys is not None and token else None
+    return lambda model: gw.may_use(model, key)
 
 
 def _placed_since(models: list[dict[str, Any]], listed_at: float | None) -> dict[str, int]:
@@ -233,7 +251,8 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
     async def page(request: web.Request) -> web.Response:
         endpoint = f"{request.scheme}://{request.host}/v1"
         return web.Response(
-            text=render_page(status_json(rec), endpoint),
+            # A browser sends no key: models with access rules are not shown.
+            text=render_page(status_json(rec, caller_may_see(app, request)), endpoint),
             content_type="text/html",
             headers={
                 # Belt and braces: everything is escaped, and even if something were

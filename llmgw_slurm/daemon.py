@@ -92,8 +92,8 @@ def internal_app(rec: Reconciler) -> web.Application:
 
 
 def add_status_routes(app: web.Application, rec: Reconciler) -> None:
-    async def status(_: web.Request) -> web.Response:
-        return web.json_response(api.status_json(rec))
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(api.status_json(rec, api.caller_may_see(app, request)))
 
     async def want(request: web.Request) -> web.Response:
         # A start can evict other keys' idle replicas on a full cluster: with keys
@@ -103,8 +103,12 @@ def add_status_routes(app: web.Application, rec: Reconciler) -> None:
             return denied
         name = request.match_info["model"]
         canonical = rec.resolve(name)
+        may_see = api.caller_may_see(app, request)
+        if canonical is not None and not may_see(canonical):
+            # As for /v1: a model the key may not use is one that does not exist.
+            canonical = None
         if canonical is None:
-            known = ", ".join(m.name for m in rec.catalog.models)
+            known = ", ".join(m.name for m in rec.catalog.models if may_see(m.name))
             return web.json_response(
                 {"error": {"message": f"unknown model {name!r}; known: {known}", "code": 404}},
                 status=404,

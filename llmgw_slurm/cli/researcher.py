@@ -175,7 +175,17 @@ def _get(ctx: click.Context) -> Settings:
 
 
 async def _status(s: Settings) -> dict[str, Any]:
-    reply = await call_daemon("GET", s.url, "/api/v1/status", ssl=s.ssl_context())
+    # With a key, the models it may use (the catalog's access rules) are listed
+    # too; the key goes only to a server that proved it is the daemon, and
+    # without that proof the listing is everyone's (models open to all).
+    token = None
+    if s.key:
+        try:
+            s.guard("your API key")
+            token = s.key
+        except click.ClickException:
+            token = None
+    reply = await call_daemon("GET", s.url, "/api/v1/status", token=token, ssl=s.ssl_context())
     if not reply.ok or not isinstance(reply.data, dict) or "models" not in reply.data:
         raise click.ClickException(
             f"{s.url} did not answer the status request ({reply.error_message()}); "

@@ -221,15 +221,16 @@ class Gateway:
             "request_too_large",
         )
 
-    def _may_use(self, model: str, key: KeyRecord | None) -> bool:
-        """The catalog's access rules for ``model`` (a directory may have none)."""
+    def may_use(self, model: str, key: KeyRecord | None) -> bool:
+        """Whether ``key`` may use ``model`` by the catalog's access rules (a
+        directory may have none: everyone)."""
         rules = getattr(self.directory, "access", None)
         return rules is None or self.access.allows(rules(model), key)
 
     def _known_names(self, key: KeyRecord | None) -> str:
         parts = []
         for m in self.directory.models():
-            if not self._may_use(m.name, key):
+            if not self.may_use(m.name, key):
                 continue
             parts.append(m.name + (f" (aliases: {', '.join(m.aliases)})" if m.aliases else ""))
         return "; ".join(parts) or "none"
@@ -405,7 +406,7 @@ class Gateway:
             return denied
         data: list[dict[str, Any]] = []
         for m in self.directory.models():
-            if not self._may_use(m.name, key):
+            if not self.may_use(m.name, key):
                 continue
             base = {"object": "model", "created": 0, "owned_by": "llmgw", "ready": m.ready}
             data.append({"id": m.name, **base, "aliases": list(m.aliases)})
@@ -472,7 +473,7 @@ class Gateway:
             return obj
         name = obj["model"]
         model = self.directory.resolve(name)
-        if model is not None and not self._may_use(model, key):
+        if model is not None and not self.may_use(model, key):
             # Answered as an unknown model: nobody learns what exists.
             self.access.refused(model, key)
             model = None

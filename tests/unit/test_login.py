@@ -372,3 +372,41 @@ def test_usage_by_key_user_and_account(rd: RunningDaemon, xdg: Path) -> None:
     assert (total("key"), total("user"), total("account")) == (10, 30, 50)
     code, out = llmgw("--url", rd.url, "--key", a1.key, "usage", "--by", "account")
     assert code == 0 and "account t18acct (every key charged to it)" in out
+
+
+def test_status_up_and_the_page_hide_models_a_key_may_not_use(
+    rd: RunningDaemon, xdg: Path, tmp_path: Path
+) -> None:
+    from _cli_support import MODELS_YAML
+
+    from llmgw_slurm.catalog import load_catalog
+    from llmgw_slurm.router.keys import add_key
+
+    keys_file = rd.d.gateway[LOGIN_KEY].settings.keys_file
+    ann, ben = add_key(keys_file, "t18ann").key, add_key(keys_file, "t18ben").key
+    p = tmp_path / "models.yaml"
+    p.write_text(
+        MODELS_YAML.replace(
+            "  - name: big-model\n", "  - name: big-model\n    access: {users: [t18ann]}\n"
+        )
+    )
+    old = rd.rec.catalog
+    rd.call(lambda: rd.rec.set_catalog(load_catalog(p)))
+    try:
+        names = {}
+        for who, key in (("ann", ann), ("ben", ben), ("nobody", None)):
+            status, data, _ = call(rd, "GET", "/api/v1/status", key=key)
+            assert status == 200
+            names[who] = {m["name"] for m in data["models"]}
+        assert names == {"ann": {"tiny", "big-model"}, "ben": {"tiny"}, "nobody": {"tiny"}}
+        status, data, _ = call(rd, "POST", "/api/v1/models/big-model/up", key=ben)
+        assert status == 404 and "big-model" not in data["error"]["message"].split("known:")[1]
+        assert call(rd, "POST", "/api/v1/models/big-model/up", key=ann)[0] == 200
+        status, page, _ = call_text(rd, "/")
+        assert status == 200 and "big-model" not in page and "tiny" in page
+        code, out = llmgw("--url", rd.url, "--key", ann, "models")
+        assert code == 0 and "big-model" in out
+        code, out = llmgw("--url", rd.url, "--key", ben, "models")
+        assert code == 0 and "big-model" not in out
+    finally:
+        rd.call(lambda: rd.rec.set_catalog(old))
