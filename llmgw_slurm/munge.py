@@ -54,15 +54,12 @@ class MungeError(LlmgwError):
     """munge itself failed: not installed, munged down, no answer."""
 
 
-@dataclass(frozen=True)
 class MungeRefused(LlmgwError):
     """The credential proves nothing: ``reason`` says why (for the 401's code)."""
 
-    reason: str  # "replayed", "expired", "invalid", "wrong_payload"
-    detail: str
-
-    def __str__(self) -> str:
-        return self.detail
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason  # "replayed", "expired", "invalid", "wrong_payload"
 
 
 @dataclass(frozen=True)

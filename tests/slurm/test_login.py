@@ -257,3 +257,42 @@ async def test_login_access_and_budgets_through_a_daemon_with_the_openai_client(
             )
         for c in (a, b, o):
             await c.close()
+
+
+# A user's side of a request with their key: method, path, and the status and body back.
+REQUEST = """
+import json, sys, urllib.request, urllib.error
+url, method, key = sys.argv[1:4]
+req = urllib.request.Request(url, method=method, headers={"Authorization": "Bearer " + key})
+try:
+    with urllib.request.urlopen(req) as r:
+        print(json.dumps({"status": r.status, "body": json.load(r)}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "body": json.load(e)}))
+"""
+
+
+async def request_as(user: HostileUser, url: str, method: str, key: str) -> tuple[int, Any]:
+    r = await asyncio.to_thread(user.python, REQUEST, url, method, key)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    return out["status"], out["body"]
+
+
+async def test_a_user_can_neither_see_nor_revoke_another_users_keys(
+    gateway: tuple[str, KeyRing],
+) -> None:
+    url, keys = gateway
+    _, alice, _ = await login(ALICE, url)
+    _, bob, _ = await login(BOB, url)
+    status, body = await request_as(BOB, f"{url}/api/v1/keys", "GET", bob["key"])
+    assert status == 200 and {k["user"] for k in body["keys"]} == {BOB.name}
+    status, body = await request_as(
+        BOB, f"{url}/api/v1/keys/{alice['key_id']}", "DELETE", bob["key"]
+    )
+    assert status == 404 and body["error"]["code"] == "no_such_key"
+    assert keys.lookup(alice["key"]) is not None
+    status, _ = await request_as(
+        ALICE, f"{url}/api/v1/keys/{alice['key_id']}", "DELETE", alice["key"]
+    )
+    assert status == 200 and keys.lookup(alice["key"]) is None
