@@ -35,7 +35,7 @@ from aiohttp import web
 
 from llmgw_slurm import munge
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.errors import LlmgwError, SlurmError
+from llmgw_slurm.errors import ConfigError, LlmgwError, SlurmError
 from llmgw_slurm.router.keys import KeyRecord, TooManyKeys, add_key, list_keys, revoke_own_key
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import Associations
@@ -216,8 +216,14 @@ class LoginRoutes:
             )
         except TooManyKeys as exc:
             return _error(409, str(exc), "too_many_keys")
+        except ConfigError as exc:
+            _log.error("login: the key file is broken: %s", exc)
+            return _error(503, "the daemon cannot store keys now", "keys_unavailable")
         except LlmgwError as exc:
             return _error(403, str(exc), "invalid_user")
+        except OSError as exc:
+            _log.error("login: cannot write %s: %s", self.settings.keys_file, exc)
+            return _error(503, "the daemon cannot store keys now", "keys_unavailable")
         _log.info(
             "login: user %s (uid %d, account %s) from %s got key %s",
             user,

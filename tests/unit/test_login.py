@@ -410,3 +410,33 @@ def test_status_up_and_the_page_hide_models_a_key_may_not_use(
         assert code == 0 and "big-model" not in out
     finally:
         rd.call(lambda: rd.rec.set_catalog(old))
+
+
+def test_munged_slurmdbd_or_the_key_file_away_is_503_not_a_traceback(
+    rd: RunningDaemon, sock: Path, tmp_path: Path
+) -> None:
+    import dataclasses
+
+    from llmgw_slurm.errors import SlurmUnavailable
+
+    routes = rd.d.gateway[LOGIN_KEY]
+    settings, lookup = routes.settings, routes.associations
+
+    async def down(user: str) -> Associations:
+        raise SlurmUnavailable("no answer within 30s", command=["sacctmgr"])
+
+    try:
+        routes.settings = dataclasses.replace(settings, munge_socket=tmp_path / "none.socket")
+        status, data = login(rd, sock, INTRUDER.uid)
+        assert status == 503 and data["error"]["code"] == "munge_unavailable"
+        routes.settings = settings
+        routes.associations = down
+        status, data = login(rd, sock, INTRUDER.uid)
+        assert status == 503 and data["error"]["code"] == "slurm_unavailable"
+        routes.associations = lookup
+        # A folder where the key file should be: it cannot be written.
+        routes.settings = dataclasses.replace(settings, keys_file=tmp_path)
+        status, data = login(rd, sock, INTRUDER.uid)
+        assert status == 503 and data["error"]["code"] == "keys_unavailable"
+    finally:
+        routes.settings, routes.associations = settings, lookup
