@@ -190,6 +190,11 @@ class Gateway:
 
     # helpers
 
+    def authenticate(self, request: web.Request) -> tuple[KeyRecord | None, web.Response | None]:
+        """The request's key (None without keys), or the 401 to answer with; for
+        other routes on the gateway app. :func:`request_key` gives the key later."""
+        return self._authenticate(request)
+
     def _authenticate(self, request: web.Request) -> tuple[KeyRecord | None, web.Response | None]:
         if self.keys is None:
             return None, None

@@ -206,3 +206,28 @@ async def test_narrower_rules_hold_from_the_next_request(tmp_path: Path) -> None
         gw.directory.rules["phys"] = Access(users=("bob",))  # type: ignore[attr-defined]
         with pytest.raises(openai.NotFoundError):
             await c.completions.create(model="phys", prompt="a", max_tokens=1)
+
+
+async def test_other_routes_learn_the_callers_user_and_account(tmp_path: Path) -> None:
+    from aiohttp import web
+
+    from llmgw_slurm.router import request_key
+
+    keyfile = tmp_path / "keys.json"
+    k = add_key(keyfile, "alice", "t18phys").key
+    app = create_app(StaticDirectory(), keys=KeyRing(keyfile))
+
+    async def mine(request: web.Request) -> web.Response:
+        _, denied = app[GATEWAY_KEY].authenticate(request)
+        if denied is not None:
+            return denied
+        rec = request_key(request)
+        assert rec is not None
+        return web.json_response({"user": rec.user, "account": rec.project})
+
+    app.router.add_get("/v1/mine", mine)
+    async with serve(app) as url, aiohttp.ClientSession() as s:
+        r = await s.get(url + "/v1/mine", headers={"Authorization": f"Bearer {k}"})
+        assert await r.json() == {"user": "alice", "account": "t18phys"}
+        r = await s.get(url + "/v1/mine")
+        assert r.status == 401
