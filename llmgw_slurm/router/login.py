@@ -36,7 +36,14 @@ from aiohttp import web
 from llmgw_slurm import munge
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.errors import ConfigError, LlmgwError, SlurmError
-from llmgw_slurm.router.keys import KeyRecord, TooManyKeys, add_key, list_keys, revoke_own_key
+from llmgw_slurm.router.keys import (
+    KeyRecord,
+    NewKey,
+    TooManyKeys,
+    add_key,
+    list_keys,
+    revoke_own_key,
+)
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import Associations
 
@@ -206,24 +213,9 @@ class LoginRoutes:
         account = await _charge_to(user, wanted, self.associations)
         if isinstance(account, web.Response):
             return account
-        try:
-            new = await asyncio.to_thread(
-                add_key,
-                self.settings.keys_file,
-                user,
-                account,
-                limit=self.settings.max_keys_per_user,
-            )
-        except TooManyKeys as exc:
-            return _error(409, str(exc), "too_many_keys")
-        except ConfigError as exc:
-            _log.error("login: the key file is broken: %s", exc)
-            return _error(503, "the daemon cannot store keys now", "keys_unavailable")
-        except LlmgwError as exc:
-            return _error(403, str(exc), "invalid_user")
-        except OSError as exc:
-            _log.error("login: cannot write %s: %s", self.settings.keys_file, exc)
-            return _error(503, "the daemon cannot store keys now", "keys_unavailable")
+        new = await self._issue(user, account)
+        if isinstance(new, web.Response):
+            return new
         _log.info(
             "login: user %s (uid %d, account %s) from %s got key %s",
             user,
@@ -235,6 +227,26 @@ class LoginRoutes:
         return web.json_response(
             {"key": new.key, "key_id": new.record.key_id, "user": user, "account": account}
         )
+
+    async def _issue(self, user: str, account: str) -> NewKey | web.Response:
+        """A new key for ``user``, or why none could be made."""
+        try:
+            return await asyncio.to_thread(
+                add_key,
+                self.settings.keys_file,
+                user,
+                account,
+                limit=self.settings.max_keys_per_user,
+            )
+        except TooManyKeys as exc:
+            return _error(409, str(exc), "too_many_keys")
+        except ConfigError as exc:
+            _log.error("login: the key file is broken: %s", exc)
+        except LlmgwError as exc:
+            return _error(403, str(exc), "invalid_user")
+        except OSError as exc:
+            _log.error("login: cannot write %s: %s", self.settings.keys_file, exc)
+        return _error(503, "the daemon cannot store keys now", "keys_unavailable")
 
     def _caller(self, request: web.Request) -> KeyRecord | web.Response:
         token = _bearer(request)
