@@ -77,8 +77,14 @@ def munged(folder: Path | None = None) -> Iterator[Path]:
         assert sock.is_socket(), f"munged did not start: {(folder / 'munged.log').read_text()}"
         yield sock
     finally:
-        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
-            os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+        # munged's own stop, by its socket (it waits for the daemon to go); the
+        # pid file only if that fails (it may be read before munged wrote it).
+        stop = subprocess.run(
+            ["munged", "--stop", f"--socket={sock}"], capture_output=True, check=False
+        )
+        if stop.returncode != 0:
+            with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
 
 
 def encode(sock: Path, payload: str | None, *, uid: int | None = None, ttl: int = 60) -> str:
