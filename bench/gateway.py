@@ -177,10 +177,13 @@ def _wait_http(
 # ---- the servers (each its own process) ------------------------------------------------
 
 
-def gateway_spec(engines: dict[str, str], tls: BenchTLS | None) -> str:
+def gateway_spec(
+    engines: dict[str, str], tls: BenchTLS | None, keyed: dict[str, str] | None = None
+) -> str:
     """What ``--serve-gateway`` receives: the engines' URLs and, for TLS engines,
-    the certificate files to pin and to present (paths: the process reads them)."""
-    spec: dict[str, Any] = {"engines": engines, "tls": None}
+    the certificate files to pin and to present (paths: the process reads them);
+    ``keyed``: the key and budgets files of ``gateway-keyed``."""
+    spec: dict[str, Any] = {"engines": engines, "tls": None, "keyed": keyed}
     if tls is not None:
         spec["tls"] = {
             "engine_certs": {n: str(t.identity.cert_file) for n, t in tls.engines.items()},
@@ -251,7 +254,8 @@ def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector:
     for name, endpoint in _endpoints(spec):
         directory.add_endpoint(name, endpoint)
     # The load sends no traceparent: "all" gives every request its span when traced.
-    app = create_app(directory, RouterConfig(trace_requests=policy if collector else "sampled"))
+    config = RouterConfig(trace_requests=policy if collector else "sampled")
+    app = create_app(directory, config, **_keyed(spec, directory))
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -269,6 +273,25 @@ def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector:
     if prof is not None:
         prof.disable()
         prof.dump_stats(profile)
+
+
+def _keyed(spec: dict[str, Any], directory: Any) -> dict[str, Any]:
+    """For ``gateway-keyed``: keys, an access rule on every model and quotas that
+    count everything and refuse nothing, as a site with all three on runs it."""
+    keyed = spec.get("keyed")
+    if not keyed:
+        return {}
+    from llmgw_slurm.catalog import Access
+    from llmgw_slurm.config import QuotaConfig
+    from llmgw_slurm.router import KeyRing
+    from llmgw_slurm.router.quota import AccountBudgets, QuotaBook
+
+    for name in spec["engines"]:
+        directory.rules[name] = Access(accounts=("bench",), groups=("llm-users",))
+    big = 10**12
+    quotas = QuotaConfig(big, big, big, big, big, big)
+    budgets = AccountBudgets(Path(keyed["budgets_file"]))
+    return {"keys": KeyRing(Path(keyed["keys_file"])), "quota": QuotaBook(quotas, budgets)}
 
 
 def serve_sink(port: int) -> None:
@@ -608,6 +631,11 @@ def main() -> int:
         help="also that commit's gateway (a git worktree under /tmp) on the plain engines, "
         "as gateway-plain@COMMIT, to compare with gateway-plain (implies --engine-plain)",
     )
+    p.add_argument(
+        "--keyed",
+        action="store_true",
+        help="also gateway-keyed: keys, access rules and quotas on (results: gateway_keyed)",
+    )
     p.add_argument("--collector", default="", help=argparse.SUPPRESS)
     p.add_argument("--serve-sink", help=argparse.SUPPRESS)
     p.add_argument("--serve-gateway", nargs=2, help=argparse.SUPPRESS)
@@ -684,6 +712,13 @@ def main() -> int:
             gateways = [("gateway", gateway_spec(tls_engines, tls))]
             if args.engine_plain or args.against:
                 gateways.append(("gateway-plain", gateway_spec(engines, None)))
+            bench_key = ENGINE_KEY
+            if args.keyed:
+                from llmgw_slurm.router.keys import add_key
+
+                bench_key = add_key(tmp / "keys.json", "bench", "bench").key
+                files = {"keys_file": str(tmp / "keys.json"), "budgets_file": str(tmp / "q.json")}
+                gateways.append(("gateway-keyed", gateway_spec(tls_engines, tls, files)))
             for target, spec in gateways:
                 g_port = _free_port()
                 cmd = [sys.executable, __file__, "--serve-gateway", str(g_port), spec]
@@ -823,6 +858,7 @@ def main() -> int:
                             for target, urls in targets.items():
                                 data = body(engine, mode == "stream")
                                 key = LITELLM_KEY if target == "litellm" else ENGINE_KEY
+                                key = bench_key if target == "gateway-keyed" else key
                                 tree = _tree(server_pid[(target, engine)])
                                 cpu0 = _cpu_ticks(tree)
                                 s = asyncio.run(
@@ -931,7 +967,7 @@ def report(
         f"{t} {best[t]:.0f}, {best[t + '.stream']:.0f}" for t in targets
     ))  # fmt: skip
 
-    for target in ("gateway", "gateway-plain"):
+    for target in ("gateway", "gateway-plain", "gateway-keyed"):
         if target in targets:
             print_goals(measured, best, target, "nginx" in targets)
     if "gateway-plain" in targets:
@@ -954,7 +990,23 @@ def report(
             )
             results.append(result(f"{target}.{case}.rps_vs_off", m["rps"], "req/s",
                                   f"gateway.{case}.rps", off["rps"]))  # fmt: skip
-    path = write("gateway", results)
+    if "gateway-keyed" in targets and "gateway" in targets:
+        print("\nkeys, access rules and quotas on (against the gateway with them off):")
+        for (target, engine, mode, clients), m in sorted(measured.items()):
+            if target != "gateway-keyed":
+                continue
+            off = measured[("gateway", engine, mode, clients)]
+            case = f"{engine}.{mode}.c{clients}"
+            print(
+                f"  {case:20s} req/s {m['rps'] / off['rps']:.3f}, "
+                f"CPU/request {m['cpu_us'] / off['cpu_us']:.3f}, "
+                f"p50 {m['p50_ms'] - off['p50_ms']:+.2f} ms"
+            )
+            results.append(result(f"gateway-keyed.{case}.rps_vs_off", m["rps"], "req/s",
+                                  f"gateway.{case}.rps", off["rps"]))  # fmt: skip
+            results.append(result(f"gateway-keyed.{case}.cpu_vs_off", m["cpu_us"], "us/request",
+                                  f"gateway.{case}.cpu", off["cpu_us"]))  # fmt: skip
+    path = write("gateway_keyed" if "gateway-keyed" in targets else "gateway", results)
     print(f"wrote {path} (load average at start {load_avg:.2f})")
 
 

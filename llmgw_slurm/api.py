@@ -58,8 +58,13 @@ __all__ = [
 ADMIN_PREFIX = "/internal/v1/admin"
 
 
-def status_json(rec: Reconciler) -> dict[str, Any]:
-    """``Reconciler.status()`` plus what the CLIs and the page show beside it."""
+def status_json(rec: Reconciler, visible: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """``Reconciler.status()`` plus what the CLIs and the page show beside it.
+
+    ``visible``: which models the caller may know of (the catalog's access
+    rules); the others, and the decisions about them, are left out. Their
+    GPUs still count on the nodes: a GPU taken is taken.
+    """
     out = rec.status()
     out["version"] = __version__
     out["now"] = time.time()
@@ -84,7 +89,17 @@ def status_json(rec: Reconciler) -> dict[str, Any]:
         }
         for n in rec.nodes
     ]
+    if visible is not None:
+        out["models"] = [m for m in out["models"] if visible(m["name"])]
+        out["decisions"] = [
+            d for d in out["decisions"] if not d.get("model") or visible(d["model"])
+        ]
     return out
+
+
+def caller_may_see(app: web.Application, request: web.Request) -> Callable[[str], bool]:
+    """The models the request's key (or no key) may use, for the status routes."""
+    return app[GATEWAY_KEY].visible_to(request)
 
 
 def _placed_since(models: list[dict[str, Any]], listed_at: float | None) -> dict[str, int]:
@@ -165,6 +180,22 @@ def key_required(app: web.Application, request: web.Request) -> web.Response | N
     )
 
 
+def _usage_scope(rec_key: KeyRecord | None, by: str) -> dict[str, str] | web.Response:
+    """Whose usage ``/api/v1/usage?by=`` asks for: the key's own, its user's (all their
+    keys) or its account's (every key charged to it); nobody's in particular without keys."""
+    if rec_key is None:
+        return {}
+    if by == "key":
+        return {"key_id": rec_key.key_id}
+    if by == "user":
+        return {"user": rec_key.user}
+    if by == "account" and rec_key.project:
+        return {"project": rec_key.project}
+    if by == "account":
+        return _error(400, "your key is charged to no account", "bad_request")
+    return _error(400, f"by must be key, user or account, not {by!r}", "bad_request")
+
+
 def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
     """The status page and ``/api/v1/usage`` on the gateway app (made by ``create_app``)."""
 
@@ -187,12 +218,15 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
                 since = float(request.query["since"])
             except ValueError:
                 return _error(400, "since must be a Unix time in seconds", "bad_request")
+        by = request.query.get("by", "key")
+        scope = _usage_scope(rec_key, by)
+        if isinstance(scope, web.Response):
+            return scope
         rows = []
         if gw.usage is not None:
             # The store commits about once a second; the caller's last request counts.
             await gw.usage.flush()
-            key_id = rec_key.key_id if rec_key is not None else None
-            rows = query_usage(gw.usage.path, key_id=key_id, since=since)
+            rows = query_usage(gw.usage.path, since=since, **scope)
         if rec_key is None:
             # Without keys nobody's use is told apart: the gateway's totals, by
             # model (anyone who reaches the port may use it, and see this).
@@ -205,6 +239,7 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
                 "key_id": rec_key.key_id,
                 "user": rec_key.user,
                 "project": rec_key.project,
+                "by": by,
                 "since": since,
                 "models": _by_model(rows),
             }
@@ -213,7 +248,12 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
     async def page(request: web.Request) -> web.Response:
         endpoint = f"{request.scheme}://{request.host}/v1"
         return web.Response(
-            text=render_page(status_json(rec), endpoint, chartsapi.page_data(request.app)),
+            # A browser sends no key: models with access rules are not shown.
+            text=render_page(
+                status_json(rec, caller_may_see(app, request)),
+                endpoint,
+                chartsapi.page_data(request.app, caller_may_see(app, request)),
+            ),
             content_type="text/html",
             headers={
                 # Belt and braces: everything is escaped, and even if something were

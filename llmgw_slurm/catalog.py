@@ -496,6 +496,44 @@ class Scaling:
         return self.min == 0
 
 
+_UNIX_NAME_RE = r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}"
+_UNIX_NAME_HELP = "a user or group name: letters, digits, '_', '.', '@', '-'"
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may use a model (``access:``): anyone listed under any of the three.
+
+    Checked against the gateway key's user (the Unix user for keys from
+    ``llmgw login``), that user's Unix groups on the daemon's host, and the
+    key's Slurm account. No ``access`` block: everyone with a key.
+    """
+
+    # Default (): Unix users, by name.
+    users: tuple[str, ...] = field(
+        default=(), metadata=rule(pattern=_UNIX_NAME_RE, pattern_help=_UNIX_NAME_HELP)
+    )
+    # Default (): Unix groups, by name (primary or supplementary).
+    groups: tuple[str, ...] = field(
+        default=(), metadata=rule(pattern=_UNIX_NAME_RE, pattern_help=_UNIX_NAME_HELP)
+    )
+    # Default (): Slurm accounts, by name (the account a key is charged to).
+    accounts: tuple[str, ...] = field(
+        default=(), metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if not (self.users or self.groups or self.accounts):
+            return [
+                (
+                    "users",
+                    "an access block that names nobody lets nobody in; list users, groups "
+                    "or accounts, or leave access out for everyone",
+                )
+            ]
+        return []
+
+
 @dataclass(frozen=True)
 class Routing:
     """How the gateway chooses among a model's ready replicas (docs/configuration.md)."""
@@ -547,6 +585,8 @@ class Model:
     endpoints: tuple[EndpointName, ...] | None = None
     # Default: least outstanding requests (see Routing).
     routing: Routing = field(default_factory=Routing)
+    # Default None: everyone with a key may use it. See Access.
+    access: Access | None = None
 
     def _problems(self) -> list[tuple[str, str]]:
         eps = self.endpoints or ()
@@ -645,7 +685,7 @@ class Catalog:
         return isinstance(name_or_alias, str) and self.resolve(name_or_alias) is not None
 
 
-_MERGEABLE = ("engine", "weights", "resources", "scaling", "routing")
+_MERGEABLE = ("engine", "weights", "resources", "scaling", "routing", "access")
 _TOP_KEYS = ("defaults", "models")
 
 

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -35,6 +36,11 @@ from llmgw_slurm.waterfall import waterfall
 __all__ = ["CHARTS_KEY", "GPU_HOURS_EVERY", "Charts", "add_chart_routes", "page_data"]
 
 log = logging.getLogger(__name__)
+
+
+def _everyone(model: str) -> bool:
+    return True
+
 
 GPU_HOURS_EVERY = 600.0
 # How often the daemon looks for a reason to ask accounting sooner.
@@ -110,17 +116,20 @@ class Charts:
             self._model_charts = (key, svgcharts.model_charts(history, at))
         return self._model_charts[1]
 
-    def page(self) -> dict[str, Any]:
-        return _page(self)
+    def page(self, visible: Callable[[str], bool] = _everyone) -> dict[str, Any]:
+        return _page(self, visible)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, visible: Callable[[str], bool] = _everyone) -> dict[str, Any]:
+        """The charts' numbers; ``visible``: the models the caller may see (the
+        catalog's access rules), the others left out as if they did not exist."""
         now = time.time()
-        return {
+        data = {
             "now": now,
             "history": self.history.to_json(),
             "gpu_hours": self.gpu_hours,
             "cold_starts": self.cold_starts(now),
         }
+        return _only_visible(data, visible)
 
     def _last_decision(self) -> float:
         ds = self.rec.decisions
@@ -142,6 +151,26 @@ class Charts:
                 await asyncio.wait_for(stop.wait(), GPU_HOURS_CHECK)
 
 
+def _only_visible(data: dict[str, Any], visible: Callable[[str], bool]) -> dict[str, Any]:
+    """``data`` without the models ``visible`` hides; ``data`` itself when it hides none
+    (the common case: the cached small multiples stay valid)."""
+    hist, gh = data["history"], data["gpu_hours"]
+    models = set(hist["models"]) | set(gh.get("by_model") or {})
+    models |= {str(w.get("model")) for w in data["cold_starts"]}
+    if all(visible(m) for m in models):
+        return data
+    return {
+        **data,
+        "history": {**hist, "models": {m: v for m, v in hist["models"].items() if visible(m)}},
+        "gpu_hours": {
+            **gh,
+            "by_model": {m: v for m, v in (gh.get("by_model") or {}).items() if visible(m)},
+        },
+        "cold_starts": [w for w in data["cold_starts"] if visible(str(w.get("model")))],
+        "hidden": True,
+    }
+
+
 CHARTS_KEY = web.AppKey("llmgw.charts", Charts)
 
 
@@ -154,8 +183,10 @@ def add_chart_routes(app: web.Application, rec: Reconciler, store: TraceStore | 
     charts = Charts(rec, History(app[GATEWAY_KEY].metrics, replicas), store)
     app[CHARTS_KEY] = charts
 
-    async def get(_: web.Request) -> web.Response:
-        return web.json_response(charts.to_json())
+    async def get(request: web.Request) -> web.Response:
+        data = charts.to_json(app[GATEWAY_KEY].visible_to(request))
+        data.pop("hidden", None)
+        return web.json_response(data)
 
     async def samplers(_: web.Application) -> Any:
         stop = asyncio.Event()
@@ -172,19 +203,27 @@ def add_chart_routes(app: web.Application, rec: Reconciler, store: TraceStore | 
     return charts
 
 
-def page_data(app: web.Application) -> dict[str, Any] | None:
+def page_data(
+    app: web.Application, visible: Callable[[str], bool] = _everyone
+) -> dict[str, Any] | None:
     """The charts' values for the status page template; None on an app without charts."""
     charts = app.get(CHARTS_KEY)
     if charts is None:
         return None
-    return charts.page()
+    return charts.page(visible)
 
 
-def _page(charts: Charts) -> dict[str, Any]:
-    data = charts.to_json()
+def _page(charts: Charts, visible: Callable[[str], bool]) -> dict[str, Any]:
+    data = charts.to_json(visible)
     gh = data["gpu_hours"]
+    hist = data["history"]
+    if data.get("hidden"):
+        # Drawn for this caller alone: the cached small multiples are everyone's.
+        small = svgcharts.model_charts(hist, hist.get("sampled_at") or time.time())
+    else:
+        small = charts.model_charts(hist)
     return {
-        "models": charts.model_charts(data["history"]),
+        "models": small,
         "gpu_at": gh["at"],
         "gpu_by_model": svgcharts.bars(gh["by_model"], "GPU h"),
         "gpu_by_account": svgcharts.bars(gh["by_account"], "GPU h"),

@@ -368,6 +368,43 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class LoginConfig:
+    """``login:``: self-service keys with ``llmgw login`` (munge), see docs/operations.md."""
+
+    # Default false: only the admin hands out keys. true: any user of the
+    # cluster gets a key for themselves with `llmgw login` (needs router.keys_file).
+    enabled: bool = False
+    # Default None: munge's own default socket. munged's socket on the daemon's host.
+    munge_socket: Path | None = None
+    # Default 16: active keys one user may hold; a login past it is refused.
+    max_keys_per_user: int = field(default=16, metadata=rule(ge=1))
+    # Default 10: login attempts per client address per minute; more get 429.
+    attempts_per_minute: int = field(default=10, metadata=rule(ge=1))
+
+
+@dataclass(frozen=True)
+class QuotaConfig:
+    """``quotas:``: limits per key, and token budgets per user and per Slurm account.
+
+    Every limit defaults to None (no limit). Budgets count total tokens (prompt
+    and completion) in the calendar day and month (UTC), from the usage store,
+    so they survive a restart; per-minute limits start afresh. Per-account
+    budgets set with ``llmgw-admin quota`` override the account ones here.
+    """
+
+    requests_per_minute: int | None = field(default=None, metadata=rule(ge=1))
+    tokens_per_minute: int | None = field(default=None, metadata=rule(ge=1))
+    user_tokens_per_day: int | None = field(default=None, metadata=rule(ge=1))
+    user_tokens_per_month: int | None = field(default=None, metadata=rule(ge=1))
+    account_tokens_per_day: int | None = field(default=None, metadata=rule(ge=1))
+    account_tokens_per_month: int | None = field(default=None, metadata=rule(ge=1))
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in dataclasses.astuple(self))
+
+
+@dataclass(frozen=True)
 class TlsConfig:
     """TLS on the gateway port (``tls: {cert, key}``)."""
 
@@ -479,6 +516,10 @@ class ServerConfig:
         default=None,
         metadata=rule(pattern=r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}", pattern_help="a group name"),
     )
+    # Default: off, see LoginConfig.
+    login: LoginConfig = field(default_factory=LoginConfig)
+    # Default: no limits, see QuotaConfig.
+    quotas: QuotaConfig = field(default_factory=QuotaConfig)
 
     @property
     def batch_directory(self) -> Path:
@@ -498,6 +539,25 @@ class ServerConfig:
         if self.admin_socket is not None:
             return Path(self.admin_socket)
         return self.effective_runtime_dir(environ) / "admin.sock"
+
+    def _problems(self) -> list[tuple[str, str]]:
+        out = []
+        if self.login.enabled and self.router.keys_file is None:
+            out.append(
+                (
+                    "login.enabled",
+                    "login needs API keys: set router.keys_file (the file the keys go to)",
+                )
+            )
+        if self.quotas.any and self.router.keys_file is None:
+            out.append(
+                (
+                    "quotas",
+                    "quotas are per key, user and account, which only keys tell apart: "
+                    "set router.keys_file",
+                )
+            )
+        return out
 
 
 # ----------------------------------------------------------------------- agent

@@ -35,6 +35,8 @@ from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.router import create_app
 from llmgw_slurm.router.keys import KeyRing
+from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
+from llmgw_slurm.router.quota import quota_book
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import REPORT_SCHEME, AdminToken, load_or_create_server_key
@@ -92,8 +94,8 @@ def internal_app(rec: Reconciler) -> web.Application:
 
 
 def add_status_routes(app: web.Application, rec: Reconciler) -> None:
-    async def status(_: web.Request) -> web.Response:
-        return web.json_response(api.status_json(rec))
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(api.status_json(rec, api.caller_may_see(app, request)))
 
     async def want(request: web.Request) -> web.Response:
         # A start can evict other keys' idle replicas on a full cluster: with keys
@@ -103,8 +105,12 @@ def add_status_routes(app: web.Application, rec: Reconciler) -> None:
             return denied
         name = request.match_info["model"]
         canonical = rec.resolve(name)
+        may_see = api.caller_may_see(app, request)
+        if canonical is not None and not may_see(canonical):
+            # As for /v1: a model the key may not use is one that does not exist.
+            canonical = None
         if canonical is None:
-            known = ", ".join(m.name for m in rec.catalog.models)
+            known = ", ".join(m.name for m in rec.catalog.models if may_see(m.name))
             return web.json_response(
                 {"error": {"message": f"unknown model {name!r}; known: {known}", "code": 404}},
                 status=404,
@@ -201,10 +207,15 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     )
     keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
     usage = UsageStore(state / "usage.sqlite3")
-    gateway = create_app(rec, server.router, keys=keys, usage=usage)
+    quota = quota_book(server, usage.path) if keys is not None else None
+    gateway = create_app(rec, server.router, keys=keys, usage=usage, quota=quota)
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec)
     api.add_cli_routes(gateway, rec)
+    if keys is not None and server.login.enabled:
+        add_login_routes(
+            gateway, login_settings(server), keys.lookup, sacctmgr_associations(server)
+        )
     token = AdminToken(state / "admin.token")
     token.ensure()
     d = Daemon(

@@ -20,116 +20,23 @@ Shell completion is click's: ``eval "$(_LLMGW_COMPLETE=bash_source llmgw)"``
 from __future__ import annotations
 
 import asyncio
-import os
-import ssl
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import click
-import yaml
 
 from llmgw_slurm import __version__
+from llmgw_slurm.cli import login as login_commands
 from llmgw_slurm.cli.batch import SETTINGS_KEY
 from llmgw_slurm.cli.batch import batch as batch_commands
 from llmgw_slurm.cli.common import DaemonReply, call_daemon, parse_when, print_json, run, table
+from llmgw_slurm.cli.settings import (
+    DEFAULT_URL,
+    Settings,
+    _get,
+)
 from llmgw_slurm.durations import format_duration
-
-DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-@dataclass
-class Settings:
-    url: str
-    key: str | None
-    source: str  # where the URL came from, for error messages
-    # A private CA's certificates (PEM) for an https gateway; None: the system's.
-    ca_file: str | None = None
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        if self.ca_file is None:
-            return None
-        try:
-            return ssl.create_default_context(cafile=self.ca_file)
-        except (OSError, ssl.SSLError) as exc:
-            raise click.ClickException(
-                f"cannot load the CA file {self.ca_file} (--ca-file, LLMGW_CA_FILE or "
-                f"ca_file:): {exc}; give PEM certificates"
-            ) from None
-
-    def guard(self, what: str) -> None:
-        """Refuse (ClickException) unless the server can prove it is the daemon."""
-        from llmgw_slurm.errors import UnverifiedServerError
-        from llmgw_slurm.identity import DEFAULT_INFO, verify_url
-
-        info = Path(os.environ.get("LLMGW_DAEMON_INFO") or DEFAULT_INFO)
-        try:
-            verify_url(self.url, info, what)
-        except UnverifiedServerError as exc:
-            raise click.ClickException(str(exc)) from None
-
-
-def config_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "llmgw" / "config.yaml"
-
-
-def _read_config(path: Path) -> dict[str, str]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        raise click.ClickException(f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise click.ClickException(
-            f"{path}: not UTF-8 text (byte {exc.start}); expected YAML with url: and api_key:"
-        ) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise click.ClickException(f"{where}: not valid YAML") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise click.ClickException(f"{path}: expected a mapping with url: and api_key:")
-    unknown = sorted(set(data) - {"url", "api_key", "ca_file"})
-    if unknown:
-        raise click.ClickException(
-            f"{path}: unknown setting(s) {', '.join(map(str, unknown))}; "
-            "valid: url, api_key, ca_file"
-        )
-    out: dict[str, str] = {}
-    for k in ("url", "api_key", "ca_file"):
-        if data.get(k) is not None:
-            if not isinstance(data[k], str):
-                raise click.ClickException(f"{path}: {k} must be a string")
-            out[k] = data[k]
-    return out
-
-
-def _settings(url: str | None, key: str | None, ca_file: str | None = None) -> Settings:
-    path = config_path()
-    source = "--url or LLMGW_URL" if url else ""
-    file = _read_config(path) if not (url and key and ca_file) else {}
-    if not url and file.get("url"):
-        url, source = file["url"], str(path)
-    if not url:
-        url, source = DEFAULT_URL, "the default"
-    if not url.startswith(("http://", "https://")):
-        raise click.ClickException(
-            f"daemon URL {url!r} (from {source}) must start with http:// or https://"
-        )
-    return Settings(
-        url=url.rstrip("/"),
-        key=key or file.get("api_key"),
-        source=source,
-        ca_file=ca_file or file.get("ca_file"),
-    )
 
 
 def _check_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -173,16 +80,23 @@ def main(ctx: click.Context, url: str | None, key: str | None, ca_file: str | No
     ctx.meta[SETTINGS_KEY] = lambda: _get(ctx)
 
 
-def _get(ctx: click.Context) -> Settings:
-    url, key, ca_file = ctx.find_root().obj or (None, None, None)
-    return _settings(url, key, ca_file)
-
-
 main.add_command(batch_commands)
+for _cmd in (login_commands.login, login_commands.logout, login_commands.keys):
+    main.add_command(_cmd)
 
 
 async def _status(s: Settings) -> dict[str, Any]:
-    reply = await call_daemon("GET", s.url, "/api/v1/status", ssl=s.ssl_context())
+    # With a key, the models it may use (the catalog's access rules) are listed
+    # too; the key goes only to a server that proved it is the daemon, and
+    # without that proof the listing is everyone's (models open to all).
+    token = None
+    if s.key:
+        try:
+            s.guard("your API key")
+            token = s.key
+        except click.ClickException:
+            token = None
+    reply = await call_daemon("GET", s.url, "/api/v1/status", token=token, ssl=s.ssl_context())
     if not reply.ok or not isinstance(reply.data, dict) or "models" not in reply.data:
         raise click.ClickException(
             f"{s.url} did not answer the status request ({reply.error_message()}); "
@@ -484,18 +398,45 @@ def _api_message(exc: Any) -> str:
 # ---- usage ------------------------------------------------------------------------
 
 
+def _usage_whose(data: dict[str, Any], by: str) -> str:
+    """Whose usage the daemon answered with, in words."""
+    if data.get("scope") == "gateway":
+        # Keys are off: usage is nobody's in particular, so the daemon gives
+        # the gateway's totals.
+        return "the whole gateway (it has no API keys)"
+    if by == "user":
+        return f"user {data.get('user')} (all keys)"
+    if by == "account":
+        return f"account {data.get('project')} (every key charged to it)"
+    who = f"key {data.get('key_id')} ({data.get('user')}"
+    return who + (f", project {data['project']})" if data.get("project") else ")")
+
+
 @main.command()
 @click.option("--since", default="30d", show_default=True, help="30m, 12h, 7d, 2w ago, or a date.")
+@click.option(
+    "--by",
+    type=click.Choice(["key", "user", "account"]),
+    default="key",
+    show_default=True,
+    help="This key's usage, all your keys', or your key's Slurm account's.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.option("--chart", is_flag=True, help="Bar charts: tokens and requests by model.")
 @click.option("--no-color", is_flag=True, help="Plain text (also when NO_COLOR is set).")
 @click.pass_context
 def usage(
-    ctx: click.Context, since: str, as_json: bool, chart: bool = False, no_color: bool = False
+    ctx: click.Context,
+    since: str,
+    by: str,
+    as_json: bool,
+    chart: bool = False,
+    no_color: bool = False,
 ) -> None:
     """Your own token usage (counted per API key), by model.
 
-    On a gateway without API keys: the gateway's totals, by model.
+    --by user: all your keys; --by account: every key charged to your key's
+    Slurm account. On a gateway without API keys: the gateway's totals, by model.
     """
     s = _get(ctx)
     t0 = parse_when(since, time.time())
@@ -507,7 +448,7 @@ def usage(
             s.url,
             "/api/v1/usage",
             token=s.key,
-            params={"since": f"{t0:.0f}"},
+            params={"since": f"{t0:.0f}", "by": by},
             ssl=s.ssl_context(),
         )
     )
@@ -518,14 +459,7 @@ def usage(
     if as_json:
         print_json(data)
         return
-    if data.get("scope") == "gateway":
-        # Keys are off: usage is nobody's in particular, so the daemon gives
-        # the gateway's totals.
-        who = "the whole gateway (it has no API keys)"
-    else:
-        who = f"key {data.get('key_id')} ({data.get('user')}"
-        who += f", project {data['project']})" if data.get("project") else ")"
-    click.echo(f"Usage of {who} since {since}:")
+    click.echo(f"Usage of {_usage_whose(data, by)} since {since}:")
     if not rows:
         click.echo("no requests")
         return

@@ -34,7 +34,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from llmgw_slurm.catalog import Catalog
+from llmgw_slurm.catalog import Access, Catalog
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.errors import LlmgwError, SlurmError
 from llmgw_slurm.reconciler import plan as planmod
@@ -612,6 +612,9 @@ class Reconciler:
 
     def endpoints(self, model: str) -> Sequence[Endpoint]:
         return self.directory.endpoints(model)
+
+    def access(self, model: str) -> Access | None:
+        return self.directory.access(model)
 
     def request_started(self, model: str, replica_id: str) -> None:
         self.directory.request_started(model, replica_id)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from llmgw_slurm.catalog import Catalog
+from llmgw_slurm.catalog import Access, Catalog
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.replicas import ReplicaTable
 from llmgw_slurm.router.directory import Endpoint, ModelInfo, ModelRouting
@@ -91,6 +91,12 @@ class ReplicaDirectory:
             }
             self._routing = (catalog, table)
         return table.get(model)
+
+    def access(self, model: str) -> Access | None:
+        """The catalog's access rules of ``model``: the current catalog, so a reload
+        that narrows them holds from the next request."""
+        m = self.table.catalog.get(model)
+        return m.access if m is not None else None
 
     def endpoints(self, model: str) -> Sequence[Endpoint]:
         out = []

@@ -2,7 +2,7 @@
 
 from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelInfo, StaticDirectory
-from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, create_app
+from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, create_app, request_key
 from llmgw_slurm.router.keys import KeyRecord, KeyRing, NewKey, add_key, list_keys, revoke_key
 from llmgw_slurm.router.usage import UsageRecord, UsageStore, UsageSummary, query_usage
 
@@ -24,5 +24,6 @@ __all__ = [
     "create_app",
     "list_keys",
     "query_usage",
+    "request_key",
     "revoke_key",
 ]

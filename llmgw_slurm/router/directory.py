@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
+from llmgw_slurm.catalog import Access
+
 __all__ = ["Endpoint", "ModelDirectory", "ModelInfo", "ModelRouting", "StaticDirectory"]
 
 
@@ -165,6 +167,8 @@ class StaticDirectory:
         self.last_used: dict[str, float] = {}
         self._epochs = 0
         self._routing: dict[str, ModelRouting] = {}
+        # Access rules by model name (the catalog's ``access``); none: everyone.
+        self.rules: dict[str, Access] = {}
         for m in models:
             self.add_model(m.name, aliases=m.aliases, hold_timeout_s=m.hold_timeout_s)
 
@@ -270,6 +274,9 @@ class StaticDirectory:
             raise AssertionError(f"request_finished without request_started: {model}/{replica_id}")
         self.in_flight[(model, replica_id)] -= 1
         self.last_used[model] = _now()
+
+    def access(self, model: str) -> Access | None:
+        return self.rules.get(model)
 
     def want(self, model: str) -> None:
         self._known(model)

@@ -33,16 +33,18 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from llmgw_slurm.access import AccessGuard
 from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router import balance, surface
 from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
-from llmgw_slurm.router.keys import KeyRecord, KeyRing
+from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
+from llmgw_slurm.router.quota import QuotaBook, add_quota_headers
 from llmgw_slurm.router.relay import _Call, _Pipe, _SseRelay
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
-__all__ = ["GATEWAY_KEY", "Gateway", "create_app"]
+__all__ = ["GATEWAY_KEY", "Gateway", "create_app", "request_key"]
 
 _tracer = trace.get_tracer("llmgw_slurm")
 
@@ -154,12 +156,15 @@ class Gateway:
         keys: KeyRing | None,
         usage: UsageStore | None,
         registry: CollectorRegistry,
+        quota: QuotaBook | None = None,
     ) -> None:
         self.directory = directory
+        self.quota = quota
         self.config = config
         self.keys = keys
         self.usage = usage
         self.metrics = GatewayMetrics(directory, registry)
+        self.access = AccessGuard(registry)
         self.in_flight: dict[tuple[str, str], int] = {}
         self.held: dict[str, int] = {}
         self.held_total = 0
@@ -194,6 +199,11 @@ class Gateway:
 
     # helpers
 
+    def authenticate(self, request: web.Request) -> tuple[KeyRecord | None, web.Response | None]:
+        """The request's key (None without keys), or the 401 to answer with; for
+        other routes on the gateway app. :func:`request_key` gives the key later."""
+        return self._authenticate(request)
+
     def _authenticate(self, request: web.Request) -> tuple[KeyRecord | None, web.Response | None]:
         if self.keys is None:
             return None, None
@@ -214,6 +224,7 @@ class Gateway:
                 "authentication_error",
                 "invalid_api_key",
             )
+        request[REQUEST_KEY] = rec
         return rec, None
 
     def _too_large(self) -> web.Response:
@@ -224,9 +235,47 @@ class Gateway:
             "request_too_large",
         )
 
-    def _known_names(self) -> str:
+    def may_use(self, model: str, key: KeyRecord | None) -> bool:
+        """Whether ``key`` may use ``model`` by the catalog's access rules (a
+        directory may have none: everyone)."""
+        rules = getattr(self.directory, "access", None)
+        return rules is None or self.access.allows(rules(model), key)
+
+    def visible_to(self, request: web.Request) -> Callable[[str], bool]:
+        """The models the request's key (or no key) may use, for the routes that list
+        or chart models: a model hidden from it is left out, as if it did not exist."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        key = self.keys.lookup(token) if self.keys is not None and token else None
+        return lambda model: self.may_use(model, key)
+
+    def _model_for(self, name: str, key: KeyRecord | None) -> str | web.Response:
+        """The catalog name of the model a request names, or its 404: a model the key may
+        not use is answered as an unknown one, so that nobody learns what exists."""
+        model = self.directory.resolve(name)
+        if model is not None and not self.may_use(model, key):
+            self.access.refused(model, key)
+            model = None
+        if model is None:
+            return _error(
+                404,
+                f"The model '{name}' does not exist. Known models: {self._known_names(key)}.",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        return model
+
+    def _admit(self, key: KeyRecord | None) -> web.Response | None:
+        """The key's quota's 429, or None: within its limits (or no quotas)."""
+        if self.quota is None or key is None:
+            return None
+        return self.quota.admit(key)
+
+    def _known_names(self, key: KeyRecord | None) -> str:
         parts = []
         for m in self.directory.models():
+            if not self.may_use(m.name, key):
+                continue
             parts.append(m.name + (f" (aliases: {', '.join(m.aliases)})" if m.aliases else ""))
         return "; ".join(parts) or "none"
 
@@ -442,6 +491,8 @@ class Gateway:
         total = _int(usage.get("total_tokens")) or prompt + completion
         self.metrics.tokens.labels(model, "prompt").inc(prompt)
         self.metrics.tokens.labels(model, "completion").inc(completion)
+        if self.quota is not None and key is not None:
+            self.quota.spent(key, total)
         if self.usage is None:
             return
         self.usage.record(
@@ -464,11 +515,13 @@ class Gateway:
     # handlers
 
     async def models(self, request: web.Request) -> web.Response:
-        _, denied = self._authenticate(request)
+        key, denied = self._authenticate(request)
         if denied is not None:
             return denied
         data: list[dict[str, Any]] = []
         for m in self.directory.models():
+            if not self.may_use(m.name, key):
+                continue
             base = {"object": "model", "created": 0, "owned_by": "llmgw", "ready": m.ready}
             data.append({"id": m.name, **base, "aliases": list(m.aliases)})
             data.extend({"id": a, **base, "alias_for": m.name} for a in m.aliases)
@@ -545,18 +598,12 @@ class Gateway:
         obj = _parse_body(raw)
         if isinstance(obj, web.Response):
             return obj
-        name = obj["model"]
-        model = self.directory.resolve(name)
-        if model is None:
-            return _error(
-                404,
-                f"The model '{name}' does not exist. Known models: {self._known_names()}.",
-                "invalid_request_error",
-                "model_not_found",
-            )
+        model = self._model_for(obj["model"], key)
+        if isinstance(model, web.Response):
+            return model
         call.model = model
         trace.get_current_span().set_attribute("llmgw.model", model)
-        refused = self._route(model, endpoint, obj)
+        refused = self._route(model, endpoint, obj) or self._admit(key)
         if refused is not None:
             return refused
         prepared = _upstream_body(raw, obj, model, endpoint)
@@ -621,17 +668,12 @@ class Gateway:
             )
         except surface.UploadProblem as p:
             return _error(p.status, str(p), "invalid_request_error", p.code)
-        model = self.directory.resolve(field.model)
-        if model is None:
-            return _error(
-                404,
-                f"The model '{field.model}' does not exist. Known models: {self._known_names()}.",
-                "invalid_request_error",
-                "model_not_found",
-            )
+        model = self._model_for(field.model, key)
+        if isinstance(model, web.Response):
+            return model
         call.model = model
         trace.get_current_span().set_attribute("llmgw.model", model)
-        refused = self._route(model, endpoint, None)
+        refused = self._route(model, endpoint, None) or self._admit(key)
         if refused is not None:
             return refused
         head = field.head if field.model == model else field.with_model(model)
@@ -1031,6 +1073,7 @@ def create_app(
     keys: KeyRing | None = None,
     usage: UsageStore | None = None,
     registry: CollectorRegistry | None = None,
+    quota: QuotaBook | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp app.
 
@@ -1038,6 +1081,7 @@ def create_app(
     it); otherwise every ``/v1`` request needs a key from the ring. ``usage``:
     where per-key token usage goes (started and closed with the app).
     ``registry``: the Prometheus registry for ``/metrics``; a new one when None.
+    ``quota``: limits and budgets per key, user and account (with ``keys``).
     The daemon may add its own routes to the returned app before starting it;
     ``app[GATEWAY_KEY]`` is the :class:`Gateway` state.
     """
@@ -1048,6 +1092,7 @@ def create_app(
         keys=keys,
         usage=usage,
         registry=registry if registry is not None else CollectorRegistry(),
+        quota=quota,
     )
     # aiohttp's own limit refuses larger bodies while reading; the
     # Content-Length check in the handler refuses most before reading.
@@ -1066,6 +1111,8 @@ def create_app(
         for path in route.paths:
             app.router.add_post(path, handler)
     app.router.add_get("/metrics", gw.metrics_handler)
+    if quota is not None:
+        add_quota_headers(app, quota)
     return app
 
 

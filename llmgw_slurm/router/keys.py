@@ -34,17 +34,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
+
 from llmgw_slurm.errors import ConfigError, LlmgwError
 from llmgw_slurm.fsutil import atomic_write, locked
 
 __all__ = [
+    "REQUEST_KEY",
     "KeyRecord",
     "KeyRing",
     "NewKey",
+    "TooManyKeys",
     "add_key",
     "check_name",
     "list_keys",
     "revoke_key",
+    "revoke_own_key",
 ]
 
 _KEY_RE = re.compile(r"^llmgw-([0-9a-f]{8})-([A-Za-z0-9_-]{43})$")
@@ -151,13 +156,27 @@ def check_name(what: str, value: str) -> None:
         )
 
 
-def add_key(path: Path, user: str, project: str = "") -> NewKey:
-    """Make a key for ``user`` (and ``project``), store its hash, return the key once."""
+class TooManyKeys(LlmgwError):
+    """The user holds the most active keys one user may (``llmgw login``'s cap)."""
+
+
+def add_key(path: Path, user: str, project: str = "", *, limit: int | None = None) -> NewKey:
+    """Make a key for ``user`` (and ``project``), store its hash, return the key once.
+
+    ``limit``: refuse (TooManyKeys) when ``user`` already has this many active keys.
+    """
     for what, value in (("user", user), ("project", project)):
         if value or what == "user":
             check_name(what, value)
     with _locked(path):
         records = _load(path)
+        if limit is not None:
+            held = sum(1 for r in records.values() if r.user == user and r.active)
+            if held >= limit:
+                raise TooManyKeys(
+                    f"user {user} has {held} active keys, the most one user may; "
+                    "revoke one first (llmgw keys revoke ID)"
+                )
         key_id = secrets.token_hex(4)
         while key_id in records:
             key_id = secrets.token_hex(4)
@@ -181,6 +200,24 @@ def revoke_key(path: Path, key_id: str) -> KeyRecord:
         if rec is None:
             known = ", ".join(sorted(records)) or "none"
             raise LlmgwError(f"no key with id {key_id!r} in {path} (known ids: {known})")
+        if rec.revoked is None:
+            rec = KeyRecord(rec.key_id, rec.user, rec.project, rec.sha256, rec.created, time.time())
+            records[key_id] = rec
+            _write(path, records)
+    return rec
+
+
+def revoke_own_key(path: Path, key_id: str, user: str) -> KeyRecord | None:
+    """Revoke ``user``'s key ``key_id``; None when ``user`` has no such key.
+
+    Another user's key and an unknown id give the same None, so that nobody
+    learns which ids exist.
+    """
+    with _locked(path):
+        records = _load(path)
+        rec = records.get(key_id)
+        if rec is None or rec.user != user:
+            return None
         if rec.revoked is None:
             rec = KeyRecord(rec.key_id, rec.user, rec.project, rec.sha256, rec.created, time.time())
             records[key_id] = rec
@@ -228,3 +265,15 @@ class KeyRing:
         if not ok or rec is None or not rec.active:
             return None
         return rec
+
+
+# Where the gateway leaves the key it let a request in with, for other routes on
+# its app (the Batch API, quotas' headers): here, below the gateway, so that they
+# need not import it.
+REQUEST_KEY = web.RequestKey("llmgw.key", KeyRecord)
+
+
+def request_key(request: web.Request) -> KeyRecord | None:
+    """The key a request was let in with: ``.user`` (the Unix user) and ``.project``
+    (the Slurm account); None without keys, or before the gateway checked it."""
+    return request.get(REQUEST_KEY)

@@ -23,7 +23,15 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["UsageRecord", "UsageStore", "UsageSummary", "query_usage"]
+__all__ = [
+    "USAGE_GROUPS",
+    "UsageRecord",
+    "UsageStore",
+    "UsageSummary",
+    "query_usage",
+    "token_totals",
+    "usage_by",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -40,6 +48,8 @@ CREATE TABLE IF NOT EXISTS usage (
     total_tokens INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key_id, ts);
+-- Budgets start from the day's and month's totals over every key (router/quota.py).
+CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
 """
 
 
@@ -85,9 +95,15 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 def query_usage(
-    path: Path, *, key_id: str | None = None, since: float | None = None
+    path: Path,
+    *,
+    key_id: str | None = None,
+    since: float | None = None,
+    user: str | None = None,
+    project: str | None = None,
 ) -> list[UsageSummary]:
-    """Usage summed by key and model, optionally for one key and since a time (epoch s)."""
+    """Usage summed by key and model, optionally for one key, user or project (account),
+    and since a time (epoch s)."""
     if not path.exists():
         return []
     sql = (
@@ -95,9 +111,10 @@ def query_usage(
         " SUM(completion_tokens), SUM(total_tokens) FROM usage WHERE 1=1"
     )
     args: list[object] = []
-    if key_id is not None:
-        sql += " AND key_id = ?"
-        args.append(key_id)
+    for column, value in (("key_id", key_id), ("user", user), ("project", project)):
+        if value is not None:
+            sql += f" AND {column} = ?"
+            args.append(value)
     if since is not None:
         sql += " AND ts >= ?"
         args.append(since)
@@ -105,6 +122,37 @@ def query_usage(
     with contextlib.closing(_connect(path)) as conn:
         rows = conn.execute(sql, args).fetchall()
     return [UsageSummary(*row) for row in rows]
+
+
+def token_totals(path: Path, since: float) -> dict[tuple[str, str], int]:
+    """Total tokens since ``since`` (epoch s) by (user, project): what budgets start from."""
+    if not path.exists():
+        return {}
+    sql = "SELECT user, project, SUM(total_tokens) FROM usage WHERE ts >= ? GROUP BY user, project"
+    with contextlib.closing(_connect(path)) as conn:
+        rows = conn.execute(sql, (since,)).fetchall()
+    return {(u, p): int(t or 0) for u, p, t in rows}
+
+
+# What usage_by may group by: its name and the column.
+USAGE_GROUPS = {"user": "user", "account": "project", "key": "key_id", "model": "model"}
+
+
+def usage_by(path: Path, by: str, since: float | None = None) -> list[dict[str, object]]:
+    """Requests and tokens grouped by user, account (the key's project), key or model."""
+    column = USAGE_GROUPS[by]
+    if not path.exists():
+        return []
+    # column is one of USAGE_GROUPS' fixed names, never the caller's text.
+    sql = (
+        f"SELECT {column}, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens),"  # noqa: S608
+        " SUM(total_tokens) FROM usage WHERE ts >= ?"
+        f" GROUP BY {column} ORDER BY SUM(total_tokens) DESC, {column}"
+    )
+    with contextlib.closing(_connect(path)) as conn:
+        rows = conn.execute(sql, (since or 0.0,)).fetchall()
+    names = ("requests", "prompt_tokens", "completion_tokens", "total_tokens")
+    return [{by: row[0], **dict(zip(names, row[1:], strict=True))} for row in rows]
 
 
 class UsageStore:

@@ -25,7 +25,7 @@ from datetime import datetime
 
 from llmgw_slurm.errors import SlurmError, SlurmUnavailable
 from llmgw_slurm.slurm import parse
-from llmgw_slurm.slurm.types import AccountingRecord, Job, JobSpec, NodeInfo
+from llmgw_slurm.slurm.types import AccountingRecord, Associations, Job, JobSpec, NodeInfo
 
 log = logging.getLogger(__name__)
 
@@ -253,3 +253,29 @@ class CliBackend:
         if name_prefix:
             recs = [r for r in recs if r.name.startswith(name_prefix)]
         return recs
+
+    async def associations(self, user: str) -> Associations:
+        """The Slurm accounts ``user`` has an association with in slurmdbd, and the default.
+
+        Two sacctmgr calls (tens of milliseconds each): once per `llmgw login`.
+        """
+        accounts = await self._run(
+            [
+                "sacctmgr",
+                "--noheader",
+                "--parsable2",
+                "show",
+                "associations",
+                "where",
+                f"users={user}",
+                "format=account",
+            ]
+        )
+        default = await self._run(
+            ["sacctmgr", "--noheader", "--parsable2", "show", "user", user, "format=defaultaccount"]
+        )
+        return Associations(
+            user=user,
+            accounts=frozenset(ln.strip() for ln in accounts.splitlines() if ln.strip()),
+            default=next((ln.strip() for ln in default.splitlines() if ln.strip()), ""),
+        )

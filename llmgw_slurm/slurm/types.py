@@ -312,6 +312,15 @@ class AccountingRecord:
         return self.gpus * self.elapsed_s / 3600.0
 
 
+@dataclass(frozen=True)
+class Associations:
+    """A user's associations in slurmdbd: who may charge which account."""
+
+    user: str
+    accounts: frozenset[str]
+    default: str  # the user's default account; "" when slurmdbd knows the user not
+
+
 class SlurmBackend(Protocol):
     """What the rest of llmgw-slurm may ask of Slurm. One place talks to Slurm."""
 
@@ -358,6 +367,7 @@ class SlurmBackend(Protocol):
 
 __all__: Sequence[str] = (
     "AccountingRecord",
+    "Associations",
     "GpuCount",
     "Job",
     "JobComponent",

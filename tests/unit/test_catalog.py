@@ -370,8 +370,8 @@ def test_defaults_may_not_set_name_or_unknown_blocks(tmp_path: Path) -> None:
     models: []
     """
     assert errors_of(tmp_path, text) == [
-        "F:2: defaults.name: unknown key 'name' (valid keys: description, engine, resources, "
-        "routing, scaling, weights); name and aliases belong to each model",
+        "F:2: defaults.name: unknown key 'name' (valid keys: access, description, engine, "
+        "resources, routing, scaling, weights); name and aliases belong to each model",
         "F:3: defaults.resources: expected a mapping; got the integer 3",
     ]
 
@@ -394,8 +394,8 @@ def test_unknown_key_suggests_the_closest_and_lists_valid_keys(tmp_path: Path) -
     ]
     errs = errors_of(tmp_path, one_model("    zzz: 1\n"))
     assert errs == [
-        "F:5: models[0].zzz: unknown key 'zzz' (valid keys: aliases, description, endpoints, "
-        "engine, name, resources, routing, scaling, weights)"
+        "F:5: models[0].zzz: unknown key 'zzz' (valid keys: access, aliases, description, "
+        "endpoints, engine, name, resources, routing, scaling, weights)"
     ]
 
 

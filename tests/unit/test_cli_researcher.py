@@ -14,7 +14,7 @@ import pytest
 from _cli_support import RunningDaemon, free_port, run_daemon
 from click.testing import CliRunner
 
-from llmgw_slurm.cli import researcher
+from llmgw_slurm.cli import settings
 from llmgw_slurm.cli.charts import bar
 from llmgw_slurm.cli.researcher import _phase, main
 from llmgw_slurm.router.keys import add_key
@@ -338,7 +338,7 @@ def test_help_works_with_a_broken_config(tmp_path: Path) -> None:
     cfg.write_text("::: not yaml [")
     code, out = llmgw("--help")
     assert code == 0 and "models" in out
-    assert researcher.config_path() == cfg
+    assert settings.config_path() == cfg
 
 
 def test_usage_chart_is_bars_as_wide_as_the_terminal(

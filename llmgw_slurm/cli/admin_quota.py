@@ -1,0 +1,113 @@
+"""``llmgw-admin quota``: one Slurm account's own token budgets.
+
+They go to ``state_dir/quotas.json`` (mode 0600), which the gateway rereads
+when it changes: a budget holds from the next request, no reload needed.
+Run it as the daemon's user (who owns state_dir).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmgw_slurm.cli.common import friendly_errors, print_json, table
+from llmgw_slurm.config import ServerConfig
+from llmgw_slurm.router.quota import AccountBudget, AccountBudgets, budgets_path, set_account_budget
+
+_ACCOUNT_RE = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
+
+
+def _account(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if not _ACCOUNT_RE.fullmatch(value):
+        raise click.BadParameter(
+            f"{value!r} is not a Slurm account name (letters, digits, '_', '.', '+', '-')"
+        )
+    return value
+
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def quota_group(
+    server_option: Decorator, load_server: Callable[[Path], ServerConfig]
+) -> click.Group:
+    """The ``quota`` group, with llmgw-admin's own ``--server`` option and loader."""
+
+    @click.group()
+    def quota() -> None:
+        """Token budgets of one Slurm account (beside quotas: in server.yaml)."""
+
+    @quota.command("set")
+    @click.argument("account", callback=_account)
+    @click.option("--tokens-per-day", type=click.IntRange(min=1), help="Tokens per UTC day.")
+    @click.option("--tokens-per-month", type=click.IntRange(min=1), help="Tokens per UTC month.")
+    @server_option
+    @friendly_errors
+    def quota_set(
+        account: str, tokens_per_day: int | None, tokens_per_month: int | None, server_path: Path
+    ) -> None:
+        """Give ACCOUNT budgets of its own (over every key charged to it).
+
+        They replace the account_tokens_per_* of server.yaml for this account;
+        one left out is unlimited for it.
+        """
+        if tokens_per_day is None and tokens_per_month is None:
+            raise click.UsageError("give --tokens-per-day, --tokens-per-month or both")
+        path = budgets_path(load_server(server_path))
+        set_account_budget(path, account, AccountBudget(tokens_per_day, tokens_per_month))
+        click.echo(f"account {account}: {_describe(tokens_per_day, tokens_per_month)} ({path})")
+
+    @quota.command("unset")
+    @click.argument("account", callback=_account)
+    @server_option
+    @friendly_errors
+    def quota_unset(account: str, server_path: Path) -> None:
+        """Remove ACCOUNT's own budgets: server.yaml's apply to it again."""
+        path = budgets_path(load_server(server_path))
+        set_account_budget(path, account, AccountBudget())
+        click.echo(f"account {account}: the budgets of server.yaml apply ({path})")
+
+    @quota.command("list")
+    @server_option
+    @click.option("--json", "as_json", is_flag=True, help="JSON for scripts.")
+    @friendly_errors
+    def quota_list(server_path: Path, as_json: bool) -> None:
+        """The server's quotas and every account's own budgets."""
+        server = load_server(server_path)
+        budgets = AccountBudgets(budgets_path(server)).budgets
+        q = server.quotas
+        if as_json:
+            print_json(
+                {
+                    "server": {f: getattr(q, f) for f in q.__dataclass_fields__},
+                    "accounts": {
+                        n: {
+                            "tokens_per_day": b.tokens_per_day,
+                            "tokens_per_month": b.tokens_per_month,
+                        }
+                        for n, b in sorted(budgets.items())
+                    },
+                }
+            )
+            return
+        rows = [(f, getattr(q, f) or "-") for f in q.__dataclass_fields__]
+        click.echo(table(("SERVER QUOTA", "LIMIT"), rows))
+        if budgets:
+            click.echo()
+            acc_rows = [
+                (n, b.tokens_per_day or "-", b.tokens_per_month or "-")
+                for n, b in sorted(budgets.items())
+            ]
+            click.echo(table(("ACCOUNT", "TOKENS/DAY", "TOKENS/MONTH"), acc_rows))
+
+    return quota
+
+
+def _describe(day: int | None, month: int | None) -> str:
+    return ", ".join(
+        f"{v} tokens per {span}" for v, span in ((day, "day"), (month, "month")) if v is not None
+    )

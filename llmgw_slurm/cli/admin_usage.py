@@ -1,0 +1,56 @@
+"""``llmgw-admin usage``: token usage by user, Slurm account, key or model.
+
+Read from the daemon's usage store (``state_dir/usage.sqlite3``), so run it
+as the daemon's user. Keys from ``llmgw login`` are charged to the Slurm
+account they name; an admin's key to its ``--project``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmgw_slurm.cli.common import friendly_errors, parse_when, print_json, table
+from llmgw_slurm.config import ServerConfig
+from llmgw_slurm.router.usage import USAGE_GROUPS, usage_by
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def usage_command(
+    server_option: Decorator, load_server: Callable[[Path], ServerConfig]
+) -> click.Command:
+    """The ``usage`` command, with llmgw-admin's own ``--server`` option and loader."""
+
+    @click.command()
+    @click.option("--by", type=click.Choice(list(USAGE_GROUPS)), default="user", show_default=True)
+    @click.option(
+        "--since", default="30d", show_default=True, help="30m, 12h, 7d, 2w ago, or a date."
+    )
+    @click.option("--json", "as_json", is_flag=True, help="JSON for scripts.")
+    @server_option
+    @friendly_errors
+    def usage(by: str, since: str, as_json: bool, server_path: Path) -> None:
+        """Requests and tokens through the gateway, by user, account, key or model."""
+        t0 = parse_when(since, time.time())
+        db = Path(load_server(server_path).state_dir) / "usage.sqlite3"
+        rows = usage_by(db, by, t0)
+        if as_json:
+            print_json(rows)
+            return
+        if not rows:
+            click.echo(f"no requests since {since}")
+            return
+        cols = (by, "requests", "prompt_tokens", "completion_tokens", "total_tokens")
+        click.echo(
+            table(
+                [c.upper().replace("_", " ") for c in cols],
+                [[r[c] if r[c] != "" else "-" for c in cols] for r in rows],
+            )
+        )
+
+    return usage

@@ -1,0 +1,304 @@
+"""Quotas (issue 18, item 4): per-minute limits per key, day and month budgets per
+user and account, OpenAI's 429 and x-ratelimit-* headers."""
+
+from __future__ import annotations
+
+import calendar
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from _router_support import engine, serve
+
+from llmgw_slurm.config import QuotaConfig, load_server_config
+from llmgw_slurm.errors import ConfigError
+from llmgw_slurm.router import (
+    Endpoint,
+    KeyRing,
+    ModelInfo,
+    StaticDirectory,
+    UsageRecord,
+    UsageStore,
+    add_key,
+    create_app,
+)
+from llmgw_slurm.router.keys import KeyRecord
+from llmgw_slurm.router.quota import (
+    AccountBudget,
+    AccountBudgets,
+    QuotaBook,
+    format_reset,
+    set_account_budget,
+)
+
+# 2026-12-03 10:00:30 UTC: 30 s into a minute, 10 h into a day.
+T0 = float(calendar.timegm((2026, 12, 3, 10, 0, 30)))
+
+
+def key(user: str = "alice", account: str = "t18phys", key_id: str = "0000000a") -> KeyRecord:
+    return KeyRecord(key_id, user, account, "0" * 64, 0.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reset_times_read_as_openais() -> None:
+    assert [format_reset(s) for s in (0, 0.2, 59, 60, 361, 3 * 3600 + 121)] == [
+        "0s",
+        "1s",
+        "59s",
+        "1m0s",
+        "6m1s",
+        "3h2m1s",
+    ]
+
+
+def test_requests_per_minute_per_key_in_fixed_windows() -> None:
+    clock = Clock()
+    book = QuotaBook(QuotaConfig(requests_per_minute=2), clock=clock)
+    a, b = key(key_id="0000000a"), key(key_id="0000000b")
+    assert book.admit(a) is None and book.admit(a) is None
+    refused = book.admit(a)
+    assert refused is not None and refused.status == 429
+    assert refused.headers["Retry-After"] == "30"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert refused.headers["x-ratelimit-reset-requests"] == "30s"
+    body = json.loads(refused.text or "")
+    assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "requests"
+    assert book.admit(b) is None  # another key has its own
+    clock.now += 30
+    assert book.admit(a) is None
+
+
+def test_tokens_per_minute_count_what_was_spent() -> None:
+    clock = Clock()
+    book = QuotaBook(QuotaConfig(tokens_per_minute=100), clock=clock)
+    k = key()
+    assert book.admit(k) is None
+    book.spent(k, 60)
+    assert book.headers(k)["x-ratelimit-remaining-tokens"] == "40"
+    assert book.admit(k) is None  # not yet over: the answer in flight is not cut
+    book.spent(k, 60)
+    refused = book.admit(k)
+    assert refused is not None
+    assert json.loads(refused.text or "")["error"]["type"] == "tokens"
+    clock.now += 60
+    assert book.admit(k) is None
+
+
+def test_budgets_per_user_and_account_per_day_and_month() -> None:
+    clock = Clock()
+    book = QuotaBook(
+        QuotaConfig(user_tokens_per_day=100, account_tokens_per_month=150), clock=clock
+    )
+    alice, bob = key("alice", "t18phys"), key("bob", "t18phys", "0000000b")
+    book.spent(alice, 100)
+    refused = book.admit(alice)
+    assert refused is not None
+    body = json.loads(refused.text or "")["error"]
+    assert body["code"] == "insufficient_quota"
+    assert "tokens per day of user alice: limit 100, used 100" in body["message"]
+    # 14 h to midnight UTC.
+    assert refused.headers["Retry-After"] == str(14 * 3600 - 30)
+    assert book.admit(bob) is None
+    book.spent(bob, 50)
+    refused = book.admit(bob)  # the account's month is used up, by both
+    assert refused is not None and "tokens per month of account t18phys" in (refused.text or "")
+    clock.now += 14 * 3600  # the next day: alice's day budget is back, the month's is not
+    refused = book.admit(alice)
+    assert refused is not None and "per month" in (refused.text or "")
+
+
+def test_an_accounts_own_budget_overrides_the_servers(tmp_path: Path) -> None:
+    path = tmp_path / "quotas.json"
+    budgets = AccountBudgets(path)
+    book = QuotaBook(QuotaConfig(account_tokens_per_day=10), budgets, clock=Clock())
+    k = key()
+    book.spent(k, 10)
+    assert book.admit(k) is not None
+    set_account_budget(path, "t18phys", AccountBudget(tokens_per_day=1000))
+    assert book.admit(k) is None
+    assert book.headers(k)["x-ratelimit-limit-tokens"] == "1000"
+    set_account_budget(path, "t18phys", AccountBudget())
+    assert book.admit(k) is not None
+    assert json.loads(path.read_text()) == {"version": 1, "accounts": {}}
+
+
+def test_a_broken_budgets_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "quotas.json"
+    path.write_text('{"version": 1, "accounts": {"a": {"tokens_per_day": "many"}}}')
+    with pytest.raises(ConfigError, match=r"quotas.json.*accounts\.a"):
+        set_account_budget(path, "b", AccountBudget(5))
+
+
+def test_budgets_start_from_the_usage_store(tmp_path: Path) -> None:
+    db = tmp_path / "usage.sqlite3"
+    store = UsageStore(db)
+    day = T0 - 3600  # today
+    last_month = float(calendar.timegm((2026, 11, 30, 12, 0, 0)))
+    for ts, user, tokens in (
+        (day, "alice", 70),
+        (T0 - 2 * 86400, "alice", 20),
+        (last_month, "alice", 999),
+    ):
+        store._write(
+            [UsageRecord(ts, "0000000a", user, "t18phys", "m", "completions", tokens, 0, tokens)]
+        )
+    book = QuotaBook(
+        QuotaConfig(user_tokens_per_day=100, account_tokens_per_month=100), clock=Clock()
+    )
+    book.load(db)
+    # Day: 70 used; month (account): 70 + 20 used, the older month not counted.
+    headers = book.headers(key())
+    assert headers["x-ratelimit-remaining-tokens"] == "10"
+    assert headers["x-ratelimit-limit-tokens"] == "100"
+
+
+def test_quotas_need_keys(tmp_path: Path) -> None:
+    (tmp_path / "server.yaml").write_text("state_dir: s\nquotas:\n  requests_per_minute: 5\n")
+    with pytest.raises(ConfigError) as e:
+        load_server_config(tmp_path / "server.yaml")
+    assert "server.yaml:3: quotas:" in str(e.value) and "router.keys_file" in str(e.value)
+
+
+# ---- through the gateway, with the openai client ------------------------------------
+
+
+@asynccontextmanager
+async def gateway(tmp_path: Path, cfg: QuotaConfig) -> AsyncIterator[tuple[str, str, QuotaBook]]:
+    keyfile = tmp_path / "keys.json"
+    k = add_key(keyfile, "alice", "t18phys").key
+    directory = StaticDirectory([ModelInfo("tiny")])
+    book = QuotaBook(cfg)
+    app = create_app(directory, keys=KeyRing(keyfile), quota=book)
+    async with engine("tiny", key="k0") as eurl, serve(app) as url:
+        directory.add_endpoint("tiny", Endpoint("r0", eurl, "k0"))
+        yield url, k, book
+
+
+async def test_every_answer_has_the_headers_and_a_429_has_retry_after(tmp_path: Path) -> None:
+    cfg = QuotaConfig(requests_per_minute=2, user_tokens_per_day=10_000)
+    async with gateway(tmp_path, cfg) as (url, k, _):
+        c = openai.AsyncOpenAI(api_key=k, base_url=url + "/v1", max_retries=0)
+        raw = await c.completions.with_raw_response.create(model="tiny", prompt="a b", max_tokens=3)
+        assert raw.headers["x-ratelimit-limit-requests"] == "2"
+        assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+        assert raw.headers["x-ratelimit-limit-tokens"] == "10000"
+        # A stream: the headers come before the first byte.
+        async with c.chat.completions.with_streaming_response.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, stream=True
+        ) as s:
+            assert s.headers["x-ratelimit-remaining-requests"] == "0"
+            async for _ in s.iter_lines():
+                pass
+        with pytest.raises(openai.RateLimitError) as e:
+            await c.completions.create(model="tiny", prompt="a", max_tokens=1)
+        assert e.value.response.headers["retry-after"]
+        assert e.value.code == "rate_limit_exceeded"
+        # Also the answers that are not completions (the model list).
+        async with aiohttp.ClientSession() as s2:
+            r = await s2.get(url + "/v1/models", headers={"Authorization": f"Bearer {k}"})
+            assert r.headers["x-ratelimit-remaining-requests"] == "0"
+        await c.close()
+
+
+async def test_a_stream_that_crosses_the_budget_is_finished_and_the_next_refused(
+    tmp_path: Path,
+) -> None:
+    async with gateway(tmp_path, QuotaConfig(user_tokens_per_day=5)) as (url, k, _):
+        c = openai.AsyncOpenAI(api_key=k, base_url=url + "/v1", max_retries=0)
+        stream = await c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "one two three four"}],
+            max_tokens=8,
+            stream=True,
+        )
+        text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+        assert text  # the whole answer came, past the budget
+        with pytest.raises(openai.RateLimitError) as e:
+            await c.completions.create(model="tiny", prompt="a", max_tokens=1)
+        assert e.value.code == "insufficient_quota"
+        await c.close()
+
+
+# ---- llmgw-admin quota ---------------------------------------------------------------
+
+
+def test_admin_quota_set_list_unset(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from llmgw_slurm.cli.admin import main as admin
+
+    server = tmp_path / "server.yaml"
+    server.write_text(
+        f"state_dir: {tmp_path / 'state'}\nrouter: {{keys_file: {tmp_path / 'keys.json'}}}\n"
+        "quotas: {account_tokens_per_day: 1000}\n"
+    )
+    (tmp_path / "state").mkdir()
+
+    def run(*args: str) -> tuple[int, str]:
+        res = CliRunner().invoke(admin, [*args, "--server", str(server)])
+        return res.exit_code, res.output
+
+    code, out = run("quota", "set", "t18phys", "--tokens-per-day", "5000")
+    assert code == 0 and "account t18phys: 5000 tokens per day" in out
+    code, out = run("quota", "list", "--json")
+    data = json.loads(out)
+    assert data["accounts"] == {"t18phys": {"tokens_per_day": 5000, "tokens_per_month": None}}
+    assert data["server"]["account_tokens_per_day"] == 1000
+    code, out = run("quota", "list")
+    assert code == 0 and "t18phys" in out and "account_tokens_per_day" in out
+    assert run("quota", "set", "t18phys")[0] == 2
+    code, out = run("quota", "set", "bad name!", "--tokens-per-day", "1")
+    assert code == 2 and "not a Slurm account name" in out
+    assert run("quota", "unset", "t18phys")[0] == 0
+    assert json.loads(run("quota", "list", "--json")[1])["accounts"] == {}
+
+
+def test_admin_usage_by_user_account_key_and_model(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from llmgw_slurm.cli.admin import main as admin
+
+    server = tmp_path / "server.yaml"
+    server.write_text(f"state_dir: {tmp_path / 'state'}\n")
+    store = UsageStore(tmp_path / "state" / "usage.sqlite3")
+    now = calendar.timegm(time.gmtime())
+    rows = [
+        ("0000000a", "alice", "t18phys", "m1", 10),
+        ("0000000b", "alice", "t18chem", "m2", 5),
+        ("0000000c", "bob", "t18phys", "m1", 1),
+        ("00000000", "old", "t18phys", "m1", 1000),
+    ]
+    for key_id, user, account, model, tokens in rows:
+        ts = now - 100 if user != "old" else now - 90 * 86400
+        store._write(
+            [UsageRecord(ts, key_id, user, account, model, "completions", tokens, 1, tokens + 1)]
+        )
+
+    def usage(by: str) -> list[dict[str, object]]:
+        res = CliRunner().invoke(admin, ["usage", "--by", by, "--json", "--server", str(server)])
+        assert res.exit_code == 0, res.output
+        return [{k: r[k] for k in (by, "requests", "total_tokens")} for r in json.loads(res.output)]
+
+    assert usage("user") == [
+        {"user": "alice", "requests": 2, "total_tokens": 17},
+        {"user": "bob", "requests": 1, "total_tokens": 2},
+    ]
+    assert usage("account") == [
+        {"account": "t18phys", "requests": 2, "total_tokens": 13},
+        {"account": "t18chem", "requests": 1, "total_tokens": 6},
+    ]
+    assert [r["key"] for r in usage("key")] == ["0000000a", "0000000b", "0000000c"]
+    res = CliRunner().invoke(admin, ["usage", "--by", "account", "--server", str(server)])
+    assert res.exit_code == 0 and "t18phys" in res.output and "TOTAL TOKENS" in res.output
