@@ -22,8 +22,7 @@ from aiohttp import BodyPartReader, web
 
 from llmgw_slurm.batch.model import BatchRecord, FileRecord
 from llmgw_slurm.batch.service import BatchRefused, BatchService
-from llmgw_slurm.router.directory import ModelDirectory
-from llmgw_slurm.router.gateway import GATEWAY_KEY
+from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway
 from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.secrets import REPORT_SCHEME
 
@@ -46,12 +45,18 @@ def owner_of(key: KeyRecord | None) -> str:
     return key.user if key is not None else ""
 
 
-def allowed_model(directory: ModelDirectory, key: KeyRecord | None) -> Callable[[str], str | None]:
+def allowed_model(gw: Gateway, key: KeyRecord | None) -> Callable[[str], str | None]:
     """The catalog model a batch line's ``model`` names, if ``key`` may use it (None if not).
 
-    Today every key may use every model; a per-key model list would narrow it here.
+    The catalog's access rules, as for online requests: a model the key may not
+    use reads as an unknown one (``model_not_found`` on its line).
     """
-    return directory.resolve
+
+    def resolve(name: str) -> str | None:
+        model = gw.directory.resolve(name)
+        return model if model is not None and gw.may_use(model, key) else None
+
+    return resolve
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
@@ -260,7 +265,7 @@ async def _create_batch(request: web.Request, svc: BatchService, who: Caller) ->
         _string(body, "endpoint"),
         _string(body, "completion_window", "24h"),
         _metadata(body),
-        allowed_model(gw.directory, who.key),
+        allowed_model(gw, who.key),
         (who.key.key_id, who.key.project) if who.key is not None else ("", ""),
     )
     return web.json_response(batch.to_api())

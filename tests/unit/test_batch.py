@@ -552,3 +552,22 @@ async def test_a_finished_batch_hands_its_tokens_and_its_key_to_the_usage_store(
     assert (done.status, done.key_id, done.project) == (BatchStatus.COMPLETED, "0a0b0c0d", "proj")
     assert (done.prompt_tokens, done.completion_tokens) == (7, 3)
     assert done.to_api()["usage"] == {"input_tokens": 7, "output_tokens": 3, "total_tokens": 10}
+
+
+def test_a_batch_line_for_a_model_the_key_may_not_use_reads_as_unknown() -> None:
+    from types import SimpleNamespace
+
+    from llmgw_slurm.batch.routes import allowed_model
+    from llmgw_slurm.router.keys import KeyRecord
+
+    aliases = {"tiny": "tiny", "t": "tiny", "big": "big"}
+    ann = KeyRecord("a1", "ann", "p1", "0" * 64, 0.0)
+    ben = KeyRecord("b1", "ben", "p1", "1" * 64, 0.0)
+    gw = SimpleNamespace(
+        directory=SimpleNamespace(resolve=aliases.get),
+        may_use=lambda model, key: model != "big" or (key is not None and key.user == "ann"),
+    )
+    assert allowed_model(gw, ann)("big") == "big"  # type: ignore[arg-type]
+    assert allowed_model(gw, ben)("big") is None  # type: ignore[arg-type]
+    assert allowed_model(gw, ben)("t") == "tiny"  # type: ignore[arg-type]
+    assert allowed_model(gw, ben)("nope") is None  # type: ignore[arg-type]
