@@ -41,7 +41,8 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    ``scaling.evict_for`` names (by default one a held request waits for:
    ``_purpose``), only a replica whose stop makes it fit on this listing
    (``_room_made_by``; the longest idle of those; the room is then promised
-   to it), at most one per pass, and never while an earlier eviction's job is
+   to it) or, for a multi-node start, the first of the stops, one per node it
+   lacks, that together would (``_first_of_several``), at most one per pass, and never while an earlier eviction's job is
    still being killed. When none makes room, the note says why for each
    (``_none_makes_room``).
 """
@@ -861,6 +862,9 @@ def _evict(st: _PlanState, m: Model, why: str, purpose: EvictFor) -> str:
         return _nothing_to_evict(st, m)
     tried = ((c, _room_made_by(st, m, c)) for c in candidates)
     best, where = next(((c, w) for c, w in tried if w), (None, ""))
+    needed = 1
+    if best is None:
+        best, where, needed = _first_of_several(st, m, candidates)
     if best is None:
         return _none_makes_room(st, m, candidates)
     st.evicted = True
@@ -878,10 +882,12 @@ def _evict(st: _PlanState, m: Model, why: str, purpose: EvictFor) -> str:
         "nodes": ",".join(best.node_names),
         "fits_on": where,
         "why": why,
+        "evictions_needed": needed,
     }
     reason = f"evicted, idle {format_duration(idle)}, to make room for {m.name}"
     st.stop(ActionKind.EVICT, best, reason, attrs=attrs)
-    return f"evicting {best.model} replica {best.replica_id} (idle {format_duration(idle)})"
+    more = f"; 1 of {needed} evictions that make room" if needed > 1 else ""
+    return f"evicting {best.model} replica {best.replica_id} (idle {format_duration(idle)}{more})"
 
 
 def _freed_by(st: _PlanState, c: ReplicaView) -> dict[str, _Freed]:
@@ -903,6 +909,45 @@ def _room_made_by(st: _PlanState, m: Model, c: ReplicaView) -> str:
         pool = [n for n in st.nodes if n.name in c.node_names]
     ok, where = fits(m, pool, st.cfg, st.taken, _freed_by(st, c))
     return where if ok else ""
+
+
+def _first_of_several(
+    st: _PlanState, m: Model, candidates: list[ReplicaView]
+) -> tuple[ReplicaView | None, str, int]:
+    """For a multi-node ``m`` that no single eviction makes fit: the first of the evictions
+    that together would, the nodes ``m`` would then take, and how many evictions that is.
+
+    Each node takes one node of ``m`` (a free one, or one whose replica is stopped),
+    so the evictions needed are the nodes it lacks, each the longest idle candidate
+    alone on a node of its own that fits ``m`` once it is gone. Only the first is made
+    now (one a pass); each later pass judges again, and once the others are gone the
+    last eviction is one that alone makes room. (None, "", 0) when the candidates
+    are not enough.
+    """
+    res = m.resources
+    part = _partition(m, st.cfg)
+    parts = part.split(",") if part else ()
+
+    def ok(n: NodeInfo, fr: _Freed | None) -> bool:
+        in_part = not parts or any(p in n.partitions for p in parts)
+        return in_part and not _refusal(n, m, st.taken.get(n.name, 0), fr)
+
+    free = [n.name for n in st.nodes if ok(n, None)][: res.nodes]
+    by_name = {n.name: n for n in st.nodes}
+    useful: list[tuple[ReplicaView, str]] = []
+    for c in candidates:
+        if len(c.node_names) != 1:
+            continue
+        name = c.node_names[0]
+        n = by_name.get(name)
+        if n is None or name in free or any(name == u for _, u in useful):
+            continue
+        if ok(n, _freed_by(st, c)[name]):
+            useful.append((c, name))
+    needed = res.nodes - len(free)
+    if not 1 < needed <= len(useful):
+        return None, "", 0
+    return useful[0][0], ",".join([*free, useful[0][1]]), needed
 
 
 def _none_makes_room(st: _PlanState, m: Model, candidates: list[ReplicaView]) -> str:
