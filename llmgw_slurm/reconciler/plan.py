@@ -424,7 +424,9 @@ def plan(
     """What to do now: the rules of the module docstring, applied in its order.
 
     ``held_since``: per model, when its oldest request still held began waiting
-    (default: ``wanted_at``); the longest waiting model goes first.
+    (default: ``wanted_at``); the longest waiting model goes first. A model asked for
+    within its window but not in it (its requests were served by a replica since)
+    waits for nothing: it is not started again for them.
     """
     st = _PlanState(models, replicas, nodes, wanted_at, failures, cfg, now, new_id)
     st.held_since = held_since if held_since is not None else wanted_at
@@ -487,6 +489,11 @@ class _PlanState:
             r.state is ReplicaState.STOPPING and r.stop_reason.startswith("evicted")
             for r in self.replicas
         )
+
+    def wanted(self, m: Model) -> bool:
+        """A request asked for ``m`` within its window."""
+        w = self.wanted_at.get(m.name)
+        return w is not None and self.now - w < self.window(m)
 
     def window(self, m: Model) -> float:
         # A request may wait as long as its model's hold deadline: a model that
@@ -649,10 +656,10 @@ def _in_turn(st: _PlanState) -> list[Model]:
 
     def key(i: int) -> tuple[int, float, int]:
         m = ms[i]
-        w = st.wanted_at.get(m.name)
-        if w is None or st.now - w >= st.window(m):
+        since = st.held_since.get(m.name)
+        if since is None or not st.wanted(m):
             return (1, 0.0, i)
-        return (0, st.held_since.get(m.name, w), i)
+        return (0, since, i)
 
     return [ms[i] for i in sorted(range(len(ms)), key=key)]
 
@@ -663,8 +670,10 @@ def _model_view(st: _PlanState, m: Model) -> _ModelView:
     mine = [r for r in st.by_model.get(m.name, []) if r.replica_id not in st.stopping]
     ready = [r for r in mine if r.state is ReplicaState.READY]
     in_flight = sum(r.in_flight for r in mine)
-    w = st.wanted_at.get(m.name)
-    waiting = w is not None and st.now - w < st.window(m) and not ready
+    # Asked for lately is not enough: the requests of a model that was ready since
+    # were served. Its replica evicted or gone, restarting it at once (evicting for
+    # it, when its hold outlasts the eviction grace) would serve nobody.
+    waiting = st.wanted(m) and m.name in st.held_since and not ready
     target = math.ceil(in_flight / m.scaling.target_inflight) if in_flight else 0
     desired = min(m.scaling.max, max(m.scaling.min, target, 1 if waiting else 0))
     return _ModelView(m, mine, _count_once(mine), ready, in_flight, waiting, target, desired)

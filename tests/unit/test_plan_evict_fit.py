@@ -191,6 +191,22 @@ def test_the_longest_waiting_model_gets_the_eviction_not_the_first_listed(
     assert res.of(ActionKind.EVICT)[0].attrs["for"] == "second"
 
 
+def test_a_model_whose_requests_were_served_is_not_restarted_to_evict_back(
+    tmp_path: Path,
+) -> None:
+    # "back" was asked for 10 s ago; a replica served it and was then evicted for "anym",
+    # whose replica is idle now. No request is held for "back": nothing is started for
+    # it, and nothing evicted (it would only take turns, and serve nobody).
+    ms = site(tmp_path, entry("back", resources="{gpus: 1}"))
+    reps = [idle_on("aaaaaaaa", "anym", 5000, "n1")]
+    nodes = [node("n1", gpus=1, used=1)]
+    res = run(ms, reps, nodes, {"back": NOW - 10}, held={})
+    assert res.actions == [] and "back" not in res.notes
+    # A request held for it again: started, and the idle replica makes room.
+    res = run(ms, reps, nodes, {"back": NOW - 1}, held={"back": NOW - 1})
+    assert evicted(res) == ["aaaaaaaa"] and res.of(ActionKind.SUBMIT)[0].model == "back"
+
+
 def test_a_last_use_at_time_zero_is_idle_since_zero(tmp_path: Path) -> None:
     ms = site(tmp_path, entry("want", resources="{gpus: 1}"))
     now = 10_000.0
@@ -484,7 +500,8 @@ def test_the_room_an_eviction_makes_is_promised_to_its_model(tmp_path: Path) -> 
     )
     reps = [idle_on("aaaaaaaa", "anym", 5000, "n1", gpus=4)]
     nodes = [node("n1", gpus=4, used=4), node("n2", gpus=4, used=0)]
-    res = run(ms, reps, nodes, {"wide": NOW - 1, "later": NOW - 1}, {"wide": NOW - 60})
+    held = {"wide": NOW - 60, "later": NOW - 30}
+    res = run(ms, reps, nodes, {"wide": NOW - 1, "later": NOW - 1}, held)
     assert [(a.kind.value, a.model) for a in res.actions] == [
         ("evict", "anym"),
         ("submit", "wide"),
