@@ -42,9 +42,9 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    ``_purpose``), only a replica whose stop makes it fit on this listing
    (``_room_made_by``; the longest idle of those; the room is then promised
    to it) or, for a multi-node start, the first of the stops, one per node it
-   lacks, that together would (``_first_of_several``), at most one per pass, and never while an earlier eviction's job is
-   still being killed. When none makes room, the note says why for each
-   (``_none_makes_room``).
+   lacks, that together would (``_first_of_several``), at most one per pass,
+   and never while an earlier eviction's job is still being killed. When none
+   makes room, the note says why for each (``_none_makes_room``).
 """
 
 from __future__ import annotations
