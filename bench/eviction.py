@@ -1,6 +1,6 @@
 """Eviction to serve: on a full cluster, a request for another on-demand model.
 
-The dev cluster is filled (three nodes by placeholder jobs, the fourth by an
+The dev cluster's a100 nodes are filled (three by placeholder jobs, the fourth by an
 idle on-demand replica of model A); then a request for model B, which needs a
 whole node, is sent. Measured: request -> B's first token, and its parts:
 request -> eviction decided, eviction -> B's agent running (A's agent drains

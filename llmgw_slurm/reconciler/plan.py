@@ -42,9 +42,10 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    ``scaling.evict_for`` names (by default one a held request waits for:
    ``_purpose``), only a replica whose stop makes it fit on this listing
    (``_room_made_by``; the longest idle of those; the room is then promised
-   to it), at most one per pass, and never while an earlier eviction's job is
-   still being killed. When none makes room, the note says why for each
-   (``_none_makes_room``).
+   to it) or, for a multi-node start, the first of the stops, one per node it
+   lacks, that together would (``_first_of_several``), at most one per pass,
+   and never while an earlier eviction's job is still being killed. When none
+   makes room, the note says why for each (``_none_makes_room``).
 """
 
 from __future__ import annotations
@@ -429,7 +430,9 @@ def plan(
     """What to do now: the rules of the module docstring, applied in its order.
 
     ``held_since``: per model, when its oldest request still held began waiting
-    (default: ``wanted_at``); the longest waiting model goes first.
+    (default: ``wanted_at``); the longest waiting model goes first. A model asked for
+    within its window but not in it (its requests were served by a replica since)
+    waits for nothing: it is not started again for them.
     """
     st = _PlanState(models, replicas, nodes, wanted_at, failures, cfg, now, new_id)
     st.held_since = held_since if held_since is not None else wanted_at
@@ -499,6 +502,11 @@ class _PlanState:
             r.state is ReplicaState.STOPPING and r.stop_reason.startswith("evicted")
             for r in self.replicas
         )
+
+    def wanted(self, m: Model) -> bool:
+        """A request asked for ``m`` within its window."""
+        w = self.wanted_at.get(m.name)
+        return w is not None and self.now - w < self.window(m)
 
     def window(self, m: Model) -> float:
         # A request may wait as long as its model's hold deadline: a model that
@@ -669,10 +677,10 @@ def _in_turn(st: _PlanState) -> list[Model]:
 
     def key(i: int) -> tuple[int, float, int]:
         m = ms[i]
-        w = st.wanted_at.get(m.name)
-        if w is None or st.now - w >= st.window(m):
+        since = st.held_since.get(m.name)
+        if since is None or not st.wanted(m):
             return (1, 0.0, i)
-        return (0, st.held_since.get(m.name, w), i)
+        return (0, since, i)
 
     return [ms[i] for i in sorted(range(len(ms)), key=key)]
 
@@ -694,8 +702,10 @@ def _model_view(st: _PlanState, m: Model) -> _ModelView:
     mine = [r for r in st.by_model.get(m.name, []) if r.replica_id not in st.stopping]
     ready = [r for r in mine if r.state is ReplicaState.READY]
     in_flight = sum(r.in_flight for r in mine)
-    w = st.wanted_at.get(m.name)
-    waiting = w is not None and st.now - w < st.window(m) and not ready
+    # Asked for lately is not enough: the requests of a model that was ready since
+    # were served. Its replica evicted or gone, restarting it at once (evicting for
+    # it, when its hold outlasts the eviction grace) would serve nobody.
+    waiting = st.wanted(m) and m.name in st.held_since and not ready
     target = _load_target(m, ready, in_flight)
     desired = min(m.scaling.max, max(m.scaling.min, target, 1 if waiting else 0))
     return _ModelView(m, mine, _count_once(mine), ready, in_flight, waiting, target, desired)
@@ -896,6 +906,9 @@ def _evict(st: _PlanState, m: Model, why: str, purpose: EvictFor) -> str:
         return _nothing_to_evict(st, m)
     tried = ((c, _room_made_by(st, m, c)) for c in candidates)
     best, where = next(((c, w) for c, w in tried if w), (None, ""))
+    needed = 1
+    if best is None:
+        best, where, needed = _first_of_several(st, m, candidates)
     if best is None:
         return _none_makes_room(st, m, candidates)
     st.evicted = True
@@ -913,10 +926,12 @@ def _evict(st: _PlanState, m: Model, why: str, purpose: EvictFor) -> str:
         "nodes": ",".join(best.node_names),
         "fits_on": where,
         "why": why,
+        "evictions_needed": needed,
     }
     reason = f"evicted, idle {format_duration(idle)}, to make room for {m.name}"
     st.stop(ActionKind.EVICT, best, reason, attrs=attrs)
-    return f"evicting {best.model} replica {best.replica_id} (idle {format_duration(idle)})"
+    more = f"; 1 of {needed} evictions that make room" if needed > 1 else ""
+    return f"evicting {best.model} replica {best.replica_id} (idle {format_duration(idle)}{more})"
 
 
 def _freed_by(st: _PlanState, c: ReplicaView) -> dict[str, _Freed]:
@@ -938,6 +953,45 @@ def _room_made_by(st: _PlanState, m: Model, c: ReplicaView) -> str:
         pool = [n for n in st.nodes if n.name in c.node_names]
     ok, where = fits(m, pool, st.cfg, st.taken, _freed_by(st, c))
     return where if ok else ""
+
+
+def _first_of_several(
+    st: _PlanState, m: Model, candidates: list[ReplicaView]
+) -> tuple[ReplicaView | None, str, int]:
+    """For a multi-node ``m`` that no single eviction makes fit: the first of the evictions
+    that together would, the nodes ``m`` would then take, and how many evictions that is.
+
+    Each node takes one node of ``m`` (a free one, or one whose replica is stopped),
+    so the evictions needed are the nodes it lacks, each the longest idle candidate
+    alone on a node of its own that fits ``m`` once it is gone. Only the first is made
+    now (one a pass); each later pass judges again, and once the others are gone the
+    last eviction is one that alone makes room. (None, "", 0) when the candidates
+    are not enough.
+    """
+    res = m.resources
+    part = _partition(m, st.cfg)
+    parts = part.split(",") if part else ()
+
+    def ok(n: NodeInfo, fr: _Freed | None) -> bool:
+        in_part = not parts or any(p in n.partitions for p in parts)
+        return in_part and not _refusal(n, m, st.taken.get(n.name, 0), fr)
+
+    free = [n.name for n in st.nodes if ok(n, None)][: res.nodes]
+    by_name = {n.name: n for n in st.nodes}
+    useful: list[tuple[ReplicaView, str]] = []
+    for c in candidates:
+        if len(c.node_names) != 1:
+            continue
+        name = c.node_names[0]
+        n = by_name.get(name)
+        if n is None or name in free or any(name == u for _, u in useful):
+            continue
+        if ok(n, _freed_by(st, c)[name]):
+            useful.append((c, name))
+    needed = res.nodes - len(free)
+    if not 1 < needed <= len(useful):
+        return None, "", 0
+    return useful[0][0], ",".join([*free, useful[0][1]]), needed
 
 
 def _none_makes_room(st: _PlanState, m: Model, candidates: list[ReplicaView]) -> str:

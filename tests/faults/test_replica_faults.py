@@ -31,13 +31,15 @@ def ready(h: Harness, model: str) -> list[str]:
 
 
 def free_node() -> str | None:
+    """An idle node with the a100s the replica below asks for (not the h100 node)."""
     out = subprocess.run(
-        ["sinfo", "-h", "-N", "-p", "llm", "-t", "idle", "-o", "%N"],
+        ["sinfo", "-h", "-N", "-p", "llm", "-t", "idle", "-o", "%N %G"],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split()
-    return out[-1] if out else None
+    ).stdout.splitlines()
+    nodes = [line.split()[0] for line in out if "gpu:a100" in line]
+    return nodes[-1] if nodes else None
 
 
 async def test_preempted_replica_fails_in_flight_requests_at_most_once(

@@ -28,6 +28,30 @@ from tests.slurm.conftest import daemon_backend, eventually, need_backend
 TOP = Path(__file__).resolve().parents[2]
 
 
+@dataclass(frozen=True)
+class SiteNode:
+    """One node of the dev cluster as scripts/dev-cluster's NODE_TABLE makes it."""
+
+    gpu_type: str
+    gpus: int
+    cpus: int
+    memory_mb: int
+    features: tuple[str, ...]
+    partitions: tuple[str, ...]
+
+
+_BIG = ("research", "llm", "llm-big")
+# The site scripts/dev-cluster models (keep the two in step): llm over every node,
+# llm-big over the nvlink nodes only; Slurm fills gpunode3-4 first (node weights).
+SITE = {
+    "gpunode1": SiteNode("a100", 4, 16, 64000, ("nvlink",), _BIG),
+    "gpunode2": SiteNode("a100", 4, 16, 64000, ("nvlink",), _BIG),
+    "gpunode3": SiteNode("a100", 4, 16, 32000, (), ("research", "llm")),
+    "gpunode4": SiteNode("a100", 4, 16, 32000, (), ("research", "llm")),
+    "gpunode5": SiteNode("h100", 2, 8, 48000, ("nvlink",), _BIG),
+}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,6 +19,7 @@ import pytest
 from llmgw_slurm.slurm import BACKENDS, Job, JobSpec, JobState, SlurmBackend, make_backend
 from llmgw_slurm.slurm.cli import CliBackend, show_hostnames
 from tests.slurm.conftest import eventually, need_backend
+from tests.slurm.harness import SITE
 
 
 @pytest.fixture(params=BACKENDS)
@@ -311,12 +312,14 @@ async def test_nodes_show_free_and_total_gpus(backend: SlurmBackend) -> None:
     before = backend.calls
     nodes = await backend.list_nodes()
     assert backend.calls == before + 1
-    assert len(nodes) >= 4
+    assert sorted(n.name for n in nodes) == sorted(SITE)
     for n in nodes:
-        assert n.gpus_total("a100") == 4
-        assert 0 <= n.gpus_free("a100") <= 4
-        assert {"llm", "research"} <= set(n.partitions)
-        assert n.cpus_total == 16 and n.memory_mb == 32000
+        site = SITE[n.name]
+        assert n.gpus_total(site.gpu_type) == n.gpus_total() == site.gpus
+        assert 0 <= n.gpus_free(site.gpu_type) <= site.gpus
+        assert set(n.partitions) == set(site.partitions)
+        assert (n.cpus_total, n.memory_mb) == (site.cpus, site.memory_mb)
+        assert tuple(n.features or ()) == site.features
         assert n.address == "127.0.10." + n.name.removeprefix("gpunode")
 
 

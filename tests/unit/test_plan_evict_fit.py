@@ -21,6 +21,7 @@ from llmgw_slurm.reconciler.plan import (
     ActionKind,
     PlanConfig,
     PlanResult,
+    ReplicaState,
     ReplicaView,
     fits,
     plan,
@@ -190,6 +191,22 @@ def test_the_longest_waiting_model_gets_the_eviction_not_the_first_listed(
     assert res.of(ActionKind.EVICT)[0].attrs["for"] == "second"
 
 
+def test_a_model_whose_requests_were_served_is_not_restarted_to_evict_back(
+    tmp_path: Path,
+) -> None:
+    # "back" was asked for 10 s ago; a replica served it and was then evicted for "anym",
+    # whose replica is idle now. No request is held for "back": nothing is started for
+    # it, and nothing evicted (it would only take turns, and serve nobody).
+    ms = site(tmp_path, entry("back", resources="{gpus: 1}"))
+    reps = [idle_on("aaaaaaaa", "anym", 5000, "n1")]
+    nodes = [node("n1", gpus=1, used=1)]
+    res = run(ms, reps, nodes, {"back": NOW - 10}, held={})
+    assert res.actions == [] and "back" not in res.notes
+    # A request held for it again: started, and the idle replica makes room.
+    res = run(ms, reps, nodes, {"back": NOW - 1}, held={"back": NOW - 1})
+    assert evicted(res) == ["aaaaaaaa"] and res.of(ActionKind.SUBMIT)[0].model == "back"
+
+
 def test_a_last_use_at_time_zero_is_idle_since_zero(tmp_path: Path) -> None:
     ms = site(tmp_path, entry("want", resources="{gpus: 1}"))
     now = 10_000.0
@@ -300,6 +317,54 @@ def test_a_multi_node_model_needs_enough_nodes_once_one_is_stopped(tmp_path: Pat
     res = run(ms, reps, full_n2, {"want": NOW - 1})
     assert evicted(res) == []
     assert "anym aaaaaaaa on n1: fits once stopped, but 2 such node(s) needed" in res.notes["want"]
+
+
+def test_a_multi_node_model_evicts_across_passes_for_the_nodes_it_lacks(tmp_path: Path) -> None:
+    # Every a100 node held by an idle replica, the h100 node by the longest idle one: a
+    # 2-node a100 model needs two evictions, made one a pass, the longest idle first.
+    ms = site(tmp_path, entry("want", resources="{gpus: 4, nodes: 2, gpu_type: a100}"))
+    nodes = [
+        node("n1", gpus=4, used=4),
+        node("n2", gpus=4, used=4),
+        node("h1", gpus=4, used=4, gpu_type="h100"),
+    ]
+    reps = [
+        idle_on("aaaaaaaa", "a100m", 9000, "n1", gpus=4),
+        idle_on("bbbbbbbb", "anym", 5000, "n2", gpus=4),
+        idle_on("cccccccc", "h100m", 12000, "h1", gpus=4),
+    ]
+    res = run(ms, reps, nodes, {"want": NOW - 1})
+    assert evicted(res) == ["aaaaaaaa"]
+    (ev,) = res.of(ActionKind.EVICT)
+    assert ev.attrs["evictions_needed"] == 2 and ev.attrs["fits_on"] == "n1"
+    assert "(idle 2h30m; 1 of 2 evictions that make room)" in res.notes["want"]
+    pending = rv("pppppppp", "want", P, reason="Resources", gpus_per_node=4, nodes=2)
+    reps, nodes = _apply(res, reps, nodes)
+    # Still being killed: nothing more this pass.
+    stopping = rv("aaaaaaaa", "a100m", ReplicaState.STOPPING, stop_reason="evicted, idle")
+    assert evicted(run(ms, [*reps, stopping, pending], nodes, {"want": NOW - 1})) == []
+    res = run(ms, [*reps, pending], nodes, {"want": NOW - 1})
+    assert evicted(res) == ["bbbbbbbb"]
+    assert res.of(ActionKind.EVICT)[0].attrs["evictions_needed"] == 1
+    reps, nodes = _apply(res, reps, nodes)
+    res = run(ms, [*reps, pending], nodes, {"want": NOW - 1})
+    assert evicted(res) == [] and res.notes["want"] == "queued (Resources)"
+    assert [r.replica_id for r in reps] == ["cccccccc"]
+
+
+def test_a_multi_node_model_evicts_none_when_its_candidates_are_not_enough(
+    tmp_path: Path,
+) -> None:
+    # Three nodes needed; two idle replicas on nodes that fit, the third node someone else's.
+    ms = site(tmp_path, entry("want", resources="{gpus: 4, nodes: 3}"))
+    nodes = [node(f"n{i}", gpus=4, used=4) for i in (1, 2, 3)]
+    reps = [
+        idle_on("aaaaaaaa", "anym", 9000, "n1", gpus=4),
+        idle_on("bbbbbbbb", "anym", 5000, "n2", gpus=4),
+    ]
+    res = run(ms, reps, nodes, {"want": NOW - 1})
+    assert evicted(res) == []
+    assert "2 idle replica(s) could be stopped, none makes room" in res.notes["want"]
 
 
 def test_the_nearest_candidate_is_the_one_leaving_most_room(tmp_path: Path) -> None:
@@ -435,7 +500,8 @@ def test_the_room_an_eviction_makes_is_promised_to_its_model(tmp_path: Path) -> 
     )
     reps = [idle_on("aaaaaaaa", "anym", 5000, "n1", gpus=4)]
     nodes = [node("n1", gpus=4, used=4), node("n2", gpus=4, used=0)]
-    res = run(ms, reps, nodes, {"wide": NOW - 1, "later": NOW - 1}, {"wide": NOW - 60})
+    held = {"wide": NOW - 60, "later": NOW - 30}
+    res = run(ms, reps, nodes, {"wide": NOW - 1, "later": NOW - 1}, held)
     assert [(a.kind.value, a.model) for a in res.actions] == [
         ("evict", "anym"),
         ("submit", "wide"),
