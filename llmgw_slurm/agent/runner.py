@@ -598,6 +598,11 @@ class Agent:
                     break
                 if exit_task in done:
                     rc = exit_task.result()
+                    if rc == 0 and not self.role.is_head:
+                        # A worker's engine that ends cleanly was stopped by its
+                        # head, which is stopping: no failure, and nobody may be
+                        # left to signal this node (its slurmd lost).
+                        self.request_drain("the engine ended with its head (exit 0)")
                     if not self._drain.is_set():
                         # The engine may end just before this agent hears why:
                         # on scancel slurmstepd sends SIGTERM to the engine as
