@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -27,7 +26,7 @@ from llmgw_slurm.agent.runner import Agent, job_context_from_env
 from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
 from llmgw_slurm.config import EngineRuntime
 from tests.agent_support import FakeDaemon, fake_daemon
-from tests.unit.test_agent_run import start_agent, two_node_envs, wait_exit
+from tests.unit.test_agent_run import two_node_envs
 
 
 def _scripted(states: list[PortState]) -> tuple[list[int], object]:
@@ -169,25 +168,3 @@ async def test_draining_worker_ends_its_wait_when_the_head_is_gone(
     assert await asyncio.wait_for(run, 60) == 0
     (drain,) = [s for s in exporter.get_finished_spans() if s.name == "llmgw.agent.drain"]
     assert drain.attributes["llmgw.drain.worker_end"] == "head gone"  # type: ignore[index]
-
-
-async def test_worker_whose_engine_ends_cleanly_with_its_head_ends_too_without_a_failure(
-    daemon: FakeDaemon, tmp_path: Path
-) -> None:
-    # The worker's node may have lost its slurmd: nobody signals its agent.
-    # Its engine (the fake's rank 1) exits 0 once its master is gone.
-    head_env, worker_env = two_node_envs(daemon, tmp_path)
-    worker = await start_agent(tmp_path, worker_env, "worker")
-    head = await start_agent(tmp_path, head_env, "head")
-    try:
-        await daemon.wait_for(lambda: "ready" in daemon.events())
-        head.send_signal(signal.SIGTERM)
-        assert await wait_exit(head, tmp_path, "head") == 0
-        assert await wait_exit(worker, tmp_path, "worker") == 0
-    finally:
-        for proc in (head, worker):
-            if proc.returncode is None:
-                proc.kill()
-    assert "master gone, worker exits" in (tmp_path / "worker.out").read_text()
-    assert "failed" not in daemon.events()
-    assert "the engine ended with its head" in (tmp_path / "worker.err").read_text()
