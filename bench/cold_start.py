@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +71,16 @@ async def bare_dispatch(folder: Path) -> float:
 
 
 TOP = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = TOP / ".dev-cluster" / "engines" / "vllm" / "bin" / "python"
-TINY_LLAMA = TOP / ".dev-cluster" / "engines" / "tiny-llama"
-VLLM_CACHE = TOP / ".dev-cluster" / "engines" / "vllm-cache"
+# As the engine tests take them: the environment may name a venv and a model elsewhere.
+VLLM_PYTHON = Path(
+    os.environ.get("LLMGW_VLLM_PYTHON")
+    or TOP / ".dev-cluster" / "engines" / "vllm" / "bin" / "python"
+)
+TINY_LLAMA = Path(
+    os.environ.get("LLMGW_TINY_MODEL") or TOP / ".dev-cluster" / "engines" / "tiny-llama"
+)
+# Beside the venv (engines/vllm/bin/python -> engines/vllm-cache), as the tests' configs.
+VLLM_CACHE = VLLM_PYTHON.parents[2] / "vllm-cache"
 
 
 def vllm_model() -> dict[str, Any]:
@@ -138,8 +146,15 @@ async def _test_engine_alone() -> float:
 
 
 async def one_cold_start(folder: Path, kind: str) -> dict[str, float]:
-    prefix = f"llmgwbench{secrets.token_hex(2)}."
     model, configure = (vllm_model(), vllm_agent) if kind == "vllm" else (tiny_model("cold"), None)
+    return await one_cold_start_of(folder, model, configure)
+
+
+async def one_cold_start_of(
+    folder: Path, model: dict[str, Any], configure: Callable[[Harness], None] | None
+) -> dict[str, float]:
+    """A daemon of its own serving ``model`` (named "cold"), asked once; the parts."""
+    prefix = f"llmgwbench{secrets.token_hex(2)}."
     async with running(
         folder,
         prefix,

@@ -50,6 +50,7 @@ from llmgw_slurm.agent.engine import (
     wait_ready,
 )
 from llmgw_slurm.agent.errors import AgentError
+from llmgw_slurm.agent.headwatch import wait_head_gone
 from llmgw_slurm.agent.install import install_marker_for
 from llmgw_slurm.agent.portowner import port_owner
 from llmgw_slurm.agent.report import DaemonClient
@@ -197,6 +198,8 @@ class Agent:
         self._queued = 0
         self._handled = 0
         self._progress = asyncio.Event()
+        # A worker's watch on its head's engine (agent/headwatch.py); None on the head.
+        self._head_gone: asyncio.Task[str] | None = None
 
     # --- drain triggers -------------------------------------------------------
 
@@ -447,6 +450,7 @@ class Agent:
             await self.engine.start()
 
         if not role.is_head:
+            self._watch_head(dist)
             return
         poll_host = "127.0.0.1" if s.bind_host in ("0.0.0.0", "") else s.bind_host  # noqa: S104
         scheme = "https" if self._tls is not None else "http"
@@ -562,6 +566,16 @@ class Agent:
                 rdzv.check_port_free(mport, s.bind_host)
         return DistInfo(role.nnodes, role.rank, role.head_host, mport), {mport}
 
+    def _watch_head(self, dist: DistInfo | None) -> None:
+        """On a worker of vLLM or SGLang, whose engines meet at torch's store on the
+        head: notice when the head's engine is gone (agent/headwatch.py). A
+        ``command`` engine's own processes decide how they end with their head."""
+        if dist is None or self.job.spec.engine.kind not in ("vllm", "sglang"):
+            return
+        self._head_gone = asyncio.create_task(
+            wait_head_gone(dist.master_addr, dist.master_port, self.settings.drain_poll_s)
+        )
+
     def _engine_log_files(self, role: rdzv.NodeRole) -> tuple[IO[bytes] | None, IO[bytes] | None]:
         if self.settings.log_dir is None:
             return None, None
@@ -577,15 +591,27 @@ class Agent:
         t_ready = time.monotonic()
         exit_task = asyncio.create_task(self.engine.wait())
         drain_task = asyncio.create_task(self._drain.wait())
+        watched: set[asyncio.Future[Any]] = {exit_task, drain_task}
+        if self._head_gone is not None:
+            watched.add(self._head_gone)
         try:
             while True:
                 done, _ = await asyncio.wait(
-                    {exit_task, drain_task},
+                    watched,
                     timeout=self.settings.heartbeat_interval_s,
                     return_when=asyncio.FIRST_COMPLETED,
                 )
+                if self._head_gone in done and exit_task not in done:
+                    # A worker without its head serves nothing: it ends as in a drain.
+                    self.request_drain(self._head_gone.result())
+                    break
                 if exit_task in done:
                     rc = exit_task.result()
+                    if rc == 0 and not self.role.is_head:
+                        # A worker's engine that ends cleanly was stopped by its
+                        # head, which is stopping: no failure, and nobody may be
+                        # left to signal this node (its slurmd lost).
+                        self.request_drain("the engine ended with its head (exit 0)")
                     if not self._drain.is_set():
                         # The engine may end just before this agent hears why:
                         # on scancel slurmstepd sends SIGTERM to the engine as
@@ -641,15 +667,29 @@ class Agent:
                     waited = await self._wait_in_flight(session)
                     span.set_attribute("llmgw.drain.waited_s", waited)
                 else:
-                    # A worker's engine is part of the head's: it must not go first.
-                    # It ends when the head's engine does.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(
-                            self.engine.wait(), s.drain_timeout_s + s.stop_grace_s
-                        )
+                    await self._wait_for_head(span)
             async with self._step("stop") as span:
                 rc = await self.engine.stop(s.stop_grace_s)
                 span.set_attribute("llmgw.engine.exit_code", rc)
+
+    async def _wait_for_head(self, span: trace.Span) -> None:
+        """A worker's engine is part of the head's: it must not go first. It ends
+        when the head's engine does, or once the head watch sees that one gone;
+        at most the head's drain and stop."""
+        assert self.engine is not None
+        s = self.settings
+        ended = asyncio.create_task(self.engine.wait())
+        waits: set[asyncio.Future[Any]] = {ended}
+        if self._head_gone is not None:
+            waits.add(self._head_gone)
+        done, _ = await asyncio.wait(
+            waits, timeout=s.drain_timeout_s + s.stop_grace_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not ended.done():
+            ended.cancel()
+        how = "engine ended" if ended in done else "head gone" if done else "timeout"
+        span.set_attribute("llmgw.drain.worker_end", how)
+        log.info("drain: worker's wait for its head ended (%s)", how)
 
     async def _wait_in_flight(self, session: aiohttp.ClientSession) -> float:
         """Until no request is running, or the drain limit; returns seconds waited."""
@@ -712,6 +752,8 @@ class Agent:
                 span.set_attribute("llmgw.engine.exit_code", rc)
 
     def _cleanup(self) -> None:
+        if self._head_gone is not None:
+            self._head_gone.cancel()
         for f in self._log_files:
             with contextlib.suppress(OSError):
                 f.close()

@@ -391,9 +391,10 @@ async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_d
         # srun forwards the signal to every task, but not in step: here the
         # head gets it and stops its engine first, so the worker's engine
         # ends (its master is gone) before the worker's agent hears of it.
+        # A worker's engine that ends cleanly was stopped by its head: the
+        # worker ends with it, signalled or not (its node's slurmd may be lost).
         head.send_signal(signal.SIGTERM)
         assert await wait_exit(head, tmp_path, "head") == 0
-        worker.send_signal(signal.SIGTERM)
         assert await wait_exit(worker, tmp_path, "worker") == 0
     finally:
         for proc in (head, worker):
@@ -405,6 +406,7 @@ async def test_two_node_replica(daemon: FakeDaemon, tmp_path: Path, rendezvous_d
     assert ev.count("rendezvous:done") == 2 and ev.count("engine_launch:done") == 2
     assert all(r["job_id"] in ("777", "778") for r in daemon.reports)
     assert "master gone, worker exits" in (tmp_path / "worker.out").read_text()
+    assert "the engine ended with its head" in (tmp_path / "worker.err").read_text()
     if rendezvous_dir:
         assert list((tmp_path / "rdzv" / "rendezvous").iterdir()) == []  # the head cleaned up
 

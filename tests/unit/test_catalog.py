@@ -80,7 +80,9 @@ def test_site_config_catalog_loads() -> None:
     assert not single.scaling.on_demand
 
 
-@pytest.mark.parametrize("path", ["models.yaml", "dev/models.yaml"])
+@pytest.mark.parametrize(
+    "path", ["models.yaml", "dev/models.yaml", "examples/torch-gloo/models.yaml"]
+)
 def test_shipped_catalogs_keep_engine_keys_off_argv(path: str) -> None:
     # Any user of a node can read a command line; the engines read the key from
     # their environment instead (LLMGW_ENGINE_API_KEY, VLLM_API_KEY).
@@ -89,6 +91,17 @@ def test_shipped_catalogs_keep_engine_keys_off_argv(path: str) -> None:
     assert commands
     for m in commands:
         assert not any("{api_key}" in a for a in (*m.engine.command, *m.engine.args)), m.name
+
+
+def test_torch_gloo_example_is_a_two_node_command_engine_with_its_port_off_argv() -> None:
+    # The example a site copies for its own distributed server: it reads the port
+    # and the rendezvous from its environment, never from a command line.
+    (m,) = load_catalog(SITE / "examples" / "torch-gloo" / "models.yaml").models
+    assert m.engine.kind == "command" and m.resources.nodes == 2
+    argv = " ".join((*m.engine.command, *m.engine.args))
+    for secret in ("{port}", "{api_key}"):
+        assert secret not in argv
+    assert m.engine.command[1].endswith("/torch-gloo/server.py")
 
 
 def test_site_config_server_and_agent_load() -> None:
