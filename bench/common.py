@@ -13,6 +13,20 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worktree(commit: str) -> Path:
+    """A ``git worktree`` of ``commit`` under /tmp, to compare with in the same run
+    (made once, kept for reruns)."""
+    path = Path("/tmp") / f"llmgw-tree-{commit[:12]}"
+    if not (path / "llmgw_slurm").is_dir():
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), commit],
+            check=True,
+            capture_output=True,
+        )
+    return path
 
 
 def machine() -> dict[str, Any]:

@@ -82,7 +82,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import result, write
+from bench.common import result, worktree, write
 from llmgw_slurm.tls import (
     EngineTLS,
     Identity,
@@ -736,7 +736,7 @@ def main() -> int:
                 gw = start(
                     other_gateway_cmd(args.against, g_port, engines),
                     proxy_cpus,
-                    env=dict(os.environ, PYTHONPATH=str(other_tree(args.against))),
+                    env=dict(os.environ, PYTHONPATH=str(worktree(args.against))),
                 )
                 waits.append((f"http://127.0.0.1:{g_port}/health", gw, None))
                 server_pid |= {(target, n): gw.pid for n in engines}
@@ -1046,25 +1046,13 @@ def print_goals(
             )
 
 
-def other_tree(commit: str) -> Path:
-    """A git worktree of ``commit`` under /tmp (made once, kept for reruns)."""
-    path = Path("/tmp") / f"llmgw-tree-{commit[:12]}"
-    if not (path / "llmgw_slurm").is_dir():
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), commit],
-            check=True,
-            capture_output=True,
-        )
-    return path
-
-
 def other_gateway_cmd(commit: str, port: int, engines: dict[str, str]) -> list[str]:
     """That tree's own gateway process, on the plain engines, as its bench script serves it.
 
     Before the engines served TLS, the script took the engines' URLs where it now
     takes a spec with them.
     """
-    script = other_tree(commit) / "bench" / "gateway.py"
+    script = worktree(commit) / "bench" / "gateway.py"
     spec = gateway_spec(engines, None)
     if "def gateway_spec" not in script.read_text():
         spec = json.dumps(engines)

@@ -41,18 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import result, write
-
-
-def worktree(commit: str) -> Path:
-    path = Path("/tmp") / f"llmgw-tree-{commit[:12]}"
-    if not (path / "llmgw_slurm").is_dir():
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), commit],
-            check=True,
-            capture_output=True,
-        )
-    return path
+from bench.common import result, worktree, write
 
 
 def _env() -> dict[str, str]:
