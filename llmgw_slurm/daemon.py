@@ -193,6 +193,9 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     private.private_dir(state)
     key = load_or_create_server_key(state / "server.key")
     daemon_url = server.listen.advertised_daemon_url(socket.getfqdn())
+    # The provider's own tracer, not the global one: only the first global
+    # provider of a process counts (a second daemon in one test process).
+    tracer = provider.get_tracer("llmgw_slurm") if provider is not None else None
     rec = Reconciler(
         catalog,
         server,
@@ -201,14 +204,12 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         daemon_url,
         hold_timeout=server.router.hold_timeout,
         agent_ready_timeout=agent_timeout,
-        # The provider's own tracer, not the global one: only the first global
-        # provider of a process counts (a second daemon in one test process).
-        tracer=provider.get_tracer("llmgw_slurm") if provider is not None else None,
+        tracer=tracer,
     )
     keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
     usage = UsageStore(state / "usage.sqlite3")
     quota = quota_book(server, usage.path) if keys is not None else None
-    gateway = create_app(rec, server.router, keys=keys, usage=usage, quota=quota)
+    gateway = create_app(rec, server.router, keys=keys, usage=usage, quota=quota, tracer=tracer)
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec)
     api.add_cli_routes(gateway, rec)

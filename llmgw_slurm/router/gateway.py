@@ -46,8 +46,6 @@ from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
 __all__ = ["GATEWAY_KEY", "Gateway", "create_app", "request_key"]
 
-_tracer = trace.get_tracer("llmgw_slurm")
-
 
 def _error(
     status: int,
@@ -157,9 +155,13 @@ class Gateway:
         usage: UsageStore | None,
         registry: CollectorRegistry,
         quota: QuotaBook | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.directory = directory
         self.quota = quota
+        # The daemon's own provider's tracer, not the process's global one, as the
+        # reconciler's: only the first global provider of a process counts.
+        self.tracer = tracer or trace.get_tracer("llmgw_slurm")
         self.config = config
         self.keys = keys
         self.usage = usage
@@ -557,7 +559,7 @@ class Gateway:
         ctx = propagate.extract(request.headers)
         span_cm: contextlib.AbstractContextManager[trace.Span]
         if self.config.trace_requests == "all" or _sampled(ctx):
-            span_cm = _tracer.start_as_current_span(
+            span_cm = self.tracer.start_as_current_span(
                 "llmgw.router.request",
                 context=ctx,
                 kind=trace.SpanKind.SERVER,
@@ -721,7 +723,7 @@ class Gateway:
         else:
             # Untraced so far: a cold start is worth a trace of its own (the
             # sampler decides), linked to the replica's start.
-            with _tracer.start_as_current_span(
+            with self.tracer.start_as_current_span(
                 "llmgw.router.held",
                 kind=trace.SpanKind.SERVER,
                 attributes={"llmgw.model": model},
@@ -1074,6 +1076,7 @@ def create_app(
     usage: UsageStore | None = None,
     registry: CollectorRegistry | None = None,
     quota: QuotaBook | None = None,
+    tracer: trace.Tracer | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp app.
 
@@ -1082,6 +1085,7 @@ def create_app(
     where per-key token usage goes (started and closed with the app).
     ``registry``: the Prometheus registry for ``/metrics``; a new one when None.
     ``quota``: limits and budgets per key, user and account (with ``keys``).
+    ``tracer``: where its spans go (default: the process's tracer provider).
     The daemon may add its own routes to the returned app before starting it;
     ``app[GATEWAY_KEY]`` is the :class:`Gateway` state.
     """
@@ -1093,6 +1097,7 @@ def create_app(
         usage=usage,
         registry=registry if registry is not None else CollectorRegistry(),
         quota=quota,
+        tracer=tracer,
     )
     # aiohttp's own limit refuses larger bodies while reading; the
     # Content-Length check in the handler refuses most before reading.

@@ -337,6 +337,7 @@ def _refusal(key: KeyRecord, over: _Limit, headers: Mapping[str, str]) -> web.Re
 
 def add_quota_headers(app: web.Application, book: QuotaBook) -> None:
     """Put the rate-limit headers on every answer to a request with a valid key."""
+
     async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
         key = request_key(request)
         if key is not None:

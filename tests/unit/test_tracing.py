@@ -31,7 +31,6 @@ from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import Action, ActionKind
 from llmgw_slurm.reconciler.spans import decision_of, traceparent_from_comment
 from llmgw_slurm.router import ModelInfo, RouterConfig, StaticDirectory, create_app
-from llmgw_slurm.router import gateway as gateway_mod
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
 from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.types import GpuCount, Job, JobComponent, JobSpec, JobState, NodeInfo
@@ -632,12 +631,13 @@ async def test_held_request_links_to_the_replica_start(monkeypatch: pytest.Monke
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(gateway_mod, "_tracer", provider.get_tracer("llmgw_slurm"))
     start = SpanContext(0xABC, 0xDEF, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
     async with engine() as eng:
         directory = StartingDirectory(start, eng)
         assert isinstance(directory, ModelDirectory)
-        app = create_app(directory, RouterConfig(hold_timeout=30))
+        app = create_app(
+            directory, RouterConfig(hold_timeout=30), tracer=provider.get_tracer("llmgw_slurm")
+        )
         async with serve(app) as url, aiohttp.ClientSession() as s:
             incoming = "00-0000000000000000000000000000abcd-0000000000001234-01"
             async with s.post(
@@ -663,13 +663,16 @@ async def _gateway_spans(
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(gateway_mod, "_tracer", provider.get_tracer("llmgw_slurm"))
     start = SpanContext(0xABC, 0xDEF, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
     async with engine() as eng:
         directory = StartingDirectory(start, eng)
         if not held:
             directory.add_endpoint("tiny", Endpoint("0a1b2c3d", eng, "engine-key"))
-        app = create_app(directory, RouterConfig(hold_timeout=30, trace_requests=trace_requests))
+        app = create_app(
+            directory,
+            RouterConfig(hold_timeout=30, trace_requests=trace_requests),
+            tracer=provider.get_tracer("llmgw_slurm"),
+        )
         async with serve(app) as url, aiohttp.ClientSession() as s:
             async with s.post(
                 f"{url}/v1/chat/completions",
