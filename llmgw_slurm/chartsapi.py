@@ -56,7 +56,9 @@ class Charts:
         self.history = history
         self.store = store
         self.gpu_hours: dict[str, Any] = {"at": None, "by_model": {}, "by_account": {}}
-        self._model_charts: tuple[int, dict[str, Any]] | None = None
+        # Per set of models left out (see _only_visible; most pages leave out
+        # none), for the history's latest sample only.
+        self._model_charts: dict[frozenset[str], tuple[int, dict[str, Any]]] = {}
         self._cold: tuple[tuple[int, int], list[dict[str, Any]]] | None = None
 
     async def refresh_gpu_hours(self) -> None:
@@ -108,13 +110,22 @@ class Charts:
             for sp in ordered[: svgcharts.MAX_WATERFALLS]
         ]
 
-    def model_charts(self, history: dict[str, Any]) -> dict[str, Any]:
-        """The hour's small multiples, computed once per sample of the history."""
-        key = self.history.samples
-        if self._model_charts is None or self._model_charts[0] != key:
+    def model_charts(
+        self, history: dict[str, Any], hidden: frozenset[str] = frozenset()
+    ) -> dict[str, Any]:
+        """The hour's small multiples of ``history`` (which leaves out ``hidden``),
+        computed once per sample of the history and set of models left out: with 500
+        models a drawing costs about half a second."""
+        sample = self.history.samples
+        cached = self._model_charts.get(hidden)
+        if cached is None or cached[0] != sample:
+            if cached is None and len(self._model_charts) >= 8:
+                # Bounded: a site has a handful of audiences (no key, a few groups).
+                self._model_charts.clear()
             at = history.get("sampled_at") or time.time()
-            self._model_charts = (key, svgcharts.model_charts(history, at))
-        return self._model_charts[1]
+            cached = (sample, svgcharts.model_charts(history, at))
+            self._model_charts[hidden] = cached
+        return cached[1]
 
     def page(self, visible: Callable[[str], bool] = _everyone) -> dict[str, Any]:
         return _page(self, visible)
@@ -157,17 +168,18 @@ def _only_visible(data: dict[str, Any], visible: Callable[[str], bool]) -> dict[
     hist, gh = data["history"], data["gpu_hours"]
     models = set(hist["models"]) | set(gh.get("by_model") or {})
     models |= {str(w.get("model")) for w in data["cold_starts"]}
-    if all(visible(m) for m in models):
+    hidden = frozenset(m for m in models if not visible(m))
+    if not hidden:
         return data
     return {
         **data,
-        "history": {**hist, "models": {m: v for m, v in hist["models"].items() if visible(m)}},
+        "history": {**hist, "models": {m: v for m, v in hist["models"].items() if m not in hidden}},
         "gpu_hours": {
             **gh,
-            "by_model": {m: v for m, v in (gh.get("by_model") or {}).items() if visible(m)},
+            "by_model": {m: v for m, v in (gh.get("by_model") or {}).items() if m not in hidden},
         },
-        "cold_starts": [w for w in data["cold_starts"] if visible(str(w.get("model")))],
-        "hidden": True,
+        "cold_starts": [w for w in data["cold_starts"] if str(w.get("model")) not in hidden],
+        "hidden": hidden,
     }
 
 
@@ -217,11 +229,7 @@ def _page(charts: Charts, visible: Callable[[str], bool]) -> dict[str, Any]:
     data = charts.to_json(visible)
     gh = data["gpu_hours"]
     hist = data["history"]
-    if data.get("hidden"):
-        # Drawn for this caller alone: the cached small multiples are everyone's.
-        small = svgcharts.model_charts(hist, hist.get("sampled_at") or time.time())
-    else:
-        small = charts.model_charts(hist)
+    small = charts.model_charts(hist, data.get("hidden", frozenset()))
     return {
         "models": small,
         "gpu_at": gh["at"],

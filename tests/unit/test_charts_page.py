@@ -149,3 +149,33 @@ def test_only_the_busiest_models_are_drawn_and_the_rest_is_said() -> None:
     got = svgcharts.model_charts(history, now)
     assert got["left_out"] == 5
     assert got["models"][0]["model"] == f"m{svgcharts.MAX_MODEL_CHARTS + 4:03d}"
+
+
+def test_a_model_hidden_from_the_caller_is_in_none_of_its_charts() -> None:
+    from llmgw_slurm.chartsapi import Charts, _page
+
+    m = GatewayMetrics(_Dir(), CollectorRegistry())  # type: ignore[arg-type]
+    clock = Clock()
+    h = History(m, lambda: {"alpha": 1, "beta": 1}, step=60, points=3, clock=clock)
+    h.sample()
+    clock.t += 60
+    h.sample()
+    charts = Charts(None, h, None)  # type: ignore[arg-type]  # no decisions, no store
+    charts.gpu_hours = {"at": clock.t, "since": 0.0, "by_model": {"alpha": 2.0, "beta": 3.0},
+                        "by_account": {"p1": 5.0}}  # fmt: skip
+
+    def drawn(page: dict[str, Any]) -> set[str]:
+        return {c["model"] for c in page["models"]["models"]}
+
+    def no_beta(model: str) -> bool:
+        return model != "beta"
+
+    assert drawn(_page(charts, lambda _: True)) == {"alpha", "beta"}
+    page = _page(charts, no_beta)
+    assert drawn(page) == {"alpha"}
+    assert [b["label"] for b in page["gpu_by_model"]["bars"]] == ["alpha"]
+    data = charts.to_json(no_beta)
+    assert set(data["history"]["models"]) == {"alpha"} and "beta" not in data["gpu_hours"]["by_model"]
+    # Drawn once per sample for each audience, not per page view.
+    assert _page(charts, no_beta)["models"] is page["models"]
+    assert drawn(_page(charts, lambda _: True)) == {"alpha", "beta"}
