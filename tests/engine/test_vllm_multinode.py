@@ -33,6 +33,7 @@ from tests.engine.conftest import FIGURES
 from tests.engine.test_vllm_e2e import (
     MODEL,
     daemon,
+    gateway_listening,
     job_logs,
     step_seconds,
     tail,
@@ -250,16 +251,7 @@ async def test_two_node_tensor_parallel_replica_through_the_gateway(
 
     try:
         async with daemon(server, dlog) as proc, aiohttp.ClientSession() as s:
-
-            async def gateway_up() -> bool:
-                assert proc.poll() is None, f"the daemon exited:\n{tail(dlog)}"
-                try:
-                    async with s.get(gw + "/healthz") as r:
-                        return r.status == 200
-                except aiohttp.ClientError:
-                    return False
-
-            await eventually(gateway_up, "the gateway to listen", timeout=60)
+            await gateway_listening(proc, s, gw, dlog)
             client = openai.AsyncOpenAI(
                 base_url=gw + "/v1", api_key="no-gateway-keys", max_retries=0, timeout=600
             )
