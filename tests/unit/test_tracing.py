@@ -431,7 +431,9 @@ async def test_a_trace_named_in_a_step_report_links_the_start(
     assert link.attributes is not None and link.attributes["llmgw.link"] == what
 
 
-async def test_tracing_off_and_no_store_no_spans_and_no_trace_context_in_the_job(tmp_path: Path) -> None:
+async def test_tracing_off_and_no_store_no_spans_and_no_trace_context_in_the_job(
+    tmp_path: Path,
+) -> None:
     w = make_world(tmp_path, tracing=False)
     rid, jid = await start_alpha(w)
     w.slurm.run(jid)
@@ -627,7 +629,7 @@ class StartingDirectory(StaticDirectory):
         return self.sc
 
 
-async def test_held_request_links_to_the_replica_start(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_held_request_links_to_the_replica_start() -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -657,7 +659,7 @@ async def test_held_request_links_to_the_replica_start(monkeypatch: pytest.Monke
 
 
 async def _gateway_spans(
-    monkeypatch: pytest.MonkeyPatch, trace_requests: str, headers: dict[str, str], held: bool
+    trace_requests: str, headers: dict[str, str], held: bool
 ) -> tuple[list[ReadableSpan], dict[str, str]]:
     """Send one chat request; return the gateway's finished spans and the headers the engine got."""
     exporter = InMemorySpanExporter()
@@ -688,30 +690,26 @@ async def _gateway_spans(
     return list(exporter.get_finished_spans()), seen
 
 
-async def test_untraced_request_makes_no_span_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    spans, seen = await _gateway_spans(monkeypatch, "sampled", {}, held=False)
+async def test_untraced_request_makes_no_span_by_default() -> None:
+    spans, seen = await _gateway_spans("sampled", {}, held=False)
     assert spans == []
     assert "traceparent" not in {k.lower() for k in seen}
 
 
-async def test_unsampled_client_context_is_forwarded_untouched(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_unsampled_client_context_is_forwarded_untouched() -> None:
     tp = "00-0000000000000000000000000000abcd-0000000000001234-00"
-    spans, seen = await _gateway_spans(monkeypatch, "sampled", {"traceparent": tp}, held=False)
+    spans, seen = await _gateway_spans("sampled", {"traceparent": tp}, held=False)
     assert spans == []
     assert {k.lower(): v for k, v in seen.items()}.get("traceparent") == tp, seen
 
 
-async def test_all_gives_every_request_a_span(monkeypatch: pytest.MonkeyPatch) -> None:
-    spans, _ = await _gateway_spans(monkeypatch, "all", {}, held=False)
+async def test_all_gives_every_request_a_span() -> None:
+    spans, _ = await _gateway_spans("all", {}, held=False)
     assert [sp.name for sp in spans] == ["llmgw.router.request"]
 
 
-async def test_untraced_held_request_gets_a_held_span_linked_to_the_start(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    spans, _ = await _gateway_spans(monkeypatch, "sampled", {}, held=True)
+async def test_untraced_held_request_gets_a_held_span_linked_to_the_start() -> None:
+    spans, _ = await _gateway_spans("sampled", {}, held=True)
     (held,) = spans
     assert held.name == "llmgw.router.held"
     assert [(lk.context.trace_id, lk.context.span_id) for lk in held.links] == [(0xABC, 0xDEF)]
