@@ -33,6 +33,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,12 +71,19 @@ class HostileUser:
         except KeyError:
             pass
         # --user-group: a group of its own, so it shares no group with the daemon.
-        # A concurrent test may create it first; "exists" (9) is fine.
-        r = subprocess.run(
-            ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir",
-             "/nonexistent", "--shell", "/usr/sbin/nologin", self.name],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+        # A concurrent test may create it first; "exists" (9) is fine. Another
+        # test level running beside this one (scripts/test) may hold the lock
+        # on /etc/passwd or /etc/group for a moment: useradd then fails with 1
+        # ("cannot lock") at once instead of waiting, so it is tried again.
+        for _ in range(20):
+            r = subprocess.run(
+                ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir",
+                 "/nonexistent", "--shell", "/usr/sbin/nologin", self.name],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            if not (r.returncode == 1 and "lock" in r.stderr):
+                break
+            time.sleep(0.25)
         if r.returncode not in (0, 9):
             pytest.fail(f"useradd {self.name} failed: {r.stderr.strip()}")
         return pwd.getpwnam(self.name)
