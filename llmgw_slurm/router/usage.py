@@ -160,6 +160,7 @@ def tokens_by(path: Path, by: str, model: str, since: float, until: float) -> di
     """Total tokens of ``model`` in ``[since, until)`` (epoch s) by user or account.
 
     What ``llmgw-admin audit --by user|account`` apportions a replica's GPU hours by.
+    Batches' tokens (endpoint "batch") are left out: their own jobs served them.
     """
     column = {"user": "user", "account": "project"}[by]
     if not path.exists():
@@ -167,7 +168,7 @@ def tokens_by(path: Path, by: str, model: str, since: float, until: float) -> di
     # column is one of two fixed names, never the caller's text.
     sql = (
         f"SELECT {column}, SUM(total_tokens) FROM usage"  # noqa: S608
-        f" WHERE model = ? AND ts >= ? AND ts < ? GROUP BY {column}"
+        f" WHERE model = ? AND ts >= ? AND ts < ? AND endpoint != 'batch' GROUP BY {column}"
     )
     with contextlib.closing(_connect(path)) as conn:
         rows = conn.execute(sql, (model, since, until)).fetchall()

@@ -97,6 +97,8 @@ def test_tokens_by_counts_one_model_in_a_window_by_user_or_account(tmp_path: Pat
             UsageRecord(150.0, "k2", "bob", "phys", "m1", "chat", 1, 1, 2),
             UsageRecord(150.0, "k2", "bob", "phys", "m2", "chat", 1, 1, 99),
             UsageRecord(200.0, "k1", "alice", "phys", "m1", "chat", 1, 1, 1000),
+            # A batch's tokens: its own job served them, not the replicas.
+            UsageRecord(150.0, "k1", "alice", "phys", "m1", "batch", 1, 1, 500),
         ]
     )
     assert tokens_by(store.path, "user", "m1", 100.0, 200.0) == {"alice": 10, "bob": 2}
