@@ -20,7 +20,7 @@ from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.secrets import batch_secret, engine_api_key
 from llmgw_slurm.slurm.types import JobSpec
 
-__all__ = ["BatchJobs", "batch_job_prefix"]
+__all__ = ["BatchJobs", "batch_comment", "batch_job_prefix"]
 
 # The lead of the USR1 before the time limit: long enough for the requests in
 # flight to finish and the last progress report to go out.
@@ -29,6 +29,18 @@ _SIGNAL_BEFORE_S = 120
 
 def batch_job_prefix(server: ServerConfig) -> str:
     return f"{server.slurm.job_prefix}_batch."
+
+
+def batch_comment(batch: BatchRecord, model: str, gpus: int) -> str:
+    """The job's comment, which sacct keeps (AccountingStoreFlags=job_comment).
+
+    ``llmgw-admin audit`` reads it: batch jobs' GPU hours apart from replicas',
+    and (Slurm charges every job to the service's account) whose batch it is.
+    User and account are names keys allow (letters, digits, ``._@-``: no
+    blanks, which would split the fields); with keys off they are left out.
+    """
+    who = "".join(f" {k}={v}" for k, v in (("user", batch.owner), ("account", batch.project)) if v)
+    return f"llmgw batch={batch.id} model={model} gpus={gpus}{who}"
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,6 @@ class BatchJobs:
             name=name,
             script=script,
             env=env,
-            # For sacct audits: batch jobs' GPU hours apart from replicas'.
-            comment=f"llmgw batch={batch.id} model={model.name} gpus={gpus}",
+            comment=batch_comment(batch, model.name, gpus),
             unset_env=("TRACEPARENT", "TRACESTATE"),
         )

@@ -17,6 +17,7 @@ import click
 
 from llmgw_slurm import __version__
 from llmgw_slurm.audit import AuditRow, Period
+from llmgw_slurm.audit_owner import OwnerKind
 from llmgw_slurm.cli.common import (
     DaemonReply,
     call_daemon,
@@ -655,7 +656,14 @@ def _service_user(server: ServerConfig) -> str:
 @_server_option
 @click.option("--since", default="30d", show_default=True, help="30m, 12h, 30d, 2w ago, or a date.")
 @click.option("--until", "until_", default="now", show_default=True, help="Date, or now.")
-@click.option("--by", type=click.Choice(["day", "week", "month"]), default="day", show_default=True)
+@click.option(
+    "--by",
+    type=click.Choice(["day", "week", "month", "user", "account"]),
+    default="day",
+    show_default=True,
+    help="A period (rows per model and period), or user/account (rows per user or Slurm "
+    "account and model: batch jobs by their comment, online replicas apportioned by tokens).",
+)
 @click.option(
     "--user",
     help="Whose jobs (default: the owner of state_dir, i.e. the daemon's user). Other users' "
@@ -670,7 +678,7 @@ def audit(
     server_path: Path,
     since: str,
     until_: str,
-    by: Period,
+    by: Period | OwnerKind,
     user: str | None,
     as_csv: bool,
     as_json: bool,
@@ -695,6 +703,10 @@ def audit(
     prefix = server.slurm.job_prefix
     recs = _accounting(backend, t0, t1, prefix)
     recs = [r for r in recs if r.user == who]
+    if by in ("user", "account"):
+        _owner_audit(server, recs, (t0, t1, now), by, who, as_csv, as_json, chart, no_color)
+        return
+    assert by in ("day", "week", "month")
     rows = auditmod.aggregate(recs, prefix, t0, t1, by, now)
     if as_json:
         print_json(
@@ -727,6 +739,40 @@ def audit(
         click.echo("\n".join(lines))
         return
     _print_audit(rows, auditmod.totals(rows))
+
+
+def _owner_audit(
+    server: ServerConfig,
+    recs: Sequence[AccountingRecord],
+    window: tuple[datetime, datetime, datetime],
+    by: OwnerKind,
+    who: str,
+    as_csv: bool,
+    as_json: bool,
+    chart: bool,
+    no_color: bool,
+) -> None:
+    from llmgw_slurm.cli import charts
+    from llmgw_slurm.cli.admin_audit_owner import owner_audit
+
+    if as_csv:
+        raise click.UsageError("--csv is for --by day|week|month; use --json with --by " + by)
+    owner_audit(
+        recs,
+        prefix=server.slurm.job_prefix,
+        usage_db=Path(server.state_dir) / "usage.sqlite3",
+        window=window,
+        kind=by,
+        header={
+            "since": window[0].isoformat(timespec="seconds"),
+            "until": window[1].isoformat(timespec="seconds"),
+            "user": who,
+            "job_prefix": server.slurm.job_prefix,
+        },
+        as_json=as_json,
+        chart=chart,
+        color=charts.use_color(no_color),
+    )
 
 
 def _accounting(

@@ -30,6 +30,7 @@ __all__ = [
     "UsageSummary",
     "query_usage",
     "token_totals",
+    "tokens_by",
     "usage_by",
 ]
 
@@ -153,6 +154,25 @@ def usage_by(path: Path, by: str, since: float | None = None) -> list[dict[str, 
         rows = conn.execute(sql, (since or 0.0,)).fetchall()
     names = ("requests", "prompt_tokens", "completion_tokens", "total_tokens")
     return [{by: row[0], **dict(zip(names, row[1:], strict=True))} for row in rows]
+
+
+def tokens_by(path: Path, by: str, model: str, since: float, until: float) -> dict[str, int]:
+    """Total tokens of ``model`` in ``[since, until)`` (epoch s) by user or account.
+
+    What ``llmgw-admin audit --by user|account`` apportions a replica's GPU hours by.
+    Batches' tokens (endpoint "batch") are left out: their own jobs served them.
+    """
+    column = {"user": "user", "account": "project"}[by]
+    if not path.exists():
+        return {}
+    # column is one of two fixed names, never the caller's text.
+    sql = (
+        f"SELECT {column}, SUM(total_tokens) FROM usage"  # noqa: S608
+        f" WHERE model = ? AND ts >= ? AND ts < ? AND endpoint != 'batch' GROUP BY {column}"
+    )
+    with contextlib.closing(_connect(path)) as conn:
+        rows = conn.execute(sql, (model, since, until)).fetchall()
+    return {str(o): int(t or 0) for o, t in rows}
 
 
 class UsageStore:

@@ -170,6 +170,19 @@ async def test_a_forged_credential_is_refused(gateway: tuple[str, KeyRing]) -> N
     assert status == 401 and body["error"]["code"] == "munge_invalid"
 
 
+async def test_an_expired_credential_is_refused(gateway: tuple[str, KeyRing]) -> None:
+    url, _ = gateway
+    r = await asyncio.to_thread(
+        BOB.run, ["munge", f"--socket={munge_socket()}", "--string", LOGIN_PAYLOAD, "--ttl=1"]
+    )
+    assert r.returncode == 0, r.stderr
+    # munge's shortest time to live is a second: no way around waiting it out.
+    await asyncio.sleep(2.1)
+    status, body, _ = await login(BOB, url, cred=r.stdout.strip())
+    assert status == 401 and body["error"]["code"] == "munge_expired"
+    assert "expired" in body["error"]["message"]
+
+
 # ---- the whole story on a real daemon: login, access, quotas, a restart ---------------
 
 GROUP = "t18grp"

@@ -264,7 +264,8 @@ async def test_a_valid_batch_is_submitted_in_the_batch_partition_with_secrets_of
     svc: tuple[BatchService, Backend, Clock],
 ) -> None:
     s, backend, _ = svc
-    b = await create(s, upload(s, "alice", line("a") + line("b", "tiny-alias")))
+    fid = upload(s, "alice", line("a") + line("b", "tiny-alias"))
+    b = await s.create("alice", fid, CHAT, "1h", {}, KNOWN.get, ("k1", "t18phys"))
     assert (b.status, b.total, b.model, b.job_id) == (BatchStatus.IN_PROGRESS, 2, "tiny", "101")
     (spec,) = backend.submitted
     assert spec.name == "llmgw._batch." + b.id
@@ -274,7 +275,9 @@ async def test_a_valid_batch_is_submitted_in_the_batch_partition_with_secrets_of
     secret = spec.env["LLMGW_BATCH_SECRET"]
     assert secret == batch_secret(b"k" * 32, b.id)
     assert secret not in spec.script and secret not in spec.comment
-    assert spec.comment == f"llmgw batch={b.id} model=tiny gpus=1"
+    # Whose batch it is, for the audit by user and account (the job runs under the
+    # service's own Slurm account).
+    assert spec.comment == f"llmgw batch={b.id} model=tiny gpus=1 user=alice account=t18phys"
 
 
 async def test_a_bad_file_fails_the_batch_and_submits_nothing(
