@@ -470,6 +470,10 @@ class BatchConfig:
     runner: Literal["auto", "server"] = "auto"
     # Default 5s: how often the daemon lists batch jobs (one squeue for all of them).
     poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 10: batches one user may have unfinished (validating, in progress,
+    # cancelling) at once; one more is refused with 429. Each holds a job in the
+    # queue, and one user's thousand batches would crowd out everyone else's.
+    max_active_per_user: int = field(default=10, metadata=rule(ge=1))
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,7 @@ class BatchService:
                 "endpoint",
             )
         window = self._window(completion_window)
+        self._check_active(owner)
         f = self.store.file(owner, input_file_id)
         if f is None:
             raise BatchRefused(
@@ -171,6 +172,18 @@ class BatchService:
         )
         self.store.save(batch)
         return await self._submit(batch)
+
+    def _check_active(self, owner: str) -> None:
+        limit = self.server.batch.max_active_per_user
+        active = sum(1 for b in self.store.batches(owner) if not b.status.is_final)
+        if active >= limit:
+            raise BatchRefused(
+                429,
+                "too_many_active_batches",
+                f"You have {active} unfinished batches, the most one user may have "
+                f"(batch.max_active_per_user is {limit}); create this one when one of "
+                "them has ended, or cancel one.",
+            )
 
     def _check(
         self, path: Path, endpoint: str, resolve: Callable[[str], str | None]

@@ -571,3 +571,41 @@ def test_a_batch_line_for_a_model_the_key_may_not_use_reads_as_unknown() -> None
     assert allowed_model(gw, ben)("big") is None  # type: ignore[arg-type]
     assert allowed_model(gw, ben)("t") == "tiny"  # type: ignore[arg-type]
     assert allowed_model(gw, ben)("nope") is None  # type: ignore[arg-type]
+
+
+async def test_a_user_past_the_active_batch_limit_gets_a_429_until_one_ends(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    import aiohttp
+
+    from llmgw_slurm.batch.routes import add_batch_routes
+    from llmgw_slurm.router import create_app
+    from llmgw_slurm.router.directory import StaticDirectory
+
+    s, backend, _ = svc
+    s.server = replace(s.server, batch=replace(s.server.batch, max_active_per_user=2))
+    # A failed batch (a bad file) is final: it does not count.
+    assert (await create(s, upload(s, "", b"{"), owner="")).status is BatchStatus.FAILED
+    first = await create(s, upload(s, "", line("a")), owner="")
+    await create(s, upload(s, "", line("a")), owner="")
+    await create(s, upload(s, "bob", line("a")), owner="bob")  # bob's count is his own
+    fid = upload(s, "", line("a"))
+    app = create_app(StaticDirectory())
+    add_batch_routes(app, s)
+    ask = {"input_file_id": fid, "endpoint": CHAT, "completion_window": "1h"}
+    async with serve(app) as url, aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/batches", json=ask) as r:
+            assert r.status == 429
+            error = (await r.json())["error"]
+        assert error["code"] == "too_many_active_batches"
+        assert error["type"] == "rate_limit_error"
+        assert "2 unfinished batches" in error["message"]
+        assert "max_active_per_user" in error["message"]
+        assert len(s.store.batches("")) == 3  # the refused one recorded nothing
+        answer(s.store.work_dir(first.id), results.OUTPUT, "a")
+        backend.jobs = []
+        await s.poll()
+        assert s.store.batch("", first.id).status is BatchStatus.COMPLETED  # type: ignore[union-attr]
+        async with http.post(url + "/v1/batches", json=ask) as r:
+            # Past the limit's check: this gateway's empty catalog fails the line.
+            assert r.status == 200, await r.text()
