@@ -14,11 +14,14 @@ from llmgw_slurm.agent.batch import (
     BatchJob,
     BatchRun,
     _append_run,
+    _shard,
     _write_todo,
     batch_job_from_env,
+    todo,
 )
 from llmgw_slurm.agent.engine import LaunchParams, build_run_batch_command
 from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.batch import results
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.errors import ConfigError, ConfigErrors
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
@@ -169,3 +172,47 @@ def test_the_offline_runner_command_keeps_the_key_and_paths_as_arguments() -> No
     assert cmd.env == {"A": "1", "B": "2"}
     with pytest.raises(EngineError, match="no offline batch runner"):
         build_run_batch_command(EngineSpec(kind="command", command=("x",)), p, "/i", "/o")
+
+
+def shard_env(task: str) -> dict[str, str]:
+    return {"LLMGW_BATCH_SHARDS": "3", "LLMGW_BATCH_SHARD_SIZE": "2", "SLURM_ARRAY_TASK_ID": task}
+
+
+def test_an_array_task_runs_its_own_lines_into_its_own_files(tmp_path: Path) -> None:
+    whole = job(tmp_path, *(request(f"q{i}") for i in range(5)))
+    assert _shard(whole, {}) is whole  # no shards: the batch's own files, all its lines
+    got = {}
+    for task in ("0", "1", "2"):
+        b = _shard(whole, shard_env(task))
+        assert b.output == tmp_path / f"shard-{task}" / "out.jsonl"
+        assert b.errors.parent == b.output.parent and b.output.parent.is_dir()
+        got[task] = [cid for cid, _ in todo(b, set())]
+    assert got == {"0": ["q0", "q1"], "1": ["q2", "q3"], "2": ["q4"]}
+    b = _shard(whole, shard_env("1"))
+    assert [cid for cid, _ in todo(b, {"q2"})] == ["q3"]  # resumed: its own done skipped
+    for task, says in (("", "not set"), ("x", "not a number"), ("3", "task 3 of")):
+        with pytest.raises(ConfigError, match=says):
+            _shard(whole, shard_env(task))
+
+
+def test_the_shards_merge_into_one_pair_of_files_each_custom_id_once(tmp_path: Path) -> None:
+    def put(path: Path, *cids: str) -> None:
+        path.parent.mkdir(exist_ok=True)
+        with path.open("a") as f:
+            f.writelines(json.dumps({"custom_id": c}) + "\n" for c in cids)
+
+    out, err = tmp_path / results.OUTPUT, tmp_path / results.ERRORS
+    o0, e0 = results.shard_paths(out, err, 0)
+    o1, _ = results.shard_paths(out, err, 1)
+    put(o0, "a", "b")
+    put(e0, "c", "a")  # failed once, answered after: the answer wins
+    put(o1, "d")
+    with o1.open("a") as f:
+        f.write('{"custom_id": "e", "resp')  # a task killed mid-write
+    results.merge_shards(tmp_path, 2)
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["a", "b", "d"]
+    assert [json.loads(x)["custom_id"] for x in err.read_text().splitlines()] == ["c"]
+    put(o1, "e")  # a resubmitted array's task answered more: merged afresh
+    results.merge_shards(tmp_path, 2)
+    assert results.custom_ids(out) == {"a", "b", "d", "e"}
+    assert results.shard_size(5, 3) == 2 and results.shard_size(6, 3) == 2
