@@ -334,6 +334,7 @@ class BatchAgent(Agent):
         super().__init__(*args, **kwargs)
         self.batch = batch
         self.run_: BatchRun | None = None
+        self._done_before: dict[str, int] | None = None
         self._model_path = ""
 
     def _tag(self, counts: dict[str, int]) -> dict[str, int]:
@@ -344,7 +345,18 @@ class BatchAgent(Agent):
     def offline(self) -> bool:
         return self.batch.runner == "auto" and self.job.spec.engine.kind == "vllm"
 
+    def _left(self) -> dict[str, int] | None:
+        """The counts so far when nothing of this job's lines is left to do, else None."""
+        answered, failed = done_before(self.batch)
+        if next(todo(self.batch, answered | failed), None) is not None:
+            return None
+        return {"completed": len(answered), "failed": len(failed)}
+
     async def _startup_steps(self, session: aiohttp.ClientSession) -> None:
+        self._done_before = await asyncio.to_thread(self._left)
+        if self._done_before is not None:
+            # A shard done in an array resubmitted for the others: no engine to load.
+            return
         if not self.offline:
             await super()._startup_steps(session)
             return
@@ -357,6 +369,10 @@ class BatchAgent(Agent):
         return
 
     async def _serve(self, session: aiohttp.ClientSession) -> int:
+        if self._done_before is not None:
+            counts = self._tag(self._done_before)
+            self._emit("stopped", message="nothing left to do", counts=counts)
+            return EXIT_OK
         if self.offline:
             return await self._serve_offline()
         assert self.engine is not None

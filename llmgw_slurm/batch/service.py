@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -397,6 +398,9 @@ class BatchService:
         batch = transition(batch, to, now, **ids)
         self.store.save(batch)
         self._shard_counts.pop(batch.id, None)
+        for k in range(batch.shards if batch.shards > 1 else 0):
+            # Merged into the files above: the shards' copies would double the disk.
+            shutil.rmtree(work / f"shard-{k}", ignore_errors=True)
         log.info(
             "batch %s: %s (%d completed, %d failed)",
             batch.id,

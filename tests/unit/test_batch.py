@@ -665,6 +665,7 @@ async def test_a_sharded_batch_runs_as_one_array_and_ends_with_each_custom_id_on
     merged = s.store.data_path(done.output_file_id).read_text().splitlines()
     assert sorted(json.loads(x)["custom_id"] for x in merged) == ["q0", "q1", "q2", "q3"]
     assert results.custom_ids(s.store.data_path(done.error_file_id)) == {"q4"}
+    assert not o0.parent.exists() and not o1.parent.exists()
 
 
 async def test_a_sharded_batch_is_cancelled_whole_and_its_array_adopted_after_a_restart(
