@@ -216,3 +216,25 @@ def test_the_shards_merge_into_one_pair_of_files_each_custom_id_once(tmp_path: P
     results.merge_shards(tmp_path, 2)
     assert results.custom_ids(out) == {"a", "b", "d", "e"}
     assert results.shard_size(5, 3) == 2 and results.shard_size(6, 3) == 2
+
+
+async def test_a_job_with_nothing_left_in_its_lines_ends_without_an_engine(
+    tmp_path: Path,
+) -> None:
+    from llmgw_slurm.agent.batch import BatchAgent
+    from llmgw_slurm.agent.runner import EXIT_OK, JobContext, replica_spec
+    from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+    from tests.agent_support import fake_engine_spec
+
+    b = job(tmp_path, request("q0"), request("q1"))
+    spec = replica_spec(fake_engine_spec(tmp_path))
+    ctx = JobContext("batch_" + "0" * 24, "m", "http://127.0.0.1:1", "s", "k", spec)
+    settings = AgentSettings(fetch=FetchSettings(cache_dir=tmp_path / "c"))
+    agent = BatchAgent(b, settings, ctx, {})
+    b.output.write_text(json.dumps({"custom_id": "q0"}) + "\n")
+    assert agent._left() is None  # q1 is left: the engine would start
+    b.errors.write_text(json.dumps({"custom_id": "q1"}) + "\n")
+    await agent._startup_steps(None)  # type: ignore[arg-type]
+    assert agent._done_before == {"completed": 1, "failed": 1}
+    assert await agent._serve(None) == EXIT_OK  # type: ignore[arg-type]
+    assert agent.engine is None
