@@ -629,6 +629,10 @@ async def test_a_sharded_batch_runs_as_one_array_and_ends_with_each_custom_id_on
 ) -> None:
     s, backend, _ = svc
     s.server = replace(s.server, batch=replace(s.server.batch, shard_lines=2, max_shards=2))
+    from llmgw_slurm.batch.jobs import shards_for
+
+    # Whole shards of shard_lines, the last shorter; at most max_shards.
+    assert [shards_for(s.server, n) for n in (1, 2, 3, 4, 5, 500)] == [1, 1, 2, 2, 2, 2]
     cids = [f"q{i}" for i in range(5)]
     b = await create(s, upload(s, "alice", b"".join(line(c) for c in cids)))
     assert (b.shards, b.job_id) == (2, "101")

@@ -96,6 +96,11 @@ def test_the_batch_section_defaults_and_its_errors_name_file_and_line(tmp_path: 
     cfg = load_server_config(p)
     assert cfg.batch_directory == tmp_path / "st" / "batch"
     assert cfg.batch.max_requests == 50_000 and cfg.batch.time_limit == 4 * 3600
+    assert (cfg.batch.max_active_per_user, cfg.batch.shard_lines, cfg.batch.max_shards) == (
+        10,
+        0,
+        16,
+    )
     p.write_text(
         textwrap.dedent(
             """\
@@ -104,6 +109,9 @@ def test_the_batch_section_defaults_and_its_errors_name_file_and_line(tmp_path: 
               partition: "bad partition"
               max_file_bytes: lots
               time_limit: 10s
+              shard_lines: -1
+              max_shards: 5000
+              max_active_per_user: 0
             """
         )
     )
@@ -114,6 +122,9 @@ def test_the_batch_section_defaults_and_its_errors_name_file_and_line(tmp_path: 
         ["F", "3", " batch.partition"],
         ["F", "4", " batch.max_file_bytes"],
         ["F", "5", " batch.time_limit"],
+        ["F", "6", " batch.shard_lines"],
+        ["F", "7", " batch.max_shards"],
+        ["F", "8", " batch.max_active_per_user"],
     ], got
     p.write_text("batch: {directory: \"sh ared\"}\n")
     with pytest.raises(ConfigError, match=r"batch\.directory"):
