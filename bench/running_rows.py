@@ -72,6 +72,7 @@ def child(tree: str, n: int, passes: int) -> None:
                 "SubmitTime": start.isoformat(),
                 "RestartCnt": "0",
                 "UserName": "root",
+                "ArrayJobID": str(100_000 + i),
                 "Comment": "(null)",
             }
             out.append(parse.SEP.join(row[f] for f in fields) + parse.SEP)

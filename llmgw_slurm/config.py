@@ -470,6 +470,18 @@ class BatchConfig:
     runner: Literal["auto", "server"] = "auto"
     # Default 5s: how often the daemon lists batch jobs (one squeue for all of them).
     poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 10: batches one user may have unfinished (validating, in progress,
+    # cancelling) at once; one more is refused with 429. Each holds a job in the
+    # queue, and one user's thousand batches would crowd out everyone else's.
+    max_active_per_user: int = field(default=10, metadata=rule(ge=1))
+    # Default 0: a batch runs as one job. N: a batch of more than N requests is
+    # split into shards of about N, run as the tasks of one Slurm job array (each
+    # a node of its own, each resumed on its own after a preemption): more GPUs
+    # at once, and shorter jobs that fit a preemptible partition's gaps.
+    shard_lines: int = field(default=0, metadata=rule(ge=0))
+    # Default 16: the most shards (array tasks) one batch is split into; past it
+    # the shards hold more than shard_lines each.
+    max_shards: int = field(default=16, metadata=rule(ge=1, le=1000))
 
 
 @dataclass(frozen=True)

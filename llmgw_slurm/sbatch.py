@@ -464,11 +464,34 @@ def render_replica_hetjob(params: HetReplicaParams, template_dir: Path | str | N
     )
 
 
-def render_batch(params: ReplicaParams, template_dir: Path | str | None = None) -> str:
+# Slurm's default MaxArraySize is 1001 (task ids 0-1000); a site's may be lower.
+MAX_BATCH_SHARDS = 1000
+
+
+def render_batch(
+    params: ReplicaParams, template_dir: Path | str | None = None, shards: int = 1
+) -> str:
     """The batch script of a Batch API job: one node, the model's resources, the agent's
-    ``batch`` command (its input, outputs and secrets reach it in the environment)."""
+    ``batch`` command (its input, outputs and secrets reach it in the environment).
+
+    ``shards`` > 1: a job array of that many tasks, one per shard of the batch.
+    """
     params.validate()
-    return _render(BATCH_TEMPLATE, template_dir, {"p": params, "job": params.job})
+    _check_int(shards, "shards", 1)
+    if shards > MAX_BATCH_SHARDS:
+        raise TemplateError(f"shards: {shards} refused; valid: 1..{MAX_BATCH_SHARDS}")
+    text = _render(
+        BATCH_TEMPLATE, template_dir, {"p": params, "job": params.job, "shards": shards}
+    )
+    if shards > 1 and f"#SBATCH --array=0-{shards - 1}\n" not in text:
+        # A site's own batch template from before shards: its one job would run one
+        # shard's lines and the batch would never finish.
+        raise TemplateError(
+            f"{BATCH_TEMPLATE} has no '#SBATCH --array=0-{{{{ shards - 1 }}}}' line, which a "
+            "sharded batch needs (batch.shard_lines); add it as the shipped template has it, "
+            "or set batch.shard_lines to 0"
+        )
+    return text
 
 
 def render_model_job(params: ModelJobParams, template_dir: Path | str | None = None) -> str:

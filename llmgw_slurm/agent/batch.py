@@ -30,7 +30,7 @@ import ssl
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,11 @@ class BatchJob:
     # "auto": vLLM's offline runner for a vllm engine, the engine's server otherwise;
     # "server": always the server (server.yaml batch.runner).
     runner: str = "auto"
+    # A shard (an array task): the input lines [first, stop) are its own; None: all.
+    first: int = 0
+    stop: int | None = None
+    # Its array task's index, sent with its reports (the daemon sums the shards').
+    shard: int | None = None
 
 
 def batch_job_from_env(env: Mapping[str, str]) -> tuple[JobContext, BatchJob]:
@@ -114,7 +119,36 @@ def batch_job_from_env(env: Mapping[str, str]) -> tuple[JobContext, BatchJob]:
         concurrency,
         env.get("LLMGW_BATCH_RUNNER", "auto"),
     )
-    return job, batch
+    return job, _shard(batch, env)
+
+
+def _shard(batch: BatchJob, env: Mapping[str, str]) -> BatchJob:
+    """This array task's shard of ``batch`` (its lines, its own result files), or
+    ``batch`` as it is when the batch has no shards."""
+    if not env.get("LLMGW_BATCH_SHARDS"):
+        return batch
+    numbers = {}
+    for name in ("LLMGW_BATCH_SHARDS", "LLMGW_BATCH_SHARD_SIZE", "SLURM_ARRAY_TASK_ID"):
+        text = env.get(name, "")
+        if not text.isdigit():
+            why = "not set" if not text else f"{text!r} is not a number"
+            raise ConfigError(
+                f"{why}: a sharded batch runs as a job array, one task per shard "
+                "(is the site's batch template missing its #SBATCH --array line?)",
+                field=name,
+            )
+        numbers[name] = int(text)
+    task, size = numbers["SLURM_ARRAY_TASK_ID"], max(1, numbers["LLMGW_BATCH_SHARD_SIZE"])
+    if task >= numbers["LLMGW_BATCH_SHARDS"]:
+        raise ConfigError(
+            f"task {task} of a batch of {numbers['LLMGW_BATCH_SHARDS']} shards",
+            field="SLURM_ARRAY_TASK_ID",
+        )
+    output, errors = results.shard_paths(batch.output, batch.errors, task)
+    output.parent.mkdir(mode=0o700, exist_ok=True)
+    return replace(
+        batch, output=output, errors=errors, first=task * size, stop=(task + 1) * size, shard=task
+    )
 
 
 def done_before(batch: BatchJob) -> tuple[set[str], set[str]]:
@@ -127,9 +161,13 @@ def done_before(batch: BatchJob) -> tuple[set[str], set[str]]:
 
 
 def todo(batch: BatchJob, done: set[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(custom_id, body) of each request not done yet, in file order."""
+    """(custom_id, body) of each request of this job's lines not done yet, in file order."""
     with batch.input.open("rb") as f:
-        for raw in f:
+        for n, raw in enumerate(f):
+            if n < batch.first:
+                continue
+            if batch.stop is not None and n >= batch.stop:
+                break
             try:
                 line = json.loads(raw)
                 cid, body = line["custom_id"], line["body"]
@@ -296,13 +334,29 @@ class BatchAgent(Agent):
         super().__init__(*args, **kwargs)
         self.batch = batch
         self.run_: BatchRun | None = None
+        self._done_before: dict[str, int] | None = None
         self._model_path = ""
+
+    def _tag(self, counts: dict[str, int]) -> dict[str, int]:
+        """``counts`` with this job's shard, so that the daemon can add up the shards'."""
+        return counts if self.batch.shard is None else {**counts, "shard": self.batch.shard}
 
     @property
     def offline(self) -> bool:
         return self.batch.runner == "auto" and self.job.spec.engine.kind == "vllm"
 
+    def _left(self) -> dict[str, int] | None:
+        """The counts so far when nothing of this job's lines is left to do, else None."""
+        answered, failed = done_before(self.batch)
+        if next(todo(self.batch, answered | failed), None) is not None:
+            return None
+        return {"completed": len(answered), "failed": len(failed)}
+
     async def _startup_steps(self, session: aiohttp.ClientSession) -> None:
+        self._done_before = await asyncio.to_thread(self._left)
+        if self._done_before is not None:
+            # A shard done in an array resubmitted for the others: no engine to load.
+            return
         if not self.offline:
             await super()._startup_steps(session)
             return
@@ -315,6 +369,10 @@ class BatchAgent(Agent):
         return
 
     async def _serve(self, session: aiohttp.ClientSession) -> int:
+        if self._done_before is not None:
+            counts = self._tag(self._done_before)
+            self._emit("stopped", message="nothing left to do", counts=counts)
+            return EXIT_OK
         if self.offline:
             return await self._serve_offline()
         assert self.engine is not None
@@ -352,12 +410,12 @@ class BatchAgent(Agent):
             self._emit(
                 "failed",
                 message=f"engine exited during the batch:\n{tail}",
-                counts=run.counts(),
+                counts=self._tag(run.counts()),
                 elapsed_s=elapsed,
             )
             return EXIT_FAILED
         why = self.drain_reason or "every request answered"
-        self._emit("stopped", message=why, counts=run.counts(), elapsed_s=elapsed)
+        self._emit("stopped", message=why, counts=self._tag(run.counts()), elapsed_s=elapsed)
         return EXIT_OK
 
     async def _serve_offline(self) -> int:
@@ -373,7 +431,7 @@ class BatchAgent(Agent):
         if left:
             rc = await self._run_batch(run_in, run_out, left, counts)
             if rc is None:
-                self._emit("stopped", message=self.drain_reason, counts=counts)
+                self._emit("stopped", message=self.drain_reason, counts=self._tag(counts))
                 return EXIT_OK
             if rc != 0:
                 assert self.engine is not None
@@ -381,7 +439,7 @@ class BatchAgent(Agent):
                 self._emit(
                     "failed",
                     message=f"run_batch exited with {rc}:\n{tail}",
-                    counts=counts,
+                    counts=self._tag(counts),
                     elapsed_s=time.monotonic() - t0,
                 )
                 return EXIT_FAILED
@@ -389,7 +447,7 @@ class BatchAgent(Agent):
         self._emit(
             "stopped",
             message="every request answered",
-            counts=counts,
+            counts=self._tag(counts),
             elapsed_s=time.monotonic() - t0,
         )
         return EXIT_OK
@@ -439,6 +497,7 @@ class BatchAgent(Agent):
 
     async def _send_progress(self, counts: dict[str, int]) -> None:
         assert self._client is not None
-        answer = await self._client.send_once(self._client.body("progress", counts=counts))
+        body = self._client.body("progress", counts=self._tag(counts))
+        answer = await self._client.send_once(body)
         if answer is not None and answer.drain:
             self.request_drain("the batch was cancelled")

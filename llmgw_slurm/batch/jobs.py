@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llmgw_slurm import sbatch
+from llmgw_slurm.batch import results
 from llmgw_slurm.batch.model import BatchRecord
 from llmgw_slurm.batch.results import ERRORS, OUTPUT
 from llmgw_slurm.catalog import Model, TimeLimit
@@ -20,7 +21,7 @@ from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.secrets import batch_secret, engine_api_key
 from llmgw_slurm.slurm.types import JobSpec
 
-__all__ = ["BatchJobs", "batch_comment", "batch_job_prefix"]
+__all__ = ["BatchJobs", "batch_comment", "batch_job_prefix", "shards_for"]
 
 # The lead of the USR1 before the time limit: long enough for the requests in
 # flight to finish and the last progress report to go out.
@@ -41,6 +42,14 @@ def batch_comment(batch: BatchRecord, model: str, gpus: int) -> str:
     """
     who = "".join(f" {k}={v}" for k, v in (("user", batch.owner), ("account", batch.project)) if v)
     return f"llmgw batch={batch.id} model={model} gpus={gpus}{who}"
+
+
+def shards_for(server: ServerConfig, total: int) -> int:
+    """How many shards (array tasks) a batch of ``total`` requests is split into."""
+    per = server.batch.shard_lines
+    if per <= 0 or total <= per:
+        return 1
+    return min(-(-total // per), server.batch.max_shards)
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,7 @@ class BatchJobs:
         script = sbatch.render_batch(
             sbatch.ReplicaParams(job, r, str(cfg.agent_config), lead),
             cfg.templates_dir,
+            batch.shards,
         )
         env = {
             "LLMGW_BATCH_ID": batch.id,
@@ -93,6 +103,11 @@ class BatchJobs:
             "LLMGW_BATCH_CONCURRENCY": str(cfg.batch.concurrency),
             "LLMGW_BATCH_RUNNER": cfg.batch.runner,
         }
+        if batch.shards > 1:
+            # Each array task takes lines [k*size, (k+1)*size) of the input and
+            # keeps its results in work/shard-K/ (results.shard_paths).
+            env["LLMGW_BATCH_SHARDS"] = str(batch.shards)
+            env["LLMGW_BATCH_SHARD_SIZE"] = str(results.shard_size(batch.total, batch.shards))
         gpus = model.resources.gpus
         return JobSpec(
             name=name,

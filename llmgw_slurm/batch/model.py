@@ -163,6 +163,9 @@ class BatchRecord:
     # The key that created it, for the usage store (its tokens count to that key).
     key_id: str = ""
     project: str = ""
+    # The batch's shards: each a task of the batch's job array with its own
+    # slice of the input and its own result files (1: one job, no array).
+    shards: int = 1
 
     def to_api(self) -> dict[str, Any]:
         stamps = {name: getattr(self, name) for name in _STAMPS.values()}

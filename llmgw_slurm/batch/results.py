@@ -1,5 +1,10 @@
 """A batch's result files, as its jobs append to them and the daemon reads them.
 
+A sharded batch's array tasks each append to their own pair of files
+(``work/shard-K/``, :func:`shard_paths`); when the array is gone, the daemon
+merges them into the batch's own pair (:func:`merge_shards`), each
+``custom_id`` once.
+
 One JSON line per request, in OpenAI's output shape, appended with one
 ``write`` each; a job killed in the middle of a write leaves at most one
 partial last line, which :func:`repair` cuts before anything reads on. The
@@ -14,7 +19,15 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["ERRORS", "OUTPUT", "custom_ids", "repair"]
+__all__ = [
+    "ERRORS",
+    "OUTPUT",
+    "custom_ids",
+    "merge_shards",
+    "repair",
+    "shard_paths",
+    "shard_size",
+]
 
 OUTPUT = "output.jsonl"
 ERRORS = "errors.jsonl"
@@ -61,10 +74,49 @@ def custom_ids(path: Path) -> set[str]:
     """The ``custom_id`` of every whole line of a result file."""
     out: set[str] = set()
     for line in _lines(path):
-        try:
-            cid = json.loads(line).get("custom_id")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(cid, str):
+        cid = _custom_id(line)
+        if cid is not None:
             out.add(cid)
     return out
+
+
+def shard_size(total: int, shards: int) -> int:
+    """Lines per shard: shard K takes input lines [K*size, (K+1)*size)."""
+    return max(1, -(-total // max(1, shards)))
+
+
+def shard_paths(output: Path, errors: Path, task: int) -> tuple[Path, Path]:
+    """The result files of array task ``task``, beside the batch's own."""
+    folder = output.parent / f"shard-{task}"
+    return folder / output.name, folder / errors.name
+
+
+def merge_shards(work: Path, shards: int) -> None:
+    """The shards' result files as the batch's ``OUTPUT`` and ``ERRORS``, rebuilt whole.
+
+    Run only while no task of the array runs. Each ``custom_id`` once: an answer
+    in an output file wins over a failure of the same id. Rebuilt from the shards
+    on every call, so a call after a resubmitted array's tasks added more is right too.
+    """
+    seen: set[str] = set()
+    pairs = [shard_paths(work / OUTPUT, work / ERRORS, k) for k in range(shards)]
+    for index in (0, 1):
+        target = work / (OUTPUT, ERRORS)[index]
+        tmp = target.with_name(target.name + ".merging")
+        with tmp.open("wb") as out:
+            for pair in pairs:
+                repair(pair[index])
+                for line in _lines(pair[index]):
+                    cid = _custom_id(line)
+                    if cid is not None and cid not in seen:
+                        seen.add(cid)
+                        out.write(line)
+        os.replace(tmp, target)
+
+
+def _custom_id(line: bytes) -> str | None:
+    try:
+        cid = json.loads(line).get("custom_id")
+    except (ValueError, AttributeError):
+        return None
+    return cid if isinstance(cid, str) else None

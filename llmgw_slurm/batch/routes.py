@@ -61,6 +61,8 @@ def allowed_model(gw: Gateway, key: KeyRecord | None) -> Callable[[str], str | N
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
     type_ = "invalid_request_error" if status < 500 else "server_error"
+    if status == 429:
+        type_ = "rate_limit_error"  # as the gateway's own 429s
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return web.json_response(body, status=status)
 

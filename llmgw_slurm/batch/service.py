@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw_slurm.batch import results
-from llmgw_slurm.batch.jobs import BatchJobs, batch_job_prefix
+from llmgw_slurm.batch.jobs import BatchJobs, batch_job_prefix, shards_for
 from llmgw_slurm.batch.model import (
     ENDPOINTS,
     BatchError,
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 # Jobs one batch may have (its first, plus resubmissions after time-outs or
 # lost nodes); a batch that keeps failing must not keep a queue slot forever.
 MAX_JOBS = 3
+# What a job's report counts; the batch record has a field of each name.
+_COUNTS = ("completed", "failed", "prompt_tokens", "completion_tokens")
 
 
 class BatchRefused(Exception):
@@ -90,6 +93,8 @@ class BatchService:
         self.last_poll_error = ""
         # Batches whose sbatch is under way: a poll meanwhile must not submit again.
         self._submitting: set[str] = set()
+        # A sharded batch's shards' last reported counts: batch id -> shard -> counts.
+        self._shard_counts: dict[str, dict[int, dict[str, int]]] = {}
         # Called with each batch once it ends (its tokens go to the usage store).
         self.on_usage: Callable[[BatchRecord], None] | None = None
 
@@ -135,6 +140,7 @@ class BatchService:
                 "endpoint",
             )
         window = self._window(completion_window)
+        self._check_active(owner)
         f = self.store.file(owner, input_file_id)
         if f is None:
             raise BatchRefused(
@@ -167,10 +173,27 @@ class BatchService:
             self.store.save(batch)
             return batch
         batch = transition(
-            batch, BatchStatus.IN_PROGRESS, now, model=checked.model, total=checked.total
+            batch,
+            BatchStatus.IN_PROGRESS,
+            now,
+            model=checked.model,
+            total=checked.total,
+            shards=shards_for(self.server, checked.total),
         )
         self.store.save(batch)
         return await self._submit(batch)
+
+    def _check_active(self, owner: str) -> None:
+        limit = self.server.batch.max_active_per_user
+        active = sum(1 for b in self.store.batches(owner) if not b.status.is_final)
+        if active >= limit:
+            raise BatchRefused(
+                429,
+                "too_many_active_batches",
+                f"You have {active} unfinished batches, the most one user may have "
+                f"(batch.max_active_per_user is {limit}); create this one when one of "
+                "them has ended, or cancel one.",
+            )
 
     def _check(
         self, path: Path, endpoint: str, resolve: Callable[[str], str | None]
@@ -253,8 +276,11 @@ class BatchService:
         active = [b for b in self.store.unfinished() if b.status is not BatchStatus.VALIDATING]
         if not active:
             return
+        listed: dict[str, list[Job]] = {}
         try:
-            listed = {j.name: j for j in await self.backend.list_jobs(self.prefix)}
+            # A sharded batch's array tasks all bear its name: a list per name.
+            for j in await self.backend.list_jobs(self.prefix):
+                listed.setdefault(j.name, []).append(j)
         except SlurmError as err:
             # Acting on no listing could finish batches whose jobs still run.
             self.last_poll_error = str(err)
@@ -265,18 +291,25 @@ class BatchService:
             # Read again: an earlier batch's await may have let a cancel or a report in.
             batch = self.store.get(b.id)
             if batch is not None and not batch.status.is_final and b.id not in self._submitting:
-                await self._poll_one(batch, listed.get(self.prefix + batch.id))
+                await self._poll_one(batch, listed.get(self.prefix + batch.id, []))
 
-    async def _poll_one(self, batch: BatchRecord, job: Job | None) -> None:
+    async def _poll_one(self, batch: BatchRecord, jobs: list[Job]) -> None:
+        """``jobs``: those listed under the batch's name (a sharded batch's array
+        tasks, each listed on its own; the batch is running while any one is)."""
         now = self.clock()
-        if job is not None and job.state.is_active:
-            if job.job_id != batch.job_id:
+        active = [j for j in jobs if j.state.is_active]
+        if active:
+            # An array task's own id is not the array's: the array's is what sbatch
+            # returned, what the record holds, and what scancel takes for all tasks.
+            ids = {j.array_job_id or j.job_id for j in active}
+            if batch.job_id not in ids:
                 # Submitted by a daemon that died before it recorded the id (or a
                 # record older than the job): adopted, never submitted twice.
-                log.info("batch %s: adopting job %s", batch.id, job.job_id)
+                job_id = max(ids, key=lambda i: (len(i), i))
+                log.info("batch %s: adopting job %s", batch.id, job_id)
                 batch = replace(
                     batch,
-                    job_id=job.job_id,
+                    job_id=job_id,
                     jobs_submitted=batch.jobs_submitted + (0 if batch.job_id else 1),
                 )
                 self.store.save(batch)
@@ -284,9 +317,12 @@ class BatchService:
             if expired or batch.status is BatchStatus.CANCELLING:
                 # Again on every poll while the job is listed: a scancel that Slurm
                 # did not take is retried, and one more to a dying job is harmless.
-                await self._cancel_job(replace(batch, job_id=job.job_id))
-            elif job.state is JobState.PENDING and job.reason:
-                self.store.save(replace(batch, note=f"job {job.job_id} pending ({job.reason})"))
+                await self._cancel_job(batch)
+            else:
+                pending = [j for j in active if j.state is JobState.PENDING and j.reason]
+                if pending and len(pending) == len(active):
+                    note = f"job {batch.job_id} pending ({pending[0].reason})"
+                    self.store.save(replace(batch, note=note))
             return
         if batch.status is BatchStatus.IN_PROGRESS and not batch.job_id and now < batch.expires_at:
             await self._submit(batch)
@@ -296,6 +332,9 @@ class BatchService:
     async def _job_gone(self, batch: BatchRecord, now: float) -> None:
         work = self.store.work_dir(batch.id)
         out, err = work / results.OUTPUT, work / results.ERRORS
+        if batch.shards > 1:
+            # No task runs now: the shards' files are whole, and merged afresh.
+            await asyncio.to_thread(results.merge_shards, work, batch.shards)
         done, failed = await asyncio.to_thread(_read_counts, out, err)
         batch = replace(self.store.get(batch.id) or batch, completed=done, failed=failed)
         if batch.status is BatchStatus.CANCELLING:
@@ -358,6 +397,10 @@ class BatchService:
                 ids[field] = rec.id
         batch = transition(batch, to, now, **ids)
         self.store.save(batch)
+        self._shard_counts.pop(batch.id, None)
+        for k in range(batch.shards if batch.shards > 1 else 0):
+            # Merged into the files above: the shards' copies would double the disk.
+            shutil.rmtree(work / f"shard-{k}", ignore_errors=True)
         log.info(
             "batch %s: %s (%d completed, %d failed)",
             batch.id,
@@ -379,18 +422,7 @@ class BatchService:
         batch = self.store.get(batch_id)
         if batch is None or batch.status.is_final:
             return {"ok": True, "drain": True}
-        counts = body.get("counts")
-        changes: dict[str, Any] = {}
-        if isinstance(counts, dict):
-            for key, field in (
-                ("completed", "completed"),
-                ("failed", "failed"),
-                ("prompt_tokens", "prompt_tokens"),
-                ("completion_tokens", "completion_tokens"),
-            ):
-                value = counts.get(key)
-                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                    changes[field] = value
+        changes: dict[str, Any] = self._counts(batch, body.get("counts"))
         event = body.get("event")
         if event == "step" and isinstance(body.get("step"), str):
             changes["note"] = f"job {body.get('job_id')}: {body['step']} {body.get('status')}"
@@ -401,6 +433,23 @@ class BatchService:
         if changes:
             self.store.save(replace(batch, **changes))
         return {"ok": True, "drain": batch.status is BatchStatus.CANCELLING}
+
+    def _counts(self, batch: BatchRecord, counts: Any) -> dict[str, int]:
+        """The batch's counts from one job's report: a sharded batch's are the sum of
+        each shard's last report (kept in memory: after a restart, the next reports)."""
+        out: dict[str, int] = {}
+        if not isinstance(counts, dict):
+            return out
+        for key in _COUNTS:
+            value = counts.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                out[key] = value
+        shard = counts.get("shard")
+        if batch.shards <= 1 or not isinstance(shard, int) or not 0 <= shard < batch.shards:
+            return out
+        mine = self._shard_counts.setdefault(batch.id, {})
+        mine[shard] = out
+        return {key: sum(c.get(key, 0) for c in mine.values()) for key in _COUNTS}
 
     # ---- the loop ---------------------------------------------------------------------
 

@@ -53,6 +53,9 @@ SQUEUE_FIELDS = (
     "SubmitTime",
     "RestartCnt",
     "UserName",
+    # A job array's id on each of its tasks (JobID is the task's own); a job
+    # outside an array prints its JobID here.
+    "ArrayJobID",
     "Comment",
 )
 
@@ -305,7 +308,7 @@ def _job_from_rows(key: str, rows: list[list[str]]) -> Job:
         reason="" if _none(head[5].strip()) else head[5].strip(),
         partition=head[8].strip(),
         user=head[15].strip(),
-        comment="" if head[16] == "(null)" else head[16],
+        comment="" if head[17] == "(null)" else head[17],
         nodes=tuple(nodes),
         submit_time=parse_time(head[13]),
         start_time=parse_time(head[12]) if not pending else None,
@@ -314,7 +317,14 @@ def _job_from_rows(key: str, rows: list[list[str]]) -> Job:
         end_time=parse_time(head[11]) if not pending else None,
         restarts=_int(head[14], 0),
         components=tuple(comps),
+        array_job_id=_array_job_id(head[16], head[0]),
     )
+
+
+def _array_job_id(array: str, job_id: str) -> str:
+    """The array's id for a task of a job array; "" for a job outside one."""
+    array = array.strip()
+    return "" if _none(array) or array == job_id.strip() or not array.isdigit() else array
 
 
 def tres_per_node(text: str) -> str:

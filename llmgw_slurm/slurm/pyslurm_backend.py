@@ -186,7 +186,14 @@ def _job_from_components(key: str, objs: list[Any]) -> Job:
         end_time=end,
         restarts=_int(_attr(head, "requeue_count", "restart_cnt"), 0),
         components=comps,
+        array_job_id=_array_job_id(head),
     )
+
+
+def _array_job_id(obj: Any) -> str:
+    """As squeue's ArrayJobID: the array's id on a task of a job array, "" otherwise."""
+    array = _int(_attr(obj, "array_id", "array_job_id"), 0)
+    return str(array) if array and array != _int(obj.id, 0) else ""
 
 
 def jobs_from_pyslurm(
@@ -444,6 +451,7 @@ _FLAGS: dict[str, tuple[str, object]] = {
 }
 _VALUED: dict[str, str] = {
     "account": "account",
+    "array": "array",
     "begin": "begin_time",
     "chdir": "working_directory",
     "comment": "comment",

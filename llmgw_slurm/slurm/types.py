@@ -224,6 +224,9 @@ class Job:
     end_time: datetime | None
     restarts: int
     components: tuple[JobComponent, ...]
+    # For a task of a job array: the array's id (what sbatch returned; scancel of
+    # it cancels every task). "" for a job outside an array.
+    array_job_id: str = ""
 
     @property
     def heterogeneous(self) -> bool:

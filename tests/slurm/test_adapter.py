@@ -145,6 +145,32 @@ async def test_cancel_is_idempotent(backend: SlurmBackend, prefix: str) -> None:
     await backend.cancel("999999")  # never existed: no error
 
 
+async def test_an_arrays_tasks_carry_its_id_and_its_cancel_ends_them_all(
+    backend: SlurmBackend, prefix: str
+) -> None:
+    name = prefix + "_batch.array"
+    array_id = await backend.submit(
+        JobSpec(
+            name=name, script=script("sleep 300", directives=("--partition=llm", "--array=0-2"))
+        )
+    )
+
+    async def all_running() -> list[Job] | None:
+        tasks = [j for j in await backend.list_jobs(prefix) if j.state is JobState.RUNNING]
+        return tasks if len(tasks) == 3 else None
+
+    tasks = await eventually(all_running, "the array's three tasks to run")
+    # One task keeps the array's own id (Slurm's), the others have ids of their own.
+    assert {j.array_job_id or j.job_id for j in tasks} == {array_id}
+    assert len({j.job_id for j in tasks}) == 3 and {j.name for j in tasks} == {name}
+    await backend.cancel(array_id)
+
+    async def none_active() -> bool:
+        return not any(j.state.is_active for j in await backend.list_jobs(prefix))
+
+    await eventually(none_active, "every task to be cancelled")
+
+
 async def running_ten_minutes(backend: SlurmBackend, prefix: str, name: str) -> Job:
     """A job with a 10-minute limit, once it runs (the backend fixture cancels it)."""
     script_ = script("sleep 300", directives=("--partition=llm", "--time=10"))

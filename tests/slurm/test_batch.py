@@ -237,3 +237,85 @@ async def test_a_preempted_batch_job_is_requeued_and_answers_each_custom_id_once
         content = (await c.files.content(done.output_file_id)).read()
         ids = [json.loads(line)["custom_id"] for line in content.splitlines()]
         assert sorted(ids) == sorted(f"q{i}" for i in range(n))
+
+
+def with_shards(h: Harness) -> None:
+    with_batch_section(h)
+    server = yaml.safe_load(h.server_yaml.read_text())
+    server["batch"]["shard_lines"] = 20
+    h.server_yaml.write_text(yaml.safe_dump(server, sort_keys=False))
+
+
+def tasks_of(job_name: str) -> list[tuple[str, str, str]]:
+    """(array task id as squeue prints it, state, node) of each task listed under the name."""
+    out = subprocess.run(
+        ["squeue", "-h", "-n", job_name, "-o", "%i|%T|%N"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [tuple(line.split("|")) for line in out.splitlines() if line]  # type: ignore[misc]
+
+
+async def test_a_sharded_batch_runs_as_an_array_and_a_preempted_shard_repeats_nothing(
+    tmp_path: Path, prefix: str
+) -> None:
+    async with running(tmp_path, prefix, [WHOLE_NODE], configure=with_shards) as h:
+        c = client(h, "unused")
+        n = 40  # two shards of 20, a whole node each
+        f = await c.files.create(
+            file=("s.jsonl", io.BytesIO(lines("whole", n, max_tokens=10))), purpose="batch"
+        )
+        batch = await c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        name = f"{prefix}_batch.{batch.id}"
+
+        async def both_running() -> list[tuple[str, str, str]] | None:
+            listed = [t for t in tasks_of(name) if t[1] == "RUNNING"]
+            return listed if len(listed) == 2 else None
+
+        running_tasks = await eventually(both_running, "both shards to run", timeout=60)
+        assert sorted(t[0].rsplit("_", 1)[1] for t in running_tasks) == ["0", "1"]
+
+        async def some_done() -> bool:
+            b = await c.batches.retrieve(batch.id)
+            return b.request_counts is not None and b.request_counts.completed >= 4
+
+        await eventually(some_done, "the shards to answer some requests", timeout=120)
+        victim = next(t for t in tasks_of(name) if t[1] == "RUNNING")
+        research = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                "research",
+                f"--nodelist={victim[2]}",
+                "--gres=gpu:a100:4",
+                f"--job-name={prefix}research",
+                "--output=/dev/null",
+                "--wrap",
+                "sleep 600",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        try:
+
+            async def requeued() -> bool:
+                return any(t[0] == victim[0] and t[1] == "PENDING" for t in tasks_of(name))
+
+            await eventually(requeued, f"shard {victim[0]} to be preempted and requeued")
+        finally:
+            subprocess.run(["scancel", research], check=False)
+        subprocess.run(["scontrol", "update", f"JobName={name}", "StartTime=now"], check=False)
+        done = await wait_status(c, batch.id, "completed", "failed")
+        assert done.status == "completed", done
+        assert done.output_file_id is not None and done.request_counts is not None
+        assert done.request_counts.completed == n
+        content = (await c.files.content(done.output_file_id)).read()
+        ids = [json.loads(line)["custom_id"] for line in content.splitlines()]
+        assert sorted(ids) == sorted(f"q{i}" for i in range(n))
+        # The shards' own copies are gone once merged.
+        assert not list((h.folder / "state" / "batch" / "work" / batch.id).glob("shard-*"))

@@ -574,3 +574,125 @@ def test_a_batch_line_for_a_model_the_key_may_not_use_reads_as_unknown() -> None
     assert allowed_model(gw, ben)("big") is None  # type: ignore[arg-type]
     assert allowed_model(gw, ben)("t") == "tiny"  # type: ignore[arg-type]
     assert allowed_model(gw, ben)("nope") is None  # type: ignore[arg-type]
+
+
+async def test_a_user_past_the_active_batch_limit_gets_a_429_until_one_ends(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    import aiohttp
+
+    from llmgw_slurm.batch.routes import add_batch_routes
+    from llmgw_slurm.router import create_app
+    from llmgw_slurm.router.directory import StaticDirectory
+
+    s, backend, _ = svc
+    s.server = replace(s.server, batch=replace(s.server.batch, max_active_per_user=2))
+    # A failed batch (a bad file) is final: it does not count.
+    assert (await create(s, upload(s, "", b"{"), owner="")).status is BatchStatus.FAILED
+    first = await create(s, upload(s, "", line("a")), owner="")
+    await create(s, upload(s, "", line("a")), owner="")
+    await create(s, upload(s, "bob", line("a")), owner="bob")  # bob's count is his own
+    fid = upload(s, "", line("a"))
+    app = create_app(StaticDirectory())
+    add_batch_routes(app, s)
+    ask = {"input_file_id": fid, "endpoint": CHAT, "completion_window": "1h"}
+    async with serve(app) as url, aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/batches", json=ask) as r:
+            assert r.status == 429
+            error = (await r.json())["error"]
+        assert error["code"] == "too_many_active_batches"
+        assert error["type"] == "rate_limit_error"
+        assert "2 unfinished batches" in error["message"]
+        assert "max_active_per_user" in error["message"]
+        assert len(s.store.batches("")) == 3  # the refused one recorded nothing
+    # (Out of the app: its own poll loop must not race this test's poll.)
+    answer(s.store.work_dir(first.id), results.OUTPUT, "a")
+    backend.jobs = []
+    await s.poll()
+    assert s.store.batch("", first.id).status is BatchStatus.COMPLETED  # type: ignore[union-attr]
+    assert (await create(s, fid, owner="")).status is BatchStatus.IN_PROGRESS
+
+
+# ---- shards: a job array -------------------------------------------------------------
+
+
+def task(name: str, job_id: str, array: str, state: JobState) -> Job:
+    return Job(job_id, name, state, "", "batch", "u", "", (), None, None, None, None, 0, (), array)
+
+
+def report(s: BatchService, batch_id: str, counts: dict[str, int]) -> None:
+    body = {"event": "progress", "counts": counts}
+    raw = json.dumps(body).encode()
+    secret = batch_secret(b"k" * 32, batch_id)
+    s.report(batch_id, sign_report(secret, batch_id, int(time.time()), raw), raw, body)
+
+
+async def test_a_sharded_batch_runs_as_one_array_and_ends_with_each_custom_id_once(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    s.server = replace(s.server, batch=replace(s.server.batch, shard_lines=2, max_shards=2))
+    from llmgw_slurm.batch.jobs import shards_for
+
+    # Whole shards of shard_lines, the last shorter; at most max_shards.
+    assert [shards_for(s.server, n) for n in (1, 2, 3, 4, 5, 500)] == [1, 1, 2, 2, 2, 2]
+    cids = [f"q{i}" for i in range(5)]
+    b = await create(s, upload(s, "alice", b"".join(line(c) for c in cids)))
+    assert (b.shards, b.job_id) == (2, "101")
+    (spec,) = backend.submitted
+    assert "#SBATCH --array=0-1" in spec.script
+    assert (spec.env["LLMGW_BATCH_SHARDS"], spec.env["LLMGW_BATCH_SHARD_SIZE"]) == ("2", "3")
+    # Task 0 running under its own id, task 1 done: the batch runs while one task does.
+    backend.jobs = [
+        task(spec.name, "102", "101", JobState.RUNNING),
+        task(spec.name, "101", "", JobState.COMPLETED),
+    ]
+    await s.poll()
+    now = s.store.get(b.id)
+    assert now is not None and now.status is BatchStatus.IN_PROGRESS and now.job_id == "101"
+    assert len(backend.submitted) == 1
+    # Each shard reports its own counts: the batch's are their sum.
+    report(s, b.id, {"completed": 2, "prompt_tokens": 5, "shard": 0})
+    report(s, b.id, {"completed": 1, "prompt_tokens": 3, "shard": 1})
+    report(s, b.id, {"completed": 3, "prompt_tokens": 7, "shard": 0})
+    now = s.store.get(b.id)
+    assert now is not None and (now.completed, now.prompt_tokens) == (4, 10)
+    work = s.store.work_dir(b.id)
+    out, err = work / results.OUTPUT, work / results.ERRORS
+    (o0, _), (o1, e1) = results.shard_paths(out, err, 0), results.shard_paths(out, err, 1)
+    for path, done in ((o0, ("q0", "q1", "q2")), (o1, ("q3",)), (e1, ("q4",))):
+        path.parent.mkdir(exist_ok=True)
+        answer(path.parent, path.name, *done)
+    backend.jobs = [task(spec.name, j, "101", JobState.COMPLETED) for j in ("101", "102")]
+    await s.poll()
+    done = s.store.batch("alice", b.id)
+    assert done is not None and done.status is BatchStatus.COMPLETED
+    assert (done.completed, done.failed) == (4, 1)
+    assert done.output_file_id is not None and done.error_file_id is not None
+    merged = s.store.data_path(done.output_file_id).read_text().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in merged) == ["q0", "q1", "q2", "q3"]
+    assert results.custom_ids(s.store.data_path(done.error_file_id)) == {"q4"}
+    assert not o0.parent.exists() and not o1.parent.exists()
+
+
+async def test_a_sharded_batch_is_cancelled_whole_and_its_array_adopted_after_a_restart(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    s.server = replace(s.server, batch=replace(s.server.batch, shard_lines=1))
+    b = await create(s, upload(s, "alice", line("a") + line("b") + line("c")))
+    (spec,) = backend.submitted
+    assert "#SBATCH --array=0-2" in spec.script
+    # The daemon died between sbatch and recording the id: the tasks, each listed
+    # under its own id, give the array's, and nothing is submitted again.
+    s.store.save(replace(b, job_id="", jobs_submitted=0))
+    backend.jobs = [
+        task(spec.name, "104", "101", JobState.RUNNING),
+        task(spec.name, "101", "", JobState.PENDING),
+    ]
+    await s.poll()
+    adopted = s.store.get(b.id)
+    assert adopted is not None and (adopted.job_id, adopted.jobs_submitted) == ("101", 1)
+    assert len(backend.submitted) == 1
+    await s.cancel("alice", b.id)
+    assert backend.cancelled == ["101"]  # the array's id: scancel takes every task with it

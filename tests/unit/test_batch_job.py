@@ -14,11 +14,14 @@ from llmgw_slurm.agent.batch import (
     BatchJob,
     BatchRun,
     _append_run,
+    _shard,
     _write_todo,
     batch_job_from_env,
+    todo,
 )
 from llmgw_slurm.agent.engine import LaunchParams, build_run_batch_command
 from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.batch import results
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.errors import ConfigError, ConfigErrors
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
@@ -93,6 +96,11 @@ def test_the_batch_section_defaults_and_its_errors_name_file_and_line(tmp_path: 
     cfg = load_server_config(p)
     assert cfg.batch_directory == tmp_path / "st" / "batch"
     assert cfg.batch.max_requests == 50_000 and cfg.batch.time_limit == 4 * 3600
+    assert (cfg.batch.max_active_per_user, cfg.batch.shard_lines, cfg.batch.max_shards) == (
+        10,
+        0,
+        16,
+    )
     p.write_text(
         textwrap.dedent(
             """\
@@ -101,6 +109,9 @@ def test_the_batch_section_defaults_and_its_errors_name_file_and_line(tmp_path: 
               partition: "bad partition"
               max_file_bytes: lots
               time_limit: 10s
+              shard_lines: -1
+              max_shards: 5000
+              max_active_per_user: 0
             """
         )
     )
@@ -111,6 +122,9 @@ def test_the_batch_section_defaults_and_its_errors_name_file_and_line(tmp_path: 
         ["F", "3", " batch.partition"],
         ["F", "4", " batch.max_file_bytes"],
         ["F", "5", " batch.time_limit"],
+        ["F", "6", " batch.shard_lines"],
+        ["F", "7", " batch.max_shards"],
+        ["F", "8", " batch.max_active_per_user"],
     ], got
     p.write_text("batch: {directory: \"sh ared\"}\n")
     with pytest.raises(ConfigError, match=r"batch\.directory"):
@@ -169,3 +183,69 @@ def test_the_offline_runner_command_keeps_the_key_and_paths_as_arguments() -> No
     assert cmd.env == {"A": "1", "B": "2"}
     with pytest.raises(EngineError, match="no offline batch runner"):
         build_run_batch_command(EngineSpec(kind="command", command=("x",)), p, "/i", "/o")
+
+
+def shard_env(task: str) -> dict[str, str]:
+    return {"LLMGW_BATCH_SHARDS": "3", "LLMGW_BATCH_SHARD_SIZE": "2", "SLURM_ARRAY_TASK_ID": task}
+
+
+def test_an_array_task_runs_its_own_lines_into_its_own_files(tmp_path: Path) -> None:
+    whole = job(tmp_path, *(request(f"q{i}") for i in range(5)))
+    assert _shard(whole, {}) is whole  # no shards: the batch's own files, all its lines
+    got = {}
+    for task in ("0", "1", "2"):
+        b = _shard(whole, shard_env(task))
+        assert b.output == tmp_path / f"shard-{task}" / "out.jsonl"
+        assert b.errors.parent == b.output.parent and b.output.parent.is_dir()
+        got[task] = [cid for cid, _ in todo(b, set())]
+    assert got == {"0": ["q0", "q1"], "1": ["q2", "q3"], "2": ["q4"]}
+    b = _shard(whole, shard_env("1"))
+    assert [cid for cid, _ in todo(b, {"q2"})] == ["q3"]  # resumed: its own done skipped
+    for task, says in (("", "not set"), ("x", "not a number"), ("3", "task 3 of")):
+        with pytest.raises(ConfigError, match=says):
+            _shard(whole, shard_env(task))
+
+
+def test_the_shards_merge_into_one_pair_of_files_each_custom_id_once(tmp_path: Path) -> None:
+    def put(path: Path, *cids: str) -> None:
+        path.parent.mkdir(exist_ok=True)
+        with path.open("a") as f:
+            f.writelines(json.dumps({"custom_id": c}) + "\n" for c in cids)
+
+    out, err = tmp_path / results.OUTPUT, tmp_path / results.ERRORS
+    o0, e0 = results.shard_paths(out, err, 0)
+    o1, _ = results.shard_paths(out, err, 1)
+    put(o0, "a", "b")
+    put(e0, "c", "a")  # failed once, answered after: the answer wins
+    put(o1, "d")
+    with o1.open("a") as f:
+        f.write('{"custom_id": "e", "resp')  # a task killed mid-write
+    results.merge_shards(tmp_path, 2)
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["a", "b", "d"]
+    assert [json.loads(x)["custom_id"] for x in err.read_text().splitlines()] == ["c"]
+    put(o1, "e")  # a resubmitted array's task answered more: merged afresh
+    results.merge_shards(tmp_path, 2)
+    assert results.custom_ids(out) == {"a", "b", "d", "e"}
+    assert results.shard_size(5, 3) == 2 and results.shard_size(6, 3) == 2
+
+
+async def test_a_job_with_nothing_left_in_its_lines_ends_without_an_engine(
+    tmp_path: Path,
+) -> None:
+    from llmgw_slurm.agent.batch import BatchAgent
+    from llmgw_slurm.agent.runner import EXIT_OK, JobContext, replica_spec
+    from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+    from tests.agent_support import fake_engine_spec
+
+    b = job(tmp_path, request("q0"), request("q1"))
+    spec = replica_spec(fake_engine_spec(tmp_path))
+    ctx = JobContext("batch_" + "0" * 24, "m", "http://127.0.0.1:1", "s", "k", spec)
+    settings = AgentSettings(fetch=FetchSettings(cache_dir=tmp_path / "c"))
+    agent = BatchAgent(b, settings, ctx, {})
+    b.output.write_text(json.dumps({"custom_id": "q0"}) + "\n")
+    assert agent._left() is None  # q1 is left: the engine would start
+    b.errors.write_text(json.dumps({"custom_id": "q1"}) + "\n")
+    await agent._startup_steps(None)  # type: ignore[arg-type]
+    assert agent._done_before == {"completed": 1, "failed": 1}
+    assert await agent._serve(None) == EXIT_OK  # type: ignore[arg-type]
+    assert agent.engine is None

@@ -855,3 +855,15 @@ def test_make_backend_unknown_kind_lists_the_valid_ones() -> None:
 def test_make_backend_unknown_option_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="cli backend"):
         make_backend("cli", colour="blue")
+
+
+def test_array_tasks_carry_their_arrays_id_and_the_array_option_passes_on() -> None:
+    task, alone = pjob(id=57, array_id=55), pjob(id=60, array_id=0)
+    master = pjob(id=55, array_id=55)
+    jobs = {j.job_id: j for j in jobs_from_pyslurm([task, alone, master], uid=1000)}
+    assert (jobs["57"].array_job_id, jobs["55"].array_job_id, jobs["60"].array_job_id) == (
+        "55",
+        "",
+        "",
+    )
+    assert sbatch_options("#!/bin/bash\n#SBATCH --array=0-3\n")["array"] == "0-3"

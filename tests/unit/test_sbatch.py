@@ -113,6 +113,28 @@ def test_batch_job_matches_record(tmp_path: Path) -> None:
     bash_n(text, tmp_path)
 
 
+
+def test_a_sharded_batch_is_a_job_array_and_a_template_without_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    job = replace(JOB, job_name="llmgw._batch.batch_0123456789abcdef01234567")
+    params = ReplicaParams(job, Resources(gpus=1), AGENT_CONFIG, 120)
+    one, three = render_batch(params), render_batch(params, shards=3)
+    assert "--array" not in one
+    assert [x for x in three.splitlines() if x.startswith("#SBATCH --array")] == [
+        "#SBATCH --array=0-2"
+    ]
+    bash_n(three, tmp_path)
+    for bad in (0, 1001, True):
+        with pytest.raises(TemplateError, match="shards"):
+            render_batch(params, shards=bad)
+    # A site's own template from before shards: refused, not run as one shard.
+    (tmp_path / "batch.sbatch.j2").write_text("#!/bin/bash\n#SBATCH --job-name=x\necho\n")
+    with pytest.raises(TemplateError, match="--array"):
+        render_batch(params, tmp_path, shards=2)
+    assert render_batch(params, tmp_path).startswith("#!/bin/bash")
+
+
 def test_model_job_matches_record(tmp_path: Path) -> None:
     text = render_model_job(ModelJobParams(JOB, AGENT_CONFIG, Resources(gpus=0, cpus=4)))
     assert_matches_record("model-job.sbatch", text)

@@ -281,13 +281,14 @@ def test_squeue_cache_reuses_unchanged_rows() -> None:
         ),
         ("{s}UNLIMITED{s}N/A{s}2027", "{s}1:00:00{s}N/A{s}2027", "time_limit_s", 3600),
         (
-            "{s}2026-12-02T16:48:54{s}0{s}root{s}(null){s}",
-            "{s}2026-12-02T16:48:54{s}2{s}root{s}(null){s}",
+            "{s}2026-12-02T16:48:54{s}0{s}root{s}12{s}(null){s}",
+            "{s}2026-12-02T16:48:54{s}2{s}root{s}12{s}(null){s}",
             "restarts",
             2,
         ),
         ("llmgw.pend.55667788{s}", "llmgw.pend.99999999{s}", "name", "llmgw.pend.99999999"),
-        ("{s}root{s}(null){s}", "{s}root{s}model=x{s}", "comment", "model=x"),
+        ("{s}root{s}12{s}(null){s}", "{s}root{s}12{s}model=x{s}", "comment", "model=x"),
+        ("{s}root{s}12{s}(null){s}", "{s}root{s}7{s}(null){s}", "array_job_id", "7"),
     ],
 )
 def test_squeue_cache_reparses_a_row_when_any_field_changes(
