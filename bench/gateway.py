@@ -116,11 +116,16 @@ GOAL_THROUGHPUT = 0.95
 GOAL_MAX_RPS_VS_NGINX = 0.5
 
 
+def answer_seconds(engine: str) -> float:
+    """How long one answer of ``engine`` takes, without any proxy or load."""
+    first, delay = ENGINES[engine]
+    return first + delay * (TOKENS - 1)
+
+
 def run_seconds(engine: str, duration: float) -> float:
     """At least four answers a client in a run: a paced answer takes a second,
     and a 2 s window would give p99 from a handful of samples."""
-    first, delay = ENGINES[engine]
-    return max(duration, 4 * (first + delay * (TOKENS - 1)))
+    return max(duration, 4 * answer_seconds(engine))
 
 
 def body(model: str, stream: bool) -> bytes:
@@ -478,10 +483,17 @@ async def load(
     key: str = ENGINE_KEY,
     warmup: float = 0.5,
     tls: ssl.SSLContext | None = None,
+    answer_s: float = 0.0,
 ) -> Samples:
-    """``clients`` loops sending requests back to back for ``warmup + duration`` s.
+    """``clients`` loops sending requests back to back, then ``duration`` s measured.
 
-    Counts the requests that ended in the measured window (after the warm-up):
+    Clients start at random within ``warmup`` or one answer (``answer_s``),
+    whichever is longer; the measured window opens one answer after that,
+    when every client's first request has ended: the first request of a
+    client opens the proxy's connection to the engine (with TLS, a
+    handshake: about a millisecond of the gateway's CPU each, 64 at once),
+    which a client at a steady load does not pay again.
+    Counts the requests that ended in the measured window:
     in a closed loop at a steady state that is the throughput, and their
     latencies are what a client saw. Requests still running at the end are
     cut; a proxy that falls far behind (LiteLLM at 256 streams) shows as few
@@ -491,7 +503,10 @@ async def load(
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     out = Samples(seconds=duration)
     loop = asyncio.get_running_loop()
-    t_measure = loop.time() + warmup
+    # Starts spread over one answer at least: clients started within 0.5 s
+    # of a 1 s answer would finish in step, in half of every second.
+    spread = max(warmup, answer_s)
+    t_measure = loop.time() + spread + answer_s
     t_end = t_measure + duration
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     async with aiohttp.ClientSession(
@@ -530,7 +545,7 @@ async def load(
             # window depending on the phase, and the throughput jumps by 14 %
             # with a millisecond of latency. Random starts within the warm-up
             # spread them out.
-            await asyncio.sleep(random.uniform(0, warmup))
+            await asyncio.sleep(random.uniform(0, spread))
             while loop.time() < t_end:
                 await one()
 
@@ -886,7 +901,8 @@ def main() -> int:
                                 s = asyncio.run(
                                     load(urls[engine], data, mode == "stream", clients,
                                          run_seconds(engine, args.duration), key,
-                                         tls=target_tls.get(target, {}).get(engine))
+                                         tls=target_tls.get(target, {}).get(engine),
+                                         answer_s=answer_seconds(engine))
                                 )  # fmt: skip
                                 s.cpu_s = (_cpu_ticks(tree) - cpu0) * _TICK_S
                                 pooled.setdefault((target, engine, mode, clients), Samples()).add(s)
