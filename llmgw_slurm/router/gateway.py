@@ -175,6 +175,8 @@ class Gateway:
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
         self.responses = surface.ResponseHomes()
+        # Per model under policy prefix: which replica each active key lives on.
+        self.placements: dict[str, balance.Placement] = {}
 
     # lifecycle
 
@@ -287,11 +289,8 @@ class Gateway:
         exclude: frozenset[str] = frozenset(),
         unreachable: frozenset[tuple[str, str, int]] = frozenset(),
     ) -> Endpoint | None:
-        eps = [
-            e
-            for e in self.directory.endpoints(model)
-            if not e.draining and e.replica_id not in exclude and e.identity not in unreachable
-        ]
+        ready = [e for e in self.directory.endpoints(model) if not e.draining]
+        eps = [e for e in ready if e.replica_id not in exclude and e.identity not in unreachable]
         if not eps:
             return None
         counts = [self.in_flight.get((model, e.replica_id), 0) for e in eps]
@@ -299,13 +298,22 @@ class Gateway:
         if key is not None:
             routing = self._routing(model)
             if routing.policy == "prefix":
+                # The key is placed among every ready replica, not only those
+                # left for this try: a retry elsewhere must not move it.
+                home = self._placement(model, routing).place([e.replica_id for e in ready], key)
                 ids = [e.replica_id for e in eps]
-                return eps[balance.choose(ids, counts, key, routing.load_factor)]
+                return eps[balance.choose(ids, counts, key, routing.load_factor, home)]
         least = min(counts)
         ties = [e for e, c in zip(eps, counts, strict=True) if c == least]
         # Rotate among ties so that an idle model's replicas share the load.
         self._rr += 1
         return ties[self._rr % len(ties)]
+
+    def _placement(self, model: str, routing: ModelRouting) -> balance.Placement:
+        placement = self.placements.get(model)
+        if placement is None or placement.key_factor != routing.key_factor:
+            placement = self.placements[model] = balance.Placement(routing.key_factor)
+        return placement
 
     def _routing(self, model: str) -> ModelRouting:
         get = getattr(self.directory, "routing", None)
