@@ -15,7 +15,7 @@ response, which then reads as deleted to every client of the gateway (the
 engine frees it when the replica stops). ``/input_items`` is not routed.
 
 A background response (``background: true``) answers ``queued``, without
-usage: its tokens count when a retrieval first shows it completed.
+usage: its tokens count when a retrieval first shows it finished.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from llmgw_slurm.router.directory import Endpoint
-from llmgw_slurm.router.surface import Home, ResponsesRelay
+from llmgw_slurm.router.surface import Home
 
 if TYPE_CHECKING:
     from llmgw_slurm.router.gateway import Gateway
@@ -42,6 +42,14 @@ ROUTES = (
     ("DELETE", "/v1/responses/{response_id}", "delete"),
     ("POST", "/v1/responses/{response_id}/cancel", "cancel"),
 )
+
+
+def _cut_event(why: str) -> bytes:
+    """The gateway's error event for an answer cut short (as gateway._sse_error)."""
+    message = f"The replica failed while replaying the response ({why}); it is incomplete."
+    body = {"error": {"message": message, "type": "server_error", "param": None}}
+    body["error"]["code"] = "upstream_failed"
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
@@ -132,7 +140,7 @@ async def _forward(
             ctype = upstream.headers.get("Content-Type", "")
             out = {"X-Llmgw-Replica": ep.replica_id}
             if upstream.status == 200 and ctype.startswith("text/event-stream"):
-                return await _stream(gw, request, upstream, home, out)
+                return await _stream(request, upstream, out)
             data = await upstream.read()
     finally:
         gw.directory.request_finished(home.model, ep.replica_id)
@@ -171,33 +179,36 @@ def _count_background(gw: Gateway, request: web.Request, home: Home, rid: str, d
         obj = json.loads(data)
     except ValueError:
         return
-    if isinstance(obj, dict) and obj.get("status") == "completed":
+    # Finished, however: completed, incomplete (vLLM's at max_output_tokens),
+    # cancelled or failed, with what it used by then.
+    if isinstance(obj, dict) and obj.get("status") not in (None, "queued", "in_progress"):
         _count(gw, request, home, rid, obj.get("usage"))
 
 
 def _count(gw: Gateway, request: web.Request, home: Home, rid: str, usage: Any) -> None:
+    # Once: a retrieval since may have counted it already.
     if isinstance(usage, dict) and gw.responses.get(rid) == home:
         gw.responses.remember(rid, replace(home, counted=True))
         gw.record_usage(gw.authenticate(request)[0], home.model, "responses", usage)
 
 
 async def _stream(
-    gw: Gateway,
-    request: web.Request,
-    upstream: aiohttp.ClientResponse,
-    home: Home,
-    out: dict[str, str],
+    request: web.Request, upstream: aiohttp.ClientResponse, out: dict[str, str]
 ) -> web.StreamResponse:
-    """A replayed background stream, passed through as it comes."""
+    """A replayed background stream (``?stream=true``), passed through as it comes.
+
+    Its usage is not read: vLLM replays only a response made with ``stream``,
+    whose usage the gateway read as it made it."""
     resp = web.StreamResponse(
         headers={**out, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
-    relay = ResponsesRelay()
-    async for chunk in upstream.content.iter_any():
-        await resp.write(relay.feed(chunk))
-    await resp.write(relay.rest())
-    if not home.counted:
-        _count(gw, request, home, request.match_info["response_id"], relay.usage)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+        # The answer began: an error event, not a second answer. vLLM 0.32
+        # cuts the replay of a response not made streamed.
+        await resp.write(_cut_event(type(e).__name__))
     await resp.write_eof()
     return resp

@@ -6,8 +6,9 @@ agent rely on: ``/health``, ``/v1/models``, ``/v1/chat/completions`` and
 ``data: [DONE]``, with ``stream_options.include_usage``), ``/v1/embeddings``,
 ``/v1/responses`` (plain and streamed as vLLM's typed events; ``store`` and
 ``previous_response_id`` as vLLM keeps them, in this process's memory;
-``background``, ``GET /v1/responses/{id}`` and its ``/cancel``, and as vLLM
-no DELETE and no ``input_items``),
+``background`` (not streamed), ``GET /v1/responses/{id}`` (a stream replay
+cut, as vLLM's of a response not made streamed) and its ``/cancel``, and as
+vLLM no DELETE and no ``input_items``),
 ``/v1/rerank`` and ``/rerank``, ``/v1/score``, ``/tokenize``, ``/detokenize``,
 ``/v1/audio/transcriptions`` and ``/translations`` (multipart, read as it
 arrives: ``/debug/stats`` shows ``upload_bytes``, the file bytes received so
@@ -659,8 +660,11 @@ def _not_found(rid: str) -> web.Response:
 
 
 async def _retrieve_response(request: web.Request) -> web.StreamResponse:
-    """vLLM's GET /v1/responses/{id}; with ``stream=true`` its events after
-    ``starting_after`` (here: of a completed response only, in three events)."""
+    """vLLM's GET /v1/responses/{id}.
+
+    With ``stream=true`` vLLM replays the events of a response made with
+    ``background`` and ``stream`` (which this engine does not make); for any
+    other it fails after its 200 began, cutting the connection: so here."""
     st = request.app[_STATE]
     st.requests += 1
     rid = request.match_info["response_id"]
@@ -669,28 +673,11 @@ async def _retrieve_response(request: web.Request) -> web.StreamResponse:
         return _not_found(rid)
     if request.query.get("stream", "false").lower() != "true":
         return web.json_response(obj)
-    if obj["status"] != "completed":
-        return _error(400, "This engine replays completed responses only.", "invalid_request_error")
-    after = int(request.query.get("starting_after", "-1"))
-    text = obj["output"][0]["content"][0]["text"]
-    events = [
-        _event("response.created", 0, response={**obj, "status": "in_progress", "output": []}),
-        _event(
-            "response.output_text.delta",
-            1,
-            item_id=obj["output"][0]["id"],
-            output_index=0,
-            content_index=0,
-            delta=text,
-            logprobs=[],
-        ),
-        _event("response.completed", 2, response=obj),
-    ]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    resp.enable_chunked_encoding()
     await resp.prepare(request)
-    for ev in events[after + 1 :]:
-        await resp.write(ev)
-    await resp.write_eof()
+    if request.transport is not None:
+        request.transport.abort()
     return resp
 
 
