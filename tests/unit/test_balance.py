@@ -10,7 +10,7 @@ from _router_support import engine, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_slurm.router import GATEWAY_KEY, Endpoint, StaticDirectory, create_app
+from llmgw_slurm.router import GATEWAY_KEY, Endpoint, StaticDirectory, balance, create_app
 from llmgw_slurm.router.balance import Placement, Ring, bound, choose, key_bound, prefix_key
 from llmgw_slurm.router.directory import ModelRouting
 
@@ -328,3 +328,29 @@ async def test_the_gateway_splits_eight_prompts_four_and_four_where_the_ring_alo
                     seen.setdefault(p, set()).add(r.headers["X-Llmgw-Replica"])
     assert all(len(v) == 1 for v in seen.values())
     assert sorted(sum(v == {r} for v in seen.values()) for r in ("r0", "r1")) == [4, 4]
+
+
+def test_a_retry_elsewhere_or_a_draining_replica_moves_the_key_only_when_it_leaves() -> None:
+    directory = StaticDirectory()
+    directory.add_model("tiny", routing=ModelRouting(policy="prefix", prefix_chars=64))
+    for i in range(3):
+        directory.add_endpoint("tiny", Endpoint(f"r{i}", f"http://127.0.0.1:{9000 + i}", "k"))
+    gw = create_app(directory)[GATEWAY_KEY]
+    token = balance.REQUEST_KEY.set("shared system prompt")
+    try:
+        first = gw._pick("tiny")
+        assert first is not None
+        home = first.replica_id
+        # A retry that leaves the key's replica out goes elsewhere, once: the key stays.
+        other = gw._pick("tiny", exclude=frozenset({home}))
+        assert other is not None and other.replica_id != home
+        assert gw.placements["tiny"].home("shared system prompt") == home
+        again = gw._pick("tiny")
+        assert again is not None and again.replica_id == home
+        # A draining replica takes no new work: its keys live elsewhere from now on.
+        directory.set_draining("tiny", home, True)
+        moved = gw._pick("tiny")
+        assert moved is not None and moved.replica_id != home
+        assert gw.placements["tiny"].home("shared system prompt") == moved.replica_id
+    finally:
+        balance.REQUEST_KEY.reset(token)
