@@ -79,6 +79,9 @@ def write_configs(tmp: Path, prefix: str, vllm_python: str, model_dir: Path) -> 
                             "kind": "vllm",
                             "args": VLLM_ARGS,
                             "ready_timeout": f"{int(START_TIMEOUT)}s",
+                            # vLLM stores responses (GET, cancel,
+                            # previous_response_id) only with this.
+                            "env": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
                         },
                         # copy: the agent stages it into its cache, as for a
                         # model on a shared filesystem.
@@ -340,6 +343,20 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
             )
             kinds = [ev.type async for ev in events]
             assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+            # The stored response's own routes, at the replica that holds it.
+            got = await client.responses.retrieve(resp.id)
+            assert (got.id, got.output_text) == (resp.id, resp.output_text)
+            chained = await client.responses.create(
+                model=MODEL, input="Again.", previous_response_id=resp.id, max_output_tokens=2
+            )
+            assert chained.previous_response_id == resp.id
+            with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous"):
+                await client.responses.cancel(resp.id)
+            # vLLM has no DELETE (it answers 405): the gateway forgets the response.
+            assert await client.responses.delete(resp.id) is None
+            with pytest.raises(openai.NotFoundError) as gone:
+                await client.responses.retrieve(resp.id)
+            assert gone.value.code == "response_not_found"
             async with s.post(
                 gw + "/tokenize", json={"model": MODEL, "prompt": "hello world"}
             ) as r:
