@@ -21,10 +21,12 @@ requests' latency (p50, p99) through the gateway.
                                    [--prompt-tokens 1040] [--load-factors 1.25,2]
                                    [--key-factors 1,100] [--seeds 1,2,3]
 
-Writes bench/results/prefix_routing.json. Takes about 12 minutes here (two
-of them the engines starting). Prefix routing runs at each pair of load
-factor and key factor given; key factor 100 never binds with 8 prompts (plain
-consistent hashing of keys, as before the key bound). Each of ``--seeds``
+Writes bench/results/prefix_routing.json. Takes about half a minute per
+phase of 200 requests here, and one for the engines to start: 8 minutes for
+the recorded run (``--load-factors 2 --seeds 1,2,3``: 18 phases). Prefix
+routing runs at each pair of load factor and key factor given; key factor
+100 never binds with 8 prompts (plain consistent hashing of keys, as before
+the key bound). Each of ``--seeds``
 gives other prompt words, and so other hashes: the luck of the split.
 """
 
