@@ -581,6 +581,19 @@ class Gateway:
 
         return handler
 
+    def instrumented(
+        self,
+        endpoint: str,
+        inner: Callable[[web.Request, str, _Call], Awaitable[web.StreamResponse]],
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """A handler for another route on the gateway app with the proxied
+        routes' span and metrics (``inner`` sets ``call.model`` once known)."""
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._proxy(request, endpoint, inner)
+
+        return handler
+
     async def _proxy(
         self,
         request: web.Request,
@@ -1151,7 +1164,7 @@ def create_app(
         for path in route.paths:
             app.router.add_post(path, handler)
     for method, path, action in stored.ROUTES:
-        app.router.add_route(method, path, stored.handler(gw, action))
+        app.router.add_route(method, path, gw.instrumented("responses", stored.handler(gw, action)))
     app.router.add_get("/metrics", gw.metrics_handler)
     if quota is not None:
         add_quota_headers(app, quota)

@@ -21,18 +21,21 @@ usage: its tokens count when a retrieval first shows it finished.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
+from opentelemetry import trace
 
 from llmgw_slurm.router.directory import Endpoint
 from llmgw_slurm.router.surface import Home
 
 if TYPE_CHECKING:
     from llmgw_slurm.router.gateway import Gateway
+    from llmgw_slurm.router.relay import _Call
 
 __all__ = ["ROUTES", "handler"]
 
@@ -75,14 +78,20 @@ def _replica(gw: Gateway, home: Home) -> Endpoint | None:
     return None
 
 
-def handler(gw: Gateway, action: str) -> Any:
-    async def handle(request: web.Request) -> web.StreamResponse:
-        return await _handle(gw, request, action)
+def handler(
+    gw: Gateway, action: str
+) -> Callable[[web.Request, str, _Call], Awaitable[web.StreamResponse]]:
+    """The route's inner handler, for :meth:`Gateway.instrumented` (its span and metrics)."""
+
+    async def handle(request: web.Request, endpoint: str, call: _Call) -> web.StreamResponse:
+        return await _handle(gw, request, action, call)
 
     return handle
 
 
-async def _handle(gw: Gateway, request: web.Request, action: str) -> web.StreamResponse:
+async def _handle(
+    gw: Gateway, request: web.Request, action: str, call: _Call
+) -> web.StreamResponse:
     key, denied = gw.authenticate(request)
     if denied is not None:
         return denied
@@ -91,6 +100,10 @@ async def _handle(gw: Gateway, request: web.Request, action: str) -> web.StreamR
     owner = key.key_id if key is not None else ""
     if home is None or home.owner != owner or not gw.may_use(home.model, key):
         return _not_found(rid)
+    call.model = home.model
+    trace.get_current_span().set_attributes(
+        {"llmgw.model": home.model, "llmgw.replica_id": home.replica_id}
+    )
     ep = _replica(gw, home)
     if ep is None:
         return _error(

@@ -279,6 +279,12 @@ async def test_another_keys_response_an_unknown_id_and_a_stopped_replica_are_404
             assert err.value.code == "response_gone"
             assert "replica r0" in str(err.value)
         assert (await _stats(st))["r1"] == 0
+        # Counted as every proxied request is: under the model once the id is
+        # the caller's, else under none (the answer names no model either).
+        async with aiohttp.ClientSession() as s, s.get(st.url + "/metrics") as r:
+            text = await r.text()
+        assert 'llmgw_requests_total{model="_unknown",status="404"} 4.0' in text
+        assert 'llmgw_requests_total{model="tiny",status="404"} 1.0' in text
 
 
 # rerank, score, tokenize
