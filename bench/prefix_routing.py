@@ -18,10 +18,16 @@ the engines' prefix-cache hit rate (``vllm:prefix_cache_hits`` over
 requests' latency (p50, p99) through the gateway.
 
     python bench/prefix_routing.py [--requests 200] [--clients 6] [--rounds 2]
-                                   [--prompt-tokens 1040] [--load-factors 1.25,1.5,2]
+                                   [--prompt-tokens 1040] [--load-factors 1.25,2]
+                                   [--key-factors 1,100] [--seeds 1,2,3]
 
-Writes bench/results/prefix_routing.json. Takes about 10 minutes here (two
-of them the engines starting). Prefix routing runs at each load factor given.
+Writes bench/results/prefix_routing.json. Takes about half a minute per
+phase of 200 requests here, and one for the engines to start: 8 minutes for
+the recorded run (``--load-factors 2 --seeds 1,2,3``: 18 phases). Prefix
+routing runs at each pair of load factor and key factor given; key factor
+100 never binds with 8 prompts (plain consistent hashing of keys, as before
+the key bound). Each of ``--seeds``
+gives other prompt words, and so other hashes: the luck of the split.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, result, write
 from llmgw_slurm.agent.engine import _VLLM_SERVE_SHIM
-from llmgw_slurm.router import Endpoint, StaticDirectory, create_app
+from llmgw_slurm.router import GATEWAY_KEY, Endpoint, StaticDirectory, create_app
 from llmgw_slurm.router.directory import ModelRouting
 
 TOP = Path(__file__).resolve().parents[1]
@@ -58,17 +64,20 @@ KEY = "bench-key"
 LO = "tiny-lo"
 
 
-def policies(load_factors: list[float]) -> dict[str, ModelRouting]:
+def policies(load_factors: list[float], key_factors: list[float]) -> dict[str, ModelRouting]:
     out = {LO: ModelRouting(policy="least_outstanding")}
-    for i, lf in enumerate(load_factors):
-        out[f"tiny-px{i}"] = ModelRouting(policy="prefix", prefix_chars=512, load_factor=lf)
+    for kf in key_factors:
+        for lf in load_factors:
+            out[f"tiny-px{len(out)}"] = ModelRouting(
+                policy="prefix", prefix_chars=512, load_factor=lf, key_factor=kf
+            )
     return out
 
 
 def label(name: str, routing: ModelRouting) -> str:
     if routing.policy != "prefix":
         return routing.policy
-    return f"prefix (load_factor {routing.load_factor:g})"
+    return f"prefix (load_factor {routing.load_factor:g}, key_factor {routing.key_factor:g})"
 
 
 WORDS = [
@@ -242,12 +251,15 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     ports = [free_port(), free_port()]
-    pol = policies([float(x) for x in args.load_factors.split(",")])
+    pol = policies(
+        [float(x) for x in args.load_factors.split(",")],
+        [float(x) for x in args.key_factors.split(",")],
+    )
     procs = [
         start_engine(p, args.blocks, list(pol), logs / f"vllm-{i}.log") for i, p in enumerate(ports)
     ]
     engines = [f"http://127.0.0.1:{p}" for p in ports]
-    per: dict[str, list[dict[str, float]]] = {name: [] for name in pol}
+    per: dict[tuple[int, str], list[dict[str, float]]] = {}
     try:
         directory = StaticDirectory()
         for name, routing in pol.items():
@@ -269,17 +281,22 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             gport = free_port()
             await web.TCPSite(runner, "127.0.0.1", gport).start()
             gw = f"http://127.0.0.1:{gport}"
-            rng = random.Random(1)
-            prompts = await system_prompts(s, gw, args.prompts, args.prompt_tokens, rng)
-            # Warm both engines (first requests compile and allocate).
-            await phase(s, gw, engines, LO, prompts, 16, 2, 0)
-            for rnd in range(args.rounds):
-                for name, routing in pol.items():
-                    got = await phase(
-                        s, gw, engines, name, prompts, args.requests, args.clients, 100 + rnd
-                    )
-                    print(f"round {rnd} {label(name, routing)}: {got}", flush=True)
-                    per[name].append(got)
+            for seed in [int(x) for x in args.seeds.split(",")]:
+                # Another seed's prompts are another workload: the keys of the
+                # last one would still count as active (KEY_WINDOW_S) and
+                # halve the room for this one's.
+                app[GATEWAY_KEY].placements.clear()
+                rng = random.Random(seed)
+                prompts = await system_prompts(s, gw, args.prompts, args.prompt_tokens, rng)
+                # Warm both engines (first requests compile and allocate).
+                await phase(s, gw, engines, LO, prompts, 16, 2, 0)
+                for rnd in range(args.rounds):
+                    for name, routing in pol.items():
+                        got = await phase(
+                            s, gw, engines, name, prompts, args.requests, args.clients, 100 + rnd
+                        )
+                        print(f"seed {seed} round {rnd} {label(name, routing)}: {got}", flush=True)
+                        per.setdefault((seed, name), []).append(got)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -289,26 +306,28 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    def mean(name: str, key: str) -> float:
-        xs = [r[key] for r in per[name]]
+    def mean(seed: int, name: str, key: str) -> float:
+        xs = [r[key] for r in per[seed, name]]
         return sum(xs) / len(xs)
 
     out = []
-    for name, routing in pol.items():
-        if name == LO:
-            continue
-        for key, unit in (("hit_rate", "fraction"), ("p50_s", "s"), ("p99_s", "s"),
-                          ("throughput_rps", "req/s"),
-                          ("replicas_per_prompt", "replicas")):  # fmt: skip
-            out.append(
-                result(
-                    f"{label(name, routing)} {key}",
-                    mean(name, key),
-                    unit,
-                    f"least_outstanding {key}",
-                    mean(LO, key),
+    for seed in sorted({seed for seed, _ in per}):
+        for name, routing in pol.items():
+            if name == LO:
+                continue
+            for key, unit in (("hit_rate", "fraction"), ("p50_s", "s"), ("p99_s", "s"),
+                              ("throughput_rps", "req/s"),
+                              ("replicas_per_prompt", "replicas"),
+                              ("prompts_on_r0", "prompts")):  # fmt: skip
+                out.append(
+                    result(
+                        f"seed {seed} {label(name, routing)} {key}",
+                        mean(seed, name, key),
+                        unit,
+                        f"least_outstanding {key}",
+                        mean(seed, LO, key),
+                    )
                 )
-            )
     return out
 
 
@@ -319,7 +338,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="phases of each policy")
     p.add_argument("--prompts", type=int, default=8, help="distinct system prompts")
     p.add_argument("--prompt-tokens", type=int, default=1040, help="tokens per system prompt")
-    p.add_argument("--load-factors", default="1.25,1.5,2", help="prefix load factors (comma list)")
+    p.add_argument("--load-factors", default="1.25,2", help="prefix load factors (comma list)")
+    p.add_argument(
+        "--key-factors", default="1,100", help="prefix key factors (comma list; 100: no key bound)"
+    )
+    p.add_argument("--seeds", default="1", help="seeds of the system prompts' words (comma list)")
     p.add_argument("--blocks", type=int, default=40, help="KV cache blocks per engine (128 tok)")
     p.add_argument("--logs", default="/tmp/llmgw-bench-prefix", help="where the engines log")
     p.add_argument("--no-write", action="store_true", help="do not write the results file")

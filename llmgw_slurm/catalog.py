@@ -554,6 +554,13 @@ class Routing:
     # replicas (a model's usual count where GPUs are scarce) shared every
     # prefix in bench/prefix_routing.py, at 2 each stayed on one.
     load_factor: float = field(default=2.0, metadata=rule(ge=1.0, le=100.0))
+    # Default 1: no replica holds more than this times the mean number of
+    # active prefixes (rounded up); a prefix whose replica is full lives on
+    # the next one on the ring. 1 splits the prefixes, and so what fills the
+    # engines' caches, as evenly as they go; higher moves fewer prefixes when
+    # prefixes come and go or replicas join, and leaves more of the split to
+    # chance (docs/configuration.md).
+    key_factor: float = field(default=1.0, metadata=rule(ge=1.0, le=100.0))
 
 
 @dataclass(frozen=True)

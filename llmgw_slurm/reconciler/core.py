@@ -48,7 +48,7 @@ from llmgw_slurm.reconciler.probes import EngineProbe
 from llmgw_slurm.reconciler.replicas import Decision, Replica, ReplicaTable, view_of
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.reconciler.spans import ReconcileTracing
-from llmgw_slurm.router.directory import Endpoint, ModelInfo
+from llmgw_slurm.router.directory import Endpoint, ModelInfo, ModelRouting
 from llmgw_slurm.slurm.types import AccountingRecord, Job, JobState, NodeInfo, SlurmBackend
 from llmgw_slurm.svcjobs import ServiceJobs
 from llmgw_slurm.tls import PinnedContexts, load_or_create_identity
@@ -615,6 +615,9 @@ class Reconciler:
 
     def access(self, model: str) -> Access | None:
         return self.directory.access(model)
+
+    def routing(self, model: str) -> ModelRouting | None:
+        return self.directory.routing(model)
 
     def request_started(self, model: str, replica_id: str) -> None:
         self.directory.request_started(model, replica_id)

@@ -86,6 +86,7 @@ class ReplicaDirectory:
                     policy=m.routing.policy,
                     prefix_chars=m.routing.prefix_chars,
                     load_factor=m.routing.load_factor,
+                    key_factor=m.routing.key_factor,
                 )
                 for m in catalog.models
             }

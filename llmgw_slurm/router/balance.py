@@ -8,13 +8,26 @@ default, spreads such requests over every replica and each recomputes it.
 
 The key is the first ``prefix_chars`` characters of the prompt's text (the
 messages in order, or the prompt, or the input). It is hashed onto a ring on
-which each replica has ``VNODES`` points; the request goes to the first
-replica clockwise whose load, counting this request, stays within
-``ceil(load_factor * (total load + 1) / replicas)`` (Mirrokni, Thorup and
-Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018). So no replica
-is ever above the bound, a hot prefix spills over to the same next replica
-(whose cache then warms for it too), and a replica joining or leaving moves
-only the keys of the ring's arcs it takes or gives up: about 1/(n+1) of them.
+which each replica has ``VNODES`` points. Two bounds, after Mirrokni, Thorup
+and Zadimoghaddam ("Consistent Hashing with Bounded Loads", 2018):
+
+- **Keys** (what fills a replica's cache): :class:`Placement` remembers the
+  keys seen in the last ``KEY_WINDOW_S`` (the newest ``KEY_CAPACITY``) and
+  the replica each lives on. A key lives on the first replica clockwise from
+  its point that holds fewer than ``ceil(key_factor * active keys / replicas)``
+  keys. Plain consistent hashing leaves the split to chance (8 prefixes on 2
+  replicas: 6 or more on one of them 29% of the time, and that replica's
+  cache thrashes while the other's idles); the bound makes it even.
+- **Load** (requests in flight): a request whose key's replica already has
+  ``ceil(load_factor * (total load + 1) / replicas)`` goes on clockwise to
+  the first replica under that bound (so a hot prefix spills to the same
+  next replica, whose cache then warms for it too), and else to the least
+  loaded one. The key stays where it lives.
+
+A replica joining takes the keys whose ring arcs it takes (about 1/(n+1) of
+them), plus what the key bound sends it; a replica leaving gives up only its
+own keys, and keys that had walked past a full replica walk back as room
+opens. Keys move lazily, when next used.
 
 The key is set per request in :data:`REQUEST_KEY` (a context variable: the
 gateway's handler runs in a task of its own), so that the gateway's replica
@@ -26,15 +39,35 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Iterator, Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
-__all__ = ["REQUEST_KEY", "VNODES", "Ring", "choose", "prefix_key"]
+__all__ = [
+    "KEY_CAPACITY",
+    "KEY_WINDOW_S",
+    "REQUEST_KEY",
+    "VNODES",
+    "Placement",
+    "Ring",
+    "choose",
+    "prefix_key",
+]
 
 # Points per replica: with 100 the arcs of n replicas differ by some 10-20%,
 # and a ring of 8 replicas is 800 points (a few microseconds to search).
 VNODES = 100
+
+# A key unused this long no longer counts as active: its prompt has most
+# likely left the engine's cache (an engine's cache turns over in seconds to
+# minutes under load), and the room it took goes to the keys in use.
+KEY_WINDOW_S = 600.0
+# The most keys a model's placement remembers (the least recently used go
+# first): bounds its memory (a key is kept as its 8-byte hash) with many
+# distinct prompts, where an even split of keys matters least.
+KEY_CAPACITY = 4096
 
 REQUEST_KEY: ContextVar[str | None] = ContextVar("llmgw_prefix_key", default=None)
 
@@ -54,9 +87,13 @@ class Ring:
 
     def walk(self, key: str) -> Iterator[str]:
         """Every replica once, clockwise from the key's point."""
+        return self.walk_from(_hash(key))
+
+    def walk_from(self, point: int) -> Iterator[str]:
+        """Every replica once, clockwise from ``point``."""
         if not self._ids:
             return
-        start = bisect.bisect(self._hashes, _hash(key))
+        start = bisect.bisect(self._hashes, point)
         seen: set[str] = set()
         n = len(self._ids)
         for i in range(n):
@@ -89,15 +126,114 @@ def bound(loads: Sequence[int], load_factor: float) -> int:
     return math.ceil(load_factor * (sum(loads) + 1) / len(loads))
 
 
-def choose(ids: Sequence[str], loads: Sequence[int], key: str, load_factor: float) -> int:
+def key_bound(active: int, replicas: int, key_factor: float) -> int:
+    """The most keys a replica may hold, of ``active`` keys (the one being placed counted)."""
+    return math.ceil(key_factor * active / replicas)
+
+
+class Placement:
+    """Which replica each active key lives on, no replica above the key bound.
+
+    One per model. ``place`` is called with the model's replicas (those that
+    may take new work: draining ones left out, so their keys move) for each
+    request's key; a replica not in the list counts as gone, and its keys
+    are placed again when next used. ``key_factor`` >= 1 (the catalog
+    refuses less): at 1 the keys split as evenly as they can.
+    """
+
+    def __init__(
+        self,
+        key_factor: float,
+        *,
+        window_s: float = KEY_WINDOW_S,
+        capacity: int = KEY_CAPACITY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.key_factor = key_factor
+        self.window_s = window_s
+        self.capacity = capacity
+        self._clock = clock
+        # Key hash -> (replica id, last use), least recently used first.
+        self._keys: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self._count: dict[str, int] = {}
+
+    def _drop(self, point: int) -> None:
+        rid, _ = self._keys.pop(point)
+        left = self._count[rid] - 1
+        if left:
+            self._count[rid] = left
+        else:
+            del self._count[rid]
+
+    def _expire(self, now: float) -> None:
+        while self._keys:
+            point, (_, used) = next(iter(self._keys.items()))
+            if now - used < self.window_s and len(self._keys) <= self.capacity:
+                return
+            self._drop(point)
+
+    def counts(self, ids: Sequence[str]) -> list[int]:
+        """How many active keys live on each of ``ids``."""
+        self._expire(self._clock())
+        return [self._count.get(r, 0) for r in ids]
+
+    def home(self, key: str) -> str | None:
+        """The replica ``key`` lives on now (it may since have gone), None if not active."""
+        got = self._keys.get(_hash(key))
+        return got[0] if got is not None else None
+
+    def place(self, ids: Sequence[str], key: str) -> str:
+        """The replica ``key`` lives on among ``ids`` (moving it if it must)."""
+        now = self._clock()
+        self._expire(now)
+        point = _hash(key)
+        got = self._keys.get(point)
+        cur = got[0] if got is not None else None
+        present = set(ids)
+        active = sum(self._count.get(r, 0) for r in present)
+        if cur not in present:
+            active += 1
+        limit = key_bound(active, len(present), self.key_factor)
+        home = None
+        for rid in _ring(ids).walk_from(point):
+            have = self._count.get(rid, 0)
+            # Its own replica counts it already; another must have room for it.
+            if have + (0 if rid == cur else 1) <= limit:
+                home = rid
+                break
+        if home is None:
+            # Only below key_factor 1 (or no replicas): the fewest keys.
+            home = min(ids, key=lambda r: self._count.get(r, 0))
+        if got is not None and cur != home:
+            self._drop(point)
+        if cur != home:
+            self._count[home] = self._count.get(home, 0) + 1
+        self._keys[point] = (home, now)
+        self._keys.move_to_end(point)
+        if len(self._keys) > self.capacity:
+            self._expire(now)
+        return home
+
+
+def choose(
+    ids: Sequence[str],
+    loads: Sequence[int],
+    key: str,
+    load_factor: float,
+    home: str | None = None,
+) -> int:
     """The index in ``ids`` of the replica for ``key``, given each one's load.
 
-    ``load_factor`` >= 1 always finds one within the bound (the least loaded
-    replica is); below 1 (refused by the catalog) it falls back to the least
-    loaded.
+    ``home`` (the key's replica from :class:`Placement`) first, if it is in
+    ``ids`` and within the load bound; else the first replica clockwise from
+    the key within it. ``load_factor`` >= 1 always finds one within the
+    bound (the least loaded replica is); below 1 (refused by the catalog) it
+    falls back to the least loaded.
     """
     limit = bound(loads, load_factor)
     where = {rid: i for i, rid in enumerate(ids)}
+    if home is not None and home in where and loads[where[home]] + 1 <= limit:
+        return where[home]
     for rid in _ring(ids).walk(key):
         i = where[rid]
         if loads[i] + 1 <= limit:

@@ -89,13 +89,14 @@ class ModelRouting:
     """What the gateway needs per request from a model's catalog entry.
 
     ``endpoints``: the endpoint names it serves (catalog.ENDPOINTS); None, every one.
-    ``policy``, ``prefix_chars``, ``load_factor``: as catalog.Routing.
+    ``policy``, ``prefix_chars``, ``load_factor``, ``key_factor``: as catalog.Routing.
     """
 
     endpoints: frozenset[str] | None = None
     policy: str = "least_outstanding"
     prefix_chars: int = 2048
     load_factor: float = 2.0
+    key_factor: float = 1.0
 
 
 @runtime_checkable

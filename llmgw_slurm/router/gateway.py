@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from llmgw_slurm.access import AccessGuard
 from llmgw_slurm.config import RouterConfig
-from llmgw_slurm.router import balance, surface
+from llmgw_slurm.router import balance, stored, surface
 from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
 from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
@@ -175,6 +175,8 @@ class Gateway:
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
         self.responses = surface.ResponseHomes()
+        # Per model under policy prefix: which replica each active key lives on.
+        self.placements: dict[str, balance.Placement] = {}
 
     # lifecycle
 
@@ -287,11 +289,8 @@ class Gateway:
         exclude: frozenset[str] = frozenset(),
         unreachable: frozenset[tuple[str, str, int]] = frozenset(),
     ) -> Endpoint | None:
-        eps = [
-            e
-            for e in self.directory.endpoints(model)
-            if not e.draining and e.replica_id not in exclude and e.identity not in unreachable
-        ]
+        ready = [e for e in self.directory.endpoints(model) if not e.draining]
+        eps = [e for e in ready if e.replica_id not in exclude and e.identity not in unreachable]
         if not eps:
             return None
         counts = [self.in_flight.get((model, e.replica_id), 0) for e in eps]
@@ -299,13 +298,22 @@ class Gateway:
         if key is not None:
             routing = self._routing(model)
             if routing.policy == "prefix":
+                # The key is placed among every ready replica, not only those
+                # left for this try: a retry elsewhere must not move it.
+                home = self._placement(model, routing).place([e.replica_id for e in ready], key)
                 ids = [e.replica_id for e in eps]
-                return eps[balance.choose(ids, counts, key, routing.load_factor)]
+                return eps[balance.choose(ids, counts, key, routing.load_factor, home)]
         least = min(counts)
         ties = [e for e, c in zip(eps, counts, strict=True) if c == least]
         # Rotate among ties so that an idle model's replicas share the load.
         self._rr += 1
         return ties[self._rr % len(ties)]
+
+    def _placement(self, model: str, routing: ModelRouting) -> balance.Placement:
+        placement = self.placements.get(model)
+        if placement is None or placement.key_factor != routing.key_factor:
+            placement = self.placements[model] = balance.Placement(routing.key_factor)
+        return placement
 
     def _routing(self, model: str) -> ModelRouting:
         get = getattr(self.directory, "routing", None)
@@ -332,13 +340,16 @@ class Gateway:
         balance.REQUEST_KEY.set(key)
         return None
 
-    def _pinned(self, model: str, obj: dict[str, Any]) -> Endpoint | web.Response | None:
+    def _pinned(
+        self, model: str, obj: dict[str, Any], key: KeyRecord | None
+    ) -> Endpoint | web.Response | None:
         """The replica holding ``previous_response_id``, or the 400 saying it cannot be had."""
         prev = obj.get("previous_response_id")
         if not isinstance(prev, str):
             return None
         home = self.responses.get(prev)
-        if home is None:
+        # Another key's response reads as one never seen: ids tell nothing.
+        if home is None or home.owner != (key.key_id if key is not None else ""):
             return _error(
                 400,
                 f"Previous response '{prev}' is not known to this gateway: it was not "
@@ -511,8 +522,29 @@ class Gateway:
             )
         )
 
-    def _remember_response(self, response_id: str, model: str, ep: Endpoint) -> None:
-        self.responses.remember(response_id, surface.Home(model, ep.replica_id, ep.epoch))
+    def _remember_response(
+        self,
+        response_id: str,
+        model: str,
+        ep: Endpoint,
+        key: KeyRecord | None,
+        usage: dict[str, Any] | None,
+    ) -> None:
+        owner = key.key_id if key is not None else ""
+        home = surface.Home(model, ep.replica_id, ep.epoch, owner, counted=usage is not None)
+        self.responses.remember(response_id, home)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The client session to the engines (the app must have started)."""
+        assert self._session is not None, "the gateway app was not started"
+        return self._session
+
+    def record_usage(
+        self, key: KeyRecord | None, model: str, endpoint: str, usage: dict[str, Any] | None
+    ) -> None:
+        """Count an answer's tokens for its key (for other routes on the gateway app)."""
+        self._record_usage(key, model, endpoint, usage)
 
     # handlers
 
@@ -546,6 +578,19 @@ class Gateway:
 
         async def handler(request: web.Request) -> web.StreamResponse:
             return await self._proxy(request, endpoint, self._upload_inner)
+
+        return handler
+
+    def instrumented(
+        self,
+        endpoint: str,
+        inner: Callable[[web.Request, str, _Call], Awaitable[web.StreamResponse]],
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """A handler for another route on the gateway app with the proxied
+        routes' span and metrics (``inner`` sets ``call.model`` once known)."""
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._proxy(request, endpoint, inner)
 
         return handler
 
@@ -612,7 +657,7 @@ class Gateway:
         if isinstance(prepared, web.Response):
             return prepared
         body, stream, strip_usage = prepared
-        pinned = self._pinned(model, obj) if endpoint == "responses" else None
+        pinned = self._pinned(model, obj, key) if endpoint == "responses" else None
         if isinstance(pinned, web.Response):
             return pinned
         ep = pinned or await self._pick_or_hold(request, model, key)
@@ -991,7 +1036,7 @@ class Gateway:
                 )
             finally:
                 if isinstance(relay, surface.ResponsesRelay) and relay.response_id:
-                    self._remember_response(relay.response_id, model, ep)
+                    self._remember_response(relay.response_id, model, ep, key, relay.usage)
 
         if upstream.status in (401, 403):
             # The engine refused the replica's key: a deployment fault, never
@@ -1026,7 +1071,10 @@ class Gateway:
                 and isinstance(parsed, dict)
                 and isinstance(parsed.get("id"), str)
             ):
-                self._remember_response(parsed["id"], model, ep)
+                usage = parsed.get("usage")
+                self._remember_response(
+                    parsed["id"], model, ep, key, usage if isinstance(usage, dict) else None
+                )
         if ctype:
             out_headers["Content-Type"] = ctype
         call.first_byte = time.monotonic()
@@ -1115,6 +1163,8 @@ def create_app(
         handler = gw.upload(route.name) if route.multipart else gw.proxy(route.name)
         for path in route.paths:
             app.router.add_post(path, handler)
+    for method, path, action in stored.ROUTES:
+        app.router.add_route(method, path, gw.instrumented("responses", stored.handler(gw, action)))
     app.router.add_get("/metrics", gw.metrics_handler)
     if quota is not None:
         add_quota_headers(app, quota)

@@ -112,6 +112,11 @@ class Home:
     model: str
     replica_id: str
     epoch: int
+    # The key that made it (its key_id; "" without keys): only it may reach it.
+    owner: str = ""
+    # Whether its usage was recorded: not yet for a background response,
+    # whose tokens count when a retrieval first shows it completed.
+    counted: bool = True
 
 
 class ResponseHomes:
@@ -134,6 +139,9 @@ class ResponseHomes:
 
     def get(self, response_id: str) -> Home | None:
         return self._homes.get(response_id)
+
+    def forget(self, response_id: str) -> None:
+        self._homes.pop(response_id, None)
 
     def __len__(self) -> int:
         return len(self._homes)

@@ -5,7 +5,10 @@ agent rely on: ``/health``, ``/v1/models``, ``/v1/chat/completions`` and
 ``/v1/completions`` (plain and streamed as server-sent events ending with
 ``data: [DONE]``, with ``stream_options.include_usage``), ``/v1/embeddings``,
 ``/v1/responses`` (plain and streamed as vLLM's typed events; ``store`` and
-``previous_response_id`` as vLLM keeps them, in this process's memory),
+``previous_response_id`` as vLLM keeps them, in this process's memory;
+``background`` (not streamed), ``GET /v1/responses/{id}`` (a stream replay
+cut, as vLLM's of a response not made streamed) and its ``/cancel``, and as
+vLLM no DELETE and no ``input_items``),
 ``/v1/rerank`` and ``/rerank``, ``/v1/score``, ``/tokenize``, ``/detokenize``,
 ``/v1/audio/transcriptions`` and ``/translations`` (multipart, read as it
 arrives: ``/debug/stats`` shows ``upload_bytes``, the file bytes received so
@@ -115,6 +118,9 @@ class _EngineState:
         self.peers: list[asyncio.StreamWriter] = []
         # Stored responses (id -> their output text), as vLLM keeps them.
         self.responses: dict[str, str] = {}
+        # And the objects, for GET /v1/responses/{id} and its cancel.
+        self.stored: dict[str, dict[str, Any]] = {}
+        self.background: dict[str, asyncio.Task[None]] = {}
         self.vocab: dict[str, int] = {}
         self.upload_bytes = 0
         self.last_form: dict[str, str] = {}
@@ -588,8 +594,11 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     }
     st.prompt_tokens += usage["input_tokens"]
     st.completion_tokens += len(tokens)
+    if body.get("background"):
+        return _start_background(request, rid, text, usage, prev, body)
     if body.get("store", True):
         st.responses[rid] = text
+        st.stored[rid] = _response_obj(rid, opts.served_name, text, usage, prev)
     if not body.get("stream"):
         return web.json_response(_response_obj(rid, opts.served_name, text, usage, prev))
     resp = web.StreamResponse(
@@ -617,6 +626,76 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     await resp.write(_event("response.completed", len(tokens) + 1, response=final))
     await resp.write_eof()
     return resp
+
+
+def _start_background(
+    request: web.Request,
+    rid: str,
+    text: str,
+    usage: dict[str, int],
+    prev: Any,
+    body: dict[str, Any],
+) -> web.Response:
+    """vLLM's ``background``: answer ``queued`` at once, finish after a token delay per token."""
+    opts, st = request.app[_OPTIONS], request.app[_STATE]
+    if body.get("stream") or not body.get("store", True):
+        return _error(
+            400, "background can only be used when `store` is true", "invalid_request_error"
+        )
+    obj = {**_response_obj(rid, opts.served_name, "", None, prev), "status": "queued"}
+    st.stored[rid] = obj
+
+    async def finish() -> None:
+        await asyncio.sleep(opts.token_delay * usage["output_tokens"])
+        st.responses[rid] = text
+        st.stored[rid] = _response_obj(rid, opts.served_name, text, usage, prev)
+        st.background.pop(rid, None)
+
+    st.background[rid] = asyncio.get_running_loop().create_task(finish())
+    return web.json_response(obj)
+
+
+def _not_found(rid: str) -> web.Response:
+    return _error(404, f"Response with id '{rid}' not found.", "invalid_request_error")
+
+
+async def _retrieve_response(request: web.Request) -> web.StreamResponse:
+    """vLLM's GET /v1/responses/{id}.
+
+    With ``stream=true`` vLLM replays the events of a response made with
+    ``background`` and ``stream`` (which this engine does not make); for any
+    other it fails after its 200 began, cutting the connection: so here."""
+    st = request.app[_STATE]
+    st.requests += 1
+    rid = request.match_info["response_id"]
+    obj = st.stored.get(rid)
+    if obj is None:
+        return _not_found(rid)
+    if request.query.get("stream", "false").lower() != "true":
+        return web.json_response(obj)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    if request.transport is not None:
+        request.transport.abort()
+    return resp
+
+
+async def _cancel_response(request: web.Request) -> web.Response:
+    """vLLM's POST /v1/responses/{id}/cancel: only a queued or running background response."""
+    st = request.app[_STATE]
+    st.requests += 1
+    rid = request.match_info["response_id"]
+    obj = st.stored.get(rid)
+    if obj is None:
+        return _not_found(rid)
+    if obj["status"] not in ("queued", "in_progress"):
+        return _error(400, "Cannot cancel a synchronous response.", "invalid_request_error")
+    obj["status"] = "cancelled"
+    task = st.background.pop(rid, None)
+    if task is not None:
+        task.cancel()
+    return web.json_response(obj)
 
 
 def _texts_of(value: Any) -> list[str] | None:
@@ -760,6 +839,9 @@ def create_engine_app(options: EngineOptions) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_post("/v1/responses", _responses)
+    # As vLLM 0.32: GET and cancel, no DELETE (aiohttp answers it 405) and no input_items.
+    app.router.add_get("/v1/responses/{response_id}", _retrieve_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", _cancel_response)
     app.router.add_post("/v1/rerank", _rerank)
     app.router.add_post("/rerank", _rerank)
     app.router.add_post("/v1/score", _score)

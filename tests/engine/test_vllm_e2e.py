@@ -47,6 +47,21 @@ VLLM_ARGS = [
     "--distributed-executor-backend",
     "uni",
 ]
+RERANK_MODEL = "tiny-rerank"
+RERANK_ARGS = [
+    "--runner",
+    "pooling",
+    "--convert",
+    "classify",
+    "--hf-overrides",
+    json.dumps(
+        {
+            "architectures": ["LlamaForSequenceClassification"],
+            "classifier_from_token": ["a", "b"],
+            "method": "from_2_way_softmax",
+        }
+    ),
+]
 VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -79,6 +94,9 @@ def write_configs(tmp: Path, prefix: str, vllm_python: str, model_dir: Path) -> 
                             "kind": "vllm",
                             "args": VLLM_ARGS,
                             "ready_timeout": f"{int(START_TIMEOUT)}s",
+                            # vLLM stores responses (GET, cancel,
+                            # previous_response_id) only with this.
+                            "env": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
                         },
                         # copy: the agent stages it into its cache, as for a
                         # model on a shared filesystem.
@@ -92,7 +110,29 @@ def write_configs(tmp: Path, prefix: str, vllm_python: str, model_dir: Path) -> 
                             "time_limit": "1:00:00",
                         },
                         "scaling": {"min": 0, "max": 1, "idle_timeout": "30m"},
-                    }
+                    },
+                    {
+                        # The same Llama as a reranker: vLLM's online conversion
+                        # to a classifier, the score head from the LM head's rows
+                        # of two tokens, as for Qwen3's rerankers.
+                        "name": RERANK_MODEL,
+                        "engine": {
+                            "kind": "vllm",
+                            "args": [*VLLM_ARGS, *RERANK_ARGS],
+                            "ready_timeout": f"{int(START_TIMEOUT)}s",
+                        },
+                        "endpoints": ["rerank", "score"],
+                        "weights": {"source": str(model_dir), "method": "copy"},
+                        "resources": {
+                            "partition": "llm",
+                            "gpu_type": "a100",
+                            "gpus": 1,
+                            "cpus": 2,
+                            "memory": "4G",
+                            "time_limit": "1:00:00",
+                        },
+                        "scaling": {"min": 0, "max": 1, "idle_timeout": "30m"},
+                    },
                 ]
             }
         )
@@ -340,6 +380,20 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
             )
             kinds = [ev.type async for ev in events]
             assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+            # The stored response's own routes, at the replica that holds it.
+            got = await client.responses.retrieve(resp.id)
+            assert (got.id, got.output_text) == (resp.id, resp.output_text)
+            chained = await client.responses.create(
+                model=MODEL, input="Again.", previous_response_id=resp.id, max_output_tokens=2
+            )
+            assert chained.previous_response_id == resp.id
+            with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous"):
+                await client.responses.cancel(resp.id)
+            # vLLM has no DELETE (it answers 405): the gateway forgets the response.
+            assert await client.responses.delete(resp.id) is None
+            with pytest.raises(openai.NotFoundError) as gone:
+                await client.responses.retrieve(resp.id)
+            assert gone.value.code == "response_not_found"
             async with s.post(
                 gw + "/tokenize", json={"model": MODEL, "prompt": "hello world"}
             ) as r:
@@ -347,6 +401,27 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
                 tokens = (await r.json())["tokens"]
             async with s.post(gw + "/detokenize", json={"model": MODEL, "tokens": tokens}) as r:
                 assert r.status == 200 and (await r.json())["prompt"] == "hello world"
+
+            # 3c. Rerank and score, on the reranker (a cold start of its own),
+            # /rerank without /v1 too; it serves nothing else.
+            docs = ["a red apple", "blue sky"]
+            for path, body in (
+                ("/v1/rerank", {"model": RERANK_MODEL, "query": "apple", "documents": docs}),
+                ("/rerank", {"model": RERANK_MODEL, "query": "apple", "documents": docs}),
+            ):
+                async with s.post(gw + path, json=body) as r:
+                    assert r.status == 200, (path, await r.text(), diagnose())
+                    got = await r.json()
+                assert sorted(x["index"] for x in got["results"]) == [0, 1], got
+                assert all(0 <= x["relevance_score"] <= 1 for x in got["results"]), got
+                assert got["usage"]["prompt_tokens"] > 0, got
+            score = {"model": RERANK_MODEL, "text_1": "apple", "text_2": docs}
+            async with s.post(gw + "/v1/score", json=score) as r:
+                assert r.status == 200, await r.text()
+                assert [x["index"] for x in (await r.json())["data"]] == [0, 1]
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.chat.completions.create(model=RERANK_MODEL, messages=messages)
+            assert refused.value.code == "endpoint_not_served", refused.value.body
             await client.close()
 
             # 4. The Slurm job is what serves: running on a GPU node, with a
@@ -362,7 +437,8 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
             assert "gpu" in tres, tres
 
             log_text = "\n".join(
-                p.read_text(errors="replace") for p in sorted((state / "logs").glob("*.out"))
+                p.read_text(errors="replace")
+                for p in sorted((state / "logs").glob(f"{prefix}{MODEL}.*.out"))
             )
             for step in ("weights", "engine_launch", "readiness"):
                 secs = step_seconds(log_text, step)

@@ -85,11 +85,16 @@ def test_every_other_route_that_changes_state_is_keyed_or_behind_the_admin_token
         ("/v1/files/{file_id}", "DELETE"),
         ("/v1/rerank", "POST"),
         ("/v1/responses", "POST"),
+        ("/v1/responses/{response_id}", "DELETE"),
+        ("/v1/responses/{response_id}/cancel", "POST"),
         ("/v1/score", "POST"),
     ]
     rd = keyed[0]
     for path, method in gateway_posts:
-        filled = path.replace("{model}", "tiny").replace("{batch_id}", "b").replace("{file_id}", "f")
+        filled = (
+            path.replace("{model}", "tiny").replace("{batch_id}", "b").replace("{file_id}", "f")
+        )
+        filled = filled.replace("{response_id}", "resp_x")
         status, _ = request(rd, method, filled, None)
         assert status == 401, path
 

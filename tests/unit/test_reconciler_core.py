@@ -526,6 +526,21 @@ async def test_each_decision_is_logged_as_key_values_with_its_pass_id(
 # ---------------------------------------------------------------- per-model hold
 
 
+async def test_the_gateway_over_the_reconciler_reads_each_models_routing(tmp_path: Path) -> None:
+    # The gateway looks up the directory's optional methods by name: one the
+    # reconciler lacks is silently "any endpoint, least outstanding".
+    rec, _ = make(tmp_path)
+    routing = rec.routing("m")
+    assert routing is not None and routing.endpoints is not None
+    assert "rerank" not in routing.endpoints
+    async with serve(create_app(rec)) as url, aiohttp.ClientSession() as s:
+        r = await s.post(url + "/v1/rerank", json={"model": "m", "query": "q", "documents": []})
+        assert r.status == 400
+        assert (await r.json())["error"]["code"] == "endpoint_not_served"
+    # Nothing was wanted: the refusal comes before any start.
+    assert rec.directory.wanted_at().get("m") is None
+
+
 def test_models_carry_the_per_model_hold_timeout(tmp_path: Path) -> None:
     rec, _ = make(
         tmp_path, names=("big", "small"), scalings={"big": {"max": 1, "hold_timeout": "40m"}}

@@ -48,8 +48,10 @@ class Stack:
             )
             return await r.json()
 
-    async def add_replica(self, es: AsyncExitStack, rid: str) -> None:
-        eurl = await es.enter_async_context(engine("tiny", key=f"key-{rid}"))
+    async def add_replica(self, es: AsyncExitStack, rid: str, token_delay: float = 0.0) -> None:
+        eurl = await es.enter_async_context(
+            engine("tiny", key=f"key-{rid}", token_delay=token_delay)
+        )
         self.engines[rid] = eurl
         self.directory.add_endpoint("tiny", Endpoint(rid, eurl, f"key-{rid}"))
 
@@ -61,6 +63,7 @@ async def stack(
     config: RouterConfig | None = None,
     keys: KeyRing | None = None,
     usage: UsageStore | None = None,
+    token_delay: float = 0.0,
 ) -> AsyncIterator[tuple[Stack, AsyncExitStack]]:
     directory = StaticDirectory([ModelInfo("tiny", aliases=("small",))])
     # A model that serves chat only: every other endpoint is refused for it.
@@ -70,7 +73,7 @@ async def stack(
         url = await es.enter_async_context(serve(app))
         st = Stack(url, directory, app[GATEWAY_KEY])
         for i in range(replicas):
-            await st.add_replica(es, f"r{i}")
+            await st.add_replica(es, f"r{i}", token_delay)
         yield st, es
 
 
@@ -157,6 +160,131 @@ async def test_previous_response_id_unknown_or_gone_is_a_clear_400() -> None:
         assert "r0" in str(err.value)
         stats = await st.engine_get("r1", "/debug/stats")
         assert stats["requests"] == 0
+
+
+# GET, DELETE and cancel of a stored response
+
+
+async def _stats(st: Stack) -> dict[str, int]:
+    return {r: (await st.engine_get(r, "/debug/stats"))["requests"] for r in st.engines}
+
+
+async def test_a_stored_response_is_retrieved_cancelled_and_deleted_at_its_replica(
+    tmp_path: Path,
+) -> None:
+    keys_file = tmp_path / "keys.json"
+    new = add_key(keys_file, user="ada")
+    usage = UsageStore(tmp_path / "usage.sqlite")
+    # A token delay for the background responses (the others are not streamed).
+    async with stack(replicas=3, keys=KeyRing(keys_file), usage=usage, token_delay=0.5) as (
+        st,
+        _,
+    ):
+        st.key = new.key
+        async with st.client() as client:
+            first = await client.responses.create(
+                model="tiny", input="one two", max_output_tokens=2
+            )
+            holder = st.gateway.responses.get(first.id)
+            assert holder is not None
+            # The engines answer 404 for a response they do not hold: each
+            # retrieval succeeding means each reached the holder.
+            for _ in range(3):
+                got = await client.responses.retrieve(first.id)
+                assert (got.id, got.output_text, got.status) == (first.id, "one two", "completed")
+            with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous"):
+                await client.responses.cancel(first.id)
+            # A background response: queued at once, cancelled while it runs (at
+            # its replica: the others would answer 404, as for the retrievals).
+            slow = await client.responses.create(
+                model="tiny", input="a b c d", max_output_tokens=4, background=True
+            )
+            assert slow.status == "queued"
+            cancelled = await client.responses.cancel(slow.id)
+            assert (cancelled.id, cancelled.status) == (slow.id, "cancelled")
+            assert (await client.responses.retrieve(slow.id)).status == "cancelled"
+            # One that finishes: its tokens count once, when first seen completed.
+            quick = await client.responses.create(
+                model="tiny", input="x y", max_output_tokens=1, background=True
+            )
+            async with asyncio.timeout(30):
+                while (await client.responses.retrieve(quick.id)).status != "completed":
+                    await asyncio.sleep(0.1)
+            assert (await client.responses.retrieve(quick.id)).output_text == "x"
+            # A stream replay that the engine cuts (vLLM replays only responses
+            # made streamed): the client gets an error, not a garbled answer.
+            replay = await client.responses.retrieve(quick.id, stream=True)
+            with pytest.raises(openai.APIError, match="failed while replaying"):
+                _ = [ev async for ev in replay]
+            assert await client.responses.delete(first.id) is None
+            with pytest.raises(openai.NotFoundError) as err:
+                await client.responses.retrieve(first.id)
+            assert err.value.code == "response_not_found"
+            with pytest.raises(openai.BadRequestError) as bad:
+                await client.responses.create(
+                    model="tiny", input="x", previous_response_id=first.id
+                )
+            assert bad.value.code == "previous_response_not_found"
+        await usage.flush()
+        [row] = usage.summary()
+        # Answers with usage: first (2 in, 2 out) and quick (2 in, 1 out), once
+        # each however often retrieved; slow was cancelled with none.
+        assert (row.requests, row.prompt_tokens, row.completion_tokens) == (2, 4, 3)
+
+
+async def test_another_keys_response_an_unknown_id_and_a_stopped_replica_are_404s(
+    tmp_path: Path,
+) -> None:
+    keys_file = tmp_path / "keys.json"
+    ada, bob = add_key(keys_file, user="ada"), add_key(keys_file, user="bob")
+    async with stack(replicas=1, keys=KeyRing(keys_file)) as (st, es):
+        st.key = ada.key
+        async with st.client() as client:
+            mine = await client.responses.create(
+                model="tiny", input="secret words", max_output_tokens=2
+            )
+        st.key = bob.key
+        async with st.client() as other:
+            for call in (other.responses.retrieve, other.responses.delete, other.responses.cancel):
+                with pytest.raises(openai.NotFoundError) as err:
+                    await call(mine.id)
+                # The same answer as for an id never made: nothing leaks.
+                assert err.value.code == "response_not_found"
+                assert err.value.body == {
+                    "message": f"Response with id '{mine.id}' not found.",
+                    "type": "invalid_request_error",
+                    "param": "response_id",
+                    "code": "response_not_found",
+                }
+            with pytest.raises(openai.NotFoundError) as err:
+                await other.responses.retrieve("resp_nobody")
+            assert err.value.code == "response_not_found"
+            with pytest.raises(openai.BadRequestError) as bad:
+                await other.responses.create(model="tiny", input="x", previous_response_id=mine.id)
+            assert bad.value.code == "previous_response_not_found"
+        async with aiohttp.ClientSession() as s:
+            r = await s.get(f"{st.url}/v1/responses/{mine.id}")
+            assert r.status == 401
+        assert (await _stats(st))["r0"] == 1
+        st.key = ada.key
+        async with st.client() as client:
+            assert (await client.responses.retrieve(mine.id)).output_text == "secret words"
+            # vLLM has no input_items: not routed, a 404 in OpenAI's shape.
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.input_items.list(mine.id)
+            st.directory.remove_endpoint("tiny", "r0")
+            await st.add_replica(es, "r1")
+            with pytest.raises(openai.NotFoundError) as err:
+                await client.responses.retrieve(mine.id)
+            assert err.value.code == "response_gone"
+            assert "replica r0" in str(err.value)
+        assert (await _stats(st))["r1"] == 0
+        # Counted as every proxied request is: under the model once the id is
+        # the caller's, else under none (the answer names no model either).
+        async with aiohttp.ClientSession() as s, s.get(st.url + "/metrics") as r:
+            text = await r.text()
+        assert 'llmgw_requests_total{model="_unknown",status="404"} 4.0' in text
+        assert 'llmgw_requests_total{model="tiny",status="404"} 1.0' in text
 
 
 # rerank, score, tokenize

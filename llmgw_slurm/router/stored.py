@@ -1,0 +1,227 @@
+"""A stored response's own routes: ``GET``, ``DELETE`` and ``POST .../cancel``.
+
+A response the engine stored lives in that one replica's memory, so these go
+to the replica that made it (the gateway's :class:`surface.ResponseHomes`,
+as ``previous_response_id`` does), never by the model's balancing. Only the
+key that made a response may reach it: another key, or one no longer allowed
+the model, gets the same 404 as an id never seen, so that ids say nothing of
+other keys' work. A response whose replica has stopped is a 404 saying so.
+
+vLLM (0.32) serves ``GET`` (``?stream=true&starting_after=N`` replays a
+background response's events) and ``/cancel``; it has no ``DELETE`` and no
+``/input_items``. ``DELETE`` is passed on all the same, for engines that have
+it; where the engine answers 405 (no such method), the gateway forgets the
+response, which then reads as deleted to every client of the gateway (the
+engine frees it when the replica stops). ``/input_items`` is not routed.
+
+A background response (``background: true``) answers ``queued``, without
+usage: its tokens count when a retrieval first shows it finished.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import trace
+
+from llmgw_slurm.router.directory import Endpoint
+from llmgw_slurm.router.surface import Home
+
+if TYPE_CHECKING:
+    from llmgw_slurm.router.gateway import Gateway
+    from llmgw_slurm.router.relay import _Call
+
+__all__ = ["ROUTES", "handler"]
+
+# (method, path, action)
+ROUTES = (
+    ("GET", "/v1/responses/{response_id}", "retrieve"),
+    ("DELETE", "/v1/responses/{response_id}", "delete"),
+    ("POST", "/v1/responses/{response_id}/cancel", "cancel"),
+)
+
+
+def _cut_event(why: str) -> bytes:
+    """The gateway's error event for an answer cut short (as gateway._sse_error)."""
+    message = f"The replica failed while replaying the response ({why}); it is incomplete."
+    body = {"error": {"message": message, "type": "server_error", "param": None}}
+    body["error"]["code"] = "upstream_failed"
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    body = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "response_id",
+            "code": code,
+        }
+    }
+    return web.json_response(body, status=status)
+
+
+def _not_found(rid: str) -> web.Response:
+    return _error(404, f"Response with id '{rid}' not found.", "response_not_found")
+
+
+def _replica(gw: Gateway, home: Home) -> Endpoint | None:
+    for e in gw.directory.endpoints(home.model):
+        if e.replica_id == home.replica_id and e.epoch == home.epoch:
+            return e
+    return None
+
+
+def handler(
+    gw: Gateway, action: str
+) -> Callable[[web.Request, str, _Call], Awaitable[web.StreamResponse]]:
+    """The route's inner handler, for :meth:`Gateway.instrumented` (its span and metrics)."""
+
+    async def handle(request: web.Request, endpoint: str, call: _Call) -> web.StreamResponse:
+        return await _handle(gw, request, action, call)
+
+    return handle
+
+
+async def _handle(
+    gw: Gateway, request: web.Request, action: str, call: _Call
+) -> web.StreamResponse:
+    key, denied = gw.authenticate(request)
+    if denied is not None:
+        return denied
+    rid = request.match_info["response_id"]
+    home = gw.responses.get(rid)
+    owner = key.key_id if key is not None else ""
+    if home is None or home.owner != owner or not gw.may_use(home.model, key):
+        return _not_found(rid)
+    call.model = home.model
+    trace.get_current_span().set_attributes(
+        {"llmgw.model": home.model, "llmgw.replica_id": home.replica_id}
+    )
+    ep = _replica(gw, home)
+    if ep is None:
+        return _error(
+            404,
+            f"Response '{rid}' was held by replica {home.replica_id} of model "
+            f"'{home.model}', which has stopped since, and its stored responses with it.",
+            "response_gone",
+        )
+    path = "/v1/responses/" + quote(rid, safe="") + ("/cancel" if action == "cancel" else "")
+    if action == "retrieve" and request.query_string:
+        path += "?" + request.query_string
+    try:
+        return await _forward(gw, request, action, home, ep, path)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        gw.metrics.upstream_errors.labels(home.model, "connect").inc()
+        return web.json_response(
+            {
+                "error": {
+                    "message": f"Could not reach replica {home.replica_id} of model "
+                    f"'{home.model}', which holds response '{rid}' ({type(e).__name__}).",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "upstream_unavailable",
+                }
+            },
+            status=502,
+        )
+
+
+async def _forward(
+    gw: Gateway, request: web.Request, action: str, home: Home, ep: Endpoint, path: str
+) -> web.StreamResponse:
+    session = gw.session
+    headers = {
+        "Authorization": f"Bearer {ep.api_key}",
+        "Accept": request.headers.get("Accept", "*/*"),
+        "Accept-Encoding": "identity",
+    }
+    gw.directory.request_started(home.model, ep.replica_id)
+    try:
+        async with session.request(
+            request.method,
+            ep.base_url.rstrip("/") + path,
+            headers=headers,
+            ssl=ep.ssl if ep.ssl is not None else True,
+        ) as upstream:
+            ctype = upstream.headers.get("Content-Type", "")
+            out = {"X-Llmgw-Replica": ep.replica_id}
+            if upstream.status == 200 and ctype.startswith("text/event-stream"):
+                return await _stream(request, upstream, out)
+            data = await upstream.read()
+    finally:
+        gw.directory.request_finished(home.model, ep.replica_id)
+    rid = request.match_info["response_id"]
+    if upstream.status in (401, 403):
+        return web.json_response(
+            {
+                "error": {
+                    "message": f"The replica of model '{home.model}' refused the "
+                    "gateway's engine key.",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "upstream_auth_failed",
+                }
+            },
+            status=502,
+        )
+    if action == "delete" and upstream.status in (200, 204, 404, 405):
+        gw.responses.forget(rid)
+        if upstream.status == 405:
+            return web.json_response(
+                {"id": rid, "object": "response", "deleted": True}, headers=out
+            )
+    if upstream.status == 200 and action == "retrieve":
+        _count_background(gw, request, home, rid, data)
+    if ctype:
+        out["Content-Type"] = ctype
+    return web.Response(status=upstream.status, body=data, headers=out)
+
+
+def _count_background(gw: Gateway, request: web.Request, home: Home, rid: str, data: bytes) -> None:
+    """A background response's usage, the first time the gateway sees it completed."""
+    if home.counted:
+        return
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return
+    # Finished, however: completed, incomplete (vLLM's at max_output_tokens),
+    # cancelled or failed, with what it used by then.
+    if isinstance(obj, dict) and obj.get("status") not in (None, "queued", "in_progress"):
+        _count(gw, request, home, rid, obj.get("usage"))
+
+
+def _count(gw: Gateway, request: web.Request, home: Home, rid: str, usage: Any) -> None:
+    # Once: a retrieval since may have counted it already.
+    if isinstance(usage, dict) and gw.responses.get(rid) == home:
+        gw.responses.remember(rid, replace(home, counted=True))
+        gw.record_usage(gw.authenticate(request)[0], home.model, "responses", usage)
+
+
+async def _stream(
+    request: web.Request, upstream: aiohttp.ClientResponse, out: dict[str, str]
+) -> web.StreamResponse:
+    """A replayed background stream (``?stream=true``), passed through as it comes.
+
+    Its usage is not read: vLLM replays only a response made with ``stream``,
+    whose usage the gateway read as it made it."""
+    resp = web.StreamResponse(
+        headers={**out, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+        # The answer began: an error event, not a second answer. vLLM 0.32
+        # cuts the replay of a response not made streamed.
+        await resp.write(_cut_event(type(e).__name__))
+    await resp.write_eof()
+    return resp
