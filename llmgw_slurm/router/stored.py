@@ -23,19 +23,42 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
 from opentelemetry import trace
 
-from llmgw_slurm.router.directory import Endpoint
-from llmgw_slurm.router.surface import Home
+from llmgw_slurm.router.directory import Endpoint, ModelDirectory
+from llmgw_slurm.router.surface import Home, ResponseHomes
 
 if TYPE_CHECKING:
-    from llmgw_slurm.router.gateway import Gateway
+    from llmgw_slurm.router.keys import KeyRecord
+    from llmgw_slurm.router.metrics import GatewayMetrics
     from llmgw_slurm.router.relay import _Call
+
+
+class GatewayView(Protocol):
+    """What these routes use of :class:`llmgw_slurm.router.gateway.Gateway`
+    (named here, not imported: the gateway imports this module)."""
+
+    directory: ModelDirectory
+    responses: ResponseHomes
+    metrics: GatewayMetrics
+
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+
+    def authenticate(
+        self, request: web.Request
+    ) -> tuple[KeyRecord | None, web.Response | None]: ...
+
+    def may_use(self, model: str, key: KeyRecord | None) -> bool: ...
+
+    def record_usage(
+        self, key: KeyRecord | None, model: str, endpoint: str, usage: dict[str, Any] | None
+    ) -> None: ...
 
 __all__ = ["ROUTES", "handler"]
 
@@ -71,7 +94,7 @@ def _not_found(rid: str) -> web.Response:
     return _error(404, f"Response with id '{rid}' not found.", "response_not_found")
 
 
-def _replica(gw: Gateway, home: Home) -> Endpoint | None:
+def _replica(gw: GatewayView, home: Home) -> Endpoint | None:
     for e in gw.directory.endpoints(home.model):
         if e.replica_id == home.replica_id and e.epoch == home.epoch:
             return e
@@ -79,7 +102,7 @@ def _replica(gw: Gateway, home: Home) -> Endpoint | None:
 
 
 def handler(
-    gw: Gateway, action: str
+    gw: GatewayView, action: str
 ) -> Callable[[web.Request, str, _Call], Awaitable[web.StreamResponse]]:
     """The route's inner handler, for :meth:`Gateway.instrumented` (its span and metrics)."""
 
@@ -90,7 +113,7 @@ def handler(
 
 
 async def _handle(
-    gw: Gateway, request: web.Request, action: str, call: _Call
+    gw: GatewayView, request: web.Request, action: str, call: _Call
 ) -> web.StreamResponse:
     key, denied = gw.authenticate(request)
     if denied is not None:
@@ -134,7 +157,7 @@ async def _handle(
 
 
 async def _forward(
-    gw: Gateway, request: web.Request, action: str, home: Home, ep: Endpoint, path: str
+    gw: GatewayView, request: web.Request, action: str, home: Home, ep: Endpoint, path: str
 ) -> web.StreamResponse:
     session = gw.session
     headers = {
@@ -184,7 +207,9 @@ async def _forward(
     return web.Response(status=upstream.status, body=data, headers=out)
 
 
-def _count_background(gw: Gateway, request: web.Request, home: Home, rid: str, data: bytes) -> None:
+def _count_background(
+    gw: GatewayView, request: web.Request, home: Home, rid: str, data: bytes
+) -> None:
     """A background response's usage, the first time the gateway sees it completed."""
     if home.counted:
         return
@@ -198,7 +223,7 @@ def _count_background(gw: Gateway, request: web.Request, home: Home, rid: str, d
         _count(gw, request, home, rid, obj.get("usage"))
 
 
-def _count(gw: Gateway, request: web.Request, home: Home, rid: str, usage: Any) -> None:
+def _count(gw: GatewayView, request: web.Request, home: Home, rid: str, usage: Any) -> None:
     # Once: a retrieval since may have counted it already.
     if isinstance(usage, dict) and gw.responses.get(rid) == home:
         gw.responses.remember(rid, replace(home, counted=True))
