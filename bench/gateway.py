@@ -55,8 +55,10 @@ never exported (``gateway-spans-only``), to set their cost against the
 gateway with tracing off (all of them on the TLS engines).
 
 Bounded: about 40 s of set-up the first time (LiteLLM's install takes longer,
-once), then rounds x 12 x targets runs of duration + 0.5 s plus a settling
-pause after each: about 6 minutes with the defaults (7 with --engine-plain).
+once), then rounds x 18 x targets runs (a run: the clients' staggered start,
+one answer, then duration, at least four answers) plus a settling pause
+after each: about 15 minutes with the defaults (17 with --engine-plain);
+``--engines paced --clients 64`` for the goals alone.
 """
 
 from __future__ import annotations
