@@ -245,9 +245,10 @@ async def test_the_openai_client_as_each_user_and_the_audit_that_charges_them(
     finished = await eventually(done, "the batch to finish", timeout=120)
     assert finished.status == "completed", finished
     await c.close()
-    async def commented() -> tuple[str, str]:
+    async def commented() -> tuple[str, str] | None:
+        # None, not ("", ""): a non-empty tuple is true, and eventually() would stop.
         got = await asyncio.to_thread(sacct_batch, h.prefix, batch.id)
-        return got if "user=" in got[1] else ("", "")
+        return got if "user=" in got[1] else None
 
     _, comment = await eventually(commented, "sacct to keep the batch job's comment", timeout=30)
     assert comment.endswith(f"model=phys gpus=1 user={ALICE.name} account=t18phys"), comment
