@@ -19,7 +19,7 @@ from llmgw_slurm.slurm.cli import CliBackend
 from tests.faults.support import load, record, with_router
 from tests.procs import listener_pid
 from tests.slurm.conftest import eventually
-from tests.slurm.harness import Harness, running, tiny_model
+from tests.slurm.harness import Harness, research_job, running, tiny_model
 
 
 def ready(h: Harness, model: str) -> list[str]:
@@ -70,23 +70,7 @@ async def test_preempted_replica_fails_in_flight_requests_at_most_once(
         first_job = rep.job_id
         async with load(h.url, "preempted", workers=4, max_tokens=10) as ld:
             await asyncio.sleep(4)
-            research = subprocess.run(
-                [
-                    "sbatch",
-                    "--parsable",
-                    "-p",
-                    "research",
-                    f"--nodelist={rep.nodes[0]}",
-                    "--gres=gpu:a100:4",
-                    f"--job-name={prefix}research",
-                    "--output=/dev/null",
-                    "--wrap",
-                    "sleep 600",
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.strip()
+            research = research_job(prefix, rep.nodes[0])
             preempted_at = time.time()
             try:
                 await eventually(

@@ -244,6 +244,14 @@ def filler(prefix: str, gres: str, *where: str) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def research_job(prefix: str, node: str) -> str:
+    """A job of the research partition taking all four GPUs of ``node``: it preempts
+    (requeues) what the llm partition runs there. Returns its id; scancel it after."""
+    argv = ["sbatch", "--parsable", "-p", "research", f"--nodelist={node}", "--gres=gpu:a100:4"]
+    argv += [f"--job-name={prefix}research", "--output=/dev/null", "--wrap", "sleep 600"]
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
+
+
 def fill_nodes(prefix: str, count: int) -> list[str]:
     """Occupy ``count`` whole nodes (4 GPUs each) with somebody else's jobs; returns their ids."""
     return [filler(prefix, "gpu:a100:4") for _ in range(count)]

@@ -20,7 +20,7 @@ import yaml
 
 from llmgw_slurm.router.keys import add_key
 from tests.slurm.conftest import eventually
-from tests.slurm.harness import TINY_ENGINE, Harness, running, tiny_model
+from tests.slurm.harness import TINY_ENGINE, Harness, research_job, running, tiny_model
 
 FAST = tiny_model("fast", scaling={"min": 0, "max": 1})
 # 0.2 s a token, 10 tokens: two seconds a request, so a cancel lands mid-way.
@@ -193,23 +193,7 @@ async def test_a_preempted_batch_job_is_requeued_and_answers_each_custom_id_once
         await eventually(some_done, "the batch to answer some requests", timeout=120)
         node = node_of(f"{prefix}_batch.{batch.id}")
         assert node, "the batch job is not running"
-        research = subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "-p",
-                "research",
-                f"--nodelist={node}",
-                "--gres=gpu:a100:4",
-                f"--job-name={prefix}research",
-                "--output=/dev/null",
-                "--wrap",
-                "sleep 600",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        research = research_job(prefix, node)
         try:
 
             async def requeued() -> bool:
@@ -284,23 +268,7 @@ async def test_a_sharded_batch_runs_as_an_array_and_a_preempted_shard_repeats_no
 
         await eventually(some_done, "the shards to answer some requests", timeout=120)
         victim = next(t for t in tasks_of(name) if t[1] == "RUNNING")
-        research = subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "-p",
-                "research",
-                f"--nodelist={victim[2]}",
-                "--gres=gpu:a100:4",
-                f"--job-name={prefix}research",
-                "--output=/dev/null",
-                "--wrap",
-                "sleep 600",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        research = research_job(prefix, victim[2])
         try:
 
             async def requeued() -> bool:

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.slurm.conftest import eventually
-from tests.slurm.harness import Harness, fill_nodes, running, tiny_model
+from tests.slurm.harness import Harness, fill_nodes, research_job, running, tiny_model
 
 
 def client(h: Harness) -> openai.AsyncOpenAI:
@@ -197,23 +197,7 @@ async def test_preempted_replica_is_requeued_and_serves_again(tmp_path: Path, pr
         # Ready can come from the agent's report before the listing names the node.
         await eventually(lambda: asyncio.sleep(0, rep.nodes), "the listing to name the node")
         node = rep.nodes[0]
-        research = subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "-p",
-                "research",
-                f"--nodelist={node}",
-                "--gres=gpu:a100:4",
-                f"--job-name={prefix}research",
-                "--output=/dev/null",
-                "--wrap",
-                "sleep 600",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        research = research_job(prefix, node)
         try:
             await eventually(
                 lambda: asyncio.sleep(0, h.decisions("requeued", "preemptee")), "the requeue"
