@@ -7,6 +7,7 @@ from contextlib import AsyncExitStack
 
 import aiohttp
 from _router_support import engine, serve
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -260,15 +261,22 @@ def test_prefix_key_reads_the_prompt_in_order_and_stops_at_the_length() -> None:
     assert prefix_key({"model": "m"}, 100) is None
 
 
-async def test_the_gateway_keeps_a_prefix_on_one_replica_under_policy_prefix() -> None:
+async def _prefix_gateway(es: AsyncExitStack, replicas: int) -> tuple[str, web.Application]:
+    """A gateway routing "tiny" by the first 64 characters of the prompt over
+    ``replicas`` test engines r0, r1, ...; its URL and app."""
     directory = StaticDirectory()
     directory.add_model("tiny", routing=ModelRouting(policy="prefix", prefix_chars=64))
     app = create_app(directory)
+    url = await es.enter_async_context(serve(app))
+    for i in range(replicas):
+        eurl = await es.enter_async_context(engine("tiny", key=f"k{i}"))
+        directory.add_endpoint("tiny", Endpoint(f"r{i}", eurl, f"k{i}"))
+    return url, app
+
+
+async def test_the_gateway_keeps_a_prefix_on_one_replica_under_policy_prefix() -> None:
     async with AsyncExitStack() as es:
-        url = await es.enter_async_context(serve(app))
-        for i in range(4):
-            eurl = await es.enter_async_context(engine("tiny", key=f"k{i}"))
-            directory.add_endpoint("tiny", Endpoint(f"r{i}", eurl, f"k{i}"))
+        url, app = await _prefix_gateway(es, 4)
         seen: dict[str, set[str]] = {}
         async with aiohttp.ClientSession() as s:
             for p in range(4):
@@ -311,14 +319,8 @@ async def test_the_gateway_splits_eight_prompts_four_and_four_where_the_ring_alo
         if on_r0(ps := [f"system prompt {seed}.{i} " + "x" * 80 for i in range(8)])
         in (0, 1, 2, 6, 7, 8)
     )
-    directory = StaticDirectory()
-    directory.add_model("tiny", routing=ModelRouting(policy="prefix", prefix_chars=64))
-    app = create_app(directory)
     async with AsyncExitStack() as es:
-        url = await es.enter_async_context(serve(app))
-        for i in range(2):
-            eurl = await es.enter_async_context(engine("tiny", key=f"k{i}"))
-            directory.add_endpoint("tiny", Endpoint(f"r{i}", eurl, f"k{i}"))
+        url, _ = await _prefix_gateway(es, 2)
         seen: dict[str, set[str]] = {}
         async with aiohttp.ClientSession() as s:
             for turn in range(3):
