@@ -78,6 +78,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Each model's resources and scaling: one GPU, started on demand, kept while the tests run.
+ONE_GPU_ON_DEMAND: dict[str, object] = {
+    "resources": {
+        "partition": "llm",
+        "gpu_type": "a100",
+        "gpus": 1,
+        "cpus": 2,
+        "memory": "4G",
+        "time_limit": "1:00:00",
+    },
+    "scaling": {"min": 0, "max": 1, "idle_timeout": "30m"},
+}
+
+
 def write_configs(tmp: Path, prefix: str, vllm_python: str, model_dir: Path) -> Path:
     gw, internal = free_port(), free_port()
     # A port block of our own for the engine, away from the dev config's 21000s.
@@ -101,15 +115,7 @@ def write_configs(tmp: Path, prefix: str, vllm_python: str, model_dir: Path) -> 
                         # copy: the agent stages it into its cache, as for a
                         # model on a shared filesystem.
                         "weights": {"source": str(model_dir), "method": "copy"},
-                        "resources": {
-                            "partition": "llm",
-                            "gpu_type": "a100",
-                            "gpus": 1,
-                            "cpus": 2,
-                            "memory": "4G",
-                            "time_limit": "1:00:00",
-                        },
-                        "scaling": {"min": 0, "max": 1, "idle_timeout": "30m"},
+                        **ONE_GPU_ON_DEMAND,
                     },
                     {
                         # The same Llama as a reranker: vLLM's online conversion
@@ -123,15 +129,7 @@ def write_configs(tmp: Path, prefix: str, vllm_python: str, model_dir: Path) -> 
                         },
                         "endpoints": ["rerank", "score"],
                         "weights": {"source": str(model_dir), "method": "copy"},
-                        "resources": {
-                            "partition": "llm",
-                            "gpu_type": "a100",
-                            "gpus": 1,
-                            "cpus": 2,
-                            "memory": "4G",
-                            "time_limit": "1:00:00",
-                        },
-                        "scaling": {"min": 0, "max": 1, "idle_timeout": "30m"},
+                        **ONE_GPU_ON_DEMAND,
                     },
                 ]
             }
