@@ -42,7 +42,16 @@ import aiohttp
 import openai
 import yaml
 
-from bench.common import TINY_LLAMA, VLLM_PYTHON, median, need_cluster, print_table, result, write
+from bench.common import (
+    TINY_LLAMA,
+    VLLM_CACHE,
+    VLLM_PYTHON,
+    median,
+    need_cluster,
+    print_table,
+    result,
+    write,
+)
 from tests.engine.test_vllm_e2e import VLLM_ARGS, VLLM_ENV
 from tests.slurm.harness import Harness, free_port, running, tiny_model
 
@@ -68,10 +77,6 @@ async def bare_dispatch(folder: Path) -> float:
     while not stamp.exists() or not stamp.read_text().strip():
         await asyncio.sleep(0.01)
     return float(stamp.read_text()) - t0
-
-
-# Beside the venv (engines/vllm/bin/python -> engines/vllm-cache), as the tests' configs.
-VLLM_CACHE = VLLM_PYTHON.parents[2] / "vllm-cache"
 
 
 def vllm_model() -> dict[str, Any]:

@@ -20,6 +20,8 @@ VLLM_PYTHON = Path(
     os.environ.get("LLMGW_VLLM_PYTHON")
     or ROOT / ".dev-cluster" / "engines" / "vllm" / "bin" / "python"
 )
+# Beside the venv (engines/vllm/bin/python -> engines/vllm-cache), as the tests' configs.
+VLLM_CACHE = VLLM_PYTHON.parents[2] / "vllm-cache"
 TINY_LLAMA = Path(
     os.environ.get("LLMGW_TINY_MODEL") or ROOT / ".dev-cluster" / "engines" / "tiny-llama"
 )
@@ -92,10 +94,14 @@ def result(
     }
 
 
-def write(name: str, results: list[dict[str, Any]]) -> Path:
+def write(name: str, results: list[dict[str, Any]], settings: dict[str, Any] | None = None) -> Path:
+    """``settings``: the run's arguments, kept beside its figures when given."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    doc = {"machine": machine(), "when": datetime.now(UTC).isoformat(), "results": results}
+    doc: dict[str, Any] = {"machine": machine(), "when": datetime.now(UTC).isoformat()}
+    if settings is not None:
+        doc["settings"] = settings
+    doc["results"] = results
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
 

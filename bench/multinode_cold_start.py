@@ -39,13 +39,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp
 
 from bench.cold_start import (
-    VLLM_CACHE,
     bare_dispatch,
     one_cold_start_of,
     vllm_agent,
     vllm_model,
 )
-from bench.common import TINY_LLAMA, VLLM_PYTHON, median, need_cluster, print_table, result, write
+from bench.common import (
+    TINY_LLAMA,
+    VLLM_CACHE,
+    VLLM_PYTHON,
+    median,
+    need_cluster,
+    print_table,
+    result,
+    write,
+)
 from llmgw_slurm.agent.engine import DistInfo, LaunchParams, build_engine_command
 from llmgw_slurm.catalog import EngineSpec
 from llmgw_slurm.config import EngineRuntime

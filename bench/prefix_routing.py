@@ -1,7 +1,7 @@
 """Prefix-aware routing against least-outstanding, on two vLLM CPU replicas with prefix caching.
 
 Two ``vllm serve`` processes of the tiny model, prefix caching on, each with a
-KV cache of ``--blocks`` blocks of 128 tokens (40: 5,120 tokens). The workload
+KV cache of ``--blocks`` blocks of 128 tokens (36 by default: 4,608 tokens). The workload
 is ``--prompts`` long system prompts (each about ``--prompt-tokens`` tokens,
 measured through the gateway's /tokenize) times many short user turns, sent
 by ``--clients`` concurrent clients through one gateway. The sizes are chosen
@@ -19,15 +19,16 @@ requests' latency (p50, p99) through the gateway.
 
     python bench/prefix_routing.py [--requests 200] [--clients 6] [--rounds 2]
                                    [--prompt-tokens 1040] [--load-factors 1.25,2]
-                                   [--key-factors 1,100] [--seeds 1,2,3]
+                                   [--key-factors 1,100] [--seeds 1,2,3] [--blocks 36]
 
-Writes bench/results/prefix_routing.json. Takes about half a minute per
-phase of 200 requests here, and one for the engines to start: 8 minutes for
-the recorded run (``--load-factors 2 --seeds 1,2,3``: 18 phases). Prefix
-routing runs at each pair of load factor and key factor given; key factor
-100 never binds with 8 prompts (plain consistent hashing of keys, as before
-the key bound). Each of ``--seeds``
-gives other prompt words, and so other hashes: the luck of the split.
+Writes bench/results/prefix_routing.json (prefix_routing_Nblocks.json with
+another ``--blocks``), with the run's settings. Takes 10 to 30 seconds per
+phase of 200 requests here (more when the machine is shared), and one minute
+for the engines to start: 6 minutes for the recorded run (``--load-factors 2
+--seeds 1,2,3 --requests 400``: 18 phases). Prefix routing runs at each pair
+of load factor and key factor given; key factor 100 never binds with 8
+prompts (plain consistent hashing of keys, as before the key bound). Each
+of ``--seeds`` gives other prompt words, and so other hashes: the luck of the split.
 """
 
 from __future__ import annotations
@@ -49,15 +50,15 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, result, write
+from bench.common import TINY_LLAMA, VLLM_CACHE, VLLM_PYTHON, print_table, result, write
 from llmgw_slurm.agent.engine import _VLLM_SERVE_SHIM
 from llmgw_slurm.router import GATEWAY_KEY, Endpoint, StaticDirectory, create_app
 from llmgw_slurm.router.directory import ModelRouting
 
-TOP = Path(__file__).resolve().parents[1]
-ENGINES = TOP.parent / "main" / ".dev-cluster" / "engines"
-VLLM_PY = Path(os.environ.get("LLMGW_VLLM_PYTHON", ENGINES / "vllm" / "bin" / "python"))
-MODEL = Path(os.environ.get("LLMGW_TINY_MODEL", ENGINES / "tiny-llama"))
+# 36 blocks of 128 tokens: 4 prompts of 8 blocks and the blocks of the 3
+# requests each engine has in flight fit, with one block to spare; with 40,
+# least-outstanding keeps more of the 8 prompts (docs/performance.md).
+BLOCKS = 36
 KEY = "bench-key"
 # The engines serve the model under one name per policy (and load factor), so
 # that the gateway routes the same engines under each (it sends the model's own name).
@@ -126,10 +127,10 @@ def start_engine(port: int, blocks: int, names: list[str], log: Path) -> subproc
         "DO_NOT_TRACK": "1",
         # For /reset_prefix_cache between phases.
         "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_CACHE_ROOT": str(ENGINES / "vllm-cache"),
+        "VLLM_CACHE_ROOT": str(VLLM_CACHE),
     }
     argv = [
-        str(VLLM_PY), "-c", _VLLM_SERVE_SHIM, "serve", str(MODEL),
+        str(VLLM_PYTHON), "-c", _VLLM_SERVE_SHIM, "serve", str(TINY_LLAMA),
         "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY,
         "--served-model-name", *names,
         "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
@@ -343,14 +344,17 @@ def main() -> int:
         "--key-factors", default="1,100", help="prefix key factors (comma list; 100: no key bound)"
     )
     p.add_argument("--seeds", default="1", help="seeds of the system prompts' words (comma list)")
-    p.add_argument("--blocks", type=int, default=40, help="KV cache blocks per engine (128 tok)")
+    p.add_argument(
+        "--blocks", type=int, default=BLOCKS, help="KV cache blocks per engine (128 tokens)"
+    )
     p.add_argument("--logs", default="/tmp/llmgw-bench-prefix", help="where the engines log")
     p.add_argument("--no-write", action="store_true", help="do not write the results file")
     args = p.parse_args()
     results = asyncio.run(run(args))
     print_table(results)
     if not args.no_write:
-        print(f"wrote {write('prefix_routing', results)}")
+        name = "prefix_routing" if args.blocks == BLOCKS else f"prefix_routing_{args.blocks}blocks"
+        print(f"wrote {write(name, results, settings=vars(args))}")
     return 0
 
 
