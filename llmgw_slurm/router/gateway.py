@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -42,6 +42,7 @@ from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.quota import QuotaBook, add_quota_headers
 from llmgw_slurm.router.relay import _Call, _Pipe, _SseRelay
+from llmgw_slurm.router.upstream import Answer, UpstreamBroken, UpstreamPool
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
 __all__ = ["GATEWAY_KEY", "Gateway", "create_app", "request_key"]
@@ -174,6 +175,8 @@ class Gateway:
         self._cold_since: dict[str, float] = {}
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
+        # Answers read whole (no stream, no upload): a leaner client than aiohttp's.
+        self._whole: UpstreamPool | None = None
         self.responses = surface.ResponseHomes()
         # Per model under policy prefix: which replica each active key lives on.
         self.placements: dict[str, balance.Placement] = {}
@@ -192,12 +195,15 @@ class Gateway:
             ),
             auto_decompress=False,
         )
+        self._whole = UpstreamPool(self.config.connect_timeout, self.config.read_timeout)
         if self.usage is not None:
             self.usage.start()
 
     async def _cleanup(self, app: web.Application) -> None:
         if self._session is not None:
             await self._session.close()
+        if self._whole is not None:
+            self._whole.close()
         if self.usage is not None:
             await self.usage.close()
 
@@ -502,8 +508,7 @@ class Gateway:
         prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
         completion = _int(usage.get("completion_tokens", usage.get("output_tokens")))
         total = _int(usage.get("total_tokens")) or prompt + completion
-        self.metrics.tokens.labels(model, "prompt").inc(prompt)
-        self.metrics.tokens.labels(model, "completion").inc(completion)
+        self.metrics.counted(model, prompt, completion)
         if self.quota is not None and key is not None:
             self.quota.spent(key, total)
         if self.usage is None:
@@ -625,13 +630,14 @@ class Gateway:
                 call.status = 499
                 raise
             finally:
-                label = call.model or "_unknown"
                 span.set_attribute("http.response.status_code", call.status)
-                self.metrics.requests.labels(label, str(call.status)).inc()
-                now = time.monotonic()
-                self.metrics.latency.labels(label).observe(now - call.t0)
-                if call.first_byte is not None:
-                    self.metrics.ttfb.labels(label).observe(call.first_byte - call.t0)
+                first = call.first_byte
+                self.metrics.answered(
+                    call.model or "_unknown",
+                    call.status,
+                    time.monotonic() - call.t0,
+                    None if first is None else first - call.t0,
+                )
 
     async def _proxy_inner(
         self, request: web.Request, endpoint: str, call: _Call
@@ -813,12 +819,20 @@ class Gateway:
                     # ssl: the replica's pinned certificate (and the gateway's client
                     # one): a listener that took the engine's port fails the handshake
                     # before the request, its key or its prompt is sent.
+                    if upload is None and not stream:
+                        assert self._whole is not None and isinstance(body, bytes)
+                        answer = await self._whole.post(
+                            ep.base_url, ep.ssl, surface.upstream_path(endpoint), headers, body
+                        )
+                        return self._whole_answer(answer, ep, endpoint, model, key, call)
                     upstream = await self._session.post(
                         ep.base_url.rstrip("/") + surface.upstream_path(endpoint),
                         data=body if upload is None else upload.stream(),
                         headers=headers,
                         ssl=ep.ssl if ep.ssl is not None else True,
                     )
+                except UpstreamBroken as e:
+                    return self._broke_off(model, e.cause)
                 except (aiohttp.ClientConnectionError, TimeoutError) as e:
                     if upload is not None and upload.problem is not None:
                         p = upload.problem
@@ -1039,27 +1053,66 @@ class Gateway:
                     self._remember_response(relay.response_id, model, ep, key, relay.usage)
 
         if upstream.status in (401, 403):
-            # The engine refused the replica's key: a deployment fault, never
-            # the client's; passing the 401 on would tell the client that
-            # their own key is wrong.
-            self.metrics.upstream_errors.labels(model, "auth").inc()
-            return _error(
-                502,
-                f"The replica of model '{model}' refused the gateway's engine key.",
-                "server_error",
-                "upstream_auth_failed",
-            )
+            return self._engine_refused(model)
         try:
             data = await upstream.read()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
-            self.metrics.upstream_errors.labels(model, "stream").inc()
-            return _error(
-                502,
-                f"The replica of model '{model}' failed while answering ({type(e).__name__}).",
-                "server_error",
-                "upstream_failed",
-            )
-        if upstream.status == 200 and ctype.startswith("application/json"):
+            return self._broke_off(model, type(e).__name__)
+        return self._answer(upstream.status, upstream.headers, data, ep, endpoint, model, key, call)
+
+    def _whole_answer(
+        self,
+        answer: Answer,
+        ep: Endpoint,
+        endpoint: str,
+        model: str,
+        key: KeyRecord | None,
+        call: _Call,
+    ) -> web.Response:
+        if answer.status in (401, 403):
+            return self._engine_refused(model)
+        return self._answer(
+            answer.status, answer.headers, answer.body, ep, endpoint, model, key, call
+        )
+
+    def _engine_refused(self, model: str) -> web.Response:
+        # The engine refused the replica's key: a deployment fault, never
+        # the client's; passing the 401 on would tell the client that
+        # their own key is wrong.
+        self.metrics.upstream_errors.labels(model, "auth").inc()
+        return _error(
+            502,
+            f"The replica of model '{model}' refused the gateway's engine key.",
+            "server_error",
+            "upstream_auth_failed",
+        )
+
+    def _broke_off(self, model: str, cause: str) -> web.Response:
+        self.metrics.upstream_errors.labels(model, "stream").inc()
+        return _error(
+            502,
+            f"The replica of model '{model}' failed while answering ({cause}).",
+            "server_error",
+            "upstream_failed",
+        )
+
+    def _answer(
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        data: bytes,
+        ep: Endpoint,
+        endpoint: str,
+        model: str,
+        key: KeyRecord | None,
+        call: _Call,
+    ) -> web.Response:
+        """The client's answer from the engine's whole one, its usage counted."""
+        ctype = headers.get("Content-Type", "")
+        out_headers = {"X-Llmgw-Replica": ep.replica_id}
+        if "X-Request-Id" in headers:
+            out_headers["X-Request-Id"] = headers["X-Request-Id"]
+        if status == 200 and ctype.startswith("application/json"):
             try:
                 parsed = json.loads(data)
             except ValueError:
@@ -1078,7 +1131,7 @@ class Gateway:
         if ctype:
             out_headers["Content-Type"] = ctype
         call.first_byte = time.monotonic()
-        return web.Response(status=upstream.status, body=data, headers=out_headers)
+        return web.Response(status=status, body=data, headers=out_headers)
 
 
 @web.middleware

@@ -7,6 +7,7 @@ two gateways in one process (tests, benchmarks) collide on metric names.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -89,3 +90,35 @@ class GatewayMetrics:
             registry=registry,
         )
         registry.register(_ReplicaCollector(directory))
+        # Labelled children, kept: labels() validates and takes a lock on every
+        # call, a few microseconds a request. Models and statuses are few.
+        self._answered: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
+        self._tokens: dict[str, tuple[Any, Any]] = {}
+
+    def answered(self, model: str, status: int, seconds: float, first_byte: float | None) -> None:
+        """One request answered: its status, its duration and (when it began
+        to answer) its time to the first byte."""
+        children = self._answered.get((model, status))
+        if children is None:
+            children = (
+                self.requests.labels(model, str(status)),
+                self.latency.labels(model),
+                self.ttfb.labels(model),
+            )
+            self._answered[(model, status)] = children
+        count, latency, ttfb = children
+        count.inc()
+        latency.observe(seconds)
+        if first_byte is not None:
+            ttfb.observe(first_byte)
+
+    def counted(self, model: str, prompt: int, completion: int) -> None:
+        """Tokens an engine reported for one answer."""
+        children = self._tokens.get(model)
+        if children is None:
+            children = self._tokens[model] = (
+                self.tokens.labels(model, "prompt"),
+                self.tokens.labels(model, "completion"),
+            )
+        children[0].inc(prompt)
+        children[1].inc(completion)

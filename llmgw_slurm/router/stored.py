@@ -60,6 +60,7 @@ class GatewayView(Protocol):
         self, key: KeyRecord | None, model: str, endpoint: str, usage: dict[str, Any] | None
     ) -> None: ...
 
+
 __all__ = ["ROUTES", "handler"]
 
 # (method, path, action)

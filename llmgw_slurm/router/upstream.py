@@ -1,0 +1,404 @@
+"""Whole answers from the engines, over kept-alive HTTP/1.1 connections.
+
+The gateway sends a request that will not stream (``"stream": false``, not an
+upload) through here rather than through aiohttp's client: the answer is read
+whole anyway, and aiohttp's client is most of what a proxied request costs
+the gateway (a bare aiohttp proxy adds about twice the latency of the same
+proxy over this pool; docs/performance.md). Streams stay on aiohttp's client,
+whose connection the relay takes over.
+
+HTTP/1.1 only as the engines speak it: one request at a time on a connection,
+an answer framed by Content-Length, chunked, or the connection's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ssl
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+import aiohttp
+from multidict import CIMultiDict
+
+# Longest status line and headers accepted: an engine's are a few hundred bytes.
+_MAX_HEAD = 64 * 1024
+# An idle connection older than this is closed, not reused: uvicorn (vLLM,
+# SGLang) closes its idle connections after 5 s, and a request written as the
+# engine closes is lost on the wire.
+IDLE_S = 4.0
+# Idle connections kept per engine; more are closed when returned.
+_MAX_IDLE = 256
+
+
+class UpstreamUnreachable(aiohttp.ClientConnectionError):
+    """No byte of an answer came back: the engine did not take the request, or
+    died (or went silent past the read timeout) before answering.
+
+    ``timed_out``: the engine was silent past the read timeout (it may still be
+    working on the request), rather than gone."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class UpstreamBroken(Exception):
+    """The answer began and then broke off, or was not HTTP the pool can read.
+
+    ``cause``: the name of what happened, for the client's error message."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An engine's answer (``headers``: case-insensitive, as aiohttp's)."""
+
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    host: str
+    port: int
+    ssl: ssl.SSLContext | None
+    netloc: str
+
+
+@functools.cache
+def _system_context() -> ssl.SSLContext:
+    # One for all: a connection pool is per context.
+    return ssl.create_default_context()
+
+
+def target_of(base_url: str, pinned: ssl.SSLContext | None) -> tuple[_Target, str]:
+    """Where ``base_url`` is (with the TLS context for it, None: plain HTTP) and its path.
+
+    An https URL without a pinned context is checked against the system's CAs."""
+    u = urlsplit(base_url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"not an http(s) URL: {base_url!r}")
+    https = u.scheme == "https"
+    ctx = (pinned or _system_context()) if https else None
+    return _Target(u.hostname, u.port or (443 if https else 80), ctx, u.netloc), u.path.rstrip("/")
+
+
+class _Conn(asyncio.Protocol):
+    """One connection: writes a request, parses its answer into a future."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout: float | None) -> None:
+        self._loop = loop
+        self._read_timeout = read_timeout
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reusable = True
+        self.idle_since = time.monotonic()
+        self._buf = bytearray()
+        self._waiter: asyncio.Future[Answer] | None = None
+        self._got_bytes = False
+        self._head: tuple[int, CIMultiDict[str]] | None = None
+        self._framing = ""  # "length", "chunked" or "close", once the head is in
+        self._need = 0
+        self._parts: list[bytes] = []
+        self._last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's are not asyncio.Transport subclasses).
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._last_read = self._loop.time()
+        if self._waiter is None:
+            # Bytes nobody asked for (or after the answer): not HTTP as we know it.
+            self.reusable = False
+            self._close()
+            return
+        self._got_bytes = True
+        self._buf += data
+        try:
+            self._parse()
+        except UpstreamBroken as e:
+            self._fail(e)
+
+    def eof_received(self) -> bool | None:
+        return False  # close; connection_lost settles the answer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.reusable = False
+        self._cancel_timer()
+        if self._waiter is None:
+            return
+        if self._framing == "close":
+            self._finish(bytes(self._buf))
+        elif self._got_bytes:
+            self._fail(UpstreamBroken("the engine closed the connection mid-answer", "Closed"))
+        else:
+            self._fail(UpstreamUnreachable(f"the engine closed the connection ({exc!r})"))
+
+    # requests
+
+    def send(self, request: bytes) -> asyncio.Future[Answer]:
+        assert self.transport is not None and self._waiter is None
+        self._waiter = self._loop.create_future()
+        self._got_bytes = False
+        self._last_read = self._loop.time()
+        self.transport.write(request)
+        if self._read_timeout:
+            self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._idle)
+        return self._waiter
+
+    def abandon(self) -> None:
+        """The caller stopped waiting (cancelled): the engine may still be
+        generating; closing the connection stops it."""
+        self._waiter = None
+        self.reusable = False
+        self._close()
+
+    # parsing
+
+    def _parse(self) -> None:
+        if self._head is None and not self._parse_head():
+            return
+        if self._framing == "length":
+            if len(self._buf) >= self._need:
+                body = bytes(self._buf[: self._need])
+                extra = len(self._buf) > self._need
+                self._finish(body)
+                if extra:
+                    self.reusable = False
+        elif self._framing == "chunked":
+            self._parse_chunks()
+
+    def _parse_head(self) -> bool:
+        end = self._buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buf) > _MAX_HEAD:
+                raise UpstreamBroken("the engine's headers are too long", "BadHeaders")
+            return False
+        lines = bytes(self._buf[:end]).decode("latin-1").split("\r\n")
+        del self._buf[: end + 4]
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise UpstreamBroken(f"not an HTTP/1 status line: {lines[0][:80]!r}", "BadStatusLine")
+        status = int(parts[1])
+        headers: CIMultiDict[str] = CIMultiDict()
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise UpstreamBroken("a header line without a colon", "BadHeaders")
+            headers[name.strip()] = value.strip()
+        if 100 <= status < 200:
+            return self._parse_head() if self._buf else False  # 100 Continue: the real head follows
+        if headers.get("connection", "").lower() == "close" or parts[0] == "HTTP/1.0":
+            self.reusable = False
+        self._head = (status, headers)
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self._framing = "chunked"
+        elif "content-length" in headers:
+            try:
+                self._need = int(headers["content-length"])
+            except ValueError:
+                raise UpstreamBroken(
+                    "a Content-Length that is not a number", "BadHeaders"
+                ) from None
+            self._framing = "length"
+        elif status in (204, 304):
+            self._framing, self._need = "length", 0
+        else:
+            self._framing = "close"
+            self.reusable = False
+        return True
+
+    def _parse_chunks(self) -> None:
+        while True:
+            line_end = self._buf.find(b"\r\n")
+            if line_end < 0:
+                return
+            size_text = bytes(self._buf[:line_end]).split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise UpstreamBroken("a chunk size that is not hexadecimal", "BadChunk") from None
+            if size == 0:
+                # The last chunk, then trailers (ignored) up to an empty line.
+                rest = self._buf[line_end + 2 :]
+                if rest.startswith(b"\r\n"):
+                    del self._buf[: line_end + 4]
+                else:
+                    trailer_end = rest.find(b"\r\n\r\n")
+                    if trailer_end < 0:
+                        return
+                    del self._buf[: line_end + 2 + trailer_end + 4]
+                extra = bool(self._buf)
+                self._finish(b"".join(self._parts))
+                if extra:
+                    self.reusable = False
+                return
+            start = line_end + 2
+            if len(self._buf) < start + size + 2:
+                return
+            if self._buf[start + size : start + size + 2] != b"\r\n":
+                raise UpstreamBroken("a chunk not ended by CRLF", "BadChunk")
+            self._parts.append(bytes(self._buf[start : start + size]))
+            del self._buf[: start + size + 2]
+
+    # ends
+
+    def _finish(self, body: bytes) -> None:
+        waiter, head = self._waiter, self._head
+        assert waiter is not None and head is not None
+        self._reset()
+        if not waiter.done():
+            waiter.set_result(Answer(head[0], head[1], body))
+
+    def _fail(self, exc: BaseException) -> None:
+        waiter = self._waiter
+        self._reset()
+        self.reusable = False
+        self._close()
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    def _reset(self) -> None:
+        self._cancel_timer()
+        self._waiter = None
+        self._head = None
+        self._framing = ""
+        self._need = 0
+        self._parts = []
+        self._buf.clear()
+        self.idle_since = time.monotonic()
+
+    def _idle(self) -> None:
+        self._timer = None
+        if self._waiter is None or self._read_timeout is None:
+            return
+        due = self._last_read + self._read_timeout
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._idle)
+            return
+        what = f"no data from the engine for {self._read_timeout:g} s"
+        if self._got_bytes:
+            self._fail(UpstreamBroken(what, "TimeoutError"))
+        else:
+            self._fail(UpstreamUnreachable(what, timed_out=True))
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+class UpstreamPool:
+    """Kept-alive connections to each engine, for requests whose answer is read whole.
+
+    No limit on connections: the engines' own queues are where requests
+    should wait, not a pool in front of them (as the aiohttp client's).
+    """
+
+    def __init__(self, connect_timeout: float | None, read_timeout: float | None) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self._idle: dict[_Target, deque[_Conn]] = {}
+
+    async def post(
+        self, base_url: str, pinned: ssl.SSLContext | None, path: str,
+        headers: dict[str, str], body: bytes,
+    ) -> Answer:  # fmt: skip
+        """POST ``body`` to ``base_url`` + ``path`` (which starts with a slash); the whole answer.
+
+        Raises :class:`UpstreamUnreachable` when no byte of an answer came back
+        (the request may be sent elsewhere), :class:`UpstreamBroken` when the
+        answer broke off."""
+        target, base_path = target_of(base_url, pinned)
+        request = _request_bytes(target, base_path + path, headers, body)
+        conn = self._take_idle(target)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, target, request)
+            except UpstreamUnreachable as e:
+                if e.timed_out:
+                    raise
+                # A kept-alive connection the engine closed as it was reused:
+                # the request was not taken; once more on a new connection.
+        return await self._exchange(await self._connect(target), target, request)
+
+    async def _exchange(self, conn: _Conn, target: _Target, request: bytes) -> Answer:
+        try:
+            answer = await conn.send(request)
+        except asyncio.CancelledError:
+            conn.abandon()
+            raise
+        self._give_back(conn, target)
+        return answer
+
+    async def _connect(self, target: _Target) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(loop, self.read_timeout),
+                    target.host,
+                    target.port,
+                    ssl=target.ssl,
+                    server_hostname=target.host if target.ssl is not None else None,
+                )
+        except (OSError, TimeoutError) as e:
+            # ssl.SSLError (a pin that does not match) is an OSError: the same as
+            # an engine that is not there, and nothing was sent.
+            raise UpstreamUnreachable(f"cannot connect to {target.netloc}: {e!r}") from e
+        return conn
+
+    def _take_idle(self, target: _Target) -> _Conn | None:
+        idle = self._idle.get(target)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.reusable and not conn.closed and now - conn.idle_since < IDLE_S:
+                return conn
+            conn.abandon()
+        return None
+
+    def _give_back(self, conn: _Conn, target: _Target) -> None:
+        if not conn.reusable or conn.closed:
+            conn.abandon()
+            return
+        idle = self._idle.setdefault(target, deque())
+        if len(idle) >= _MAX_IDLE:
+            conn.abandon()
+            return
+        idle.append(conn)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.abandon()
+        self._idle.clear()
+
+
+def _request_bytes(target: _Target, path: str, headers: dict[str, str], body: bytes) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: {target.netloc}"]
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            # Header values come from the client (X-Request-Id): never split a line.
+            raise ValueError(f"a header with a line break: {name!r}")
+        lines.append(f"{name}: {value}")
+    lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8") + body

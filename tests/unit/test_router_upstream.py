@@ -1,0 +1,302 @@
+"""The gateway's client for answers read whole (router/upstream.py), against real
+sockets: scripted servers that answer as engines do, and as broken ones do."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from llmgw_slurm.router.upstream import UpstreamBroken, UpstreamPool, UpstreamUnreachable
+from llmgw_slurm.tls import client_context, make_identity
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
+
+
+@dataclass
+class Server:
+    """What a scripted server saw: connections, and requests (head and body) on them."""
+
+    url: str = ""
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    closed_by_client: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def read_request(reader: asyncio.StreamReader, server: Server) -> bool:
+    """One request off the connection (False at its end)."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return False
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    body = await reader.readexactly(length)
+    server.requests.append(head + body)
+    return True
+
+
+@asynccontextmanager
+async def serve(script: Script, tls: ssl.SSLContext | None = None) -> AsyncIterator[Server]:
+    srv = Server()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        srv.connections += 1
+        try:
+            await script(reader, writer, srv)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
+    port = server.sockets[0].getsockname()[1]
+    srv.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    try:
+        yield srv
+    finally:
+        server.close()
+
+
+def answer(body: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        + extra
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+async def keep_answering(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+    while await read_request(r, s):
+        w.write(answer(b'{"n": %d}' % len(s.requests), b"X-Request-Id: abc\r\n"))
+        await w.drain()
+
+
+def pool(read_timeout: float | None = 5.0) -> UpstreamPool:
+    return UpstreamPool(connect_timeout=5.0, read_timeout=read_timeout)
+
+
+async def test_answers_by_content_length_on_one_kept_alive_connection() -> None:
+    async with serve(keep_answering) as s:
+        p = pool()
+        first = await p.post(s.url, None, "/v1/x", {"Authorization": "Bearer k"}, b'{"a":1}')
+        second = await p.post(s.url, None, "/v1/x", {}, b"{}")
+        p.close()
+    assert (first.status, first.body, second.body) == (200, b'{"n": 1}', b'{"n": 2}')
+    assert first.headers["x-request-id"] == "abc" and first.headers["Content-Type"].startswith(
+        "application/json"
+    )
+    assert s.connections == 1
+    head = s.requests[0]
+    assert head.startswith(b"POST /v1/x HTTP/1.1\r\n") and b"Authorization: Bearer k\r\n" in head
+    assert head.endswith(b'Content-Length: 7\r\n\r\n{"a":1}')
+
+
+async def test_a_base_url_with_a_path_keeps_it() -> None:
+    async with serve(keep_answering) as s:
+        p = pool()
+        await p.post(s.url + "/engine/", None, "/v1/x", {}, b"{}")
+        p.close()
+    assert s.requests[0].startswith(b"POST /engine/v1/x HTTP/1.1\r\n")
+
+
+async def test_a_chunked_answer_sent_a_byte_at_a_time_with_extensions_and_trailers() -> None:
+    wire = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5;ext=1\r\nhello\r\n1\r\n \r\n5\r\nworld\r\n0\r\nX-Trailer: t\r\n\r\n"
+    )
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        while await read_request(r, s):
+            for i in range(len(wire)):
+                w.write(wire[i : i + 1])
+                await w.drain()
+
+    async with serve(script) as s:
+        p = pool()
+        got = [await p.post(s.url, None, "/x", {}, b"") for _ in range(2)]
+        p.close()
+    assert [g.body for g in got] == [b"hello world"] * 2
+    assert s.connections == 1  # the trailer was read to its end: the connection is reused
+
+
+async def test_an_answer_without_length_ends_with_the_connection_which_is_not_reused() -> None:
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await read_request(r, s)
+        w.write(b"HTTP/1.1 500 Oops\r\nContent-Type: text/plain\r\n\r\nall of it")
+        await w.drain()
+
+    async with serve(script) as s:
+        p = pool()
+        got = [await p.post(s.url, None, "/x", {}, b"") for _ in range(2)]
+        p.close()
+    assert [(g.status, g.body) for g in got] == [(500, b"all of it")] * 2
+    assert s.connections == 2
+
+
+async def test_a_100_continue_before_the_answer_is_skipped() -> None:
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await read_request(r, s)
+        w.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await w.drain()
+        w.write(answer(b"ok"))
+        await w.drain()
+
+    async with serve(script) as s:
+        p = pool()
+        got = await p.post(s.url, None, "/x", {}, b"")
+        p.close()
+    assert (got.status, got.body) == (200, b"ok")
+
+
+async def test_a_kept_alive_connection_the_engine_closed_is_replaced_unseen() -> None:
+    # uvicorn closes idle connections after 5 s: the next request must not fail.
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await read_request(r, s)
+        w.write(answer(b"ok"))
+        await w.drain()
+        # And then close, as an engine's keep-alive timeout does.
+
+    async with serve(script) as s:
+        p = pool()
+        await p.post(s.url, None, "/x", {}, b"")
+        await asyncio.sleep(0.05)
+        got = await p.post(s.url, None, "/x", {}, b"")
+        p.close()
+    assert got.body == b"ok" and s.connections == 2 and len(s.requests) == 2
+
+
+async def test_an_engine_that_takes_the_request_and_closes_is_unreachable() -> None:
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await read_request(r, s)
+
+    async with serve(script) as s:
+        p = pool()
+        with pytest.raises(UpstreamUnreachable) as e:
+            await p.post(s.url, None, "/x", {}, b"")
+        p.close()
+    assert not e.value.timed_out
+    assert len(s.requests) == 1  # a new connection is not tried again
+
+
+async def test_an_answer_that_breaks_off_is_broken_not_unreachable() -> None:
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await read_request(r, s)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nhalf")
+        await w.drain()
+
+    async with serve(script) as s:
+        p = pool()
+        with pytest.raises(UpstreamBroken) as e:
+            await p.post(s.url, None, "/x", {}, b"")
+        p.close()
+    assert e.value.cause == "Closed"
+
+
+@pytest.mark.parametrize(
+    "wire,cause",
+    [
+        (b"SMTP ready\r\n\r\n", "BadStatusLine"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "BadHeaders"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: lots\r\n\r\n", "BadHeaders"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "BadChunk"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY", "BadChunk"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 20000, "BadHeaders"),
+    ],
+)
+async def test_what_is_not_http_is_broken(wire: bytes, cause: str) -> None:
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await read_request(r, s)
+        w.write(wire)
+        await w.drain()
+        await asyncio.sleep(5)
+
+    async with serve(script) as s:
+        p = pool()
+        with pytest.raises(UpstreamBroken) as e:
+            await p.post(s.url, None, "/x", {}, b"")
+        p.close()
+    assert e.value.cause == cause
+
+
+async def test_a_silent_engine_times_out_and_the_request_is_not_sent_again() -> None:
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await read_request(r, s)
+        w.write(answer(b"ok"))
+        await w.drain()
+        await read_request(r, s)
+        await asyncio.sleep(5)  # generating, far past the read timeout
+
+    async with serve(script) as s:
+        p = pool(read_timeout=0.2)
+        await p.post(s.url, None, "/x", {}, b"")
+        with pytest.raises(UpstreamUnreachable) as e:
+            await p.post(s.url, None, "/x", {}, b"")
+        p.close()
+    # A kept-alive connection, but silent, not closed: not resent on a new one.
+    assert e.value.timed_out and len(s.requests) == 2 and s.connections == 1
+
+
+async def test_a_cancelled_request_closes_its_connection() -> None:
+    # The client went away: closing the engine's connection stops the generation.
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await read_request(r, s)
+        if await r.read(1) == b"":
+            s.closed_by_client.set()
+
+    async with serve(script) as s:
+        p = pool()
+        task = asyncio.create_task(p.post(s.url, None, "/x", {}, b""))
+        while not s.requests:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(s.closed_by_client.wait(), 5)
+        p.close()
+
+
+async def test_no_engine_at_the_address_is_unreachable() -> None:
+    async with serve(keep_answering) as s:
+        url = s.url
+    with pytest.raises(UpstreamUnreachable):
+        await pool().post(url, None, "/x", {}, b"")
+
+
+async def test_a_header_with_a_line_break_is_refused_before_anything_is_sent() -> None:
+    async with serve(keep_answering) as s:
+        p = pool()
+        with pytest.raises(ValueError, match="line break"):
+            await p.post(s.url, None, "/x", {"X-Request-Id": "a\r\nEvil: 1"}, b"")
+        p.close()
+    assert s.requests == []
+
+
+async def test_a_squatter_without_the_pinned_certificate_gets_nothing(tmp_path: Path) -> None:
+    engine = make_identity(tmp_path, "engine", "engine", 1)
+    squatter = make_identity(tmp_path, "squatter", "squatter", 1)
+    gateway = make_identity(tmp_path, "gw", "gw", 1)
+    pinned = client_context(engine.cert_pem, gateway.cert_file, gateway.key_file)
+
+    def server_ctx(cert: Path, key: Path) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        return ctx
+
+    p = pool()
+    async with serve(keep_answering, server_ctx(squatter.cert_file, squatter.key_file)) as s:
+        with pytest.raises(UpstreamUnreachable, match="cannot connect"):
+            await p.post(s.url, pinned, "/x", {"Authorization": "Bearer secret"}, b"prompt")
+    assert s.requests == []
+    async with serve(keep_answering, server_ctx(engine.cert_file, engine.key_file)) as s:
+        got = [await p.post(s.url, pinned, "/x", {}, b"") for _ in range(2)]
+    p.close()
+    assert [g.status for g in got] == [200, 200] and s.connections == 1
