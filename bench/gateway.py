@@ -240,6 +240,7 @@ def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector:
     """
     from aiohttp import web
 
+    from llmgw_slurm.daemon import event_loop
     from llmgw_slurm.router import ModelInfo, RouterConfig, StaticDirectory, create_app
 
     policy, ratio = "all", 1.0
@@ -288,7 +289,13 @@ def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector:
         prof = cProfile.Profile(time.process_time)
         prof.enable()
     web.run_app(
-        app, host="127.0.0.1", port=port, print=None, access_log=None, handler_cancellation=True
+        app,
+        host="127.0.0.1",
+        port=port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+        loop=event_loop(),  # the daemon's (uvloop's)
     )
     if prof is not None:
         prof.disable()
@@ -332,8 +339,11 @@ def serve_sink(port: int) -> None:
 
 
 def serve_bare(port: int, engine_url: str) -> None:
-    """The least an aiohttp proxy can do: what the gateway's own logic costs on top of it."""
+    """The least an aiohttp proxy can do (on the daemon's event loop), with
+    aiohttp's client: what the gateway's own logic and client cost on top of it."""
     from aiohttp import web
+
+    from llmgw_slurm.daemon import event_loop
 
     session: aiohttp.ClientSession | None = None
 
@@ -348,10 +358,12 @@ def serve_bare(port: int, engine_url: str) -> None:
         async with session.post(engine_url + request.path, data=data, headers=headers) as r:
             ctype = r.headers.get("Content-Type", "application/json")
             resp = web.StreamResponse(status=r.status, headers={"Content-Type": ctype})
-            await resp.prepare(request)
-            async for chunk in r.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
+            # A client cut at the end of a run: not worth a traceback each.
+            with contextlib.suppress(ConnectionResetError):
+                await resp.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
             return resp
 
     async def health(_: web.Request) -> web.Response:
@@ -366,7 +378,7 @@ def serve_bare(port: int, engine_url: str) -> None:
     app.on_cleanup.append(cleanup)
     app.router.add_post("/v1/chat/completions", proxy)
     app.router.add_get("/health", health)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, loop=event_loop())
 
 
 _NGINX_HTTP = """

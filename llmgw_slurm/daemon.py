@@ -368,6 +368,26 @@ def status_line(d: Daemon) -> str:
     return "; ".join(parts)
 
 
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The daemon's event loop: uvloop's when it is installed, asyncio's otherwise.
+
+    uvloop takes about a seventh off the gateway's CPU per proxied request
+    and 0.17 ms off its added latency at 64 clients (docs/performance.md);
+    the daemon uses nothing uvloop lacks (the unit tests pass on both).
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run(d: Daemon) -> None:
+    """Serve until SIGTERM or SIGINT, on :func:`event_loop`."""
+    with asyncio.Runner(loop_factory=event_loop) as runner:
+        runner.run(serve(d))
+
+
 async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT (or ``stop``, for tests), telling systemd each stage."""
     if stop is None:

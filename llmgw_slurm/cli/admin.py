@@ -111,7 +111,7 @@ def serve(server_path: Path, log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), handlers=[log_handler(sys.stderr)])
     server = load_server_config(server_path)
     d = daemon.build(server, server_path)
-    run(daemon.serve(d))
+    daemon.run(d)
 
 
 @main.group()
