@@ -745,6 +745,9 @@ class Gateway:
         if (request.content_length or 0) > self.config.max_body_bytes:
             return self._too_large()
         try:
+            if request.content.is_eof():
+                # All of it came with the headers (most requests): no timer to arm.
+                return await request.read()
             async with asyncio.timeout(self.config.body_timeout):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -1165,7 +1168,10 @@ def _upstream_headers(request: web.Request, ep: Endpoint) -> dict[str, str]:
     }
     if "X-Request-Id" in request.headers:
         headers["X-Request-Id"] = request.headers["X-Request-Id"]
-    propagate.inject(headers)
+    if otel_context.get_current():
+        # A span of ours or the client's context (_proxy attaches either): the
+        # engine's spans join that trace. An empty context has nothing to send.
+        propagate.inject(headers)
     return headers
 
 

@@ -33,6 +33,8 @@ _MAX_HEAD = 64 * 1024
 IDLE_S = 4.0
 # Idle connections kept per engine; more are closed when returned.
 _MAX_IDLE = 256
+# Base URLs parsed and kept (far more than a site's replicas at once).
+_MAX_TARGETS = 4096
 
 
 class UpstreamUnreachable(aiohttp.ClientConnectionError):
@@ -317,6 +319,8 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self._idle: dict[_Target, deque[_Conn]] = {}
+        # Parsed base URLs: a replica's lives as long as the replica run.
+        self._targets: dict[tuple[str, ssl.SSLContext | None], tuple[_Target, str]] = {}
 
     async def post(
         self, base_url: str, pinned: ssl.SSLContext | None, path: str,
@@ -327,7 +331,7 @@ class UpstreamPool:
         Raises :class:`UpstreamUnreachable` when no byte of an answer came back
         (the request may be sent elsewhere), :class:`UpstreamBroken` when the
         answer broke off."""
-        target, base_path = target_of(base_url, pinned)
+        target, base_path = self._target(base_url, pinned)
         request = _request_bytes(target, base_path + path, headers, body)
         conn = self._take_idle(target)
         if conn is not None:
@@ -339,6 +343,14 @@ class UpstreamPool:
                 # A kept-alive connection the engine closed as it was reused:
                 # the request was not taken; once more on a new connection.
         return await self._exchange(await self._connect(target), target, request)
+
+    def _target(self, base_url: str, pinned: ssl.SSLContext | None) -> tuple[_Target, str]:
+        got = self._targets.get((base_url, pinned))
+        if got is None:
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()  # replicas come and go: forget the gone ones
+            got = self._targets[(base_url, pinned)] = target_of(base_url, pinned)
+        return got
 
     async def _exchange(self, conn: _Conn, target: _Target, request: bytes) -> Answer:
         try:
