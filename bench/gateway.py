@@ -658,7 +658,8 @@ def main() -> int:
     p.add_argument(
         "--profile",
         default="",
-        help="write the gateway's cProfile stats (CPU time) here (gateway-plain's: PATH.plain)",
+        help="write the gateway's cProfile stats (CPU time) here (gateway-plain's: "
+        "PATH.plain, gateway-keyed's: PATH.keyed)",
     )
     p.add_argument(
         "--engine-plain",
@@ -770,11 +771,12 @@ def main() -> int:
             for target, spec in gateways:
                 g_port = _free_port()
                 cmd = [sys.executable, __file__, "--serve-gateway", str(g_port), spec]
-                if args.profile and target in ("gateway", "gateway-plain"):
-                    # gateway-plain's beside it, to set what TLS costs function by function.
+                if args.profile:
+                    # gateway-plain's and gateway-keyed's beside it, to set what TLS and
+                    # keys cost function by function (PATH.plain, PATH.keyed).
                     out = Path(args.profile).resolve()
-                    out = out if target == "gateway" else out.with_name(out.name + ".plain")
-                    cmd += ["--profile", str(out)]
+                    suffix = target.removeprefix("gateway").replace("-", ".")
+                    cmd += ["--profile", str(out.with_name(out.name + suffix))]
                 gw = start(cmd, proxy_cpus)
                 waits.append((f"http://127.0.0.1:{g_port}/health", gw, None))
                 server_pid |= {(target, n): gw.pid for n in engines}
