@@ -1,11 +1,11 @@
 """Whole answers from the engines, over kept-alive HTTP/1.1 connections.
 
-The gateway sends a request that will not stream (``"stream": false``, not an
-upload) through here rather than through aiohttp's client: the answer is read
-whole anyway, and aiohttp's client is most of what a proxied request costs
-the gateway (a bare aiohttp proxy adds about twice the latency of the same
-proxy over this pool; docs/performance.md). Streams stay on aiohttp's client,
-whose connection the relay takes over.
+The gateway sends a request that will not stream (no ``"stream": true``, not
+an upload) through here rather than through aiohttp's client: the answer is
+read whole anyway, and aiohttp's client was most of what a proxied request
+cost the gateway (a bare aiohttp proxy added as much as the whole gateway,
+which added half as much again with this pool; docs/performance.md). Streams
+stay on aiohttp's client, whose connection the relay takes over.
 
 HTTP/1.1 only as the engines speak it: one request at a time on a connection,
 an answer framed by Content-Length, chunked, or the connection's end.
