@@ -3,9 +3,10 @@
 The gateway sends a request that will not stream (no ``"stream": true``, not
 an upload) through here rather than through aiohttp's client: the answer is
 read whole anyway, and aiohttp's client was most of what a proxied request
-cost the gateway (a bare aiohttp proxy added as much as the whole gateway,
-which added half as much again with this pool; docs/performance.md). Streams
-stay on aiohttp's client, whose connection the relay takes over.
+cost the gateway (a bare aiohttp proxy added as much as the whole gateway
+did; with this pool and uvloop the gateway adds half what it did;
+docs/performance.md). Streams stay on aiohttp's client, whose connection the
+relay takes over.
 
 HTTP/1.1 only as the engines speak it: one request at a time on a connection,
 an answer framed by Content-Length, chunked, or the connection's end.
