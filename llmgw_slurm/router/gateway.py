@@ -42,7 +42,7 @@ from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.quota import QuotaBook, add_quota_headers
 from llmgw_slurm.router.relay import _Call, _Pipe, _SseRelay
-from llmgw_slurm.router.upstream import Answer, UpstreamBroken, UpstreamPool
+from llmgw_slurm.router.upstream import UpstreamBroken, UpstreamPool
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
 __all__ = ["GATEWAY_KEY", "Gateway", "create_app", "request_key"]
@@ -827,7 +827,10 @@ class Gateway:
                         answer = await self._whole.post(
                             ep.base_url, ep.ssl, surface.upstream_path(endpoint), headers, body
                         )
-                        return self._whole_answer(answer, ep, endpoint, model, key, call)
+                        return self._answer(
+                            answer.status, answer.headers, answer.body, ep, endpoint, model,
+                            key, call,
+                        )  # fmt: skip
                     upstream = await self._session.post(
                         ep.base_url.rstrip("/") + surface.upstream_path(endpoint),
                         data=body if upload is None else upload.stream(),
@@ -1055,28 +1058,11 @@ class Gateway:
                 if isinstance(relay, surface.ResponsesRelay) and relay.response_id:
                     self._remember_response(relay.response_id, model, ep, key, relay.usage)
 
-        if upstream.status in (401, 403):
-            return self._engine_refused(model)
         try:
             data = await upstream.read()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
             return self._broke_off(model, type(e).__name__)
         return self._answer(upstream.status, upstream.headers, data, ep, endpoint, model, key, call)
-
-    def _whole_answer(
-        self,
-        answer: Answer,
-        ep: Endpoint,
-        endpoint: str,
-        model: str,
-        key: KeyRecord | None,
-        call: _Call,
-    ) -> web.Response:
-        if answer.status in (401, 403):
-            return self._engine_refused(model)
-        return self._answer(
-            answer.status, answer.headers, answer.body, ep, endpoint, model, key, call
-        )
 
     def _engine_refused(self, model: str) -> web.Response:
         # The engine refused the replica's key: a deployment fault, never
@@ -1111,6 +1097,8 @@ class Gateway:
         call: _Call,
     ) -> web.Response:
         """The client's answer from the engine's whole one, its usage counted."""
+        if status in (401, 403):
+            return self._engine_refused(model)
         ctype = headers.get("Content-Type", "")
         out_headers = {"X-Llmgw-Replica": ep.replica_id}
         if "X-Request-Id" in headers:
