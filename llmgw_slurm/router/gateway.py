@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from llmgw_slurm.access import AccessGuard
 from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router import balance, stored, surface
-from llmgw_slurm.router._body import with_fields
+from llmgw_slurm.router._body import loads, with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
 from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
@@ -67,9 +67,9 @@ def _sse_error(message: str, code: str) -> bytes:
 def _parse_body(raw: bytes) -> dict[str, Any] | web.Response:
     """The body as a JSON object with a model name in it, or the 400 that says what is wrong."""
     try:
-        # UTF-8 only, as OpenAI's API has it (json.loads would also take
-        # UTF-16, which the splicing in with_fields does not handle).
-        obj = json.loads(raw.decode("utf-8"))
+        # UTF-8 only, as OpenAI's API has it (json.loads of bytes would also
+        # take UTF-16, which the splicing in with_fields does not handle).
+        obj = loads(raw)
     except ValueError as e:  # UnicodeDecodeError is a ValueError
         return _error(
             400, f"The body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
@@ -606,22 +606,7 @@ class Gateway:
         inner: Callable[[web.Request, str, _Call], Awaitable[web.StreamResponse]] | None = None,
     ) -> web.StreamResponse:
         call = _Call(t0=time.monotonic())
-        ctx = propagate.extract(request.headers)
-        span_cm: contextlib.AbstractContextManager[trace.Span]
-        if self.config.trace_requests == "all" or _sampled(ctx):
-            span_cm = self.tracer.start_as_current_span(
-                "llmgw.router.request",
-                context=ctx,
-                kind=trace.SpanKind.SERVER,
-                attributes={
-                    "llmgw.endpoint": endpoint,
-                    "http.request.method": request.method,
-                    "url.path": request.path,
-                },
-            )
-        else:
-            span_cm = _attached(ctx)
-        with span_cm as span:
+        with self._request_span(request, endpoint) as span:
             try:
                 resp = await (inner or self._proxy_inner)(request, endpoint, call)
                 call.status = call.outcome or resp.status
@@ -638,6 +623,31 @@ class Gateway:
                     time.monotonic() - call.t0,
                     None if first is None else first - call.t0,
                 )
+
+    def _request_span(
+        self, request: web.Request, endpoint: str
+    ) -> contextlib.AbstractContextManager[trace.Span]:
+        """A span of ours when the request is traced; else the client's context
+        made current without one (so that it is forwarded as it came); else,
+        with nothing to trace or forward, no span at all."""
+        every = self.config.trace_requests == "all"
+        if not every and not _carries_context(request.headers) and not otel_context.get_current():
+            # Most requests. (A context inherited from the server's start is
+            # not the client's: the path below masks it with the empty one.)
+            return _NO_SPAN
+        ctx = propagate.extract(request.headers)
+        if not every and not _sampled(ctx):
+            return _attached(ctx)
+        return self.tracer.start_as_current_span(
+            "llmgw.router.request",
+            context=ctx,
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "llmgw.endpoint": endpoint,
+                "http.request.method": request.method,
+                "url.path": request.path,
+            },
+        )
 
     async def _proxy_inner(
         self, request: web.Request, endpoint: str, call: _Call
@@ -746,8 +756,10 @@ class Gateway:
             return self._too_large()
         try:
             if request.content.is_eof():
-                # All of it came with the headers (most requests): no timer to arm.
-                return await request.read()
+                # All of it came with the headers (most requests): no timer to
+                # arm, nor a read to wait for.
+                raw = request.content.read_nowait()
+                return self._too_large() if len(raw) > self.config.max_body_bytes else raw
             async with asyncio.timeout(self.config.body_timeout):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -827,10 +839,10 @@ class Gateway:
                         answer = await self._whole.post(
                             ep.base_url, ep.ssl, surface.upstream_path(endpoint), headers, body
                         )
-                        return self._answer(
+                        return await _sent(request, self._answer(
                             answer.status, answer.headers, answer.body, ep, endpoint, model,
                             key, call,
-                        )  # fmt: skip
+                        ))  # fmt: skip
                     upstream = await self._session.post(
                         ep.base_url.rstrip("/") + surface.upstream_path(endpoint),
                         data=body if upload is None else upload.stream(),
@@ -1105,7 +1117,7 @@ class Gateway:
             out_headers["X-Request-Id"] = headers["X-Request-Id"]
         if status == 200 and ctype.startswith("application/json"):
             try:
-                parsed = json.loads(data)
+                parsed = loads(data)
             except ValueError:
                 parsed = None
             if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
@@ -1216,6 +1228,35 @@ def create_app(
     if quota is not None:
         add_quota_headers(app, quota)
     return app
+
+
+async def _sent(request: web.Request, resp: web.Response) -> web.Response:
+    """``resp``, sent now from the handler rather than by aiohttp after it
+    returns: what is left to do for the request (its metrics, the replica's
+    count of requests in flight, the span's end) then comes after the client
+    has its answer, not before. A client gone by then is left to aiohttp,
+    which finishes the returned answer again and finds the connection gone."""
+    with contextlib.suppress(ConnectionError):
+        await resp.prepare(request)
+        await resp.write_eof()
+    return resp
+
+
+# A span that is not recorded, for requests that are neither traced nor carry a context.
+_NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
+_fields_of: tuple[object, frozenset[str]] = (None, frozenset())
+
+
+def _carries_context(headers: Mapping[str, str]) -> bool:
+    """Whether the request has a header the propagator reads (traceparent,
+    baggage, ...): without one, extracting gives an empty context, and that
+    costs more than the look."""
+    global _fields_of
+    textmap = propagate.get_global_textmap()
+    if _fields_of[0] is not textmap:
+        # Set by tracing's set-up, which may come after the app is made.
+        _fields_of = (textmap, frozenset(textmap.fields))
+    return any(f in headers for f in _fields_of[1])
 
 
 def _sampled(ctx: otel_context.Context) -> bool:

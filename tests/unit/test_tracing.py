@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -659,14 +660,18 @@ async def test_held_request_links_to_the_replica_start() -> None:
 
 
 async def _gateway_spans(
-    trace_requests: str, headers: dict[str, str], held: bool
+    trace_requests: str, headers: dict[str, str], held: bool, served_in_a_span: bool = False
 ) -> tuple[list[ReadableSpan], dict[str, str]]:
-    """Send one chat request; return the gateway's finished spans and the headers the engine got."""
+    """Send one chat request; return the gateway's finished spans and the headers the engine got.
+
+    ``served_in_a_span``: the gateway is started with a span of the server's
+    own current, which its handlers may inherit."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     start = SpanContext(0xABC, 0xDEF, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
-    async with engine() as eng:
+    async with contextlib.AsyncExitStack() as stack:
+        eng = await stack.enter_async_context(engine())
         directory = StartingDirectory(start, eng)
         if not held:
             directory.add_endpoint("tiny", Endpoint("0a1b2c3d", eng, "engine-key"))
@@ -675,9 +680,12 @@ async def _gateway_spans(
             RouterConfig(hold_timeout=30, trace_requests=trace_requests),
             tracer=provider.get_tracer("llmgw_slurm"),
         )
-        async with serve(app) as url, aiohttp.ClientSession() as s:
+        outer = provider.get_tracer("test").start_as_current_span("outer")
+        with outer if served_in_a_span else contextlib.nullcontext():
+            server = await stack.enter_async_context(serve(app))
+        async with aiohttp.ClientSession() as s:
             async with s.post(
-                f"{url}/v1/chat/completions",
+                f"{server}/v1/chat/completions",
                 json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
                 headers=headers,
             ) as resp:
@@ -701,6 +709,20 @@ async def test_unsampled_client_context_is_forwarded_untouched() -> None:
     spans, seen = await _gateway_spans("sampled", {"traceparent": tp}, held=False)
     assert spans == []
     assert {k.lower(): v for k, v in seen.items()}.get("traceparent") == tp, seen
+
+
+async def test_baggage_alone_is_forwarded() -> None:
+    spans, seen = await _gateway_spans("sampled", {"baggage": "project=phys"}, held=False)
+    assert spans == []
+    assert {k.lower(): v for k, v in seen.items()}.get("baggage") == "project=phys", seen
+
+
+async def test_a_span_current_when_the_gateway_started_is_not_forwarded() -> None:
+    # Only the client's context is the request's: the handler's inherited one
+    # (here the span the server was started in) must not reach the engine.
+    spans, seen = await _gateway_spans("sampled", {}, held=False, served_in_a_span=True)
+    assert "traceparent" not in {k.lower() for k in seen}, seen
+    assert [sp.name for sp in spans] == ["outer"]
 
 
 async def test_all_gives_every_request_a_span() -> None:
