@@ -1,4 +1,4 @@
-"""JSON bodies: parsed fast, and one top-level field rewritten with every other byte as it was.
+"""Rewrite one top-level field of a JSON object and leave every other byte as it was.
 
 Re-serializing a parsed body would change more than the field: number
 spellings (``1e400`` comes back as ``Infinity``, which engines refuse),
@@ -13,36 +13,10 @@ import json
 import re
 from typing import Any
 
-import orjson
-
-__all__ = ["loads", "top_level_spans", "with_fields"]
+__all__ = ["top_level_spans", "with_fields"]
 
 _WS = re.compile(r"[ \t\n\r]*")
 _decoder = json.JSONDecoder()
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
-# Well under json's depth limit (the interpreter's recursion limit, 1,000,
-# less the stack in use): fewer openings than this cannot nest deeper.
-_MAX_OPENINGS = 400
-
-
-def loads(raw: bytes) -> Any:
-    """``raw`` (UTF-8) parsed as the standard library's json parses it.
-
-    orjson when it would give the same: it parses a request or an answer
-    several times faster, and every body passes through here twice. json
-    for the rest, so that the result, and the error for a body that is not
-    JSON, are json's: what orjson refuses (invalid JSON, and NaN, 1e400 or a
-    lone surrogate, which json takes), and what it reads otherwise, looked
-    for in the bytes (cheaper than telling which are in strings):
-    - 19 digits in a row: orjson reads an integer past 64 bits as a float;
-    - 400 brackets or more: orjson nests without a limit, where json refuses
-      (RecursionError) what nests deeper than about a thousand levels."""
-    if raw.count(b"[") + raw.count(b"{") < _MAX_OPENINGS and _LONG_DIGITS.search(raw) is None:
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(raw.decode("utf-8"))
 
 
 def _skip(text: str, i: int) -> int:

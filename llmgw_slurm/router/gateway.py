@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from llmgw_slurm.access import AccessGuard
 from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router import balance, stored, surface
-from llmgw_slurm.router._body import loads, with_fields
+from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
 from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
@@ -67,9 +67,9 @@ def _sse_error(message: str, code: str) -> bytes:
 def _parse_body(raw: bytes) -> dict[str, Any] | web.Response:
     """The body as a JSON object with a model name in it, or the 400 that says what is wrong."""
     try:
-        # UTF-8 only, as OpenAI's API has it (json.loads of bytes would also
-        # take UTF-16, which the splicing in with_fields does not handle).
-        obj = loads(raw)
+        # UTF-8 only, as OpenAI's API has it (json.loads would also take
+        # UTF-16, which the splicing in with_fields does not handle).
+        obj = json.loads(raw.decode("utf-8"))
     except ValueError as e:  # UnicodeDecodeError is a ValueError
         return _error(
             400, f"The body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
@@ -1117,7 +1117,7 @@ class Gateway:
             out_headers["X-Request-Id"] = headers["X-Request-Id"]
         if status == 200 and ctype.startswith("application/json"):
             try:
-                parsed = loads(data)
+                parsed = json.loads(data)
             except ValueError:
                 parsed = None
             if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
