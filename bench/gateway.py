@@ -685,6 +685,13 @@ def main() -> int:
         action="store_true",
         help="also gateway-keyed: keys, access rules and quotas on (results: gateway_keyed)",
     )
+    p.add_argument(
+        "--gateway-python",
+        default="",
+        metavar="PYTHON",
+        help="also the gateway on the TLS engines run by that interpreter (one with "
+        "the project's requirements installed), as gateway@pyX.Y",
+    )
     p.add_argument("--collector", default="", help=argparse.SUPPRESS)
     p.add_argument("--serve-sink", help=argparse.SUPPRESS)
     p.add_argument("--serve-gateway", nargs=2, help=argparse.SUPPRESS)
@@ -768,9 +775,14 @@ def main() -> int:
                 bench_key = add_key(tmp / "keys.json", "bench", "bench").key
                 files = {"keys_file": str(tmp / "keys.json"), "budgets_file": str(tmp / "q.json")}
                 gateways.append(("gateway-keyed", gateway_spec(tls_engines, tls, files)))
+            python = {t: sys.executable for t, _ in gateways}
+            if args.gateway_python:
+                target = "gateway@py" + python_version(args.gateway_python)
+                gateways.append((target, gateway_spec(tls_engines, tls)))
+                python[target] = args.gateway_python
             for target, spec in gateways:
                 g_port = _free_port()
-                cmd = [sys.executable, __file__, "--serve-gateway", str(g_port), spec]
+                cmd = [python[target], __file__, "--serve-gateway", str(g_port), spec]
                 if args.profile:
                     # gateway-plain's and gateway-keyed's beside it, to set what TLS and
                     # keys cost function by function (PATH.plain, PATH.keyed).
@@ -1021,8 +1033,8 @@ def report(
         f"{t} {best[t]:.0f}, {best[t + '.stream']:.0f}" for t in targets
     ))  # fmt: skip
 
-    for target in ("gateway", "gateway-plain", "gateway-keyed"):
-        if target in targets:
+    for target in targets:
+        if target in ("gateway", "gateway-plain", "gateway-keyed") or "@py" in target:
             print_goals(measured, best, target, "nginx" in targets)
     if "gateway-plain" in targets:
         results += tls_cost(measured)
@@ -1062,6 +1074,17 @@ def report(
                                   f"gateway.{case}.cpu", off["cpu_us"]))  # fmt: skip
     path = write("gateway_keyed" if "gateway-keyed" in targets else "gateway", results)
     print(f"wrote {path} (load average at start {load_avg:.2f})")
+
+
+def python_version(python: str) -> str:
+    """X.Y of an interpreter, for the name of the gateway it runs."""
+    out = subprocess.run(
+        [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
 
 
 def print_goals(
