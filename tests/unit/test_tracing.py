@@ -664,8 +664,8 @@ async def _gateway_spans(
 ) -> tuple[list[ReadableSpan], dict[str, str]]:
     """Send one chat request; return the gateway's finished spans and the headers the engine got.
 
-    ``served_in_a_span``: the gateway is started with a span of the server's
-    own current, which its handlers may inherit."""
+    ``served_in_a_span``: the gateway is started while a span of the server's
+    own is current, which its handlers may inherit."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
