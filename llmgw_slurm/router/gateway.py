@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -31,6 +32,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.propagators.textmap import TextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmgw_slurm.access import AccessGuard
@@ -1244,19 +1246,21 @@ async def _sent(request: web.Request, resp: web.Response) -> web.Response:
 
 # A span that is not recorded, for requests that are neither traced nor carry a context.
 _NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
-_fields_of: tuple[object, frozenset[str]] = (None, frozenset())
 
 
 def _carries_context(headers: Mapping[str, str]) -> bool:
     """Whether the request has a header the propagator reads (traceparent,
     baggage, ...): without one, extracting gives an empty context, and that
     costs more than the look."""
-    global _fields_of
-    textmap = propagate.get_global_textmap()
-    if _fields_of[0] is not textmap:
-        # Set by tracing's set-up, which may come after the app is made.
-        _fields_of = (textmap, frozenset(textmap.fields))
-    return any(f in headers for f in _fields_of[1])
+    # The propagator is looked up each time: tracing's set-up may replace it
+    # after the app is made.
+    return any(f in headers for f in _fields(propagate.get_global_textmap()))
+
+
+@functools.lru_cache(maxsize=1)
+def _fields(textmap: TextMapPropagator) -> frozenset[str]:
+    # A composite propagator builds its set of fields anew on every call.
+    return frozenset(textmap.fields)
 
 
 def _sampled(ctx: otel_context.Context) -> bool:
