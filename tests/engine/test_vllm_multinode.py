@@ -238,7 +238,9 @@ async def drain_stops_both_nodes(
 async def test_two_node_tensor_parallel_replica_through_the_gateway(
     tmp_path: Path, vllm_python: str, tiny_model: Path, rendezvous: str
 ) -> None:
-    prefix = f"llmgwTmn{rendezvous[0]}{os.getpid() % 100000}."
+    # A prefix of each case's own ("derived" and "dir" share a first letter):
+    # a daemon adopts the jobs of its prefix, the last case's still completing.
+    prefix = f"llmgwTmn{rendezvous[:3]}{os.getpid() % 100000}."
     server = two_node_configs(tmp_path, prefix, vllm_python, tiny_model, rendezvous)
     cfg = json.loads(server.read_text())
     gw = "http://" + cfg["listen"]["gateway"]
