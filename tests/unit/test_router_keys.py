@@ -18,7 +18,9 @@ def test_add_stores_only_a_hash_in_a_private_file(tmp_path: Path) -> None:
     new = add_key(path, "alice", "proj")
     text = path.read_text()
     assert new.key not in text
-    secret = new.key.rsplit("-", 1)[1]
+    # Not rsplit("-"): the secret is URL-safe base64, which has dashes of its own.
+    secret = new.key.removeprefix(f"llmgw-{new.record.key_id}-")
+    assert len(secret) >= 32
     assert secret not in text
     assert new.record.sha256 in text
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
