@@ -71,6 +71,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -288,18 +289,30 @@ def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector:
         # preempted would otherwise be charged for the time others ran.
         prof = cProfile.Profile(time.process_time)
         prof.enable()
-    web.run_app(
-        app,
-        host="127.0.0.1",
-        port=port,
-        print=None,
-        access_log=None,
-        handler_cancellation=True,
-        loop=event_loop(),  # the daemon's (uvloop's)
-    )
+    # As the daemon serves it: its runner (the fast lane first), on its loop (uvloop's).
+    asyncio.Runner(loop_factory=event_loop).run(_serve(app, port))
     if prof is not None:
         prof.disable()
         prof.dump_stats(profile)
+
+
+async def _serve(app: Any, port: int) -> None:
+    from aiohttp import web
+
+    from llmgw_slurm.daemon import RUNNER_OPTIONS
+    from llmgw_slurm.router import fastlane
+
+    runner = fastlane.Runner(app, **RUNNER_OPTIONS)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 def _keyed(spec: dict[str, Any], directory: Any) -> dict[str, Any]:

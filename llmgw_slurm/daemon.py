@@ -33,7 +33,7 @@ from llmgw_slurm.config import HostPort, ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
-from llmgw_slurm.router import create_app
+from llmgw_slurm.router import create_app, fastlane
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
 from llmgw_slurm.router.quota import quota_book
@@ -309,7 +309,10 @@ async def open_listeners(
             ("gateway", d.gateway, server.listen.gateway, tls),
             ("internal", d.internal, server.listen.internal, None),
         ):
-            runner = web.AppRunner(app, **RUNNER_OPTIONS)
+            # The gateway's connections meet its fast lane first (router.fastlane).
+            runner = (fastlane.Runner if name == "gateway" else web.AppRunner)(
+                app, **RUNNER_OPTIONS
+            )
             await runner.setup()
             runners.append(runner)
             sock = _inherited(inherited, name, hp)

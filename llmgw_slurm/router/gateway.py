@@ -25,7 +25,8 @@ import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -44,10 +45,10 @@ from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.quota import QuotaBook, add_quota_headers
 from llmgw_slurm.router.relay import _Call, _Pipe, _SseRelay
-from llmgw_slurm.router.upstream import UpstreamBroken, UpstreamPool
+from llmgw_slurm.router.upstream import Answer, UpstreamBroken, UpstreamPool
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
-__all__ = ["GATEWAY_KEY", "Gateway", "create_app", "request_key"]
+__all__ = ["GATEWAY_KEY", "Client", "Deliver", "Gateway", "LanePlan", "create_app", "request_key"]
 
 
 def _error(
@@ -130,7 +131,34 @@ def _upstream_body(
     return (with_fields(raw, fields) if fields else raw), stream, strip_usage
 
 
-def _client_gone(request: web.Request) -> bool:
+class Client(Protocol):
+    """What the whole-answer path needs of a client's request: aiohttp's
+    ``web.Request``, or the fast lane's (``router.fastlane``)."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def transport(self) -> asyncio.BaseTransport | None: ...
+
+
+# What sends a whole answer to the client, the answer once sent.
+Deliver = Callable[[web.Response], Awaitable[web.Response]]
+
+
+@dataclass(frozen=True, slots=True)
+class LanePlan:
+    """A request the fast lane serves: checked, its replica picked, nothing spent yet."""
+
+    endpoint: str
+    model: str
+    key: KeyRecord | None
+    ep: Endpoint
+    body: bytes
+    t0: float
+
+
+def _client_gone(request: Client) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
 
@@ -432,7 +460,7 @@ class Gateway:
 
     async def _hold(
         self,
-        request: web.Request,
+        request: Client,
         model: str,
         unreachable: frozenset[tuple[str, str, int]] = frozenset(),
         key: KeyRecord | None = None,
@@ -651,6 +679,80 @@ class Gateway:
             },
         )
 
+    def lane_plan(self, endpoint: str, headers: Mapping[str, str], raw: bytes) -> LanePlan | None:
+        """The fast lane's plan for a request, or None: aiohttp's path serves it.
+
+        The lane takes only what it can finish as aiohttp's path would: a valid
+        key (or none needed), a JSON body naming a model the key may use, no
+        stream, a ready replica, nothing to trace. Everything else (every
+        refusal, a stream, a cold start, a traced request) goes to aiohttp
+        untouched; so nothing is counted or spent here (the quota is charged
+        in :meth:`serve_lane`)."""
+        if (
+            self.config.trace_requests == "all"
+            or _carries_context(headers)
+            or otel_context.get_current()
+        ):
+            return None
+        key = None
+        if self.keys is not None:
+            scheme, _, token = headers.get("Authorization", "").partition(" ")
+            key = self.keys.lookup(token.strip()) if scheme.lower() == "bearer" else None
+            if key is None:
+                return None
+        obj = _parse_body(raw)
+        if isinstance(obj, web.Response):
+            return None
+        model = self.directory.resolve(obj["model"])
+        if model is None or not self.may_use(model, key):
+            return None
+        prepared = _upstream_body(raw, obj, model, endpoint)
+        if isinstance(prepared, web.Response) or prepared[1]:
+            return None
+        if endpoint == "responses" or self._route(model, endpoint, obj) is not None:
+            return None
+        ep = self._pick(model)
+        if ep is None:
+            return None
+        return LanePlan(endpoint, model, key, ep, prepared[0], time.monotonic())
+
+    async def serve_lane(self, plan: LanePlan, client: Client, deliver: Deliver) -> None:
+        """Answer a request the lane planned: as :meth:`_proxy` does, with
+        ``deliver`` sending the answer (whichever it is) to the client."""
+        call = _Call(t0=plan.t0, model=plan.model)
+        sent: list[web.Response] = []
+
+        async def once(resp: web.Response) -> web.Response:
+            sent.append(resp)
+            if self.quota is not None and plan.key is not None:
+                # What add_quota_headers puts on aiohttp's answers as they are prepared.
+                resp.headers.update(self.quota.headers(plan.key))
+            return await deliver(resp)
+
+        try:
+            resp = self._admit(plan.key)
+            if resp is None:
+                got = await self._forward(
+                    client, plan.endpoint, plan.model, plan.ep, plan.body, False, False,
+                    plan.key, call, deliver=once,
+                )  # fmt: skip
+                assert isinstance(got, web.Response)  # whole answers only, no stream
+                resp = got
+            if not sent:
+                await once(resp)
+            call.status = call.outcome or resp.status
+        except asyncio.CancelledError:
+            call.status = 499
+            raise
+        finally:
+            first = call.first_byte
+            self.metrics.answered(
+                plan.model,
+                call.status,
+                time.monotonic() - call.t0,
+                None if first is None else first - call.t0,
+            )
+
     async def _proxy_inner(
         self, request: web.Request, endpoint: str, call: _Call
     ) -> web.StreamResponse:
@@ -805,7 +907,7 @@ class Gateway:
 
     async def _forward(
         self,
-        request: web.Request,
+        request: Client,
         endpoint: str,
         model: str,
         ep: Endpoint,
@@ -817,17 +919,17 @@ class Gateway:
         *,
         pinned: bool = False,
         content_type: str = "application/json",
+        deliver: Deliver | None = None,
     ) -> web.StreamResponse:
+        """The engine's answer; a whole one sent from here (``deliver``: aiohttp's by default)."""
         assert self._session is not None, "the gateway app was not started"
         upload = body if isinstance(body, surface.Upload) else None
         tried: set[str] = set()
         unreachable: set[tuple[str, str, int]] = set()
         while True:
             tried.add(ep.replica_id)
-            headers = _upstream_headers(request, ep)
-            headers["Content-Type"] = content_type
-            span = trace.get_current_span()
-            span.set_attribute("llmgw.replica_id", ep.replica_id)
+            headers = _upstream_headers(request, ep, content_type)
+            trace.get_current_span().set_attribute("llmgw.replica_id", ep.replica_id)
             key_ = (model, ep.replica_id)
             self.in_flight[key_] = self.in_flight.get(key_, 0) + 1
             self.directory.request_started(model, ep.replica_id)
@@ -837,14 +939,14 @@ class Gateway:
                     # one): a listener that took the engine's port fails the handshake
                     # before the request, its key or its prompt is sent.
                     if upload is None and not stream:
-                        assert self._whole is not None and isinstance(body, bytes)
-                        answer = await self._whole.post(
-                            ep.base_url, ep.ssl, surface.upstream_path(endpoint), headers, body
-                        )
-                        return await _sent(request, self._answer(
+                        assert isinstance(body, bytes)
+                        answer = await self._post_whole(ep, endpoint, headers, body)
+                        resp = self._answer(
                             answer.status, answer.headers, answer.body, ep, endpoint, model,
                             key, call,
-                        ))  # fmt: skip
+                        )  # fmt: skip
+                        return await (deliver or functools.partial(_sent, request))(resp)
+                    assert isinstance(request, web.Request)
                     upstream = await self._session.post(
                         ep.base_url.rstrip("/") + surface.upstream_path(endpoint),
                         data=body if upload is None else upload.stream(),
@@ -884,9 +986,17 @@ class Gateway:
                     del self.in_flight[key_]
                 self.directory.request_finished(*key_)
 
+    async def _post_whole(
+        self, ep: Endpoint, endpoint: str, headers: dict[str, str], body: bytes
+    ) -> Answer:
+        assert self._whole is not None, "the gateway app was not started"
+        return await self._whole.post(
+            ep.base_url, ep.ssl, surface.upstream_path(endpoint), headers, body
+        )
+
     async def _elsewhere(
         self,
-        request: web.Request,
+        request: Client,
         model: str,
         ep: Endpoint,
         e: BaseException,
@@ -1160,11 +1270,11 @@ async def _openai_errors(
 GATEWAY_KEY = web.AppKey("llmgw.gateway", Gateway)
 
 
-def _upstream_headers(request: web.Request, ep: Endpoint) -> dict[str, str]:
+def _upstream_headers(request: Client, ep: Endpoint, content_type: str) -> dict[str, str]:
     headers = {
         # The replica's engine key, never the client's gateway key.
         "Authorization": f"Bearer {ep.api_key}",
-        "Content-Type": "application/json",
+        "Content-Type": content_type,
         "Accept": request.headers.get("Accept", "*/*"),
         "Accept-Encoding": "identity",
     }
@@ -1232,12 +1342,13 @@ def create_app(
     return app
 
 
-async def _sent(request: web.Request, resp: web.Response) -> web.Response:
+async def _sent(request: Client, resp: web.Response) -> web.Response:
     """``resp``, sent now from the handler rather than by aiohttp after it
     returns: what is left to do for the request (its metrics, the replica's
     count of requests in flight, the span's end) then comes after the client
     has its answer, not before. A client gone by then is left to aiohttp,
     which finishes the returned answer again and finds the connection gone."""
+    assert isinstance(request, web.Request)  # the lane's requests have their own deliver
     with contextlib.suppress(ConnectionError):
         await resp.prepare(request)
         await resp.write_eof()

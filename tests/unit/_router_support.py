@@ -13,6 +13,7 @@ from typing import Any
 import openai
 from aiohttp import web
 
+from llmgw_slurm.router import GATEWAY_KEY, fastlane
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from llmgw_slurm.tls import Identity, make_engine_tls
 
@@ -34,7 +35,9 @@ async def serve(
     """Serve ``app`` on 127.0.0.1; yields its base URL."""
     # handler_cancellation as the daemon runs it: a client that goes away
     # cancels its handler.
-    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    # A gateway app as the daemon serves it: its fast lane first.
+    make = fastlane.Runner if GATEWAY_KEY in app else web.AppRunner
+    runner = make(app, handler_cancellation=handler_cancellation, access_log=None)
     await runner.setup()
     port = port or free_port()
     site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=ssl_context)

@@ -1,0 +1,370 @@
+"""The gateway's fast lane: the commonest request served without aiohttp's server.
+
+A chat, completion or embedding request that is not streamed and finds a
+ready replica is most of what the gateway serves, and aiohttp's per-request
+machinery (a request object, a payload stream, a task per request, a response
+prepared and written in pieces) was a third of what such a request cost it
+(docs/performance.md). The lane parses the request itself, lets
+:meth:`Gateway.lane_plan` decide whether it can serve it, and writes the
+answer in one piece.
+
+It serves only what it can serve exactly as aiohttp's path would, and gives
+every other connection to aiohttp, bytes and all, before it has read or
+answered anything of the request in question: a head that did not come whole
+or is not strictly the HTTP/1.1 the lane knows (chunked or encoded bodies,
+``Expect``, ``Upgrade``, folded or non-ASCII headers, two Content-Lengths),
+another method or path, and whatever :meth:`Gateway.lane_plan` refuses (every
+refusal, a stream, a cold start, a traced request). Once given away, a
+connection stays with aiohttp. So aiohttp's parser remains the judge of
+anything unusual, and a request is never read two ways.
+
+:class:`Runner` is an ``AppRunner`` whose server is the lane, with aiohttp's
+server behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import re
+import time
+from http import HTTPStatus
+from typing import Any, cast
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from multidict import CIMultiDict
+
+from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, LanePlan
+
+__all__ = ["Runner", "parse_head"]
+
+log = logging.getLogger(__name__)
+
+# The paths the lane serves, and their endpoint names (surface.upstream_path's).
+_PATHS = {
+    b"/v1/chat/completions": "chat/completions",
+    b"/v1/completions": "completions",
+    b"/v1/embeddings": "embeddings",
+}
+# Longest head the lane reads (aiohttp's own limit on one line is 8190 bytes).
+MAX_HEAD = 8190
+_MAX_FIELDS = 64
+# RFC 9110 5.6.2: a header name is a token.
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_PRINTABLE = re.compile(rb"[\t\x20-\x7e]*")
+# Headers that change how the body or the connection is read: aiohttp's.
+_NOT_OURS = frozenset(
+    {b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"te", b"trailer"}
+)
+
+
+class Head:
+    """A request head the lane takes: its endpoint, headers and body length."""
+
+    __slots__ = ("endpoint", "headers", "length", "size")
+
+    def __init__(self, endpoint: str, headers: CIMultiDict[str], length: int, size: int) -> None:
+        self.endpoint = endpoint
+        self.headers = headers
+        self.length = length
+        self.size = size  # the head's bytes, the blank line included
+
+
+def parse_head(buf: bytes, max_body: int) -> Head | None:
+    """The head at the start of ``buf`` (which holds it whole, up to and with
+    its blank line), or None when it is not one the lane takes."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0 or end > MAX_HEAD:
+        return None
+    head = buf[:end]
+    if not _PRINTABLE.fullmatch(head.replace(b"\r\n", b"")):
+        return None  # a bare CR or LF, a control character, a byte past ASCII
+    lines = head.split(b"\r\n")
+    method, _, rest = lines[0].partition(b" ")
+    target, _, version = rest.partition(b" ")
+    endpoint = _PATHS.get(target)
+    if method != b"POST" or endpoint is None or version != b"HTTP/1.1":
+        return None
+    if len(lines) - 1 > _MAX_FIELDS:
+        return None
+    headers: CIMultiDict[str] = CIMultiDict()
+    length: int | None = None
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not _TOKEN.fullmatch(name):
+            return None  # also a folded line, which starts with a space
+        lname = name.lower()
+        value = value.strip(b" \t")
+        if lname in _NOT_OURS:
+            return None
+        if lname == b"connection" and value.lower() != b"keep-alive":
+            return None
+        if lname == b"content-length":
+            if length is not None or not value.isdigit() or len(value) > 18:
+                return None
+            length = int(value)
+        headers.add(name.decode("ascii"), value.decode("ascii"))
+    if length is None or length > max_body:
+        return None
+    return Head(endpoint, headers, length, end + 4)
+
+
+_IDLE, _BODY, _BUSY, _GONE = range(4)
+
+
+class _Lane(asyncio.Protocol):
+    """One client connection, until it closes or is given to aiohttp."""
+
+    def __init__(self, runner: Runner) -> None:
+        self._runner = runner
+        self._gw = runner.gateway
+        self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._state = _IDLE
+        self._head: Head | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._paused = False
+
+    # what the gateway's whole-answer path asks of a client (gateway.Client)
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        assert self._head is not None
+        return self._head.headers
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self._runner.lanes.add(self)
+        self._arm(self._runner.keepalive_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        if self._state == _BUSY:
+            if len(self._buf) > MAX_HEAD + self._gw.config.max_body_bytes and not self._paused:
+                # A client that sends on before its answer: read on once it has it.
+                self._paused = True
+                self._transport().pause_reading()
+            return
+        self._advance()
+
+    def eof_received(self) -> bool:
+        return False  # close: connection_lost stops what is under way
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._state = _GONE
+        self._runner.lanes.discard(self)
+        self._disarm()
+        if self.task is not None and not self.task.done():
+            # As aiohttp's handler_cancellation: the engine's connection is cut.
+            self.task.cancel()
+
+    # the request
+
+    def _advance(self) -> None:
+        if self._state == _IDLE and self._buf:
+            head = parse_head(bytes(self._buf[: MAX_HEAD + 4]), self._gw.config.max_body_bytes)
+            if head is None:
+                self._hand_off()
+                return
+            self._head, self._state = head, _BODY
+            self._arm(self._gw.config.body_timeout)
+        if self._state == _BODY:
+            head = self._head
+            assert head is not None
+            end = head.size + head.length
+            if len(self._buf) < end:
+                return
+            raw = bytes(self._buf[head.size : end])
+            plan = self._gw.lane_plan(head.endpoint, head.headers, raw)
+            if plan is None:
+                self._hand_off()
+                return
+            del self._buf[:end]
+            self._disarm()
+            self._state = _BUSY
+            self.task = self._loop.create_task(self._serve(plan))
+
+    async def _serve(self, plan: LanePlan) -> None:
+        try:
+            await self._gw.serve_lane(plan, self, self._deliver)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # A bug, not the client's doing: aiohttp would answer 500; the
+            # connection is in an unknown state, so it closes.
+            log.exception("fast lane: %s failed", plan.endpoint)
+            failed = web.Response(status=500, text="500 Internal Server Error")
+            self._write(_serialize(failed, keep_alive=False), keep_alive=False)
+            return
+        if self._state != _BUSY:
+            return
+        self._state = _IDLE
+        self._head = None
+        self._arm(self._runner.keepalive_timeout)
+        if self._paused:
+            self._paused = False
+            self._transport().resume_reading()
+        if self._buf:
+            self._advance()
+
+    async def _deliver(self, resp: web.Response) -> web.Response:
+        keep = resp.keep_alive is not False
+        self._write(_serialize(resp, keep), keep_alive=keep)
+        return resp
+
+    def _write(self, data: bytes, *, keep_alive: bool) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(data)
+        if not keep_alive:
+            self._state = _GONE
+            transport.close()
+
+    def _hand_off(self) -> None:
+        """Give the connection, and every byte of it not yet answered, to aiohttp."""
+        self._disarm()
+        self._state = _GONE
+        self._runner.lanes.discard(self)
+        transport = self._transport()
+        handler = self._runner.aiohttp_server()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self._paused:
+            transport.resume_reading()
+        data, self._buf = bytes(self._buf), bytearray()
+        if data:
+            handler.data_received(data)
+
+    # timers: a connection idle past the keep-alive timeout, or a body slower
+    # than the body timeout
+
+    def _arm(self, seconds: float | None) -> None:
+        self._disarm()
+        if seconds:
+            self._timer = self._loop.call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self._state == _BODY:
+            timeout = self._gw.config.body_timeout
+            self._write(_serialize(_body_timeout(timeout), keep_alive=False), keep_alive=False)
+        elif self._state == _IDLE and self.transport is not None:
+            self._state = _GONE
+            self.transport.close()
+
+    def _transport(self) -> asyncio.Transport:
+        assert self.transport is not None
+        return self.transport
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _body_timeout(seconds: float) -> web.Response:
+    # The gateway's own 408 (Gateway._read_body's), for a body that stopped coming.
+    body = {
+        "error": {
+            "message": f"The request body did not arrive within {seconds:g} s.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "request_timeout",
+        }
+    }
+    return web.json_response(body, status=408)
+
+
+class _Date:
+    """The Date header's value, made at most once a second."""
+
+    second = -1
+    value = ""
+
+    @classmethod
+    def now(cls) -> str:
+        t = int(time.time())
+        if t != cls.second:
+            cls.second, cls.value = t, email.utils.formatdate(t, usegmt=True)
+        return cls.value
+
+
+def _serialize(resp: web.Response, keep_alive: bool) -> bytes:
+    """``resp`` as HTTP/1.1 bytes, with the headers aiohttp would give it."""
+    body = resp.body
+    if not isinstance(body, bytes):
+        raise TypeError(f"the fast lane writes bytes bodies, not {type(body).__name__}")
+    status = resp.status
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = resp.reason or "Unknown"
+    lines = [f"HTTP/1.1 {status} {reason}"]
+    for name, value in resp.headers.items():
+        if "\r" in value or "\n" in value:
+            raise ValueError(f"a header with a line break: {name!r}")
+        if name.lower() in ("content-length", "connection", "date"):
+            continue
+        lines.append(f"{name}: {value}")
+    lines.append(f"Content-Length: {len(body)}")
+    lines.append(f"Date: {_Date.now()}")
+    if not keep_alive:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8") + body
+
+
+class Runner(web.AppRunner):
+    """An ``AppRunner`` for the gateway app whose connections come to the lane
+    first; its sites (``TCPSite``, ``SockSite``) are aiohttp's own."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.gateway: Gateway = app[GATEWAY_KEY]
+        self.keepalive_timeout: float = kwargs.get("keepalive_timeout", 75.0)
+        self.lanes: set[_Lane] = set()
+        self._aiohttp: web.Server | None = None
+
+    def aiohttp_server(self) -> RequestHandler:
+        assert self._aiohttp is not None
+        return self._aiohttp()
+
+    async def _make_server(self) -> web.Server:
+        self._aiohttp = await super()._make_server()
+        if not self.gateway.config.fast_lane:
+            return self._aiohttp
+        return cast(web.Server, _LaneServer(self, self._aiohttp))
+
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        # As aiohttp's server: answers under way may finish, within the timeout.
+        busy = [t for t in (lane.task for lane in self.lanes) if t is not None and not t.done()]
+        if busy:
+            await asyncio.wait(busy, timeout=self._shutdown_timeout)
+        for lane in list(self.lanes):
+            lane.close()
+
+
+class _LaneServer:
+    """What a site serves: the lane as the protocol, aiohttp's server for the rest."""
+
+    def __init__(self, runner: Runner, server: web.Server) -> None:
+        self._runner = runner
+        self._server = server
+
+    def __call__(self) -> _Lane:
+        return _Lane(self._runner)
+
+    def __getattr__(self, name: str) -> Any:
+        # pre_shutdown, shutdown, connections, requests_count: aiohttp's.
+        return getattr(self._server, name)
