@@ -32,6 +32,7 @@ from llmgw_slurm.router import (
     RouterConfig,
     StaticDirectory,
     create_app,
+    fastlane,
 )
 
 CHAT = "/v1/chat/completions"
@@ -337,7 +338,7 @@ async def test_a_client_stalled_in_its_headers_is_disconnected() -> None:
     assert 0 < RUNNER_OPTIONS["keepalive_timeout"] <= 120
     opts = {**RUNNER_OPTIONS, "keepalive_timeout": 1.0}
     app = create_app(StaticDirectory([ModelInfo("tiny")]))
-    runner = web.AppRunner(app, **opts)
+    runner = fastlane.Runner(app, **opts)  # the daemon's, for the gateway
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -345,6 +346,10 @@ async def test_a_client_stalled_in_its_headers_is_disconnected() -> None:
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        assert await _closed_within(s, 30) is not None
+        s.close()
+        # One that sends nothing at all: the fast lane's own keep-alive timer.
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
         assert await _closed_within(s, 30) is not None
         s.close()
     finally:
