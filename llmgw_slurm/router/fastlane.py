@@ -128,6 +128,7 @@ class _Lane(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
         self._paused = False
+        self._answered = False  # the request under way has had its answer
 
     # what the gateway's whole-answer path asks of a client (gateway.Client)
 
@@ -188,6 +189,7 @@ class _Lane(asyncio.Protocol):
             del self._buf[:end]
             self._disarm()
             self._state = _BUSY
+            self._answered = False
             self.task = self._loop.create_task(self._serve(plan))
 
     async def _serve(self, plan: LanePlan) -> None:
@@ -196,9 +198,14 @@ class _Lane(asyncio.Protocol):
         except asyncio.CancelledError:
             raise
         except Exception:
-            # A bug, not the client's doing: aiohttp would answer 500; the
-            # connection is in an unknown state, so it closes.
+            # A bug, not the client's doing: aiohttp would answer 500 (unless
+            # the answer went out already: a second one would be read as the
+            # next request's); the connection is in an unknown state, so it closes.
             log.exception("fast lane: %s failed", plan.endpoint)
+            if self._answered:
+                self._state = _GONE
+                self._transport().close()
+                return
             failed = web.Response(status=500, text="500 Internal Server Error")
             self._write(_serialize(failed, keep_alive=False), keep_alive=False)
             return
@@ -215,7 +222,9 @@ class _Lane(asyncio.Protocol):
 
     async def _deliver(self, resp: web.Response) -> web.Response:
         keep = resp.keep_alive is not False
-        self._write(_serialize(resp, keep), keep_alive=keep)
+        data = _serialize(resp, keep)
+        self._answered = True
+        self._write(data, keep_alive=keep)
         return resp
 
     def _write(self, data: bytes, *, keep_alive: bool) -> None:

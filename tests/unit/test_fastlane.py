@@ -235,6 +235,28 @@ async def test_a_client_gone_mid_answer_frees_the_replica() -> None:
         assert samples[("499", "llmgw_requests_total")] == 1
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before-the-answer", "after-it"])
+async def test_a_failure_in_the_lane_answers_once_and_closes(
+    after: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with lane_stack() as lane:
+
+        def broken(*_: object) -> None:
+            raise RuntimeError("a bug")
+
+        # Before: the answer's usage is counted before it is sent; after: the
+        # request's metrics are taken once it was.
+        where = "answered" if after else "counted"
+        monkeypatch.setattr(lane.gateway.metrics, where, broken)
+        reader, writer = await asyncio.open_connection("127.0.0.1", lane.port)
+        writer.write(request())
+        status, _, body = await read_answer(reader)
+        rest = await reader.read()
+        writer.close()
+        assert status == (200 if after else 500), body
+        assert rest == b""  # nothing after the one answer, and the connection closed
+
+
 async def test_fast_lane_false_serves_everything_through_aiohttp() -> None:
     async with lane_stack(RouterConfig(fast_lane=False)) as lane:
         reader, writer = await asyncio.open_connection("127.0.0.1", lane.port)
