@@ -290,8 +290,13 @@ class BatchService:
         for b in active:
             # Read again: an earlier batch's await may have let a cancel or a report in.
             batch = self.store.get(b.id)
-            if batch is not None and not batch.status.is_final and b.id not in self._submitting:
-                await self._poll_one(batch, listed.get(self.prefix + batch.id, []))
+            if batch is None or batch.status.is_final or b.id in self._submitting:
+                continue
+            if batch.job_id != b.job_id:
+                # Its job was submitted while the listing was taken: the listing
+                # cannot show it yet, and reading it as gone would submit again.
+                continue
+            await self._poll_one(batch, listed.get(self.prefix + batch.id, []))
 
     async def _poll_one(self, batch: BatchRecord, jobs: list[Job]) -> None:
         """``jobs``: those listed under the batch's name (a sharded batch's array

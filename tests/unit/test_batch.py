@@ -537,6 +537,37 @@ async def test_a_cancel_while_sbatch_runs_cancels_the_new_job_and_a_poll_submits
     assert done is not None and done.status is BatchStatus.CANCELLED
 
 
+async def test_a_job_submitted_while_a_poll_lists_jobs_is_not_submitted_again(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    # The poll's listing is taken before the create's sbatch returns, and read
+    # after: the new job is not in it, which must not read as a job gone.
+    s, backend, _ = svc
+    fid = upload(s, "alice", line("a"))
+    submitting, listing = asyncio.Event(), asyncio.Event()
+    submit, list_jobs = backend.submit, backend.list_jobs
+
+    async def slow_submit(spec: JobSpec) -> str:
+        submitting.set()
+        await listing.wait()
+        return await submit(spec)
+
+    async def slow_list(name_prefix: str = "") -> list[Job]:
+        jobs = await list_jobs(name_prefix)
+        listing.set()
+        await asyncio.sleep(0.05)  # the create's sbatch returns meanwhile
+        return jobs
+
+    backend.submit = slow_submit  # type: ignore[method-assign]
+    backend.list_jobs = slow_list  # type: ignore[method-assign]
+    creating = asyncio.create_task(create(s, fid))
+    await submitting.wait()
+    polling = asyncio.create_task(s.poll())
+    await creating
+    await polling
+    assert len(backend.submitted) == 1
+
+
 async def test_a_finished_batch_hands_its_tokens_and_its_key_to_the_usage_store(
     svc: tuple[BatchService, Backend, Clock],
 ) -> None:
