@@ -357,7 +357,8 @@ class RouterConfig:
     # Default true: a plain (not streamed) chat, completion or embedding request
     # with a ready replica is served by the gateway's fast lane
     # (llmgw_slurm.router.fastlane) rather than aiohttp's server, which takes
-    # about a fifth off what the gateway adds to it. false: aiohttp's alone.
+    # about a fifth off the gateway's CPU per such request (docs/performance.md).
+    # false: aiohttp's alone.
     fast_lane: bool = True
 
     def _problems(self) -> list[tuple[str, str]]:

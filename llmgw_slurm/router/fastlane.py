@@ -3,10 +3,10 @@
 A chat, completion or embedding request that is not streamed and finds a
 ready replica is most of what the gateway serves, and aiohttp's per-request
 machinery (a request object, a payload stream, a task per request, a response
-prepared and written in pieces) was a third of what such a request cost it
-(docs/performance.md). The lane parses the request itself, lets
-:meth:`Gateway.lane_plan` decide whether it can serve it, and writes the
-answer in one piece.
+prepared and written in pieces) cost it about 250 µs of CPU and 0.15 ms of
+latency, against a bare asyncio protocol (docs/performance.md). The lane
+parses the request itself, lets :meth:`Gateway.lane_plan` decide whether it
+can serve it, and writes the answer in one piece.
 
 It serves only what it can serve exactly as aiohttp's path would, and gives
 every other connection to aiohttp, bytes and all, before it has read or
