@@ -274,7 +274,8 @@ def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector:
     for name, endpoint in _endpoints(spec):
         directory.add_endpoint(name, endpoint)
     # The load sends no traceparent: "all" gives every request its span when traced.
-    config = RouterConfig(trace_requests=policy if collector else "sampled")
+    # The fast lane on, as a site that turns it on runs it (router.fast_lane).
+    config = RouterConfig(trace_requests=policy if collector else "sampled", fast_lane=True)
     app = create_app(directory, config, **_keyed(spec, directory))
 
     async def health(_: web.Request) -> web.Response:
