@@ -290,7 +290,7 @@ def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector:
         # preempted would otherwise be charged for the time others ran.
         prof = cProfile.Profile(time.process_time)
         prof.enable()
-    # As the daemon serves it: its runner (the fast lane first), on its loop (uvloop's).
+    # On the daemon's runner (the fast lane first: on in this config) and loop (uvloop's).
     asyncio.Runner(loop_factory=event_loop).run(_serve(app, port))
     if prof is not None:
         prof.disable()

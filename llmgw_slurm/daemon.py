@@ -309,7 +309,7 @@ async def open_listeners(
             ("gateway", d.gateway, server.listen.gateway, tls),
             ("internal", d.internal, server.listen.internal, None),
         ):
-            # The gateway's connections meet its fast lane first (router.fastlane).
+            # With router.fast_lane on, the gateway's connections meet its fast lane first.
             runner = (fastlane.Runner if name == "gateway" else web.AppRunner)(
                 app, **RUNNER_OPTIONS
             )

@@ -35,7 +35,7 @@ async def serve(
     """Serve ``app`` on 127.0.0.1; yields its base URL."""
     # handler_cancellation as the daemon runs it: a client that goes away
     # cancels its handler.
-    # A gateway app as the daemon serves it: its fast lane first.
+    # A gateway app on the daemon's runner (its fast lane first when its config turns it on).
     make = fastlane.Runner if GATEWAY_KEY in app else web.AppRunner
     runner = make(app, handler_cancellation=handler_cancellation, access_log=None)
     await runner.setup()
