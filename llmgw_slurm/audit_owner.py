@@ -103,7 +103,9 @@ def by_owner(
         if model is None or rec.start is None or not rec.gpus:
             continue
         a, b = max(rec.start, since), min(rec.end or now, until)
-        if a >= b:
+        # Slurm's times are whole seconds: a batch job that ran for less than
+        # one inside the window (start == end) is still a job, of no hours.
+        if a > b or (a == b and not since <= rec.start < until):
             continue
         hours = rec.gpus * (b - a).total_seconds() / 3600.0
         if model.startswith("batch:"):

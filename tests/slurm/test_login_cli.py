@@ -200,6 +200,15 @@ def sacct_batch(prefix: str, batch_id: str) -> tuple[str, str]:
     return job_id, comment
 
 
+def sacct_elapsed(prefix: str, batch_id: str) -> int:
+    """Seconds the batch's job ran (one GPU: its GPU seconds), as slurmdbd keeps them."""
+    r = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "--name", f"{prefix}_batch.{batch_id}", "-o", "ElapsedRaw"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return sum(int(x) for x in r.stdout.split())
+
+
 async def audit(site: Site, by: str) -> dict[str, Any]:
     r = await asyncio.to_thread(
         subprocess.run,
@@ -260,7 +269,9 @@ async def test_the_openai_client_as_each_user_and_the_audit_that_charges_them(
     await eventually(recorded, "the usage store to hold both users' requests", timeout=10)
     by_user = {(r["owner"], r["model"]): r for r in (await audit(site, "user"))["rows"]}
     alice, bob = by_user[(ALICE.name, "phys")], by_user[(BOB.name, "phys")]
-    assert alice["batch_jobs"] == 1 and alice["batch_gpu_hours"] > 0
+    # Her batch's GPU hours are its run's (a run under a second is 0 in sacct).
+    assert alice["batch_jobs"] == 1
+    assert alice["batch_gpu_hours"] == round(sacct_elapsed(h.prefix, batch.id) / 3600, 4)
     assert bob["batch_jobs"] == 0 and bob["batch_gpu_hours"] == 0
     # The replica's hours split by tokens: alice asked for more.
     assert alice["online_gpu_hours_apportioned"] > bob["online_gpu_hours_apportioned"] > 0

@@ -89,6 +89,15 @@ def test_by_owner_attributes_batches_exactly_and_apportions_replicas_by_their_wi
     assert sum(owner_totals(rows).values()) == by_period == 10.0
 
 
+def test_a_batch_job_that_ran_for_less_than_a_second_is_counted_with_no_hours() -> None:
+    # sacct gives start == end for a job under a second (seen on 25.11: a
+    # two-line batch on the test engine); one outside the window is not counted.
+    comment = f"llmgw batch={BATCH_ID} model=m1 gpus=1 user=alice"
+    recs = [batch_rec("7", comment, D, D), batch_rec("8", comment, UNTIL, UNTIL)]
+    rows = by_owner(recs, P, SINCE, UNTIL, NOW, "user", lambda *_: {})
+    assert [(r.owner, r.batch_jobs, r.batch_gpu_hours) for r in rows] == [("alice", 1, 0.0)]
+
+
 def test_tokens_by_counts_one_model_in_a_window_by_user_or_account(tmp_path: Path) -> None:
     store = UsageStore(tmp_path / "usage.sqlite3")
     store._write(
