@@ -31,9 +31,11 @@ from llmgw_slurm.batch.setup import install as install_batch_api
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import HostPort, ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.heap import HeapTrimmer, glibc_heap
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.router import create_app, fastlane
+from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
 from llmgw_slurm.router.quota import quota_book
@@ -145,6 +147,9 @@ class Daemon:
     notifier: Notifier = field(default_factory=Notifier)
     # The last reload's refusal, kept in systemd's status line until a good reload.
     reload_error: str = ""
+    # Returns a burst's freed heap to the kernel after a pass; None in tests
+    # that build a Daemon by hand.
+    heap: HeapTrimmer | None = None
 
     def reload(self) -> str | None:
         """Re-read the catalog; a bad one is refused (its errors returned), the last good kept.
@@ -238,6 +243,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     traceapi.add_trace_route(d.internal, rec, store, api.token_gate(token))
     traceapi.add_trace_route(d.admin, rec, store, api.peer_gate(server.admin_group))
     d.trace_store = store
+    d.heap = HeapTrimmer(gateway[GATEWAY_KEY].metrics.registry, glibc_heap())
     return d
 
 
@@ -413,6 +419,9 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
         # (or said why it could not), so `systemctl start` returning means the
         # gateway serves with a real view of the cluster.
         nonlocal first
+        if d.heap is not None:
+            # Here, between passes: the trim blocks the loop for a few ms.
+            d.heap.maybe_trim()
         if first:
             first = False
             d.notifier.ready(status_line(d))
