@@ -274,8 +274,8 @@ def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector:
     for name, endpoint in _endpoints(spec):
         directory.add_endpoint(name, endpoint)
     # The load sends no traceparent: "all" gives every request its span when traced.
-    # The fast lane on, as a site that turns it on runs it (router.fast_lane).
-    config = RouterConfig(trace_requests=policy if collector else "sampled", fast_lane=True)
+    # The fast lane on (router.fast_lane), as the daemon runs by default.
+    config = RouterConfig(trace_requests=policy if collector else "sampled")
     app = create_app(directory, config, **_keyed(spec, directory))
 
     async def health(_: web.Request) -> web.Response:

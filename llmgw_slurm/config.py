@@ -354,13 +354,12 @@ class RouterConfig:
     # sent a sampled traceparent, or when it is held for a cold start. "all" gives
     # every request a span, which costs the gateway up to a third of its throughput.
     trace_requests: Literal["sampled", "all"] = "sampled"
-    # Default false (for now: the 1,000-stream load test saw the daemon's memory
-    # grow 18 % between rounds with it on, not yet explained). true: a plain
-    # (not streamed) chat, completion or embedding request with a ready replica
-    # is served by the gateway's fast lane (llmgw_slurm.router.fastlane) rather
-    # than aiohttp's server, which takes about a fifth off the gateway's CPU per
-    # such request (docs/performance.md).
-    fast_lane: bool = False
+    # Default true: a plain (not streamed) chat, completion or embedding request
+    # with a ready replica is served by the gateway's fast lane
+    # (llmgw_slurm.router.fastlane) rather than aiohttp's server, which takes
+    # about a fifth off the gateway's CPU per such request (docs/performance.md).
+    # false: every request through aiohttp's server.
+    fast_lane: bool = True
 
     def _problems(self) -> list[tuple[str, str]]:
         if self.max_held_total < self.max_held:

@@ -315,7 +315,7 @@ async def open_listeners(
             ("gateway", d.gateway, server.listen.gateway, tls),
             ("internal", d.internal, server.listen.internal, None),
         ):
-            # With router.fast_lane on, the gateway's connections meet its fast lane first.
+            # The gateway's connections meet its fast lane first (router.fast_lane).
             runner = (fastlane.Runner if name == "gateway" else web.AppRunner)(
                 app, **RUNNER_OPTIONS
             )

@@ -114,12 +114,14 @@ async def test_a_thousand_streams_for_a_minute_leave_no_growth_and_the_held_cap_
         settle1 = time.monotonic() - ended
         await eventually(trimmed, "the heap trimmed after round 1", timeout=60)
         after1 = (d.rss_kib(), d.open_fds())
+        trims1 = await _metric(h.url, "llmgw_heap_trims_total")
         second, secs2 = await _round(h.url)
         ended = time.monotonic()
         await eventually(settled, "open files back after round 2", timeout=120)
         settle2 = time.monotonic() - ended
         await eventually(trimmed, "the heap trimmed after round 2", timeout=60)
         after2 = (d.rss_kib(), d.open_fds())
+        trims2 = await _metric(h.url, "llmgw_heap_trims_total")
 
         # The held cap: MAX_HELD wait for "cold", every one past them is a 429 at once.
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -157,6 +159,7 @@ async def test_a_thousand_streams_for_a_minute_leave_no_growth_and_the_held_cap_
         replicas_lost=0,
         duplicate_jobs=0,
         fds_back_after_s=[round(settle1, 1), round(settle2, 1)],
+        heap_trims=[trims1, trims2],
         notes="rss/fds: before, after round 1, after round 2 (each once idle connections "
         "closed and the heap trimmed)",
     )

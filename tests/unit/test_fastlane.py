@@ -49,7 +49,7 @@ async def lane_stack(
     ssl_context: ssl.SSLContext | None = None,
 ) -> AsyncIterator[Lane]:
     directory = StaticDirectory([ModelInfo("tiny")])
-    app = create_app(directory, config or RouterConfig(fast_lane=True))
+    app = create_app(directory, config or RouterConfig())
     gw = app[GATEWAY_KEY]
     async with AsyncExitStack() as es:
         url = await es.enter_async_context(serve(app, ssl_context=ssl_context))
@@ -208,7 +208,7 @@ async def test_what_the_lane_does_not_take_reaches_aiohttp_whole(
 
 
 async def test_a_body_that_stops_coming_gets_408_and_the_connection_closes() -> None:
-    async with lane_stack(RouterConfig(body_timeout=0.2, fast_lane=True)) as lane:
+    async with lane_stack(RouterConfig(body_timeout=0.2)) as lane:
         reader, writer = await asyncio.open_connection("127.0.0.1", lane.port)
         writer.write(request()[:-5])
         status, headers, body = await read_answer(reader)

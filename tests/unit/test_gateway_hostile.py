@@ -337,7 +337,7 @@ async def test_a_client_stalled_in_its_headers_is_disconnected() -> None:
     # within the keep-alive timeout (aiohttp's own default is an hour).
     assert 0 < RUNNER_OPTIONS["keepalive_timeout"] <= 120
     opts = {**RUNNER_OPTIONS, "keepalive_timeout": 1.0}
-    app = create_app(StaticDirectory([ModelInfo("tiny")]), RouterConfig(fast_lane=True))
+    app = create_app(StaticDirectory([ModelInfo("tiny")]), RouterConfig())
     runner = fastlane.Runner(app, **opts)  # the daemon's, for the gateway
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
