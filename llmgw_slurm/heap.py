@@ -3,11 +3,11 @@
 glibc's malloc keeps memory freed in the middle of its heap resident; only
 the top of the heap is returned on its own. Each TLS connection holds large
 buffers (the event loop's TLS read buffer, OpenSSL's records), so a burst of
-streams leaves a heap that is mostly free and still resident: after 1,000
-concurrent streams (2,000 TLS connections, client and engine sides) the
-daemon's heap was 300 MB with 13 MB in use, and its resident size rose from
-one such burst to the next as new buffers landed on other pages. ``malloc_trim(0)``
-returns the free pages in the middle as well (madvise), which takes 6 to 7 ms
+streams leaves a heap that is mostly free and still resident: a gateway
+process that had relayed 1,000 concurrent streams from a TLS engine held a
+300 MB heap with 13 MB in use, and its resident size rose from one such
+burst to the next as new buffers landed on other pages. ``malloc_trim(0)``
+returns the free pages in the middle as well (madvise), which took 6 to 7 ms
 on that heap.
 
 :class:`HeapTrimmer` trims when the heap's free bytes grew by ``min_growth``
