@@ -157,9 +157,11 @@ class CliBackend:
                 f"no answer within {limit:g}s (is slurmctld up?)", command=argv
             ) from exc
         except asyncio.CancelledError:
-            # The caller gave up; do not leave the child behind.
+            # The caller gave up; do not leave the child behind, nor its
+            # transport to be closed when collected, perhaps after the loop is.
             if proc.returncode is None:
                 proc.kill()
+                await asyncio.shield(proc.wait())
             raise
         stdout = out.decode(errors="replace")
         stderr = err.decode(errors="replace")

@@ -7,6 +7,8 @@ the real cluster in tests/slurm.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import stat
 from datetime import datetime
 from pathlib import Path
@@ -39,6 +41,21 @@ async def test_hanging_command_times_out(tmp_path: Path) -> None:
     backend = CliBackend(bin_dir=str(tmp_path), timeout=0.5)
     with pytest.raises(SlurmUnavailable, match=r"sinfo: no answer within 0.5s"):
         await backend.list_nodes()
+
+
+async def test_a_command_whose_caller_gave_up_is_killed_and_reaped(tmp_path: Path) -> None:
+    stub(tmp_path, "sinfo", f"echo $$ > {tmp_path}/pid; exec sleep 30")
+    backend = CliBackend(bin_dir=str(tmp_path))
+    call = asyncio.create_task(backend.list_nodes())
+    while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text().strip():
+        await asyncio.sleep(0.01)
+    pid = int((tmp_path / "pid").read_text())
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    # Gone, not a zombie: waited for before the cancellation went on.
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 async def test_failure_carries_command_exit_code_and_stderr(tmp_path: Path) -> None:
