@@ -23,11 +23,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Iterator
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 __all__ = ["HeapTrimmer", "glibc_heap"]
 
@@ -107,7 +105,13 @@ class HeapTrimmer:
             "Times the daemon returned its heap's freed memory to the kernel (malloc_trim).",
             registry=registry,
         )
-        registry.register(_Untrimmed(self))
+        # Read at each scrape, not kept up to date by the passes.
+        Gauge(
+            "llmgw_heap_untrimmed_bytes",
+            "Heap bytes freed since the daemon last returned memory to the kernel "
+            "(returned once they reach 32 MiB, after a reconcile pass).",
+            registry=registry,
+        ).set_function(self.untrimmed)
 
     def untrimmed(self) -> int:
         """Bytes freed since the last trim (as far as the looks in between saw)."""
@@ -130,19 +134,3 @@ class HeapTrimmer:
         self.trims.inc()
         log.debug("heap trimmed: %d MiB freed since the last trim", (free - low) >> 20)
         return True
-
-
-class _Untrimmed:
-    """``llmgw_heap_untrimmed_bytes``, read at each scrape."""
-
-    def __init__(self, trimmer: HeapTrimmer) -> None:
-        self._trimmer = trimmer
-
-    def collect(self) -> Iterator[Metric]:
-        g = GaugeMetricFamily(
-            "llmgw_heap_untrimmed_bytes",
-            "Heap bytes freed since the daemon last returned memory to the kernel "
-            "(returned once they reach 32 MiB, after a reconcile pass).",
-        )
-        g.add_metric([], self._trimmer.untrimmed())
-        yield g

@@ -179,10 +179,13 @@ async def _round_small(url: str) -> tuple[collections.Counter[str], float]:
     return collections.Counter(got), 0.0
 
 
-async def _metric_held(url: str, n: int) -> bool:
+async def _scrape(url: str) -> list[str]:
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        text = await r.text()
-    for line in text.splitlines():
+        return (await r.text()).splitlines()
+
+
+async def _metric_held(url: str, n: int) -> bool:
+    for line in await _scrape(url):
         if line.startswith("llmgw_held_requests{") and 'model="cold"' in line:
             try:
                 return float(line.rsplit(" ", 1)[1]) >= n
@@ -192,9 +195,7 @@ async def _metric_held(url: str, n: int) -> bool:
 
 
 async def _metric(url: str, name: str) -> float:
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        text = await r.text()
-    for line in text.splitlines():
+    for line in await _scrape(url):
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
