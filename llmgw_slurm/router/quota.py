@@ -26,6 +26,7 @@ from __future__ import annotations
 import calendar
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -112,13 +113,20 @@ class AccountBudgets:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._fspath = os.fspath(path)
         self._stamp: tuple[int, int] | None = None
         self.budgets: dict[str, AccountBudget] = {}
         self.refresh()
 
     def refresh(self) -> None:
+        # Once a request: os.stat on the path's string (pathlib's stat costs
+        # several times the call on a cold CPU), and a missing file, the usual
+        # case, checked without raising (an exception costs as much again).
+        # No stamp: the file was missing or broken, and the budgets are {}.
+        if self._stamp is None and not os.access(self._fspath, os.F_OK):
+            return
         try:
-            st = self.path.stat()
+            st = os.stat(self._fspath)
         except FileNotFoundError:
             self._stamp, self.budgets = None, {}
             return
@@ -169,6 +177,9 @@ class _Limit(NamedTuple):
         return max(0, self.limit - self.used)
 
 
+_MINUTE_TOKENS = ("tokens", "minute", "")
+
+
 class _Period:
     """Token counts per name within one calendar period (a UTC day or month).
 
@@ -191,6 +202,15 @@ class _Period:
                 self.used = {}
             self.start, self.end = start, end
         return self.used
+
+
+class _Rule(NamedTuple):
+    """A day or month budget that applies to one key: whose counts, how many."""
+
+    period: _Period
+    name: str  # the user's or the account's
+    limit: int
+    what: tuple[str, str, str]  # as _Limit's
 
 
 # (whose, span, the QuotaConfig field): the budgets, in the order refusals name them.
@@ -219,6 +239,8 @@ class QuotaBook:
             (kind, span, self._periods[(kind, span)], getattr(config, name))
             for kind, span, name in _BUDGETS
         ]
+        self._rules_from: dict[str, AccountBudget] | None = None
+        self._rules_of: dict[str, tuple[_Rule, ...]] = {}
 
     def load(self, usage_db: Path) -> None:
         """Start the day and month budgets from the usage store (after a restart)."""
@@ -246,13 +268,42 @@ class QuotaBook:
                 used = period.at(now)
                 used[name] = used.get(name, 0) + tokens
 
+    def _rules(self, key: KeyRecord) -> tuple[_Rule, ...]:
+        """The day and month budgets that apply to ``key``: worked out once a key
+        (and again when the budgets file changes), not once a request."""
+        budgets = self.budgets.budgets if self.budgets is not None else None
+        if budgets is not self._rules_from:
+            self._rules_from, self._rules_of = budgets, {}
+        rules = self._rules_of.get(key.key_id)
+        if rules is None:
+            if len(self._rules_of) > 100_000:
+                self._rules_of = {}
+            rules = self._rules_of[key.key_id] = self._make_rules(key, budgets)
+        return rules
+
+    def _make_rules(
+        self, key: KeyRecord, budgets: dict[str, AccountBudget] | None
+    ) -> tuple[_Rule, ...]:
+        own = budgets.get(key.project) if budgets is not None and key.project else None
+        rules = []
+        for kind, span, period, server_limit in self._server_budgets:
+            name = key.user if kind == "user" else key.project
+            limit: int | None = server_limit
+            if kind == "account" and own is not None:
+                limit = own.tokens_per_day if span == "day" else own.tokens_per_month
+            if limit is not None and name:
+                rules.append(_Rule(period, name, limit, ("tokens", span, kind + " " + name)))
+        return tuple(rules)
+
+    def _minute_counts(self, key: KeyRecord, now: float) -> tuple[int, int]:
+        """The requests and tokens ``key`` has used in the clock's minute."""
+        m, reqs, toks = self._minute.get(key.key_id, (-1, 0, 0))
+        return (reqs, toks) if m == int(now // 60) else (0, 0)
+
     def _limits(self, key: KeyRecord, now: float) -> tuple[_Limit | None, list[_Limit]]:
         """The request limit and every token limit that applies to ``key`` now."""
         cfg = self.config
-        minute = int(now // 60)
-        m, reqs, toks = self._minute.get(key.key_id, (minute, 0, 0))
-        if m != minute:
-            reqs = toks = 0
+        reqs, toks = self._minute_counts(key, now)
         to_minute = 60.0 - (now % 60)
         req = None
         if cfg.requests_per_minute is not None:
@@ -260,44 +311,68 @@ class QuotaBook:
         tokens = []
         if cfg.tokens_per_minute is not None:
             tokens.append(_Limit(("tokens", "minute", ""), cfg.tokens_per_minute, toks, to_minute))
-        own = self.budgets.budgets.get(key.project) if self.budgets and key.project else None
-        for kind, span, period, server_limit in self._server_budgets:
-            name = key.user if kind == "user" else key.project
-            limit: int | None = server_limit
-            if kind == "account" and own is not None:
-                limit = own.tokens_per_day if span == "day" else own.tokens_per_month
-            if limit is None or not name:
-                continue
-            used = period.at(now).get(name, 0)
-            tokens.append(
-                _Limit(("tokens", span, kind + " " + name), limit, used, period.end - now)
-            )
+        for rule in self._rules(key):
+            used = rule.period.at(now).get(rule.name, 0)
+            tokens.append(_Limit(rule.what, rule.limit, used, rule.period.end - now))
         return req, tokens
+
+    def _tightest(self, key: KeyRecord, now: float, toks: int) -> _Limit | None:
+        """The token limit with least left (of two, the later reset), as the headers
+        tell it; what :meth:`_limits` would give, without a limit for each rule."""
+        best: _Limit | None = None
+        if self.config.tokens_per_minute is not None:
+            best = _Limit(_MINUTE_TOKENS, self.config.tokens_per_minute, toks, 60.0 - (now % 60))
+        for rule in self._rules(key):
+            used = rule.period.at(now).get(rule.name, 0)
+            reset = rule.period.end - now
+            if best is None or (max(0, rule.limit - used), -reset) < (best.remaining, -best.reset):
+                best = _Limit(rule.what, rule.limit, used, reset)
+        return best
 
     def headers(self, key: KeyRecord) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers for ``key`` as things stand (the budgets
         file as :meth:`admit` last read it: one stat a request is enough)."""
-        req, tokens = self._limits(key, self._clock())
-        return _headers(req, tokens)
+        now = self._clock()
+        reqs, toks = self._minute_counts(key, now)
+        rpm = self.config.requests_per_minute
+        out: dict[str, str] = {}
+        if rpm is not None:
+            # Remaining after this request: the request itself was counted on admission.
+            out["x-ratelimit-limit-requests"] = str(rpm)
+            out["x-ratelimit-remaining-requests"] = str(max(0, rpm - reqs))
+            out["x-ratelimit-reset-requests"] = format_reset(60.0 - (now % 60))
+        tight = self._tightest(key, now, toks)
+        if tight is not None:
+            out["x-ratelimit-limit-tokens"] = str(tight.limit)
+            out["x-ratelimit-remaining-tokens"] = str(tight.remaining)
+            out["x-ratelimit-reset-tokens"] = format_reset(tight.reset)
+        return out
 
     def admit(self, key: KeyRecord) -> web.Response | None:
         """Count a request of ``key``, or the 429 that says which limit it reached."""
         if self.budgets is not None:
             self.budgets.refresh()
         now = self._clock()
-        req, tokens = self._limits(key, now)
-        over = [t for t in tokens if t.limit <= t.used]
-        if req is not None and req.limit <= req.used:
-            over.insert(0, req)
-        if over:
-            return _refusal(key, max(over, key=lambda t: t.reset), _headers(req, tokens))
+        reqs, toks = self._minute_counts(key, now)
+        rpm = self.config.requests_per_minute
+        tight = self._tightest(key, now, toks)
+        if (rpm is not None and rpm <= reqs) or (tight is not None and tight.remaining == 0):
+            return self._refusal(key, now)
         minute = int(now // 60)
-        m, reqs, toks = self._minute.get(key.key_id, (minute, 0, 0))
-        self._minute[key.key_id] = (minute, reqs + 1, toks) if m == minute else (minute, 1, 0)
+        self._minute[key.key_id] = (minute, reqs + 1, toks)
         if len(self._minute) > 100_000:
             # Keys idle for a minute or more hold nothing worth keeping.
             self._minute = {k: v for k, v in self._minute.items() if v[0] == minute}
         return None
+
+    def _refusal(self, key: KeyRecord, now: float) -> web.Response:
+        """The 429 for a key over a limit: the one that resets last, every limit
+        in the headers. (Rare, so every limit is worked out in full here.)"""
+        req, tokens = self._limits(key, now)
+        over = [t for t in tokens if t.limit <= t.used]
+        if req is not None and req.limit <= req.used:
+            over.insert(0, req)
+        return _refusal(key, max(over, key=lambda t: t.reset), _headers(req, tokens))
 
 
 def _headers(req: _Limit | None, tokens: list[_Limit]) -> dict[str, str]:

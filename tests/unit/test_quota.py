@@ -14,6 +14,8 @@ import aiohttp
 import openai
 import pytest
 from _router_support import engine, serve
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw_slurm.config import QuotaConfig, load_server_config
 from llmgw_slurm.errors import ConfigError
@@ -32,6 +34,7 @@ from llmgw_slurm.router.quota import (
     AccountBudget,
     AccountBudgets,
     QuotaBook,
+    _headers,
     format_reset,
     set_account_budget,
 )
@@ -119,6 +122,52 @@ def test_budgets_per_user_and_account_per_day_and_month() -> None:
     assert refused is not None and "per month" in (refused.text or "")
 
 
+_LIMIT = st.one_of(st.none(), st.integers(1, 300))
+# Seconds between requests: within a minute, or past an hour, a day, a month.
+_GAP = st.one_of(st.integers(0, 120), st.sampled_from([3600, 86400, 29 * 86400]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limits=st.tuples(*[_LIMIT] * 6),
+    own=st.one_of(st.none(), st.tuples(_LIMIT, _LIMIT)),
+    spends=st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 120), _GAP)),
+)
+def test_admission_and_headers_tell_every_limit_as_the_full_count_does(
+    tmp_path_factory: pytest.TempPathFactory,
+    limits: tuple[int | None, ...],
+    own: tuple[int | None, int | None] | None,
+    spends: list[tuple[str, int, int]],
+) -> None:
+    """The per-request path (one pass, a key's budgets worked out once) against
+    every limit worked out in full: the same refusals, the same headers."""
+    path = tmp_path_factory.mktemp("q") / "quotas.json"
+    if own is not None:
+        set_account_budget(path, "t18phys", AccountBudget(*own))
+    clock = Clock()
+    book = QuotaBook(QuotaConfig(*limits), AccountBudgets(path), clock=clock)
+    keys = {
+        "a": key("alice", "t18phys", "0000000a"),
+        "b": key("bob", "t18phys", "0000000b"),
+        "c": key("carol", "", "0000000c"),
+    }
+    for who, tokens, seconds in spends:
+        k = keys[who]
+        clock.now += seconds
+        req, token_limits = book._limits(k, clock.now)
+        full = _headers(req, token_limits)
+        over = any(t.limit <= t.used for t in token_limits) or (
+            req is not None and req.limit <= req.used
+        )
+        assert book.headers(k) == full
+        refused = book.admit(k)
+        assert (refused is not None) == over
+        if refused is not None:
+            assert {h: refused.headers[h] for h in full} == full
+        else:
+            book.spent(k, tokens)
+
+
 def test_an_accounts_own_budget_overrides_the_servers(tmp_path: Path) -> None:
     path = tmp_path / "quotas.json"
     budgets = AccountBudgets(path)
@@ -132,6 +181,23 @@ def test_an_accounts_own_budget_overrides_the_servers(tmp_path: Path) -> None:
     set_account_budget(path, "t18phys", AccountBudget())
     assert book.admit(k) is not None
     assert json.loads(path.read_text()) == {"version": 1, "accounts": {}}
+
+
+def test_budgets_follow_the_file_as_it_comes_goes_and_breaks(tmp_path: Path) -> None:
+    path = tmp_path / "quotas.json"
+    book = QuotaBook(QuotaConfig(account_tokens_per_day=10), AccountBudgets(path), clock=Clock())
+    k = key()
+    book.spent(k, 10)
+    assert book.admit(k) is not None  # no file yet: the server's budget
+    path.write_text('{"version": 1, "accounts": {"t18phys": {"tokens_per_day": 50}}')
+    assert book.admit(k) is not None  # a broken file, never read: still the server's
+    path.unlink()
+    set_account_budget(path, "t18phys", AccountBudget(tokens_per_day=50))
+    assert book.admit(k) is None
+    path.write_text("{nope")  # broken once read: the budgets read last stay
+    assert book.admit(k) is None
+    path.unlink()
+    assert book.admit(k) is not None
 
 
 def test_a_broken_budgets_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmgw_slurm.errors import ConfigError, LlmgwError
+from llmgw_slurm.router import keys as keys_module
 from llmgw_slurm.router.keys import KeyRing, add_key, list_keys, revoke_key
 
 
@@ -91,3 +92,28 @@ def test_broken_file_later_keeps_the_loaded_keys(tmp_path: Path) -> None:
     ring = KeyRing(path)
     path.write_text(json.dumps({"version": 1, "keys": "oops"}) + "   ")
     assert ring.lookup(a.key) is not None
+
+
+def test_a_key_checked_once_is_remembered_by_a_keyed_hash_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "keys.json"
+    a = add_key(path, "alice")
+    ring = KeyRing(path)
+    assert ring.lookup(a.key) is not None
+    # Seen again, the key is not hashed with sha256 again.
+    hashed: list[str] = []
+    real_hash = keys_module._hash
+    monkeypatch.setattr(keys_module, "_hash", lambda k: hashed.append(k) or real_hash(k))
+    rec = ring.lookup(a.key)
+    assert rec is not None and rec.user == "alice" and hashed == []
+    # Nothing the ring holds is the key, nor its secret.
+    secret = a.key.removeprefix(f"llmgw-{a.record.key_id}-")
+    held = repr({name: getattr(ring, name) for name in vars(ring)})
+    assert a.key not in held and secret not in held
+    # The same id with another secret still goes through the full check, and fails.
+    forged = a.key[:-1] + ("A" if a.key[-1] != "A" else "B")
+    assert ring.lookup(forged) is None and hashed == [forged]
+    # A revocation changes the file: what the ring remembered goes with it.
+    revoke_key(path, a.record.key_id)
+    assert ring.lookup(a.key) is None
