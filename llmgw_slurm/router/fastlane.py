@@ -126,9 +126,12 @@ class _Lane(asyncio.Protocol):
         self._state = _IDLE
         self._head: Head | None = None
         self._timer: asyncio.TimerHandle | None = None
+        # What the timer is for: _IDLE (the keep-alive), _BODY (the body timeout).
+        self._timer_for: int | None = None
         self.task: asyncio.Task[None] | None = None
         self._paused = False
         self._answered = False  # the request under way has had its answer
+        self._idle_since = 0.0  # when the connection last became idle (the loop's clock)
 
     # what the gateway's whole-answer path asks of a client (gateway.Client)
 
@@ -142,6 +145,7 @@ class _Lane(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         self._runner.lanes.add(self)
+        self._idle_since = self._loop.time()
         self._arm(self._runner.keepalive_timeout)
 
     def data_received(self, data: bytes) -> None:
@@ -174,12 +178,13 @@ class _Lane(asyncio.Protocol):
                 self._hand_off()
                 return
             self._head, self._state = head, _BODY
-            self._arm(self._gw.config.body_timeout)
         if self._state == _BODY:
             head = self._head
             assert head is not None
             end = head.size + head.length
             if len(self._buf) < end:
+                if self._timer_for != _BODY:
+                    self._arm(self._gw.config.body_timeout, _BODY)
                 return
             raw = bytes(self._buf[head.size : end])
             plan = self._gw.lane_plan(head.endpoint, head.headers, raw)
@@ -187,7 +192,11 @@ class _Lane(asyncio.Protocol):
                 self._hand_off()
                 return
             del self._buf[:end]
-            self._disarm()
+            if self._timer_for == _BODY:
+                self._disarm()
+            # A keep-alive timer is left to run (see _expired): cancelling it
+            # and arming a new one each request costs more than the request's
+            # own checks on a cold CPU.
             self._state = _BUSY
             self._answered = False
             self.task = self._loop.create_task(self._serve(plan))
@@ -213,7 +222,9 @@ class _Lane(asyncio.Protocol):
             return
         self._state = _IDLE
         self._head = None
-        self._arm(self._runner.keepalive_timeout)
+        self._idle_since = self._loop.time()
+        if self._timer is None:
+            self._arm(self._runner.keepalive_timeout)
         if self._paused:
             self._paused = False
             self._transport().resume_reading()
@@ -254,24 +265,36 @@ class _Lane(asyncio.Protocol):
     # timers: a connection idle past the keep-alive timeout, or a body slower
     # than the body timeout
 
-    def _arm(self, seconds: float | None) -> None:
+    def _arm(self, seconds: float | None, purpose: int = _IDLE) -> None:
         self._disarm()
         if seconds:
             self._timer = self._loop.call_later(seconds, self._expired)
+            self._timer_for = purpose
 
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
+            self._timer = self._timer_for = None
 
     def _expired(self) -> None:
-        self._timer = None
-        if self._state == _BODY:
+        purpose = self._timer_for
+        self._timer = self._timer_for = None
+        if self._state == _BODY and purpose == _BODY:
             timeout = self._gw.config.body_timeout
             self._write(_serialize(_body_timeout(timeout), keep_alive=False), keep_alive=False)
+            return
+        # The keep-alive timer, armed when the connection was idle once and
+        # left running since: close only if it has been idle that long now.
+        keepalive = self._runner.keepalive_timeout
+        if self._state in (_BODY, _BUSY):
+            self._arm(keepalive)
         elif self._state == _IDLE and self.transport is not None:
-            self._state = _GONE
-            self.transport.close()
+            left = self._idle_since + keepalive - self._loop.time()
+            if left > 0:
+                self._arm(left)
+            else:
+                self._state = _GONE
+                self.transport.close()
 
     def _transport(self) -> asyncio.Transport:
         assert self.transport is not None
@@ -295,6 +318,11 @@ def _body_timeout(seconds: float) -> web.Response:
     return web.json_response(body, status=408)
 
 
+# A dict, not HTTPStatus(status): an enum's lookup by value costs a few
+# microseconds a call, more on a cold CPU.
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+
+
 class _Date:
     """The Date header's value, made at most once a second."""
 
@@ -315,10 +343,7 @@ def _serialize(resp: web.Response, keep_alive: bool) -> bytes:
     if not isinstance(body, bytes):
         raise TypeError(f"the fast lane writes bytes bodies, not {type(body).__name__}")
     status = resp.status
-    try:
-        reason = HTTPStatus(status).phrase
-    except ValueError:
-        reason = resp.reason or "Unknown"
+    reason = _REASONS.get(status) or resp.reason or "Unknown"
     lines = [f"HTTP/1.1 {status} {reason}"]
     for name, value in resp.headers.items():
         if "\r" in value or "\n" in value:

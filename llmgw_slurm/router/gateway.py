@@ -25,8 +25,7 @@ import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -146,9 +145,11 @@ class Client(Protocol):
 Deliver = Callable[[web.Response], Awaitable[web.Response]]
 
 
-@dataclass(frozen=True, slots=True)
-class LanePlan:
-    """A request the fast lane serves: checked, its replica picked, nothing spent yet."""
+class LanePlan(NamedTuple):
+    """A request the fast lane serves: checked, its replica picked, nothing spent yet.
+
+    (A tuple: made once a request, and a frozen dataclass's __init__ costs
+    several times a tuple's.)"""
 
     endpoint: str
     model: str
@@ -329,7 +330,6 @@ class Gateway:
         eps = [e for e in ready if e.replica_id not in exclude and e.identity not in unreachable]
         if not eps:
             return None
-        counts = [self.in_flight.get((model, e.replica_id), 0) for e in eps]
         key = balance.REQUEST_KEY.get()
         if key is not None:
             routing = self._routing(model)
@@ -338,7 +338,11 @@ class Gateway:
                 # left for this try: a retry elsewhere must not move it.
                 home = self._placement(model, routing).place([e.replica_id for e in ready], key)
                 ids = [e.replica_id for e in eps]
+                counts = [self.in_flight.get((model, i), 0) for i in ids]
                 return eps[balance.choose(ids, counts, key, routing.load_factor, home)]
+        if len(eps) == 1:
+            return eps[0]  # most models, most of the time: nothing to weigh
+        counts = [self.in_flight.get((model, e.replica_id), 0) for e in eps]
         least = min(counts)
         ties = [e for e, c in zip(eps, counts, strict=True) if c == least]
         # Rotate among ties so that an idle model's replicas share the load.
@@ -1365,7 +1369,11 @@ def _carries_context(headers: Mapping[str, str]) -> bool:
     costs more than the look."""
     # The propagator is looked up each time: tracing's set-up may replace it
     # after the app is made.
-    return any(f in headers for f in _fields(propagate.get_global_textmap()))
+    # A loop, not any(): the generator costs more than the look, on every request.
+    for f in _fields(propagate.get_global_textmap()):  # noqa: SIM110
+        if f in headers:
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=1)

@@ -31,13 +31,17 @@ async def serve(
     *,
     handler_cancellation: bool = True,
     ssl_context: ssl.SSLContext | None = None,
+    keepalive_timeout: float | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` on 127.0.0.1; yields its base URL."""
     # handler_cancellation as the daemon runs it: a client that goes away
     # cancels its handler.
     # A gateway app on the daemon's runner (its fast lane first when its config turns it on).
     make = fastlane.Runner if GATEWAY_KEY in app else web.AppRunner
-    runner = make(app, handler_cancellation=handler_cancellation, access_log=None)
+    opts: dict[str, Any] = {"handler_cancellation": handler_cancellation, "access_log": None}
+    if keepalive_timeout is not None:
+        opts["keepalive_timeout"] = keepalive_timeout
+    runner = make(app, **opts)
     await runner.setup()
     port = port or free_port()
     site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=ssl_context)

@@ -47,12 +47,15 @@ async def lane_stack(
     config: RouterConfig | None = None,
     token_delay: float = 0.0,
     ssl_context: ssl.SSLContext | None = None,
+    keepalive_timeout: float | None = None,
 ) -> AsyncIterator[Lane]:
     directory = StaticDirectory([ModelInfo("tiny")])
     app = create_app(directory, config or RouterConfig())
     gw = app[GATEWAY_KEY]
     async with AsyncExitStack() as es:
-        url = await es.enter_async_context(serve(app, ssl_context=ssl_context))
+        url = await es.enter_async_context(
+            serve(app, ssl_context=ssl_context, keepalive_timeout=keepalive_timeout)
+        )
         eurl = await es.enter_async_context(engine("tiny", key="k", token_delay=token_delay))
         directory.add_endpoint("tiny", Endpoint("r0", eurl, "k"))
         lane = Lane(url, int(url.rsplit(":", 1)[1]), gw)
@@ -217,6 +220,21 @@ async def test_a_body_that_stops_coming_gets_408_and_the_connection_closes() -> 
         assert await reader.read() == b""
         writer.close()
         assert lane.served == []
+
+
+async def test_an_idle_connection_closes_a_keep_alive_after_its_last_answer() -> None:
+    # The lane's keep-alive timer is armed once and left running across
+    # requests: it must count from the last answer, not the first.
+    async with lane_stack(keepalive_timeout=1.0) as lane:
+        reader, writer = await asyncio.open_connection("127.0.0.1", lane.port)
+        for _ in range(3):
+            writer.write(request())
+            assert (await read_answer(reader))[0] == 200
+            await asyncio.sleep(0.7)  # 1.4 s after the first answer, by the third request
+        assert lane.served == ["chat/completions"] * 3
+        # Then idle: closed by the lane's timer (the read sees the end).
+        assert await asyncio.wait_for(reader.read(), 30) == b""
+        writer.close()
 
 
 async def test_a_client_gone_mid_answer_frees_the_replica() -> None:
