@@ -245,6 +245,31 @@ async def test_a_silent_engine_times_out_and_the_request_is_not_sent_again() -> 
     assert e.value.timed_out and len(s.requests) == 2 and s.connections == 1
 
 
+async def test_each_request_on_a_kept_alive_connection_gets_its_whole_read_timeout() -> None:
+    # The read timer is left running from one request to the next: it must
+    # count from each request's own send, not from the first one's.
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await read_request(r, s)
+        w.write(answer(b"1"))
+        await w.drain()
+        await read_request(r, s)
+        await asyncio.sleep(0.5)  # past the first request's 1 s, within its own
+        w.write(answer(b"2"))
+        await w.drain()
+        await read_request(r, s)
+        await asyncio.sleep(5)  # silent: times out
+
+    async with serve(script) as s:
+        p = pool(read_timeout=1.0)
+        assert (await p.post(s.url, None, "/x", {}, b"")).body == b"1"
+        await asyncio.sleep(0.8)
+        assert (await p.post(s.url, None, "/x", {}, b"")).body == b"2"
+        with pytest.raises(UpstreamUnreachable) as e:
+            await p.post(s.url, None, "/x", {}, b"")
+        p.close()
+    assert e.value.timed_out and s.connections == 1
+
+
 async def test_a_cancelled_request_closes_its_connection() -> None:
     # The client went away: closing the engine's connection stops the generation.
     async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
