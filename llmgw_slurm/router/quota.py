@@ -177,6 +177,7 @@ class _Limit(NamedTuple):
         return max(0, self.limit - self.used)
 
 
+# The per-minute token limit, in _Limit.what's words.
 _MINUTE_TOKENS = ("tokens", "minute", "")
 
 
@@ -310,7 +311,7 @@ class QuotaBook:
             req = _Limit(("requests", "minute", ""), cfg.requests_per_minute, reqs, to_minute)
         tokens = []
         if cfg.tokens_per_minute is not None:
-            tokens.append(_Limit(("tokens", "minute", ""), cfg.tokens_per_minute, toks, to_minute))
+            tokens.append(_Limit(_MINUTE_TOKENS, cfg.tokens_per_minute, toks, to_minute))
         for rule in self._rules(key):
             used = rule.period.at(now).get(rule.name, 0)
             tokens.append(_Limit(rule.what, rule.limit, used, rule.period.end - now))
