@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.subprocs import communicate
 
 __all__ = [
     "LOGIN_PAYLOAD",
@@ -71,11 +72,11 @@ class MungeIdentity:
     host: str  # the address the credential was made on, as munged reports it
 
 
-async def _run(argv: list[str], stdin: bytes) -> tuple[int, str, str]:
+async def _run(argv: list[str], stdin: bytes | None) -> tuple[int, str, str]:
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
-            stdin=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
@@ -85,7 +86,7 @@ async def _run(argv: list[str], stdin: bytes) -> tuple[int, str, str]:
             "that runs munged on every host of a Slurm cluster)?"
         ) from None
     try:
-        out, err = await asyncio.wait_for(proc.communicate(stdin), _TIMEOUT)
+        out, err = await asyncio.wait_for(communicate(proc, stdin), _TIMEOUT)
     except (TimeoutError, asyncio.CancelledError):
         if proc.returncode is None:
             proc.kill()
@@ -103,7 +104,7 @@ async def encode(socket: Path | None = None, *, ttl: int = LOGIN_TTL) -> str:
     """A fresh login credential for the calling process's uid."""
     argv = ["munge", "--string", LOGIN_PAYLOAD, f"--ttl={ttl}", *_socket_args(socket)]
     try:
-        rc, out, err = await _run(argv, b"")
+        rc, out, err = await _run(argv, None)  # the payload is on the command line
     except TimeoutError:
         raise MungeError(
             f"munge did not answer within {_TIMEOUT:g} s; is munged running?"

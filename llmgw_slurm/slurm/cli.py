@@ -26,6 +26,7 @@ from datetime import datetime
 from llmgw_slurm.errors import SlurmError, SlurmUnavailable
 from llmgw_slurm.slurm import parse
 from llmgw_slurm.slurm.types import AccountingRecord, Associations, Job, JobSpec, NodeInfo
+from llmgw_slurm.subprocs import communicate
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class CliBackend:
             raise SlurmUnavailable(f"cannot run: {exc}", command=argv) from exc
         try:
             out, err = await asyncio.wait_for(
-                proc.communicate(stdin.encode() if stdin is not None else None), limit
+                communicate(proc, stdin.encode() if stdin is not None else None), limit
             )
         except TimeoutError as exc:
             proc.kill()

@@ -1,0 +1,47 @@
+"""A child that exits before it reads its input (llmgw_slurm/subprocs.py): its exit
+status and stderr reach the caller, on asyncio's loop and on uvloop's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import uvloop
+
+from llmgw_slurm.subprocs import communicate
+
+
+async def _gone_before_its_input(size: int) -> tuple[int | None, bytes, bytes]:
+    proc = await asyncio.create_subprocess_exec(
+        "sh",
+        "-c",
+        "echo refused >&2; exit 3",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    # The child exits, closing its end of the pipe, before anything is written.
+    await proc.wait()
+    out, err = await communicate(proc, b"x" * size)
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("size", [16, 1 << 20])
+def test_a_child_gone_before_its_input_gives_its_status_not_an_error(
+    loop: str, size: int
+) -> None:
+    factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        assert runner.run(_gone_before_its_input(size)) == (3, b"", b"refused\n")
+
+
+def test_input_reaches_a_child_that_reads_it() -> None:
+    async def main() -> tuple[bytes, bytes]:
+        proc = await asyncio.create_subprocess_exec(
+            "cat", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        return await communicate(proc, b"a" * 300_000)
+
+    assert asyncio.run(main()) == (b"a" * 300_000, b"")
