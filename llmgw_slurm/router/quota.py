@@ -177,7 +177,8 @@ class _Limit(NamedTuple):
         return max(0, self.limit - self.used)
 
 
-# The per-minute token limit, in _Limit.what's words.
+# The per-minute limits, in _Limit.what's words.
+_MINUTE_REQUESTS = ("requests", "minute", "")
 _MINUTE_TOKENS = ("tokens", "minute", "")
 
 
@@ -308,7 +309,7 @@ class QuotaBook:
         to_minute = 60.0 - (now % 60)
         req = None
         if cfg.requests_per_minute is not None:
-            req = _Limit(("requests", "minute", ""), cfg.requests_per_minute, reqs, to_minute)
+            req = _Limit(_MINUTE_REQUESTS, cfg.requests_per_minute, reqs, to_minute)
         tokens = []
         if cfg.tokens_per_minute is not None:
             tokens.append(_Limit(_MINUTE_TOKENS, cfg.tokens_per_minute, toks, to_minute))
@@ -336,18 +337,8 @@ class QuotaBook:
         now = self._clock()
         reqs, toks = self._minute_counts(key, now)
         rpm = self.config.requests_per_minute
-        out: dict[str, str] = {}
-        if rpm is not None:
-            # Remaining after this request: the request itself was counted on admission.
-            out["x-ratelimit-limit-requests"] = str(rpm)
-            out["x-ratelimit-remaining-requests"] = str(max(0, rpm - reqs))
-            out["x-ratelimit-reset-requests"] = format_reset(60.0 - (now % 60))
-        tight = self._tightest(key, now, toks)
-        if tight is not None:
-            out["x-ratelimit-limit-tokens"] = str(tight.limit)
-            out["x-ratelimit-remaining-tokens"] = str(tight.remaining)
-            out["x-ratelimit-reset-tokens"] = format_reset(tight.reset)
-        return out
+        req = None if rpm is None else _Limit(_MINUTE_REQUESTS, rpm, reqs, 60.0 - (now % 60))
+        return _headers(req, self._tightest(key, now, toks))
 
     def admit(self, key: KeyRecord) -> web.Response | None:
         """Count a request of ``key``, or the 429 that says which limit it reached."""
@@ -373,18 +364,24 @@ class QuotaBook:
         over = [t for t in tokens if t.limit <= t.used]
         if req is not None and req.limit <= req.used:
             over.insert(0, req)
-        return _refusal(key, max(over, key=lambda t: t.reset), _headers(req, tokens))
+        return _refusal(key, max(over, key=lambda t: t.reset), _headers(req, _least_left(tokens)))
 
 
-def _headers(req: _Limit | None, tokens: list[_Limit]) -> dict[str, str]:
+def _least_left(tokens: list[_Limit]) -> _Limit | None:
+    """The token limit the headers tell: least left, and of two, the later reset
+    (QuotaBook._tightest finds the same one without a list)."""
+    return min(tokens, key=lambda t: (t.remaining, -t.reset)) if tokens else None
+
+
+def _headers(req: _Limit | None, tight: _Limit | None) -> dict[str, str]:
+    """The x-ratelimit-* headers: the request limit's, and the tightest token limit's."""
     out: dict[str, str] = {}
     if req is not None:
         # Remaining after this request: the request itself was counted on admission.
         out["x-ratelimit-limit-requests"] = str(req.limit)
         out["x-ratelimit-remaining-requests"] = str(req.remaining)
         out["x-ratelimit-reset-requests"] = format_reset(req.reset)
-    if tokens:
-        tight = min(tokens, key=lambda t: (t.remaining, -t.reset))
+    if tight is not None:
         out["x-ratelimit-limit-tokens"] = str(tight.limit)
         out["x-ratelimit-remaining-tokens"] = str(tight.remaining)
         out["x-ratelimit-reset-tokens"] = format_reset(tight.reset)
