@@ -36,7 +36,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 
-from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, LanePlan
+from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, LaneCall, LanePlan
 
 __all__ = ["Runner", "parse_head"]
 
@@ -128,7 +128,12 @@ class _Lane(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         # What the timer is for: _IDLE (the keep-alive), _BODY (the body timeout).
         self._timer_for: int | None = None
+        # The request under way: on a kept-alive connection (Gateway.lane_send),
+        # or in a task (Gateway.serve_lane).
+        self._call: LaneCall | None = None
         self.task: asyncio.Task[None] | None = None
+        self._served_waiter: asyncio.Future[None] | None = None
+        self._advancing = False
         self._paused = False
         self._answered = False  # the request under way has had its answer
         self._idle_since = 0.0  # when the connection last became idle (the loop's clock)
@@ -165,13 +170,30 @@ class _Lane(asyncio.Protocol):
         self._state = _GONE
         self._runner.lanes.discard(self)
         self._disarm()
+        # As aiohttp's handler_cancellation: the engine's connection is cut.
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
         if self.task is not None and not self.task.done():
-            # As aiohttp's handler_cancellation: the engine's connection is cut.
             self.task.cancel()
+        self._settle_served()
 
     # the request
 
     def _advance(self) -> None:
+        """Take the requests the buffer holds, while each is answered at once."""
+        if self._advancing:
+            return  # an answer given within the loop below: the loop reads on
+        self._advancing = True
+        try:
+            while True:
+                self._take_request()
+                if self._state != _IDLE or not self._buf:
+                    return
+        finally:
+            self._advancing = False
+
+    def _take_request(self) -> None:
         if self._state == _IDLE and self._buf:
             head = parse_head(bytes(self._buf[: MAX_HEAD + 4]), self._gw.config.max_body_bytes)
             if head is None:
@@ -199,25 +221,61 @@ class _Lane(asyncio.Protocol):
             # own checks on a cold CPU.
             self._state = _BUSY
             self._answered = False
-            self.task = self._loop.create_task(self._serve(plan))
+            self._call = self._gw.lane_send(plan, self)
 
-    async def _serve(self, plan: LanePlan) -> None:
+    # what the gateway asks of the lane for a request it planned (gateway.LaneClient)
+
+    def answer(self, resp: web.Response) -> None:
+        self._call = None
+        keep = resp.keep_alive is not False
+        self._answered = True
+        self._write(_serialize(resp, keep), keep_alive=keep)
+        self._served()
+
+    def fall_back(self, plan: LanePlan, failed: BaseException | None) -> None:
+        self._call = None
+        self.task = self._loop.create_task(self._serve(plan, failed))
+
+    def crashed(self, plan: LanePlan) -> None:
+        # A bug, not the client's doing: aiohttp would answer 500 (unless
+        # the answer went out already: a second one would be read as the
+        # next request's); the connection is in an unknown state, so it closes.
+        log.exception("fast lane: %s failed", plan.endpoint)
+        self._call = None
+        if self._answered:
+            self._state = _GONE
+            self._transport().close()
+            return
+        failed = web.Response(status=500, text="500 Internal Server Error")
+        self._write(_serialize(failed, keep_alive=False), keep_alive=False)
+
+    async def _serve(self, plan: LanePlan, failed: BaseException | None) -> None:
         try:
-            await self._gw.serve_lane(plan, self, self._deliver)
+            await self._gw.serve_lane(plan, self, self._deliver, failed)
         except asyncio.CancelledError:
             raise
         except Exception:
-            # A bug, not the client's doing: aiohttp would answer 500 (unless
-            # the answer went out already: a second one would be read as the
-            # next request's); the connection is in an unknown state, so it closes.
-            log.exception("fast lane: %s failed", plan.endpoint)
-            if self._answered:
-                self._state = _GONE
-                self._transport().close()
-                return
-            failed = web.Response(status=500, text="500 Internal Server Error")
-            self._write(_serialize(failed, keep_alive=False), keep_alive=False)
+            self.crashed(plan)
             return
+        self._served()
+
+    def until_served(self) -> asyncio.Future[None] | None:
+        """Done once the request under way is answered (or the client gone);
+        None: no request is under way."""
+        if self._state != _BUSY:
+            return None
+        if self._served_waiter is None:
+            self._served_waiter = self._loop.create_future()
+        return self._served_waiter
+
+    def _settle_served(self) -> None:
+        waiter, self._served_waiter = self._served_waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _served(self) -> None:
+        """The request's answer is out: on to the next one."""
+        self._settle_served()
         if self._state != _BUSY:
             return
         self._state = _IDLE
@@ -382,7 +440,7 @@ class Runner(web.AppRunner):
     async def shutdown(self) -> None:
         await super().shutdown()
         # As aiohttp's server: answers under way may finish, within the timeout.
-        busy = [t for t in (lane.task for lane in self.lanes) if t is not None and not t.done()]
+        busy = [w for w in (lane.until_served() for lane in self.lanes) if w is not None]
         if busy:
             await asyncio.wait(busy, timeout=self._shutdown_timeout)
         for lane in list(self.lanes):

@@ -44,7 +44,13 @@ from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.quota import QuotaBook, add_quota_headers
 from llmgw_slurm.router.relay import _Call, _Pipe, _SseRelay
-from llmgw_slurm.router.upstream import Answer, UpstreamBroken, UpstreamPool
+from llmgw_slurm.router.upstream import (
+    Answer,
+    Conn,
+    UpstreamBroken,
+    UpstreamPool,
+    UpstreamUnreachable,
+)
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
 __all__ = ["GATEWAY_KEY", "Client", "Deliver", "Gateway", "LanePlan", "create_app", "request_key"]
@@ -157,6 +163,66 @@ class LanePlan(NamedTuple):
     ep: Endpoint
     body: bytes
     t0: float
+
+
+class LaneClient(Client, Protocol):
+    """What the fast lane's connection (``router.fastlane``) offers the gateway
+    for a request it planned."""
+
+    def answer(self, resp: web.Response) -> None:
+        """Send ``resp``: the request's answer, whichever it is."""
+
+    def fall_back(self, plan: LanePlan, failed: BaseException | None) -> None:
+        """Serve the request with :meth:`Gateway.serve_lane`, in a task:
+        ``failed``, how a try already made ended."""
+
+    def crashed(self, plan: LanePlan) -> None:
+        """Serving the request raised (a bug): answer 500, or close."""
+
+
+class LaneCall:
+    """A lane request under way on a kept-alive connection to its engine,
+    answered from the connection's own callback (:meth:`Gateway.lane_send`)."""
+
+    __slots__ = ("_gw", "_lane", "_plan", "conn")
+
+    def __init__(self, gw: Gateway, plan: LanePlan, lane: LaneClient) -> None:
+        self._gw, self._plan, self._lane = gw, plan, lane
+        self.conn: Conn | None = None  # once sent
+
+    def done(self, result: Answer | BaseException) -> None:
+        """The engine's answer, or why there is none (see upstream.Conn)."""
+        gw, plan = self._gw, self._plan
+        gw._request_ended(plan.model, plan.ep.replica_id)
+        if isinstance(result, Answer):
+            call = _Call(t0=plan.t0, model=plan.model)
+            try:
+                resp = gw._answer(
+                    result.status, result.headers, result.body, plan.ep, plan.endpoint,
+                    plan.model, plan.key, call,
+                )  # fmt: skip
+                gw._lane_deliver(plan, self._lane, resp, call.first_byte)
+            except Exception:
+                # Raised into the engine connection's data_received, it would
+                # cut that connection and leave the client unanswered.
+                self._lane.crashed(plan)
+        elif isinstance(result, UpstreamUnreachable) and not result.timed_out:
+            # The engine closed the kept-alive connection as it was reused, and
+            # took nothing: another connection, as UpstreamPool.post would.
+            self._lane.fall_back(plan, None)
+        else:
+            # Handled as _forward handles its own try's end: another replica,
+            # or the error's answer.
+            self._lane.fall_back(plan, result)
+
+    def cancel(self) -> None:
+        """The client went away: as for a cancelled :meth:`Gateway._forward`,
+        the engine's connection is cut (which stops its generation)."""
+        assert self.conn is not None
+        self.conn.abandon()
+        plan = self._plan
+        self._gw._request_ended(plan.model, plan.ep.replica_id)
+        self._gw.metrics.answered(plan.model, 499, time.monotonic() - plan.t0, None)
 
 
 def _client_gone(request: Client) -> bool:
@@ -720,28 +786,81 @@ class Gateway:
             return None
         return LanePlan(endpoint, model, key, ep, prepared[0], time.monotonic())
 
-    async def serve_lane(self, plan: LanePlan, client: Client, deliver: Deliver) -> None:
-        """Answer a request the lane planned: as :meth:`_proxy` does, with
-        ``deliver`` sending the answer (whichever it is) to the client."""
+    def lane_send(self, plan: LanePlan, lane: LaneClient) -> LaneCall | None:
+        """Start a request the lane planned: admitted (the quota's refusal is
+        the answer), then sent on a kept-alive connection to its replica if
+        there is one, and answered from that connection's callback
+        (:class:`LaneCall`): no task, no future, each of which costs a turn of
+        the loop and tens of microseconds on a cold CPU. Otherwise it goes to
+        ``lane.fall_back`` (a new connection, made in a task). None: no call
+        under way here (answered, or the task's)."""
+        refused = self._admit(plan.key)
+        if refused is not None:
+            self._lane_deliver(plan, lane, refused, None)
+            return None
+        assert self._whole is not None, "the gateway app was not started"
+        ep = plan.ep
+        call = LaneCall(self, plan, lane)
+        call.conn = self._whole.send_kept(
+            ep.base_url, ep.ssl, surface.upstream_path(plan.endpoint),
+            _upstream_headers(lane, ep, "application/json"), plan.body, call.done,
+        )  # fmt: skip
+        if call.conn is None:
+            lane.fall_back(plan, None)
+            return None
+        # Counted once sent: the answer comes in a later turn of the loop, never
+        # within send_kept.
+        self._request_started(plan.model, ep.replica_id)
+        return call
+
+    def _request_started(self, model: str, replica_id: str) -> None:
+        key_ = (model, replica_id)
+        self.in_flight[key_] = self.in_flight.get(key_, 0) + 1
+        self.directory.request_started(model, replica_id)
+
+    def _request_ended(self, model: str, replica_id: str) -> None:
+        key_ = (model, replica_id)
+        self.in_flight[key_] -= 1
+        if not self.in_flight[key_]:
+            del self.in_flight[key_]
+        self.directory.request_finished(model, replica_id)
+
+    def _with_quota_headers(self, plan: LanePlan, resp: web.Response) -> web.Response:
+        if self.quota is not None and plan.key is not None:
+            # What add_quota_headers puts on aiohttp's answers as they are prepared.
+            resp.headers.update(self.quota.headers(plan.key))
+        return resp
+
+    def _lane_deliver(
+        self, plan: LanePlan, lane: LaneClient, resp: web.Response, first_byte: float | None
+    ) -> None:
+        lane.answer(self._with_quota_headers(plan, resp))
+        self.metrics.answered(
+            plan.model,
+            resp.status,
+            time.monotonic() - plan.t0,
+            None if first_byte is None else first_byte - plan.t0,
+        )
+
+    async def serve_lane(
+        self, plan: LanePlan, client: Client, deliver: Deliver, failed: BaseException | None
+    ) -> None:
+        """Answer an admitted request the lane planned, as :meth:`_proxy` does,
+        with ``deliver`` sending the answer (whichever it is) to the client;
+        ``failed``: how a try :meth:`lane_send` made ended."""
         call = _Call(t0=plan.t0, model=plan.model)
         sent: list[web.Response] = []
 
         async def once(resp: web.Response) -> web.Response:
             sent.append(resp)
-            if self.quota is not None and plan.key is not None:
-                # What add_quota_headers puts on aiohttp's answers as they are prepared.
-                resp.headers.update(self.quota.headers(plan.key))
-            return await deliver(resp)
+            return await deliver(self._with_quota_headers(plan, resp))
 
         try:
-            resp = self._admit(plan.key)
-            if resp is None:
-                got = await self._forward(
-                    client, plan.endpoint, plan.model, plan.ep, plan.body, False, False,
-                    plan.key, call, deliver=once,
-                )  # fmt: skip
-                assert isinstance(got, web.Response)  # whole answers only, no stream
-                resp = got
+            resp = await self._forward(
+                client, plan.endpoint, plan.model, plan.ep, plan.body, False, False,
+                plan.key, call, deliver=once, failed=failed,
+            )  # fmt: skip
+            assert isinstance(resp, web.Response)  # whole answers only, no stream
             if not sent:
                 await once(resp)
             call.status = call.outcome or resp.status
@@ -924,8 +1043,11 @@ class Gateway:
         pinned: bool = False,
         content_type: str = "application/json",
         deliver: Deliver | None = None,
+        failed: BaseException | None = None,
     ) -> web.StreamResponse:
-        """The engine's answer; a whole one sent from here (``deliver``: aiohttp's by default)."""
+        """The engine's answer; a whole one sent from here (``deliver``: aiohttp's
+        by default). ``failed``: the first try was made (by the fast lane), and
+        ended so."""
         assert self._session is not None, "the gateway app was not started"
         upload = body if isinstance(body, surface.Upload) else None
         tried: set[str] = set()
@@ -934,9 +1056,8 @@ class Gateway:
             tried.add(ep.replica_id)
             headers = _upstream_headers(request, ep, content_type)
             trace.get_current_span().set_attribute("llmgw.replica_id", ep.replica_id)
-            key_ = (model, ep.replica_id)
-            self.in_flight[key_] = self.in_flight.get(key_, 0) + 1
-            self.directory.request_started(model, ep.replica_id)
+            replica_id = ep.replica_id
+            self._request_started(model, replica_id)
             try:
                 try:
                     # ssl: the replica's pinned certificate (and the gateway's client
@@ -944,6 +1065,9 @@ class Gateway:
                     # before the request, its key or its prompt is sent.
                     if upload is None and not stream:
                         assert isinstance(body, bytes)
+                        if failed is not None:
+                            first_try, failed = failed, None
+                            raise first_try  # handled below as this try's own
                         answer = await self._post_whole(ep, endpoint, headers, body)
                         resp = self._answer(
                             answer.status, answer.headers, answer.body, ep, endpoint, model,
@@ -985,10 +1109,7 @@ class Gateway:
                     if not call.handed_off:
                         upstream.close()
             finally:
-                self.in_flight[key_] -= 1
-                if not self.in_flight[key_]:
-                    del self.in_flight[key_]
-                self.directory.request_finished(*key_)
+                self._request_ended(model, replica_id)
 
     async def _post_whole(
         self, ep: Endpoint, endpoint: str, headers: dict[str, str], body: bytes

@@ -19,8 +19,9 @@ import functools
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeAlias, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -77,6 +78,10 @@ class _Target:
     netloc: str
 
 
+# What a connection gives whoever sent its request: the answer, or why there is none.
+Done: TypeAlias = "Callable[[Answer | BaseException], None]"
+
+
 @functools.cache
 def _system_context() -> ssl.SSLContext:
     # One for all: a connection pool is per context.
@@ -95,8 +100,14 @@ def target_of(base_url: str, pinned: ssl.SSLContext | None) -> tuple[_Target, st
     return _Target(u.hostname, u.port or (443 if https else 80), ctx, u.netloc), u.path.rstrip("/")
 
 
-class _Conn(asyncio.Protocol):
-    """One connection: writes a request, parses its answer into a future."""
+class Conn(asyncio.Protocol):
+    """One connection: writes a request, parses its answer, and gives it (or
+    the error) to the request's ``done`` callback.
+
+    ``done`` is called from within the protocol's callbacks, once the
+    connection is ready for its next request; so it must not raise, and the
+    answer is handled in the same turn of the loop it came in (a future would
+    take one more; the fast lane's requests use that)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout: float | None) -> None:
         self._loop = loop
@@ -106,7 +117,7 @@ class _Conn(asyncio.Protocol):
         self.reusable = True
         self.idle_since = time.monotonic()
         self._buf = bytearray()
-        self._waiter: asyncio.Future[Answer] | None = None
+        self._done: Done | None = None
         self._got_bytes = False
         self._head: tuple[int, CIMultiDict[str]] | None = None
         self._framing = ""  # "length", "chunked" or "close", once the head is in
@@ -123,7 +134,7 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last_read = self._loop.time()
-        if self._waiter is None:
+        if self._done is None:
             # Bytes nobody asked for (or after the answer): not HTTP as we know it.
             self.reusable = False
             self._close()
@@ -142,7 +153,7 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         self.reusable = False
         self._cancel_timer()
-        if self._waiter is None:
+        if self._done is None:
             return
         if self._framing == "close":
             self._finish(bytes(self._buf))
@@ -153,9 +164,10 @@ class _Conn(asyncio.Protocol):
 
     # requests
 
-    def send(self, request: bytes) -> asyncio.Future[Answer]:
-        assert self.transport is not None and self._waiter is None
-        self._waiter = self._loop.create_future()
+    def send(self, request: bytes, done: Done) -> None:
+        """Write ``request``; ``done`` gets its answer."""
+        assert self.transport is not None and self._done is None
+        self._done = done
         self._got_bytes = False
         self._last_read = self._loop.time()
         self.transport.write(request)
@@ -163,12 +175,11 @@ class _Conn(asyncio.Protocol):
             # A timer left by an earlier answer is reused: it re-arms itself
             # from _last_read when it fires early (see _idle and _reset).
             self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._idle)
-        return self._waiter
 
     def abandon(self) -> None:
         """The caller stopped waiting (cancelled): the engine may still be
         generating; closing the connection stops it."""
-        self._waiter = None
+        self._done = None
         self.reusable = False
         self._close()
 
@@ -179,11 +190,9 @@ class _Conn(asyncio.Protocol):
             return
         if self._framing == "length":
             if len(self._buf) >= self._need:
-                body = bytes(self._buf[: self._need])
-                extra = len(self._buf) > self._need
-                self._finish(body)
-                if extra:
-                    self.reusable = False
+                if len(self._buf) > self._need:
+                    self.reusable = False  # bytes past the answer
+                self._finish(bytes(self._buf[: self._need]))
         elif self._framing == "chunked":
             self._parse_chunks()
 
@@ -247,10 +256,9 @@ class _Conn(asyncio.Protocol):
                     if trailer_end < 0:
                         return
                     del self._buf[: line_end + 2 + trailer_end + 4]
-                extra = bool(self._buf)
+                if self._buf:
+                    self.reusable = False  # bytes past the answer
                 self._finish(b"".join(self._parts))
-                if extra:
-                    self.reusable = False
                 return
             start = line_end + 2
             if len(self._buf) < start + size + 2:
@@ -262,27 +270,29 @@ class _Conn(asyncio.Protocol):
 
     # ends
 
+    # Each is the last thing its caller does: ``done`` may send the
+    # connection's next request.
+
     def _finish(self, body: bytes) -> None:
-        waiter, head = self._waiter, self._head
-        assert waiter is not None and head is not None
+        done, head = self._done, self._head
+        assert done is not None and head is not None
         self._reset()
-        if not waiter.done():
-            waiter.set_result(Answer(head[0], head[1], body))
+        done(Answer(head[0], head[1], body))
 
     def _fail(self, exc: BaseException) -> None:
-        waiter = self._waiter
+        done = self._done
         self._reset()
         self.reusable = False
         self._close()
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
+        if done is not None:
+            done(exc)
 
     def _reset(self) -> None:
         # The read timer is left to run: one that fires with no answer awaited
         # stops, and the next request reuses one still set. Cancelling it and
         # setting a new one each request costs more on a cold CPU than the
         # request's parse of the answer.
-        self._waiter = None
+        self._done = None
         self._head = None
         self._framing = ""
         self._need = 0
@@ -292,7 +302,7 @@ class _Conn(asyncio.Protocol):
 
     def _idle(self) -> None:
         self._timer = None
-        if self._waiter is None or self._read_timeout is None:
+        if self._done is None or self._read_timeout is None:
             return
         due = self._last_read + self._read_timeout
         if self._loop.time() < due:
@@ -324,7 +334,7 @@ class UpstreamPool:
     def __init__(self, connect_timeout: float | None, read_timeout: float | None) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
-        self._idle: dict[_Target, deque[_Conn]] = {}
+        self._idle: dict[_Target, deque[Conn]] = {}
         # Parsed base URLs: a replica's lives as long as the replica run.
         self._targets: dict[tuple[str, ssl.SSLContext | None], tuple[_Target, str]] = {}
 
@@ -358,21 +368,47 @@ class UpstreamPool:
             got = self._targets[(base_url, pinned)] = target_of(base_url, pinned)
         return got
 
-    async def _exchange(self, conn: _Conn, target: _Target, request: bytes) -> Answer:
+    async def _exchange(self, conn: Conn, target: _Target, request: bytes) -> Answer:
+        waiter: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        conn.send(request, functools.partial(_settle, waiter))
         try:
-            answer = await conn.send(request)
+            answer = await waiter
         except asyncio.CancelledError:
             conn.abandon()
             raise
         self._give_back(conn, target)
         return answer
 
-    async def _connect(self, target: _Target) -> _Conn:
+    def send_kept(
+        self, base_url: str, pinned: ssl.SSLContext | None, path: str,
+        headers: dict[str, str], body: bytes, done: Done,
+    ) -> Conn | None:  # fmt: skip
+        """POST on a kept-alive connection, if there is one, whose answer goes
+        to ``done`` (see :class:`Conn`); the connection (``abandon`` it to stop
+        waiting), or None: none idle, nothing sent (:meth:`post` connects).
+
+        Unlike :meth:`post`, an engine that closed the connection as it was
+        reused is not tried again here: ``done`` gets that
+        :class:`UpstreamUnreachable`, and the caller tries again."""
+        target, base_path = self._target(base_url, pinned)
+        conn = self._take_idle(target)
+        if conn is None:
+            return None
+
+        def give_back(result: Answer | BaseException) -> None:
+            if isinstance(result, Answer):
+                self._give_back(conn, target)
+            done(result)
+
+        conn.send(_request_bytes(target, base_path + path, headers, body), give_back)
+        return conn
+
+    async def _connect(self, target: _Target) -> Conn:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _Conn(loop, self.read_timeout),
+                    lambda: Conn(loop, self.read_timeout),
                     target.host,
                     target.port,
                     ssl=target.ssl,
@@ -384,7 +420,7 @@ class UpstreamPool:
             raise UpstreamUnreachable(f"cannot connect to {target.netloc}: {e!r}") from e
         return conn
 
-    def _take_idle(self, target: _Target) -> _Conn | None:
+    def _take_idle(self, target: _Target) -> Conn | None:
         idle = self._idle.get(target)
         now = time.monotonic()
         while idle:
@@ -394,7 +430,7 @@ class UpstreamPool:
             conn.abandon()
         return None
 
-    def _give_back(self, conn: _Conn, target: _Target) -> None:
+    def _give_back(self, conn: Conn, target: _Target) -> None:
         if not conn.reusable or conn.closed:
             conn.abandon()
             return
@@ -409,6 +445,15 @@ class UpstreamPool:
             for conn in idle:
                 conn.abandon()
         self._idle.clear()
+
+
+def _settle(waiter: asyncio.Future[Answer], result: Answer | BaseException) -> None:
+    if waiter.done():
+        return  # cancelled: the connection was abandoned, and is closing
+    if isinstance(result, Answer):
+        waiter.set_result(result)
+    else:
+        waiter.set_exception(result)
 
 
 def _request_bytes(target: _Target, path: str, headers: dict[str, str], body: bytes) -> bytes:

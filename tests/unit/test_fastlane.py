@@ -13,11 +13,14 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
-from _router_support import engine, eventually, serve
+from _router_support import engine, eventually, free_port, serve
+from aiohttp import web
 
+from llmgw_slurm.config import QuotaConfig
 from llmgw_slurm.router import (
     GATEWAY_KEY,
     Endpoint,
@@ -26,9 +29,12 @@ from llmgw_slurm.router import (
     RouterConfig,
     StaticDirectory,
     create_app,
+    fastlane,
 )
 from llmgw_slurm.router.fastlane import parse_head
-from llmgw_slurm.router.gateway import Client, Deliver, LanePlan
+from llmgw_slurm.router.gateway import LaneCall, LaneClient, LanePlan
+from llmgw_slurm.router.keys import KeyRing, add_key
+from llmgw_slurm.router.quota import QuotaBook
 from llmgw_slurm.tls import client_context, load_or_create_identity, make_engine_tls
 
 CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -59,13 +65,13 @@ async def lane_stack(
         eurl = await es.enter_async_context(engine("tiny", key="k", token_delay=token_delay))
         directory.add_endpoint("tiny", Endpoint("r0", eurl, "k"))
         lane = Lane(url, int(url.rsplit(":", 1)[1]), gw)
-        served = gw.serve_lane
+        sent = gw.lane_send
 
-        async def counting(plan: LanePlan, client: Client, deliver: Deliver) -> None:
+        def counting(plan: LanePlan, client: LaneClient) -> LaneCall | None:
             lane.served.append(plan.endpoint)
-            await served(plan, client, deliver)
+            return sent(plan, client)
 
-        gw.serve_lane = counting  # type: ignore[method-assign]
+        gw.lane_send = counting  # type: ignore[method-assign]
         yield lane
 
 
@@ -253,11 +259,152 @@ async def test_a_client_gone_mid_answer_frees_the_replica() -> None:
         assert samples[("499", "llmgw_requests_total")] == 1
 
 
-@pytest.mark.parametrize("after", [False, True], ids=["before-the-answer", "after-it"])
-async def test_a_failure_in_the_lane_answers_once_and_closes(
-    after: bool, monkeypatch: pytest.MonkeyPatch
+async def warm(lane: Lane) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client connection whose first request left a kept-alive engine connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", lane.port)
+    writer.write(request())
+    assert (await read_answer(reader))[0] == 200
+    return reader, writer
+
+
+async def test_a_kept_engine_connection_answers_without_the_task_path(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with lane_stack() as lane:
+        served: list[LanePlan] = []
+        task_path = lane.gateway.serve_lane
+
+        async def counting(plan: LanePlan, *rest: Any) -> None:
+            served.append(plan)
+            await task_path(plan, *rest)
+
+        monkeypatch.setattr(lane.gateway, "serve_lane", counting)
+        reader, writer = await warm(lane)
+        for _ in range(3):
+            writer.write(request())
+            status, headers, body = await read_answer(reader)
+            assert status == 200 and json.loads(body)["choices"]
+            assert headers["x-llmgw-replica"] == "r0"
+        writer.close()
+        # The first request made the engine connection (in a task); the rest reused it.
+        assert len(served) == 1
+        assert lane.served == ["chat/completions"] * 4
+        assert not lane.gateway.in_flight
+
+
+async def test_a_client_gone_mid_answer_on_a_kept_connection_cuts_the_engines() -> None:
+    async with lane_stack(token_delay=0.2) as lane:
+        _, writer = await warm(lane)
+        assert lane.gateway._whole is not None
+        (idle,) = lane.gateway._whole._idle.values()
+        (conn,) = idle
+        writer.write(request())
+        await eventually(lambda: bool(lane.gateway.in_flight), "the request in flight")
+        writer.close()
+        await eventually(lambda: not lane.gateway.in_flight, "the replica freed")
+        await eventually(lambda: conn.closed, "the engine's connection cut")
+        samples = {
+            (s.labels.get("status"), s.name): s.value
+            for m in lane.gateway.metrics.registry.collect()
+            for s in m.samples
+        }
+        assert samples[("499", "llmgw_requests_total")] == 1
+        assert samples[("200", "llmgw_requests_total")] == 1
+
+
+ANSWER = json.dumps(
+    {
+        "id": "c1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+).encode()
+
+
+async def test_an_engine_that_closes_a_kept_connection_as_it_is_reused_gets_a_new_one() -> None:
+    # As uvicorn closing an idle connection just as the next request is written
+    # on it: nothing was taken, so the request goes on a new connection.
+    connections: list[int] = []
+
+    async def answer_once(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        head = await r.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await r.readexactly(length)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+        w.write(b"Content-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER)
+        await w.drain()
+        await r.readuntil(b"\r\n\r\n")  # the next request: closed unanswered
+        w.close()
+
+    server = await asyncio.start_server(answer_once, "127.0.0.1", 0)
+    eport = server.sockets[0].getsockname()[1]
+    directory = StaticDirectory([ModelInfo("tiny")])
+    app = create_app(directory, RouterConfig())
+    directory.add_endpoint("tiny", Endpoint("r0", f"http://127.0.0.1:{eport}", "k"))
+    async with server, serve(app) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        for _ in range(3):
+            writer.write(request())
+            status, _, body = await read_answer(reader)
+            assert (status, body) == (200, ANSWER)
+        writer.close()
+        assert len(connections) == 3  # one for each request after the first
+        assert not app[GATEWAY_KEY].in_flight
+
+
+async def test_pipelined_requests_refused_at_once_are_all_answered_in_order(
+    tmp_path: Path,
+) -> None:
+    # Refused by the quota, each is answered within the read of the one
+    # before: a loop, not a call per request (no recursion to overflow).
+    keyfile = tmp_path / "keys.json"
+    k = add_key(keyfile, "alice", "t18phys").key
+    directory = StaticDirectory([ModelInfo("tiny")])
+    book = QuotaBook(QuotaConfig(requests_per_minute=1))
+    app = create_app(directory, keys=KeyRing(keyfile), quota=book)
+    auth = f"Authorization: Bearer {k}\r\n"
+    async with engine("tiny", key="k0") as eurl, serve(app) as url:
+        directory.add_endpoint("tiny", Endpoint("r0", eurl, "k0"))
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        writer.write(request(extra=auth))
+        assert (await read_answer(reader))[0] == 200
+        n = 3000
+        writer.write(b"".join(request(extra=auth) for _ in range(n)))
+        statuses = [(await read_answer(reader))[0] for _ in range(n)]
+        writer.close()
+        assert statuses == [429] * n
+
+
+async def test_shutdown_waits_for_an_answer_under_way_on_a_kept_connection() -> None:
+    directory = StaticDirectory([ModelInfo("tiny")])
+    app = create_app(directory, RouterConfig())
+    async with engine("tiny", key="k", token_delay=0.1) as eurl:
+        directory.add_endpoint("tiny", Endpoint("r0", eurl, "k"))
+        runner = fastlane.Runner(app, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        lane = Lane("", port, app[GATEWAY_KEY])
+        reader, writer = await warm(lane)
+        writer.write(request())
+        await eventually(lambda: bool(lane.gateway.in_flight), "the request in flight")
+        cleanup = asyncio.create_task(runner.cleanup())
+        status, _, body = await read_answer(reader)
+        await cleanup
+        writer.close()
+        assert status == 200 and json.loads(body)["choices"]
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["new-engine-conn", "kept-engine-conn"])
+@pytest.mark.parametrize("after", [False, True], ids=["before-the-answer", "after-it"])
+async def test_a_failure_in_the_lane_answers_once_and_closes(
+    after: bool, kept: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with lane_stack() as lane:
+        if kept:
+            (await warm(lane))[1].close()
 
         def broken(*_: object) -> None:
             raise RuntimeError("a bug")
