@@ -36,7 +36,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 
-from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, LaneCall, LanePlan
+from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, LaneCall, LanePlan, Whole
 
 __all__ = ["Runner", "parse_head"]
 
@@ -51,12 +51,14 @@ _PATHS = {
 # Longest head the lane reads (aiohttp's own limit on one line is 8190 bytes).
 MAX_HEAD = 8190
 _MAX_FIELDS = 64
-# RFC 9110 5.6.2: a header name is a token.
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_PRINTABLE = re.compile(rb"[\t\x20-\x7e]*")
+# The header fields, each line ended by CRLF: a name that is a token (RFC 9110
+# 5.6.2), a colon, a value of printable ASCII and tabs. One match for all of
+# them: a folded line (it starts with a space), a bare CR or LF, a control
+# character or a byte past ASCII fails it.
+_FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e]*\r\n)*")
 # Headers that change how the body or the connection is read: aiohttp's.
 _NOT_OURS = frozenset(
-    {b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"te", b"trailer"}
+    {"transfer-encoding", "content-encoding", "expect", "upgrade", "te", "trailer"}
 )
 
 
@@ -78,35 +80,41 @@ def parse_head(buf: bytes, max_body: int) -> Head | None:
     end = buf.find(b"\r\n\r\n")
     if end < 0 or end > MAX_HEAD:
         return None
-    head = buf[:end]
-    if not _PRINTABLE.fullmatch(head.replace(b"\r\n", b"")):
-        return None  # a bare CR or LF, a control character, a byte past ASCII
-    lines = head.split(b"\r\n")
-    method, _, rest = lines[0].partition(b" ")
+    line_end = buf.find(b"\r\n")
+    # The request line: exactly these bytes, so nothing else in it to check.
+    method, _, rest = buf[:line_end].partition(b" ")
     target, _, version = rest.partition(b" ")
     endpoint = _PATHS.get(target)
     if method != b"POST" or endpoint is None or version != b"HTTP/1.1":
         return None
-    if len(lines) - 1 > _MAX_FIELDS:
+    fields = buf[line_end + 2 : end + 2]
+    if not _FIELDS.fullmatch(fields):
+        return None
+    lines = fields.decode("ascii").split("\r\n")
+    del lines[-1]  # after the last CRLF
+    if len(lines) > _MAX_FIELDS:
         return None
     headers: CIMultiDict[str] = CIMultiDict()
     length: int | None = None
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not _TOKEN.fullmatch(name):
-            return None  # also a folded line, which starts with a space
+    hosts = 0  # HTTP/1.1 needs one (RFC 9112 3.2): aiohttp refuses none with a 400
+    for line in lines:
+        name, _, value = line.partition(":")
         lname = name.lower()
-        value = value.strip(b" \t")
+        value = value.strip(" \t")
         if lname in _NOT_OURS:
             return None
-        if lname == b"connection" and value.lower() != b"keep-alive":
+        if lname == "connection" and value.lower() != "keep-alive":
             return None
-        if lname == b"content-length":
+        if lname == "content-length":
             if length is not None or not value.isdigit() or len(value) > 18:
                 return None
             length = int(value)
-        headers.add(name.decode("ascii"), value.decode("ascii"))
-    if length is None or length > max_body:
+        elif lname == "host":
+            if hosts:
+                return None
+            hosts = 1
+        headers.add(name, value)
+    if length is None or length > max_body or not hosts:
         return None
     return Head(endpoint, headers, length, end + 4)
 
@@ -225,7 +233,7 @@ class _Lane(asyncio.Protocol):
 
     # what the gateway asks of the lane for a request it planned (gateway.LaneClient)
 
-    def answer(self, resp: web.Response) -> None:
+    def answer(self, resp: web.Response | Whole) -> None:
         self._call = None
         keep = resp.keep_alive is not False
         self._answered = True
@@ -395,13 +403,17 @@ class _Date:
         return cls.value
 
 
-def _serialize(resp: web.Response, keep_alive: bool) -> bytes:
+def _serialize(resp: web.Response | Whole, keep_alive: bool) -> bytes:
     """``resp`` as HTTP/1.1 bytes, with the headers aiohttp would give it."""
     body = resp.body
     if not isinstance(body, bytes):
         raise TypeError(f"the fast lane writes bytes bodies, not {type(body).__name__}")
     status = resp.status
-    reason = _REASONS.get(status) or resp.reason or "Unknown"
+    reason = (
+        _REASONS.get(status)
+        or (resp.reason if isinstance(resp, web.Response) else None)
+        or "Unknown"
+    )
     lines = [f"HTTP/1.1 {status} {reason}"]
     for name, value in resp.headers.items():
         if "\r" in value or "\n" in value:

@@ -165,11 +165,22 @@ class LanePlan(NamedTuple):
     t0: float
 
 
+class Whole(NamedTuple):
+    """An engine's whole answer as the client gets it, before (or without) a
+    ``web.Response``: the fast lane writes it as it is, and an aiohttp
+    ``Response``'s making costs more than the rest of the answer's handling."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool = True
+
+
 class LaneClient(Client, Protocol):
     """What the fast lane's connection (``router.fastlane``) offers the gateway
     for a request it planned."""
 
-    def answer(self, resp: web.Response) -> None:
+    def answer(self, resp: web.Response | Whole) -> None:
         """Send ``resp``: the request's answer, whichever it is."""
 
     def fall_back(self, plan: LanePlan, failed: BaseException | None) -> None:
@@ -197,7 +208,7 @@ class LaneCall:
         if isinstance(result, Answer):
             call = _Call(t0=plan.t0, model=plan.model)
             try:
-                resp = gw._answer(
+                resp = gw._whole_answer(
                     result.status, result.headers, result.body, plan.ep, plan.endpoint,
                     plan.model, plan.key, call,
                 )  # fmt: skip
@@ -825,16 +836,17 @@ class Gateway:
             del self.in_flight[key_]
         self.directory.request_finished(model, replica_id)
 
-    def _with_quota_headers(self, plan: LanePlan, resp: web.Response) -> web.Response:
+    def _add_quota_headers(self, plan: LanePlan, resp: web.Response | Whole) -> None:
         if self.quota is not None and plan.key is not None:
             # What add_quota_headers puts on aiohttp's answers as they are prepared.
             resp.headers.update(self.quota.headers(plan.key))
-        return resp
 
     def _lane_deliver(
-        self, plan: LanePlan, lane: LaneClient, resp: web.Response, first_byte: float | None
-    ) -> None:
-        lane.answer(self._with_quota_headers(plan, resp))
+        self, plan: LanePlan, lane: LaneClient, resp: web.Response | Whole,
+        first_byte: float | None,
+    ) -> None:  # fmt: skip
+        self._add_quota_headers(plan, resp)
+        lane.answer(resp)
         self.metrics.answered(
             plan.model,
             resp.status,
@@ -853,7 +865,8 @@ class Gateway:
 
         async def once(resp: web.Response) -> web.Response:
             sent.append(resp)
-            return await deliver(self._with_quota_headers(plan, resp))
+            self._add_quota_headers(plan, resp)
+            return await deliver(resp)
 
         try:
             resp = await self._forward(
@@ -1346,6 +1359,23 @@ class Gateway:
         call: _Call,
     ) -> web.Response:
         """The client's answer from the engine's whole one, its usage counted."""
+        got = self._whole_answer(status, headers, data, ep, endpoint, model, key, call)
+        if isinstance(got, web.Response):
+            return got
+        return web.Response(status=got.status, body=got.body, headers=got.headers)
+
+    def _whole_answer(
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        data: bytes,
+        ep: Endpoint,
+        endpoint: str,
+        model: str,
+        key: KeyRecord | None,
+        call: _Call,
+    ) -> Whole | web.Response:
+        """:meth:`_answer`'s, as a :class:`Whole` (the gateway's own error: a Response)."""
         if status in (401, 403):
             return self._engine_refused(model)
         ctype = headers.get("Content-Type", "")
@@ -1371,7 +1401,7 @@ class Gateway:
         if ctype:
             out_headers["Content-Type"] = ctype
         call.first_byte = time.monotonic()
-        return web.Response(status=status, body=data, headers=out_headers)
+        return Whole(status, out_headers, data)
 
 
 @web.middleware

@@ -14,11 +14,15 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import openai
 import pytest
 from _router_support import engine, eventually, free_port, serve
 from aiohttp import web
+from aiohttp.http_parser import HttpRequestParser
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw_slurm.config import QuotaConfig
 from llmgw_slurm.router import (
@@ -463,9 +467,49 @@ def test_parse_head_takes_a_plain_request() -> None:
         (b"Host: x", b"Expect: 100-continue"),
         (b"Host: x", b"Content-Encoding: gzip"),
         (b"Host: x", b"Upgrade: h2c"),
+        (b"Host: x\r\n", b""),  # no Host: aiohttp's 400
+        (b"Host: x", b"Host: x\r\nhost: y"),  # two
         (b"\r\n\r\n", b"\r\n"),  # the head not whole
     ],
 )
 def test_parse_head_leaves_anything_else_to_aiohttp(old: bytes, new: bytes) -> None:
     assert old in HEAD
     assert parse_head(HEAD.replace(old, new, 1), 100) is None
+
+
+# Pieces a header line is made of in the property test below: names, values,
+# and what aiohttp and the lane must both refuse or both read alike.
+_PIECES = [
+    b"Host", b"X-Request-Id", b"Authorization", b"Content-Length", b"Connection",
+    b"Transfer-Encoding", b"Accept", b"a", b"5", b"+5", b"keep-alive", b"close",
+    b"chunked", b"Bearer k", b":", b" ", b"\t", b"\r", b"\n", b"\x00", b"\x7f",
+    b"\xc3\xa9", b"(", b"\"", b"/", b"=",
+]  # fmt: skip
+
+
+@settings(max_examples=1000)
+@given(
+    st.lists(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6), max_size=6),
+    st.booleans(),
+)
+def test_a_head_the_lane_takes_is_read_by_aiohttp_alike(
+    lines: list[list[bytes]], host: bool
+) -> None:
+    """Whatever head the lane takes, aiohttp's own parser (the one the rest of
+    the gateway's requests go through) takes too, with the same headers."""
+    fields = [b"".join(pieces) for pieces in lines] + [b"Content-Length: 5"]
+    fields += [b"Host: gw"] if host else []
+    head = b"POST /v1/chat/completions HTTP/1.1\r\n" + b"\r\n".join(fields) + b"\r\n\r\n"
+    took = parse_head(head + b"hello", 100)
+    if took is None:
+        return
+    loop = asyncio.new_event_loop()
+    try:
+        parser = HttpRequestParser(mock.Mock(), loop, 2**16)
+        messages, _, _ = parser.feed_data(head + b"hello")
+    finally:
+        loop.close()
+    ((message, _),) = messages
+    assert message.method == "POST" and message.path == "/v1/chat/completions"
+    assert list(message.headers.items()) == list(took.headers.items())
+    assert took.length == 5 and took.size == len(head)
