@@ -6,15 +6,17 @@ machinery (a request object, a payload stream, a task per request, a response
 prepared and written in pieces) cost it about 250 µs of CPU and 0.15 ms of
 latency, against a bare asyncio protocol (docs/performance.md). The lane
 parses the request itself, lets :meth:`Gateway.lane_plan` decide whether it
-can serve it, and writes the answer in one piece.
+can serve it, and writes the answer in one piece: from the engine
+connection's own callback when the request went on a kept-alive one
+(:meth:`Gateway.lane_send`), else from a task (:meth:`Gateway.serve_lane`).
 
 It serves only what it can serve exactly as aiohttp's path would, and gives
 every other connection to aiohttp, bytes and all, before it has read or
 answered anything of the request in question: a head that did not come whole
 or is not strictly the HTTP/1.1 the lane knows (chunked or encoded bodies,
-``Expect``, ``Upgrade``, folded or non-ASCII headers, two Content-Lengths),
-another method or path, and whatever :meth:`Gateway.lane_plan` refuses (every
-refusal, a stream, a cold start, a traced request). Once given away, a
+``Expect``, ``Upgrade``, folded or non-ASCII headers, two Content-Lengths, no
+Host or two), another method or path, and whatever :meth:`Gateway.lane_plan`
+refuses (every refusal, a stream, a cold start, a traced request). Once given away, a
 connection stays with aiohttp. So aiohttp's parser remains the judge of
 anything unusual, and a request is never read two ways.
 

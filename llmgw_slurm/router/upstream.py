@@ -106,8 +106,9 @@ class Conn(asyncio.Protocol):
 
     ``done`` is called from within the protocol's callbacks, once the
     connection is ready for its next request; so it must not raise, and the
-    answer is handled in the same turn of the loop it came in (a future would
-    take one more; the fast lane's requests use that)."""
+    answer is handled in the same turn of the loop it came in. (A future
+    awaited by a task, as :meth:`UpstreamPool.post`'s, takes one more turn;
+    the fast lane's requests do without, :meth:`UpstreamPool.send_kept`.)"""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout: float | None) -> None:
         self._loop = loop
@@ -391,6 +392,7 @@ class UpstreamPool:
         reused is not tried again here: ``done`` gets that
         :class:`UpstreamUnreachable`, and the caller tries again."""
         target, base_path = self._target(base_url, pinned)
+        request = _request_bytes(target, base_path + path, headers, body)
         conn = self._take_idle(target)
         if conn is None:
             return None
@@ -400,7 +402,7 @@ class UpstreamPool:
                 self._give_back(conn, target)
             done(result)
 
-        conn.send(_request_bytes(target, base_path + path, headers, body), give_back)
+        conn.send(request, give_back)
         return conn
 
     async def _connect(self, target: _Target) -> Conn:

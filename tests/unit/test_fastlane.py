@@ -358,6 +358,49 @@ async def test_an_engine_that_closes_a_kept_connection_as_it_is_reused_gets_a_ne
         assert not app[GATEWAY_KEY].in_flight
 
 
+async def test_an_answer_that_breaks_off_on_a_kept_connection_is_a_502() -> None:
+    # The failed try is handled as the task path handles its own: the 502
+    # aiohttp's path gives, and the next request on a new engine connection.
+    requests_seen: list[int] = []
+
+    async def answer_then_break(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await r.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await r.readexactly(length)
+            requests_seen.append(1)
+            if len(requests_seen) == 2:
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n" + ANSWER[:10])
+                await w.drain()
+                w.close()
+                return
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+            w.write(b"Content-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER)
+            await w.drain()
+
+    server = await asyncio.start_server(answer_then_break, "127.0.0.1", 0)
+    eport = server.sockets[0].getsockname()[1]
+    directory = StaticDirectory([ModelInfo("tiny")])
+    app = create_app(directory, RouterConfig())
+    directory.add_endpoint("tiny", Endpoint("r0", f"http://127.0.0.1:{eport}", "k"))
+    async with server, serve(app) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        answers = []
+        for _ in range(3):
+            writer.write(request())
+            answers.append(await read_answer(reader))
+        writer.close()
+    assert [a[0] for a in answers] == [200, 502, 200]
+    error = json.loads(answers[1][2])["error"]
+    assert error["code"] == "upstream_failed" and "Closed" in error["message"]
+    assert answers[2][2] == ANSWER
+    assert len(requests_seen) == 3  # the broken answer's request was not sent again
+    assert not app[GATEWAY_KEY].in_flight
+
+
 async def test_pipelined_requests_refused_at_once_are_all_answered_in_order(
     tmp_path: Path,
 ) -> None:
