@@ -1058,9 +1058,8 @@ class Gateway:
         deliver: Deliver | None = None,
         failed: BaseException | None = None,
     ) -> web.StreamResponse:
-        """The engine's answer; a whole one sent from here (``deliver``: aiohttp's
-        by default). ``failed``: the first try was made (by the fast lane), and
-        ended so."""
+        """The engine's answer; a whole one sent from here (``deliver``: aiohttp's by
+        default; ``failed``: how a first try, the fast lane's, ended)."""
         assert self._session is not None, "the gateway app was not started"
         upload = body if isinstance(body, surface.Upload) else None
         tried: set[str] = set()
@@ -1077,7 +1076,6 @@ class Gateway:
                     # one): a listener that took the engine's port fails the handshake
                     # before the request, its key or its prompt is sent.
                     if upload is None and not stream:
-                        assert isinstance(body, bytes)
                         if failed is not None:
                             first_try, failed = failed, None
                             raise first_try  # handled below as this try's own
@@ -1125,9 +1123,10 @@ class Gateway:
                 self._request_ended(model, replica_id)
 
     async def _post_whole(
-        self, ep: Endpoint, endpoint: str, headers: dict[str, str], body: bytes
+        self, ep: Endpoint, endpoint: str, headers: dict[str, str], body: bytes | surface.Upload
     ) -> Answer:
         assert self._whole is not None, "the gateway app was not started"
+        assert isinstance(body, bytes)  # not an upload
         return await self._whole.post(
             ep.base_url, ep.ssl, surface.upstream_path(endpoint), headers, body
         )
