@@ -236,6 +236,13 @@ class LaneCall:
         self._gw.metrics.answered(plan.model, 499, time.monotonic() - plan.t0, None)
 
 
+def _response_of(got: Whole | web.Response) -> web.Response:
+    """An answer as aiohttp's path sends it."""
+    if isinstance(got, web.Response):
+        return got
+    return web.Response(status=got.status, body=got.body, headers=got.headers)
+
+
 def _client_gone(request: Client) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
@@ -1080,10 +1087,10 @@ class Gateway:
                             first_try, failed = failed, None
                             raise first_try  # handled below as this try's own
                         answer = await self._post_whole(ep, endpoint, headers, body)
-                        resp = self._answer(
+                        resp = _response_of(self._whole_answer(
                             answer.status, answer.headers, answer.body, ep, endpoint, model,
                             key, call,
-                        )  # fmt: skip
+                        ))  # fmt: skip
                         return await (deliver or functools.partial(_sent, request))(resp)
                     assert isinstance(request, web.Request)
                     upstream = await self._session.post(
@@ -1323,7 +1330,10 @@ class Gateway:
             data = await upstream.read()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
             return self._broke_off(model, type(e).__name__)
-        return self._answer(upstream.status, upstream.headers, data, ep, endpoint, model, key, call)
+        got = self._whole_answer(
+            upstream.status, upstream.headers, data, ep, endpoint, model, key, call
+        )
+        return _response_of(got)
 
     def _engine_refused(self, model: str) -> web.Response:
         # The engine refused the replica's key: a deployment fault, never
@@ -1346,23 +1356,6 @@ class Gateway:
             "upstream_failed",
         )
 
-    def _answer(
-        self,
-        status: int,
-        headers: Mapping[str, str],
-        data: bytes,
-        ep: Endpoint,
-        endpoint: str,
-        model: str,
-        key: KeyRecord | None,
-        call: _Call,
-    ) -> web.Response:
-        """The client's answer from the engine's whole one, its usage counted."""
-        got = self._whole_answer(status, headers, data, ep, endpoint, model, key, call)
-        if isinstance(got, web.Response):
-            return got
-        return web.Response(status=got.status, body=got.body, headers=got.headers)
-
     def _whole_answer(
         self,
         status: int,
@@ -1374,7 +1367,8 @@ class Gateway:
         key: KeyRecord | None,
         call: _Call,
     ) -> Whole | web.Response:
-        """:meth:`_answer`'s, as a :class:`Whole` (the gateway's own error: a Response)."""
+        """The client's answer from the engine's whole one, its usage counted (the
+        gateway's own error: a Response; see :func:`_response_of`)."""
         if status in (401, 403):
             return self._engine_refused(model)
         ctype = headers.get("Content-Type", "")

@@ -9,7 +9,7 @@ import asyncio
 import json
 import shutil
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,6 +326,40 @@ ANSWER = json.dumps(
 ).encode()
 
 
+async def read_request(r: asyncio.StreamReader) -> bool:
+    """Read one request of the gateway's, as an engine would; False: the connection ended."""
+    try:
+        head = await r.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return False
+    await r.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+    return True
+
+
+async def write_answer(w: asyncio.StreamWriter) -> None:
+    w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+    w.write(b"Content-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER)
+    await w.drain()
+
+
+@asynccontextmanager
+async def raw_engine_gateway(
+    handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter, Gateway]]:
+    """A gateway whose one replica is ``handler``'s server, and a client connection to it."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    eport = server.sockets[0].getsockname()[1]
+    directory = StaticDirectory([ModelInfo("tiny")])
+    app = create_app(directory, RouterConfig())
+    directory.add_endpoint("tiny", Endpoint("r0", f"http://127.0.0.1:{eport}", "k"))
+    async with server, serve(app) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        try:
+            yield reader, writer, app[GATEWAY_KEY]
+        finally:
+            writer.close()
+
+
 async def test_an_engine_that_closes_a_kept_connection_as_it_is_reused_gets_a_new_one() -> None:
     # As uvicorn closing an idle connection just as the next request is written
     # on it: nothing was taken, so the request goes on a new connection.
@@ -333,29 +367,18 @@ async def test_an_engine_that_closes_a_kept_connection_as_it_is_reused_gets_a_ne
 
     async def answer_once(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         connections.append(1)
-        head = await r.readuntil(b"\r\n\r\n")
-        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-        await r.readexactly(length)
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
-        w.write(b"Content-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER)
-        await w.drain()
+        await read_request(r)
+        await write_answer(w)
         await r.readuntil(b"\r\n\r\n")  # the next request: closed unanswered
         w.close()
 
-    server = await asyncio.start_server(answer_once, "127.0.0.1", 0)
-    eport = server.sockets[0].getsockname()[1]
-    directory = StaticDirectory([ModelInfo("tiny")])
-    app = create_app(directory, RouterConfig())
-    directory.add_endpoint("tiny", Endpoint("r0", f"http://127.0.0.1:{eport}", "k"))
-    async with server, serve(app) as url:
-        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    async with raw_engine_gateway(answer_once) as (reader, writer, gw):
         for _ in range(3):
             writer.write(request())
             status, _, body = await read_answer(reader)
             assert (status, body) == (200, ANSWER)
-        writer.close()
-        assert len(connections) == 3  # one for each request after the first
-        assert not app[GATEWAY_KEY].in_flight
+    assert len(connections) == 3  # one for each request after the first
+    assert not gw.in_flight
 
 
 async def test_an_answer_that_breaks_off_on_a_kept_connection_is_a_502() -> None:
@@ -364,41 +387,26 @@ async def test_an_answer_that_breaks_off_on_a_kept_connection_is_a_502() -> None
     requests_seen: list[int] = []
 
     async def answer_then_break(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                head = await r.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                return
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            await r.readexactly(length)
+        while await read_request(r):
             requests_seen.append(1)
             if len(requests_seen) == 2:
                 w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n" + ANSWER[:10])
                 await w.drain()
                 w.close()
                 return
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
-            w.write(b"Content-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER)
-            await w.drain()
+            await write_answer(w)
 
-    server = await asyncio.start_server(answer_then_break, "127.0.0.1", 0)
-    eport = server.sockets[0].getsockname()[1]
-    directory = StaticDirectory([ModelInfo("tiny")])
-    app = create_app(directory, RouterConfig())
-    directory.add_endpoint("tiny", Endpoint("r0", f"http://127.0.0.1:{eport}", "k"))
-    async with server, serve(app) as url:
-        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
-        answers = []
+    answers = []
+    async with raw_engine_gateway(answer_then_break) as (reader, writer, gw):
         for _ in range(3):
             writer.write(request())
             answers.append(await read_answer(reader))
-        writer.close()
     assert [a[0] for a in answers] == [200, 502, 200]
     error = json.loads(answers[1][2])["error"]
     assert error["code"] == "upstream_failed" and "Closed" in error["message"]
     assert answers[2][2] == ANSWER
     assert len(requests_seen) == 3  # the broken answer's request was not sent again
-    assert not app[GATEWAY_KEY].in_flight
+    assert not gw.in_flight
 
 
 async def test_pipelined_requests_refused_at_once_are_all_answered_in_order(
