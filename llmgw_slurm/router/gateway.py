@@ -233,7 +233,7 @@ class LaneCall:
         self.conn.abandon()
         plan = self._plan
         self._gw._request_ended(plan.model, plan.ep.replica_id)
-        self._gw.metrics.answered(plan.model, 499, time.monotonic() - plan.t0, None)
+        self._gw.metrics.answered_since(plan.model, 499, plan.t0, None)
 
 
 def _response_of(got: Whole | web.Response) -> web.Response:
@@ -734,12 +734,8 @@ class Gateway:
                 raise
             finally:
                 span.set_attribute("http.response.status_code", call.status)
-                first = call.first_byte
-                self.metrics.answered(
-                    call.model or "_unknown",
-                    call.status,
-                    time.monotonic() - call.t0,
-                    None if first is None else first - call.t0,
+                self.metrics.answered_since(
+                    call.model or "_unknown", call.status, call.t0, call.first_byte
                 )
 
     def _request_span(
@@ -854,12 +850,7 @@ class Gateway:
     ) -> None:  # fmt: skip
         self._add_quota_headers(plan, resp)
         lane.answer(resp)
-        self.metrics.answered(
-            plan.model,
-            resp.status,
-            time.monotonic() - plan.t0,
-            None if first_byte is None else first_byte - plan.t0,
-        )
+        self.metrics.answered_since(plan.model, resp.status, plan.t0, first_byte)
 
     async def serve_lane(
         self, plan: LanePlan, client: Client, deliver: Deliver, failed: BaseException | None
@@ -888,13 +879,7 @@ class Gateway:
             call.status = 499
             raise
         finally:
-            first = call.first_byte
-            self.metrics.answered(
-                plan.model,
-                call.status,
-                time.monotonic() - call.t0,
-                None if first is None else first - call.t0,
-            )
+            self.metrics.answered_since(plan.model, call.status, call.t0, call.first_byte)
 
     async def _proxy_inner(
         self, request: web.Request, endpoint: str, call: _Call

@@ -6,6 +6,7 @@ two gateways in one process (tests, benchmarks) collide on metric names.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,6 +112,14 @@ class GatewayMetrics:
         latency.observe(seconds)
         if first_byte is not None:
             ttfb.observe(first_byte)
+
+    def answered_since(
+        self, model: str, status: int, t0: float, first_byte: float | None
+    ) -> None:
+        """:meth:`answered` for a request that came at ``t0`` and began to be
+        answered at ``first_byte`` (None: never), both on the monotonic clock."""
+        now = time.monotonic()
+        self.answered(model, status, now - t0, None if first_byte is None else first_byte - t0)
 
     def counted(self, model: str, prompt: int, completion: int) -> None:
         """Tokens an engine reported for one answer."""
