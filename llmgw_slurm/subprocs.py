@@ -16,13 +16,22 @@ async def communicate(proc: asyncio.subprocess.Process, stdin: bytes | None) -> 
     daemon's, writing to a child's stdin that is already closed raises
     RuntimeError ("the handler is closed") instead, which reached the user as a
     traceback. ``stdin`` None: the child was started without a pipe for it.
+
+    The input is fed while the output is read, as asyncio's own does: a child
+    that writes as it reads would otherwise fill its output pipe and stop
+    reading, and both sides would wait for ever.
     """
-    if stdin is not None:
-        assert proc.stdin is not None, "started without a pipe for stdin"
-        try:
-            proc.stdin.write(stdin)
-            await proc.stdin.drain()
-        except (BrokenPipeError, ConnectionResetError, RuntimeError):
-            pass
-        proc.stdin.close()
-    return await proc.communicate()
+    if stdin is None:
+        return await proc.communicate()
+    _, (out, err) = await asyncio.gather(_feed(proc, stdin), proc.communicate())
+    return out, err
+
+
+async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
+    assert proc.stdin is not None, "started without a pipe for stdin"
+    try:
+        proc.stdin.write(data)
+        await proc.stdin.drain()
+    except (BrokenPipeError, ConnectionResetError, RuntimeError):
+        pass
+    proc.stdin.close()
