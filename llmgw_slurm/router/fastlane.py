@@ -237,9 +237,7 @@ class _Lane(asyncio.Protocol):
 
     def answer(self, resp: web.Response | Whole) -> None:
         self._call = None
-        keep = resp.keep_alive is not False
-        self._answered = True
-        self._write(_serialize(resp, keep), keep_alive=keep)
+        self._send(resp)
         self._served()
 
     def fall_back(self, plan: LanePlan, failed: BaseException | None) -> None:
@@ -300,11 +298,14 @@ class _Lane(asyncio.Protocol):
             self._advance()
 
     async def _deliver(self, resp: web.Response) -> web.Response:
+        self._send(resp)
+        return resp
+
+    def _send(self, resp: web.Response | Whole) -> None:
         keep = resp.keep_alive is not False
         data = _serialize(resp, keep)
         self._answered = True
         self._write(data, keep_alive=keep)
-        return resp
 
     def _write(self, data: bytes, *, keep_alive: bool) -> None:
         transport = self.transport
