@@ -457,6 +457,13 @@ def _chunk(gen: _Generation, delta_or_text: Any, finish: str | None) -> dict[str
 async def _answer_stream(
     request: web.Request, gen: _Generation, opts: EngineOptions
 ) -> web.StreamResponse:
+    # Tokens are due on a schedule from the request's arrival, as a GPU's
+    # decode steps are: a sleep after each write would add the host's timer
+    # lateness once a token, and a stream of 52 tokens drifted by
+    # milliseconds with the CPU load of whatever else runs on the machine (a
+    # proxy under test: docs/performance.md, "Streams on a schedule").
+    loop = asyncio.get_running_loop()
+    due = loop.time()
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -469,9 +476,9 @@ async def _answer_stream(
             if request.transport is not None:
                 request.transport.abort()
             return resp
-        delay = opts.delay_before(i)
-        if delay:
-            await asyncio.sleep(delay)
+        due += opts.delay_before(i)
+        if due > loop.time():
+            await asyncio.sleep(due - loop.time())
         request.app[_STATE].completion_tokens += 1
         await resp.write(_sse(_chunk(gen, {"content": tok} if gen.chat else tok, None)))
     await resp.write(_sse(_chunk(gen, {} if gen.chat else "", "length")))
