@@ -5,8 +5,9 @@ an upload) through here rather than through aiohttp's client: the answer is
 read whole anyway, and aiohttp's client was most of what a proxied request
 cost the gateway (a bare aiohttp proxy added as much as the whole gateway
 did; with this pool and uvloop the gateway adds half what it did;
-docs/performance.md). Streams stay on aiohttp's client, whose connection the
-relay takes over.
+docs/performance.md). A stream the fast lane took comes through here too, its
+body handed to a :class:`Sink` as it arrives; aiohttp's path streams on
+aiohttp's client, whose connection the relay takes over.
 
 HTTP/1.1 only as the engines speak it: one request at a time on a connection,
 an answer framed by Content-Length, chunked, or the connection's end.
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import ssl
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeAlias, cast
+from typing import Protocol, TypeAlias, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -37,6 +39,11 @@ IDLE_S = 4.0
 _MAX_IDLE = 256
 # Base URLs parsed and kept (far more than a site's replicas at once).
 _MAX_TARGETS = 4096
+# A chunk-size line: hex digits, then optional extensions (ignored), as
+# RFC 9112 7.1 has it; 64-bit sizes at most. int(x, 16) alone would take
+# "-1", "0x5" and " 5".
+CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}(?=[;\t ]|\r\n)")
+MAX_CHUNK_LINE = 4096
 
 
 class UpstreamUnreachable(aiohttp.ClientConnectionError):
@@ -82,6 +89,34 @@ class _Target:
 Done: TypeAlias = "Callable[[Answer | BaseException], None]"
 
 
+class Sink(Protocol):
+    """Where a streamed answer (200, ``text/event-stream``) goes as it
+    arrives; its ``done`` gets an :class:`Answer` with an empty body at the
+    end. All are called from the connection's callbacks: they must not raise."""
+
+    def head(self, conn: Conn, headers: CIMultiDict[str]) -> None:
+        """The answer streams (on ``conn``): its headers, before any of its body."""
+
+    def data(self, data: bytes) -> None:
+        """The next piece of the body, its framing undone."""
+
+    def end(self, whole: bool) -> None:
+        """The answer ended (``whole``, or it failed), just before ``done``
+        hears of it: the connection is no longer the sink's to pause."""
+
+    def keep_reading(self, conn: Conn) -> bool:
+        """The caller stopped waiting (cancelled): True if the sink reads the
+        answer on (it then owns ``conn``, and abandons it at the end); False,
+        and the connection is cut."""
+
+
+# One read buffer for every connection: a transport fills it and hands it
+# over in one synchronous step (buffer_updated), so no two reads overlap. As a
+# plain protocol, the TLS layer decrypts each read into a fresh 256 KiB bytes
+# object (relay._Pipe, which reads the same way): on a stream, a read an event.
+_READ_BUFFER = memoryview(bytearray(64 * 1024))
+
+
 @functools.cache
 def _system_context() -> ssl.SSLContext:
     # One for all: a connection pool is per context.
@@ -100,7 +135,7 @@ def target_of(base_url: str, pinned: ssl.SSLContext | None) -> tuple[_Target, st
     return _Target(u.hostname, u.port or (443 if https else 80), ctx, u.netloc), u.path.rstrip("/")
 
 
-class Conn(asyncio.Protocol):
+class Conn(asyncio.BufferedProtocol):
     """One connection: writes a request, parses its answer, and gives it (or
     the error) to the request's ``done`` callback.
 
@@ -126,14 +161,23 @@ class Conn(asyncio.Protocol):
         self._parts: list[bytes] = []
         self._last_read = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        # A streamed answer's body goes here, not into _parts (see Sink).
+        self._sink: Sink | None = None
+        self._paused = False
 
-    # asyncio.Protocol
+    # asyncio.BufferedProtocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's are not asyncio.Transport subclasses).
         self.transport = cast(asyncio.Transport, transport)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return _READ_BUFFER
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(_READ_BUFFER[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
         self._last_read = self._loop.time()
         if self._done is None:
             # Bytes nobody asked for (or after the answer): not HTTP as we know it.
@@ -165,10 +209,12 @@ class Conn(asyncio.Protocol):
 
     # requests
 
-    def send(self, request: bytes, done: Done) -> None:
-        """Write ``request``; ``done`` gets its answer."""
+    def send(self, request: bytes, done: Done, sink: Sink | None = None) -> None:
+        """Write ``request``; ``done`` gets its answer (``sink``, the body of
+        one that streams)."""
         assert self.transport is not None and self._done is None
         self._done = done
+        self._sink = sink
         self._got_bytes = False
         self._last_read = self._loop.time()
         self.transport.write(request)
@@ -176,6 +222,18 @@ class Conn(asyncio.Protocol):
             # A timer left by an earlier answer is reused: it re-arms itself
             # from _last_read when it fires early (see _idle and _reset).
             self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._idle)
+
+    def pause(self) -> None:
+        """Stop reading (the client's buffer is full): the engine waits on TCP."""
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self._last_read = self._loop.time()
+            self.transport.resume_reading()
 
     def abandon(self) -> None:
         """The caller stopped waiting (cancelled): the engine may still be
@@ -189,7 +247,9 @@ class Conn(asyncio.Protocol):
     def _parse(self) -> None:
         if self._head is None and not self._parse_head():
             return
-        if self._framing == "length":
+        if self._sink is not None and self._framing != "chunked":
+            self._pass_on()
+        elif self._framing == "length":
             if len(self._buf) >= self._need:
                 if len(self._buf) > self._need:
                     self.reusable = False  # bytes past the answer
@@ -220,6 +280,16 @@ class Conn(asyncio.Protocol):
         if headers.get("connection", "").lower() == "close" or parts[0] == "HTTP/1.0":
             self.reusable = False
         self._head = (status, headers)
+        self._set_framing(status, headers)
+        sink = self._sink
+        if sink is not None:
+            if status == 200 and headers.get("content-type", "").startswith("text/event-stream"):
+                sink.head(self, headers)
+            else:
+                self._sink = None  # an error, or an answer that does not stream: read whole
+        return True
+
+    def _set_framing(self, status: int, headers: CIMultiDict[str]) -> None:
         if "chunked" in headers.get("transfer-encoding", "").lower():
             self._framing = "chunked"
         elif "content-length" in headers:
@@ -235,18 +305,37 @@ class Conn(asyncio.Protocol):
         else:
             self._framing = "close"
             self.reusable = False
-        return True
+
+    def _pass_on(self) -> None:
+        """A streamed body not chunked: to the sink as it comes (to its
+        Content-Length, or to the connection's end)."""
+        sink = self._sink
+        assert sink is not None
+        if self._framing == "length":
+            take = min(len(self._buf), self._need)
+            if take:
+                sink.data(bytes(self._buf[:take]))
+                del self._buf[:take]
+                self._need -= take
+            if self._need == 0 and self._done is not None:
+                if self._buf:
+                    self.reusable = False  # bytes past the answer
+                self._finish(b"")
+        elif self._buf:
+            sink.data(bytes(self._buf))
+            self._buf.clear()
 
     def _parse_chunks(self) -> None:
         while True:
             line_end = self._buf.find(b"\r\n")
             if line_end < 0:
+                if len(self._buf) > MAX_CHUNK_LINE:
+                    raise UpstreamBroken("a chunk-size line without an end", "BadChunk")
                 return
-            size_text = bytes(self._buf[:line_end]).split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise UpstreamBroken("a chunk size that is not hexadecimal", "BadChunk") from None
+            got = CHUNK_SIZE.match(self._buf, 0, line_end + 2)
+            if got is None:
+                raise UpstreamBroken("a chunk size that is not hexadecimal", "BadChunk")
+            size = int(got.group(), 16)
             if size == 0:
                 # The last chunk, then trailers (ignored) up to an empty line.
                 rest = self._buf[line_end + 2 :]
@@ -266,8 +355,14 @@ class Conn(asyncio.Protocol):
                 return
             if self._buf[start + size : start + size + 2] != b"\r\n":
                 raise UpstreamBroken("a chunk not ended by CRLF", "BadChunk")
-            self._parts.append(bytes(self._buf[start : start + size]))
+            piece = bytes(self._buf[start : start + size])
             del self._buf[: start + size + 2]
+            if self._sink is None:
+                self._parts.append(piece)
+                continue
+            self._sink.data(piece)
+            if self._done is None:
+                return  # the sink stopped the answer (abandon)
 
     # ends
 
@@ -275,16 +370,20 @@ class Conn(asyncio.Protocol):
     # connection's next request.
 
     def _finish(self, body: bytes) -> None:
-        done, head = self._done, self._head
+        done, head, sink = self._done, self._head, self._sink
         assert done is not None and head is not None
         self._reset()
+        if sink is not None:
+            sink.end(True)
         done(Answer(head[0], head[1], body))
 
     def _fail(self, exc: BaseException) -> None:
-        done = self._done
+        done, sink = self._done, self._sink
         self._reset()
         self.reusable = False
         self._close()
+        if sink is not None:
+            sink.end(False)
         if done is not None:
             done(exc)
 
@@ -294,6 +393,9 @@ class Conn(asyncio.Protocol):
         # setting a new one each request costs more on a cold CPU than the
         # request's parse of the answer.
         self._done = None
+        self._sink = None
+        if self._paused:
+            self.resume()  # a connection back in the pool reads (and sees a close)
         self._head = None
         self._framing = ""
         self._need = 0
@@ -306,6 +408,10 @@ class Conn(asyncio.Protocol):
         if self._done is None or self._read_timeout is None:
             return
         due = self._last_read + self._read_timeout
+        if self._paused:
+            # Waiting on the client is not the engine's silence (resume
+            # restarts the clock).
+            due = self._loop.time() + self._read_timeout
         if self._loop.time() < due:
             self._timer = self._loop.call_at(due, self._idle)
             return
@@ -341,9 +447,10 @@ class UpstreamPool:
 
     async def post(
         self, base_url: str, pinned: ssl.SSLContext | None, path: str,
-        headers: dict[str, str], body: bytes,
+        headers: dict[str, str], body: bytes, sink: Sink | None = None,
     ) -> Answer:  # fmt: skip
-        """POST ``body`` to ``base_url`` + ``path`` (which starts with a slash); the whole answer.
+        """POST ``body`` to ``base_url`` + ``path`` (which starts with a slash); the whole
+        answer (``sink``: the body of one that streams, see :class:`Sink`).
 
         Raises :class:`UpstreamUnreachable` when no byte of an answer came back
         (the request may be sent elsewhere), :class:`UpstreamBroken` when the
@@ -353,13 +460,13 @@ class UpstreamPool:
         conn = self._take_idle(target)
         if conn is not None:
             try:
-                return await self._exchange(conn, target, request)
+                return await self._exchange(conn, target, request, sink)
             except UpstreamUnreachable as e:
                 if e.timed_out:
                     raise
                 # A kept-alive connection the engine closed as it was reused:
                 # the request was not taken; once more on a new connection.
-        return await self._exchange(await self._connect(target), target, request)
+        return await self._exchange(await self._connect(target), target, request, sink)
 
     def _target(self, base_url: str, pinned: ssl.SSLContext | None) -> tuple[_Target, str]:
         got = self._targets.get((base_url, pinned))
@@ -369,13 +476,16 @@ class UpstreamPool:
             got = self._targets[(base_url, pinned)] = target_of(base_url, pinned)
         return got
 
-    async def _exchange(self, conn: Conn, target: _Target, request: bytes) -> Answer:
+    async def _exchange(
+        self, conn: Conn, target: _Target, request: bytes, sink: Sink | None
+    ) -> Answer:
         waiter: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        conn.send(request, functools.partial(_settle, waiter))
+        conn.send(request, functools.partial(_settle, waiter), sink)
         try:
             answer = await waiter
         except asyncio.CancelledError:
-            conn.abandon()
+            if sink is None or not sink.keep_reading(conn):
+                conn.abandon()
             raise
         self._give_back(conn, target)
         return answer
