@@ -1,7 +1,7 @@
 """The gateway's fast lane: the commonest request served without aiohttp's server.
 
-A chat, completion or embedding request that is not streamed and finds a
-ready replica is most of what the gateway serves, and aiohttp's per-request
+A chat, completion or embedding request that finds a ready replica is most
+of what the gateway serves, and aiohttp's per-request
 machinery (a request object, a payload stream, a task per request, a response
 prepared and written in pieces) cost it about 250 µs of CPU and 0.15 ms of
 latency, against a bare asyncio protocol (docs/performance.md). The lane
@@ -9,6 +9,8 @@ parses the request itself, lets :meth:`Gateway.lane_plan` decide whether it
 can serve it, and writes the answer in one piece: from the engine
 connection's own callback when the request went on a kept-alive one
 (:meth:`Gateway.lane_send`), else from a task (:meth:`Gateway.serve_lane`).
+A stream is served from a task, its events written as the engine's
+connection hands them over (``relay.LaneSink``).
 
 It serves only what it can serve exactly as aiohttp's path would, and gives
 every other connection to aiohttp, bytes and all, before it has read or
@@ -16,7 +18,7 @@ answered anything of the request in question: a head that did not come whole
 or is not strictly the HTTP/1.1 the lane knows (chunked or encoded bodies,
 ``Expect``, ``Upgrade``, folded or non-ASCII headers, two Content-Lengths, no
 Host or two), another method or path, and whatever :meth:`Gateway.lane_plan`
-refuses (every refusal, a stream, a cold start, a traced request). Once given away, a
+refuses (every refusal, a cold start, a traced request). Once given away, a
 connection stays with aiohttp. So aiohttp's parser remains the judge of
 anything unusual, and a request is never read two ways.
 
@@ -31,6 +33,7 @@ import email.utils
 import logging
 import re
 import time
+from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -39,6 +42,7 @@ from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 
 from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, LaneCall, LanePlan, Whole
+from llmgw_slurm.router.relay import LaneSink
 
 __all__ = ["Runner", "parse_head"]
 
@@ -142,6 +146,7 @@ class _Lane(asyncio.Protocol):
         # or in a task (Gateway.serve_lane).
         self._call: LaneCall | None = None
         self.task: asyncio.Task[None] | None = None
+        self._stream: LaneSink | None = None  # a streamed answer under way
         self._served_waiter: asyncio.Future[None] | None = None
         self._advancing = False
         self._paused = False
@@ -176,8 +181,19 @@ class _Lane(asyncio.Protocol):
     def eof_received(self) -> bool:
         return False  # close: connection_lost stops what is under way
 
+    def pause_writing(self) -> None:
+        # The client reads slower than the engine writes: the engine waits
+        # (TCP), not the gateway's memory.
+        if self._stream is not None:
+            self._stream.pause()
+
+    def resume_writing(self) -> None:
+        if self._stream is not None:
+            self._stream.resume()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._state = _GONE
+        self._stream = None
         self._runner.lanes.discard(self)
         self._disarm()
         # As aiohttp's handler_cancellation: the engine's connection is cut.
@@ -266,6 +282,29 @@ class _Lane(asyncio.Protocol):
             self.crashed(plan)
             return
         self._served()
+
+    # a streamed answer (relay.StreamClient)
+
+    def begin_stream(self, headers: dict[str, str], sink: LaneSink) -> None:
+        self._stream = sink
+        self._answered = True
+        self._write(_head_bytes(200, "OK", headers, "Transfer-Encoding: chunked"), keep_alive=True)
+
+    def write_chunk(self, data: bytes) -> bool:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+    def end_stream(self) -> None:
+        self._stream = None
+        self._write(b"0\r\n\r\n", keep_alive=True)
+
+    def cut(self) -> None:
+        self._stream = None
+        self._state = _GONE
+        self.close()
 
     def until_served(self) -> asyncio.Future[None] | None:
         """Done once the request under way is answered (or the client gone);
@@ -417,18 +456,26 @@ def _serialize(resp: web.Response | Whole, keep_alive: bool) -> bytes:
         or (resp.reason if isinstance(resp, web.Response) else None)
         or "Unknown"
     )
+    framing = f"Content-Length: {len(body)}"
+    return _head_bytes(status, reason, resp.headers, framing, keep_alive) + body
+
+
+def _head_bytes(
+    status: int, reason: str, headers: Mapping[str, str], framing: str, keep_alive: bool = True
+) -> bytes:
+    """An answer's head: ``framing``, its Content-Length or Transfer-Encoding line."""
     lines = [f"HTTP/1.1 {status} {reason}"]
-    for name, value in resp.headers.items():
+    for name, value in headers.items():
         if "\r" in value or "\n" in value:
             raise ValueError(f"a header with a line break: {name!r}")
-        if name.lower() in ("content-length", "connection", "date"):
+        if name.lower() in ("content-length", "connection", "date", "transfer-encoding"):
             continue
         lines.append(f"{name}: {value}")
-    lines.append(f"Content-Length: {len(body)}")
+    lines.append(framing)
     lines.append(f"Date: {_Date.now()}")
     if not keep_alive:
         lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8") + body
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8")
 
 
 class Runner(web.AppRunner):

@@ -25,7 +25,7 @@ import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import aiohttp
 from aiohttp import web
@@ -43,7 +43,7 @@ from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
 from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.quota import QuotaBook, add_quota_headers
-from llmgw_slurm.router.relay import _Call, _Pipe, _SseRelay
+from llmgw_slurm.router.relay import LaneSink, StreamClient, _Call, _Pipe, _SseRelay
 from llmgw_slurm.router.upstream import (
     Answer,
     Conn,
@@ -65,6 +65,14 @@ def _error(
 ) -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
     return web.json_response(body, status=status, headers=headers)
+
+
+def _cut_short_event(cause: str, model: str) -> bytes:
+    return _sse_error(
+        f"The replica of model '{model}' failed after the answer "
+        f"began ({cause}); the answer is incomplete.",
+        "upstream_failed",
+    )
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -163,6 +171,8 @@ class LanePlan(NamedTuple):
     ep: Endpoint
     body: bytes
     t0: float
+    stream: bool = False
+    strip_usage: bool = False  # the usage chunk the gateway asked for, not the client
 
 
 class Whole(NamedTuple):
@@ -176,7 +186,7 @@ class Whole(NamedTuple):
     keep_alive: bool = True
 
 
-class LaneClient(Client, Protocol):
+class LaneClient(Client, StreamClient, Protocol):
     """What the fast lane's connection (``router.fastlane``) offers the gateway
     for a request it planned."""
 
@@ -767,9 +777,9 @@ class Gateway:
         """The fast lane's plan for a request, or None: aiohttp's path serves it.
 
         The lane takes only what it can finish as aiohttp's path would: a valid
-        key (or none needed), a JSON body naming a model the key may use, no
-        stream, a ready replica, nothing to trace. Everything else (every
-        refusal, a stream, a cold start, a traced request) goes to aiohttp
+        key (or none needed), a JSON body naming a model the key may use, a
+        ready replica, nothing to trace. Everything else (every refusal, a
+        cold start, a traced request) goes to aiohttp
         untouched; so nothing is counted or spent here (the quota is charged
         in :meth:`serve_lane`)."""
         if (
@@ -791,14 +801,15 @@ class Gateway:
         if model is None or not self.may_use(model, key):
             return None
         prepared = _upstream_body(raw, obj, model, endpoint)
-        if isinstance(prepared, web.Response) or prepared[1]:
+        if isinstance(prepared, web.Response):
             return None
         if endpoint == "responses" or self._route(model, endpoint, obj) is not None:
             return None
         ep = self._pick(model)
         if ep is None:
             return None
-        return LanePlan(endpoint, model, key, ep, prepared[0], time.monotonic())
+        body, stream, strip_usage = prepared
+        return LanePlan(endpoint, model, key, ep, body, time.monotonic(), stream, strip_usage)
 
     def lane_send(self, plan: LanePlan, lane: LaneClient) -> LaneCall | None:
         """Start a request the lane planned: admitted (the quota's refusal is
@@ -811,6 +822,11 @@ class Gateway:
         refused = self._admit(plan.key)
         if refused is not None:
             self._lane_deliver(plan, lane, refused, None)
+            return None
+        if plan.stream:
+            # A second or more of answer: a task's turn of the loop is nothing
+            # to it, and _forward's handling of a failed try is the path's own.
+            lane.fall_back(plan, None)
             return None
         assert self._whole is not None, "the gateway app was not started"
         ep = plan.ep
@@ -868,11 +884,11 @@ class Gateway:
 
         try:
             resp = await self._forward(
-                client, plan.endpoint, plan.model, plan.ep, plan.body, False, False,
-                plan.key, call, deliver=once, failed=failed,
+                client, plan.endpoint, plan.model, plan.ep, plan.body, plan.stream,
+                plan.strip_usage, plan.key, call, deliver=once, failed=failed,
             )  # fmt: skip
-            assert isinstance(resp, web.Response)  # whole answers only, no stream
-            if not sent:
+            # Not a Response: a stream, written as it came (see _lane_stream).
+            if isinstance(resp, web.Response) and not sent:
                 await once(resp)
             call.status = call.outcome or resp.status
         except asyncio.CancelledError:
@@ -1067,16 +1083,15 @@ class Gateway:
                     # ssl: the replica's pinned certificate (and the gateway's client
                     # one): a listener that took the engine's port fails the handshake
                     # before the request, its key or its prompt is sent.
-                    if upload is None and not stream:
+                    # The lane's (deliver) streams on the gateway's own client too.
+                    if upload is None and (not stream or deliver is not None):
                         if failed is not None:
                             first_try, failed = failed, None
                             raise first_try  # handled below as this try's own
-                        answer = await self._post_whole(ep, endpoint, headers, body)
-                        resp = _response_of(self._whole_answer(
-                            answer.status, answer.headers, answer.body, ep, endpoint, model,
-                            key, call,
-                        ))  # fmt: skip
-                        return await (deliver or functools.partial(_sent, request))(resp)
+                        return await self._answer_here(
+                            request, ep, endpoint, model, headers, body, strip_usage if stream
+                            else None, key, call, deliver or functools.partial(_sent, request),
+                        )  # fmt: skip
                     assert isinstance(request, web.Request)
                     upstream = await self._session.post(
                         ep.base_url.rstrip("/") + surface.upstream_path(endpoint),
@@ -1114,14 +1129,74 @@ class Gateway:
             finally:
                 self._request_ended(model, replica_id)
 
-    async def _post_whole(
-        self, ep: Endpoint, endpoint: str, headers: dict[str, str], body: bytes | surface.Upload
-    ) -> Answer:
+    async def _answer_here(
+        self, client: Client, ep: Endpoint, endpoint: str, model: str, headers: dict[str, str],
+        body: bytes | surface.Upload, strip_usage: bool | None, key: KeyRecord | None,
+        call: _Call, deliver: Deliver,
+    ) -> web.StreamResponse:  # fmt: skip
+        """A try on the gateway's own client (upstream.UpstreamPool): the engine's
+        answer read whole and delivered, or (``strip_usage`` not None: a stream
+        of the fast lane's) relayed as it comes."""
         assert self._whole is not None, "the gateway app was not started"
         assert isinstance(body, bytes)  # not an upload
-        return await self._whole.post(
-            ep.base_url, ep.ssl, surface.upstream_path(endpoint), headers, body
-        )
+        sink = None
+        if strip_usage is not None:
+            lane = cast(LaneClient, client)
+            sink = self._lane_sink(lane, ep, endpoint, model, key, call, strip_usage)
+        try:
+            answer = await self._whole.post(
+                ep.base_url, ep.ssl, surface.upstream_path(endpoint), headers, body, sink
+            )
+        except UpstreamBroken as e:
+            if sink is None or not sink.began:
+                raise
+            self._cut_short_lane(e, sink, model, call)
+            return web.StreamResponse()
+        if sink is not None and sink.began:
+            # The engine's answer is whole: its usage counts whether the
+            # client reads the end or not.
+            self._record_usage(key, model, endpoint, sink.usage)
+            sink.finish()
+            return web.StreamResponse()
+        resp = _response_of(self._whole_answer(
+            answer.status, answer.headers, answer.body, ep, endpoint, model, key, call,
+        ))  # fmt: skip
+        return await deliver(resp)
+
+    def _lane_sink(
+        self, lane: LaneClient, ep: Endpoint, endpoint: str, model: str,
+        key: KeyRecord | None, call: _Call, strip_usage: bool,
+    ) -> LaneSink:  # fmt: skip
+        relay = _SseRelay(strip_usage)
+
+        def head_of(headers: Mapping[str, str]) -> dict[str, str]:
+            out = {
+                "Content-Type": headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                "X-Llmgw-Replica": ep.replica_id,
+            }
+            if "X-Request-Id" in headers:
+                out["X-Request-Id"] = headers["X-Request-Id"]
+            if self.quota is not None and key is not None:
+                out.update(self.quota.headers(key))
+            return out
+
+        def drained(whole: bool) -> None:
+            # The end of an answer whose client went away.
+            if whole:
+                self._record_usage(key, model, endpoint, relay.usage)
+            else:
+                self.metrics.upstream_errors.labels(model, "drain").inc()
+
+        cfg = self.config
+        drain = (cfg.drain_after_disconnect, cfg.drain_after_disconnect_bytes)
+        return LaneSink(lane, relay, call, head_of, drain, drained)
+
+    def _cut_short_lane(self, e: UpstreamBroken, sink: LaneSink, model: str, call: _Call) -> None:
+        """_cut_short's, for a stream of the fast lane's."""
+        self.metrics.upstream_errors.labels(model, "stream").inc()
+        call.outcome = 502
+        sink.cut_short(_cut_short_event(e.cause, model))
 
     async def _elsewhere(
         self,
@@ -1200,13 +1275,7 @@ class Gateway:
         self.metrics.upstream_errors.labels(model, "stream").inc()
         call.outcome = 502
         relay.rest()
-        pipe.send(
-            _sse_error(
-                f"The replica of model '{model}' failed after the answer "
-                f"began ({type(e).__name__}); the answer is incomplete.",
-                "upstream_failed",
-            )
-        )
+        pipe.send(_cut_short_event(type(e).__name__, model))
 
     async def _relay_stream(
         self,

@@ -2,7 +2,9 @@
 
 ``_SseRelay`` splits the SSE stream into events, reads the token usage and
 drops the usage-only chunk the client did not ask for; ``_Pipe`` moves the
-bytes from the engine's connection to the client's in protocol callbacks.
+bytes from the engine's connection to the client's in protocol callbacks, on
+aiohttp's path; :class:`LaneSink` does the same for a stream the fast lane
+took, from :class:`upstream.Conn`'s callbacks.
 """
 
 from __future__ import annotations
@@ -13,9 +15,14 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
+from multidict import CIMultiDict
+
+from llmgw_slurm.router.upstream import CHUNK_SIZE as _CHUNK_SIZE
+from llmgw_slurm.router.upstream import MAX_CHUNK_LINE as _MAX_CHUNK_LINE
+from llmgw_slurm.router.upstream import Conn
 
 
 @dataclass(slots=True)
@@ -37,10 +44,6 @@ _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
 # token counts has one (possessive, so that the spaces before "null" are not
 # given back to let the lookahead pass).
 _USAGE_SET = re.compile(rb'"usage"\s*+:\s*+(?!null)')
-# A chunk-size line: hex digits, then optional extensions (ignored), as
-# RFC 9112 7.1 has it; 64-bit sizes at most.
-_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}(?=[;\t ]|\r\n)")
-_MAX_CHUNK_LINE = 4096
 
 
 class _SseRelay:
@@ -493,3 +496,142 @@ class _Pipe(asyncio.BufferedProtocol):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+class StreamClient(Protocol):
+    """The client's side of a stream the fast lane took (``fastlane._Lane``)."""
+
+    def begin_stream(self, headers: dict[str, str], sink: LaneSink) -> None:
+        """Write the answer's head (200, chunked); ``sink`` hears of the
+        client's backpressure (pause, resume) until the stream ends."""
+
+    def write_chunk(self, data: bytes) -> bool:
+        """Write one chunk of the answer; False: the client is gone."""
+
+    def end_stream(self) -> None:
+        """Write the last chunk: the answer is whole."""
+
+    def cut(self) -> None:
+        """Close the client's connection with the answer incomplete."""
+
+
+class LaneSink:
+    """A stream the fast lane took, moved from the engine's connection to the
+    client's as it arrives (an :class:`upstream.Sink`), as :class:`_Pipe`
+    does on aiohttp's path: events out as they complete, usage read,
+    backpressure both ways, and a bounded read to the end once the client is
+    gone, so that its usage is counted (``on_drained``: whether it ended).
+    """
+
+    def __init__(
+        self,
+        client: StreamClient,
+        relay: _SseRelay,
+        call: _Call,
+        head_of: Callable[[CIMultiDict[str]], dict[str, str]],
+        drain: tuple[float, int],
+        on_drained: Callable[[bool], None],
+    ) -> None:
+        self._client = client
+        self._relay = relay
+        self._call = call
+        self._head_of = head_of
+        self._drain_s, self._drain_left = drain
+        self._on_drained = on_drained
+        # The engine's connection, from the head to the end of the answer:
+        # after that it is the pool's, and may carry another request.
+        self._conn: Conn | None = None
+        self.began = False
+        self._ended: bool | None = None  # whole or not, once the answer ended
+        self._draining = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        return self._relay.usage
+
+    # upstream.Sink
+
+    def head(self, conn: Conn, headers: CIMultiDict[str]) -> None:
+        self._conn = conn
+        self.began = True
+        self._client.begin_stream(self._head_of(headers), self)
+
+    def data(self, data: bytes) -> None:
+        self.send(self._relay.feed(data))
+
+    def end(self, whole: bool) -> None:
+        conn, self._conn = self._conn, None
+        if not self.began or self._ended is not None:
+            return
+        self._ended = whole
+        if self._draining:
+            self._drained(conn, whole)
+
+    def keep_reading(self, conn: Conn) -> bool:
+        if not self.began:
+            return False
+        if self._ended is not None:
+            # The answer ended as the client went, before the gateway's
+            # handling of that end ran (and it will not now).
+            if self._ended:
+                self._on_drained(True)
+            return False
+        if self._drain_s <= 0:
+            return False
+        self._draining = True
+        conn.resume()  # nobody reads the client's side any more
+        self._timer = asyncio.get_running_loop().call_later(self._drain_s, self._cut_drain)
+        return True
+
+    # the client's backpressure (the lane's pause_writing, resume_writing)
+
+    def pause(self) -> None:
+        if self._conn is not None and not self._draining:
+            self._conn.pause()
+
+    def resume(self) -> None:
+        if self._conn is not None:
+            self._conn.resume()
+
+    # the stream's ends, as the gateway sees them
+
+    def send(self, out: bytes) -> None:
+        if not out:
+            return
+        if self._draining:
+            self._drain_left -= len(out)
+            if self._drain_left < 0:
+                self._cut_drain()
+            return
+        if self._client.write_chunk(out) and self._call.first_byte is None:
+            self._call.first_byte = time.monotonic()
+
+    def finish(self) -> None:
+        """The engine's answer ended: the rest out, then the last chunk."""
+        self.send(self._relay.rest())
+        self._client.end_stream()
+
+    def cut_short(self, error_event: bytes) -> None:
+        """The engine failed after the answer began: ``error_event`` (the
+        incomplete event before it dropped), then the connection closed."""
+        self._relay.rest()
+        self.send(error_event)
+        self._client.cut()
+
+    def _cut_drain(self) -> None:
+        """The drain's time or bytes ran out: the engine's connection is cut."""
+        conn, self._conn = self._conn, None
+        if self._ended is not None:
+            return
+        self._ended = False
+        self._drained(conn, False)
+
+    def _drained(self, conn: Conn | None, whole: bool) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if conn is not None:
+            # Never back to the pool: not worth the bookkeeping for a client gone.
+            conn.abandon()
+        self._on_drained(whole)

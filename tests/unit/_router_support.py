@@ -6,16 +6,31 @@ import asyncio
 import shutil
 import socket
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import openai
+import pytest
 from aiohttp import web
 
 from llmgw_slurm.router import GATEWAY_KEY, fastlane
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from llmgw_slurm.tls import Identity, make_engine_tls
+
+# Whether the gateway under test takes streams on its fast lane (see stream_path).
+FAST_LANE = [True]
+
+
+@pytest.fixture(params=["lane", "aiohttp"])
+def stream_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A stream test on each of the gateway's two stream paths: the fast lane's
+    (relay.LaneSink, on the gateway's own client) and aiohttp's (relay._Pipe,
+    on aiohttp's client). A test about one path parametrizes it itself
+    (``indirect=True``); a module's gateway reads FAST_LANE."""
+    FAST_LANE[0] = request.param == "lane"
+    yield request.param
+    FAST_LANE[0] = True
 
 
 def free_port() -> int:

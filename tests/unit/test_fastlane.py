@@ -105,7 +105,7 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]
     return status, headers, body
 
 
-async def test_plain_chat_is_served_by_the_lane_and_a_stream_by_aiohttp() -> None:
+async def test_plain_chat_and_a_stream_are_served_by_the_lane_a_traced_stream_by_aiohttp() -> None:
     async with (
         lane_stack() as lane,
         openai.AsyncOpenAI(api_key="x", base_url=lane.url + "/v1", max_retries=0) as c,
@@ -117,15 +117,42 @@ async def test_plain_chat_is_served_by_the_lane_and_a_stream_by_aiohttp() -> Non
         assert answer.choices[0].message.content and answer.usage is not None
         assert raw.headers["x-llmgw-replica"] == "r0"
         assert lane.served == ["chat/completions"]
-        # A stream on the same client (the same kept-alive connection): aiohttp's.
-        stream = await c.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True
-        )
-        text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
-        assert text
-        assert lane.served == ["chat/completions"]
+
+        async def streamed(headers: dict[str, str]) -> tuple[str, Any, dict[str, str]]:
+            got = await c.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
+                stream_options={"include_usage": True}, extra_headers=headers,
+            )  # fmt: skip
+            chunks = [ch async for ch in got.parse()]
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            return text, chunks[-1].usage, dict(got.headers)
+
+        # A stream on the same client (the same kept-alive connection): the lane's.
+        text, usage, headers = await streamed({})
+        assert lane.served == ["chat/completions"] * 2
+        assert headers["x-llmgw-replica"] == "r0"
+        assert headers["content-type"].startswith("text/event-stream")
+        # A traced one (it carries a context): aiohttp's, with the same answer.
+        trace_id = "0af7651916cd43dd8448eb211c80319c"
+        traced = await streamed({"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
+        assert lane.served == ["chat/completions"] * 2
+        assert text and (text, usage.model_dump()) == (traced[0], traced[1].model_dump())
         emb = await c.embeddings.create(model="tiny", input="hi")
         assert emb.data
+
+
+def _events(sse: bytes) -> list[Any]:
+    """A stream's events, without what differs from one answer to the next."""
+    out: list[Any] = []
+    for event in sse.split(b"\n\n"):
+        data = event.removeprefix(b"data: ")
+        if data.startswith(b"{"):
+            obj = json.loads(data)
+            obj.pop("id"), obj.pop("created")
+            out.append(obj)
+        elif data:
+            out.append(data)
+    return out
 
 
 async def test_the_lane_and_the_hand_off_over_tls(tmp_path: Path) -> None:
@@ -146,11 +173,17 @@ async def test_the_lane_and_the_hand_off_over_tls(tmp_path: Path) -> None:
             streamed = json.dumps({**json.loads(CHAT), "stream": True}).encode()
             writer.write(request(streamed))
             stream = await read_answer(reader)
+            assert lane.served == ["chat/completions"] * 2
+            # A traced stream goes to aiohttp, on the same connection.
+            ctx = "traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n"
+            writer.write(request(streamed, extra=ctx))
+            traced = await read_answer(reader)
             writer.close()
-            assert plain[0] == stream[0] == 200
+            assert plain[0] == stream[0] == traced[0] == 200
             assert json.loads(plain[2])["choices"]
             assert stream[2].rstrip().endswith(b"data: [DONE]")
-            assert lane.served == ["chat/completions"]
+            assert _events(stream[2]) == _events(traced[2])
+            assert lane.served == ["chat/completions"] * 2
     finally:
         shutil.rmtree(pair.directory, ignore_errors=True)
 
@@ -562,5 +595,9 @@ def test_a_head_the_lane_takes_is_read_by_aiohttp_alike(
         loop.close()
     ((message, _),) = messages
     assert message.method == "POST" and message.path == "/v1/chat/completions"
-    assert list(message.headers.items()) == list(took.headers.items())
+    # Names compared as the case-insensitive things they are: aiohttp's parser
+    # spells a name it knows its own way (X-Request-ID for X-Request-Id).
+    assert [(k.lower(), v) for k, v in message.headers.items()] == [
+        (k.lower(), v) for k, v in took.headers.items()
+    ]
     assert took.length == 5 and took.size == len(head)

@@ -4,11 +4,16 @@ The engine here is a bare asyncio server that speaks just enough HTTP/1.1 to
 answer the gateway (keep-alive, a chunked event stream), so that each test
 chooses where the chunks split, when the engine stops, and whether the
 terminating chunk ever comes.
+
+Each test runs on both of the gateway's stream paths: the fast lane's
+(relay.LaneSink, on the gateway's own client) and aiohttp's (relay._Pipe,
+on aiohttp's client), unless it is about one of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,7 +23,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from _router_support import eventually, serve
+from _router_support import FAST_LANE, eventually, serve, stream_path  # noqa: F401
 
 from llmgw_slurm.router import (
     GATEWAY_KEY,
@@ -51,6 +56,8 @@ def text(t: str) -> bytes:
 USAGE = event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+pytestmark = pytest.mark.usefixtures("stream_path")
 
 
 @dataclass
@@ -107,7 +114,9 @@ async def stack(
     eng.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     directory = StaticDirectory([ModelInfo("tiny")])
     directory.add_endpoint("tiny", Endpoint("r0", eng.url, "k"))
-    app = create_app(directory, config)
+    app = create_app(
+        directory, dataclasses.replace(config or RouterConfig(), fast_lane=FAST_LANE[0])
+    )
     async with AsyncExitStack() as es:
         es.push_async_callback(server.wait_closed)
         es.callback(server.close)
@@ -315,6 +324,7 @@ async def test_a_body_begun_in_any_place_with_the_headers_is_undone() -> None:
         assert st.engine.connections == 1
 
 
+@pytest.mark.parametrize("stream_path", ["aiohttp"], indirect=True)  # _Pipe's own
 async def test_the_relay_reads_raw_with_this_aiohttp(monkeypatch: pytest.MonkeyPatch) -> None:
     """The raw mode rests on aiohttp's private StreamReader._http_chunk_splits.
 
@@ -392,7 +402,8 @@ async def test_engine_gone_silent_mid_stream_times_out_and_is_cut() -> None:
         r = await s.post(st.url + "/v1/completions", json=BODY)
         before, err = await _read_error_event(r)
         assert before == text("a")
-        assert "(SocketTimeoutError)" in err["message"]
+        # aiohttp's client says SocketTimeoutError, the gateway's own TimeoutError.
+        assert "TimeoutError)" in err["message"]
         await st.engine.closed.wait()
 
 
