@@ -779,9 +779,8 @@ class Gateway:
         The lane takes only what it can finish as aiohttp's path would: a valid
         key (or none needed), a JSON body naming a model the key may use, a
         ready replica, nothing to trace. Everything else (every refusal, a
-        cold start, a traced request) goes to aiohttp
-        untouched; so nothing is counted or spent here (the quota is charged
-        in :meth:`serve_lane`)."""
+        cold start, a traced request) goes to aiohttp untouched; so nothing
+        is counted or spent here (the quota is charged in :meth:`lane_send`)."""
         if (
             self.config.trace_requests == "all"
             or _carries_context(headers)
@@ -887,7 +886,7 @@ class Gateway:
                 client, plan.endpoint, plan.model, plan.ep, plan.body, plan.stream,
                 plan.strip_usage, plan.key, call, deliver=once, failed=failed,
             )  # fmt: skip
-            # Not a Response: a stream, written as it came (see _lane_stream).
+            # Not a Response: a stream, written as it came (see _answer_here).
             if isinstance(resp, web.Response) and not sent:
                 await once(resp)
             call.status = call.outcome or resp.status

@@ -209,6 +209,12 @@ async def test_an_answer_that_breaks_off_is_broken_not_unreachable() -> None:
         (b"HTTP/1.1 200 OK\r\nContent-Length: lots\r\n\r\n", "BadHeaders"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "BadChunk"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY", "BadChunk"),
+        # int(x, 16) takes each of these three; a chunk size is hex digits only.
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n", "BadChunk"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\nab\r\n", "BadChunk"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n 2\r\nab\r\n", "BadChunk"),
+        # A size line that never ends is not waited on.
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * 5000, "BadChunk"),
         (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 20000, "BadHeaders"),
     ],
 )
