@@ -67,12 +67,13 @@ def _error(
     return web.json_response(body, status=status, headers=headers)
 
 
-def _cut_short_event(cause: str, model: str) -> bytes:
-    return _sse_error(
-        f"The replica of model '{model}' failed after the answer "
-        f"began ({cause}); the answer is incomplete.",
-        "upstream_failed",
-    )
+def _answer_headers(ep: Endpoint, engine: Mapping[str, str]) -> dict[str, str]:
+    """The headers every answer from an engine carries: which replica, and the
+    engine's request id if it gave one."""
+    out = {"X-Llmgw-Replica": ep.replica_id}
+    if "X-Request-Id" in engine:
+        out["X-Request-Id"] = engine["X-Request-Id"]
+    return out
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -1149,7 +1150,7 @@ class Gateway:
         except UpstreamBroken as e:
             if sink is None or not sink.began:
                 raise
-            self._cut_short_lane(e, sink, model, call)
+            sink.cut_short(self._stream_failed(e.cause, model, call))
             return web.StreamResponse()
         if sink is not None and sink.began:
             # The engine's answer is whole: its usage counts whether the
@@ -1169,13 +1170,9 @@ class Gateway:
         relay = _SseRelay(strip_usage)
 
         def head_of(headers: Mapping[str, str]) -> dict[str, str]:
-            out = {
-                "Content-Type": headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache",
-                "X-Llmgw-Replica": ep.replica_id,
-            }
-            if "X-Request-Id" in headers:
-                out["X-Request-Id"] = headers["X-Request-Id"]
+            out = _answer_headers(ep, headers)
+            out["Content-Type"] = headers.get("Content-Type", "text/event-stream")
+            out["Cache-Control"] = "no-cache"
             if self.quota is not None and key is not None:
                 out.update(self.quota.headers(key))
             return out
@@ -1191,11 +1188,16 @@ class Gateway:
         drain = (cfg.drain_after_disconnect, cfg.drain_after_disconnect_bytes)
         return LaneSink(lane, relay, call, head_of, drain, drained)
 
-    def _cut_short_lane(self, e: UpstreamBroken, sink: LaneSink, model: str, call: _Call) -> None:
-        """_cut_short's, for a stream of the fast lane's."""
+    def _stream_failed(self, cause: str, model: str, call: _Call) -> bytes:
+        """An answer the engine failed after it began, on either path: counted, and
+        the error event to end it with (see :meth:`_cut_short`)."""
         self.metrics.upstream_errors.labels(model, "stream").inc()
         call.outcome = 502
-        sink.cut_short(_cut_short_event(e.cause, model))
+        return _sse_error(
+            f"The replica of model '{model}' failed after the answer "
+            f"began ({cause}); the answer is incomplete.",
+            "upstream_failed",
+        )
 
     async def _elsewhere(
         self,
@@ -1271,10 +1273,8 @@ class Gateway:
         error"); the incomplete event before it is dropped, as no client could
         parse it and it would garble the error.
         """
-        self.metrics.upstream_errors.labels(model, "stream").inc()
-        call.outcome = 502
         relay.rest()
-        pipe.send(_cut_short_event(type(e).__name__, model))
+        pipe.send(self._stream_failed(type(e).__name__, model, call))
 
     async def _relay_stream(
         self,
@@ -1362,9 +1362,7 @@ class Gateway:
         call: _Call,
     ) -> web.StreamResponse:
         ctype = upstream.headers.get("Content-Type", "")
-        out_headers = {"X-Llmgw-Replica": ep.replica_id}
-        if "X-Request-Id" in upstream.headers:
-            out_headers["X-Request-Id"] = upstream.headers["X-Request-Id"]
+        out_headers = _answer_headers(ep, upstream.headers)
         if upstream.status == 200 and ctype.startswith("text/event-stream"):
             resp = web.StreamResponse(
                 status=200,
@@ -1425,9 +1423,7 @@ class Gateway:
         if status in (401, 403):
             return self._engine_refused(model)
         ctype = headers.get("Content-Type", "")
-        out_headers = {"X-Llmgw-Replica": ep.replica_id}
-        if "X-Request-Id" in headers:
-            out_headers["X-Request-Id"] = headers["X-Request-Id"]
+        out_headers = _answer_headers(ep, headers)
         if status == 200 and ctype.startswith("application/json"):
             try:
                 parsed = json.loads(data)
