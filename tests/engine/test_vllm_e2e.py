@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.tls import load_or_create_identity
 from tests.agent_support import as_gateway
 from tests.engine.conftest import FIGURES, TOP
+from tests.ports import free_port
 from tests.procs import listener_pid
 from tests.slurm.conftest import eventually
 
@@ -70,12 +70,6 @@ VLLM_ENV = {
     "DO_NOT_TRACK": "1",
 }
 START_TIMEOUT = 300.0  # engine start to healthy takes 30-80 s here; generous for a slow CI
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # Each model's resources and scaling: one GPU, started on demand, kept while the tests run.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import textwrap
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +22,7 @@ import yaml
 from llmgw_slurm import daemon as daemonmod
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.slurm.cli import CliBackend
+from tests.ports import free_port
 from tests.slurm.conftest import daemon_backend, eventually, need_backend
 
 TOP = Path(__file__).resolve().parents[2]
@@ -50,12 +50,6 @@ SITE = {
     "gpunode4": SiteNode("a100", 4, 16, 32000, (), ("research", "llm")),
     "gpunode5": SiteNode("h100", 2, 8, 48000, ("nvlink",), _BIG),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 TINY_ENGINE = [

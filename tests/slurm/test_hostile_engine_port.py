@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import textwrap
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import openai
 import pytest
 
 from tests.hostile_user import INTRUDER
+from tests.ports import free_port
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import TINY_ENGINE, Harness, running, tiny_model
 
@@ -53,12 +53,6 @@ while True:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return int(s.getsockname()[1])
-
-
 def _one_port(port: int) -> object:
     """``configure`` for the harness: the agent may use only ``port`` (the squatter's
     guess comes true: a stand-in for a watcher that won the race)."""
@@ -86,7 +80,7 @@ async def test_a_squatter_on_a_starting_engines_port_gets_no_key_no_prompt_no_tr
     tmp_path: Path, prefix: str
 ) -> None:
     intruder = INTRUDER.ensure()
-    port = _free_port()
+    port = free_port("0.0.0.0")
     # The engine binds 6 s after it starts, as vLLM does after its imports.
     model = tiny_model(
         "squat",

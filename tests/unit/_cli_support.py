@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from llmgw_slurm.reconciler.core import Decision, Replica
 from llmgw_slurm.secrets import engine_api_key
 from llmgw_slurm.slurm.types import GpuCount, JobState, NodeInfo
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
+from tests.ports import free_port
 
 MODELS_YAML = """\
 models:
@@ -44,12 +44,6 @@ models:
     resources: {gpus: 4, nodes: 2, partition: llm}
     scaling: {min: 0, max: 1}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class StrictBackend:

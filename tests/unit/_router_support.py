@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -17,6 +16,7 @@ from aiohttp import web
 from llmgw_slurm.router import GATEWAY_KEY, fastlane
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from llmgw_slurm.tls import Identity, make_engine_tls
+from tests.ports import free_port
 
 # Whether the gateway under test takes streams on its fast lane (see stream_path).
 FAST_LANE = [True]
@@ -31,12 +31,6 @@ def stream_path(request: pytest.FixtureRequest) -> Iterator[str]:
     FAST_LANE[0] = request.param == "lane"
     yield request.param
     FAST_LANE[0] = True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager

@@ -32,6 +32,7 @@ from llmgw_slurm.errors import SlurmUnavailable
 from llmgw_slurm.reconciler.jobs import job_name
 from llmgw_slurm.sdnotify import Notifier, log_handler
 from llmgw_slurm.slurm.types import Job, JobComponent, JobState, NodeInfo
+from tests.ports import free_port
 
 PREFIX = "llmgwnotify."
 
@@ -165,12 +166,6 @@ MODELS = {
         }
     ]
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(tmp_path: Path) -> Path:
