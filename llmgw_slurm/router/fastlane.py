@@ -33,7 +33,7 @@ import email.utils
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -251,9 +251,11 @@ class _Lane(asyncio.Protocol):
 
     # what the gateway asks of the lane for a request it planned (gateway.LaneClient)
 
-    def answer(self, resp: web.Response | Whole) -> None:
+    def answer(self, resp: web.Response | Whole, then: Callable[[], None] | None = None) -> None:
         self._call = None
         self._send(resp)
+        if then is not None:
+            then()
         self._served()
 
     def fall_back(self, plan: LanePlan, failed: BaseException | None) -> None:

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol, cast
@@ -42,7 +43,7 @@ from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
 from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
-from llmgw_slurm.router.quota import QuotaBook, add_quota_headers
+from llmgw_slurm.router.quota import QUOTA_HEADERS, QuotaBook, add_quota_headers
 from llmgw_slurm.router.relay import LaneSink, StreamClient, _Call, _Pipe, _SseRelay
 from llmgw_slurm.router.upstream import (
     Answer,
@@ -54,6 +55,8 @@ from llmgw_slurm.router.upstream import (
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
 __all__ = ["GATEWAY_KEY", "Client", "Deliver", "Gateway", "LanePlan", "create_app", "request_key"]
+
+log = logging.getLogger(__name__)
 
 
 def _error(
@@ -174,6 +177,9 @@ class LanePlan(NamedTuple):
     t0: float
     stream: bool = False
     strip_usage: bool = False  # the usage chunk the gateway asked for, not the client
+    # The x-ratelimit-* headers as the limits stood when the request was let in
+    # (set once admitted, for a request that goes to the task path).
+    quota: Mapping[str, str] | None = None
 
 
 class Whole(NamedTuple):
@@ -191,8 +197,9 @@ class LaneClient(Client, StreamClient, Protocol):
     """What the fast lane's connection (``router.fastlane``) offers the gateway
     for a request it planned."""
 
-    def answer(self, resp: web.Response | Whole) -> None:
-        """Send ``resp``: the request's answer, whichever it is."""
+    def answer(self, resp: web.Response | Whole, then: Callable[[], None] | None = None) -> None:
+        """Send ``resp``: the request's answer, whichever it is; ``then`` once it is
+        written, before the connection's next request is taken."""
 
     def fall_back(self, plan: LanePlan, failed: BaseException | None) -> None:
         """Serve the request with :meth:`Gateway.serve_lane`, in a task:
@@ -206,29 +213,28 @@ class LaneCall:
     """A lane request under way on a kept-alive connection to its engine,
     answered from the connection's own callback (:meth:`Gateway.lane_send`)."""
 
-    __slots__ = ("_gw", "_lane", "_plan", "conn")
+    __slots__ = ("_got", "_gw", "_lane", "_plan", "conn")
 
     def __init__(self, gw: Gateway, plan: LanePlan, lane: LaneClient) -> None:
         self._gw, self._plan, self._lane = gw, plan, lane
         self.conn: Conn | None = None  # once sent
+        self._got: Answer | None = None  # the answer, until it is counted
+
+    def sent(self) -> None:
+        """The request went to the engine: what its answer will need is worked
+        out while the engine works on it, not between its answer and the client."""
+        gw, plan = self._gw, self._plan
+        gw._request_started(plan.model, plan.ep.replica_id)
+        self._plan = gw._admitted(plan)
 
     def done(self, result: Answer | BaseException) -> None:
         """The engine's answer, or why there is none (see upstream.Conn)."""
         gw, plan = self._gw, self._plan
-        gw._request_ended(plan.model, plan.ep.replica_id)
         if isinstance(result, Answer):
-            call = _Call(t0=plan.t0, model=plan.model)
-            try:
-                resp = gw._whole_answer(
-                    result.status, result.headers, result.body, plan.ep, plan.endpoint,
-                    plan.model, plan.key, call,
-                )  # fmt: skip
-                gw._lane_deliver(plan, self._lane, resp, call.first_byte)
-            except Exception:
-                # Raised into the engine connection's data_received, it would
-                # cut that connection and leave the client unanswered.
-                self._lane.crashed(plan)
-        elif isinstance(result, UpstreamUnreachable) and not result.timed_out:
+            self._answer(result)
+            return
+        gw._request_ended(plan.model, plan.ep.replica_id)
+        if isinstance(result, UpstreamUnreachable) and not result.timed_out:
             # The engine closed the kept-alive connection as it was reused, and
             # took nothing: another connection, as UpstreamPool.post would.
             self._lane.fall_back(plan, None)
@@ -236,6 +242,34 @@ class LaneCall:
             # Handled as _forward handles its own try's end: another replica,
             # or the error's answer.
             self._lane.fall_back(plan, result)
+
+    def _answer(self, got: Answer) -> None:
+        gw, plan = self._gw, self._plan
+        self._got = got
+        # Nothing raised here may reach the engine connection's data_received:
+        # it would cut that connection and leave the client unanswered.
+        try:
+            resp = gw._whole_answer(got.status, got.headers, got.body, plan.ep, plan.model)
+            gw._lane_deliver(plan, self._lane, resp, time.monotonic(), self._settle)
+        except Exception:
+            self._lane.crashed(plan)
+        self._settle()
+
+    def _settle(self) -> None:
+        """The request's end and its usage, once its answer is written (its
+        client waits for none of this) and before the connection's next request
+        is taken (which this request's tokens may bring over a limit)."""
+        got, self._got = self._got, None
+        if got is None:
+            return  # settled already
+        gw, plan = self._gw, self._plan
+        gw._request_ended(plan.model, plan.ep.replica_id)
+        try:
+            gw._count_answer(
+                got.status, got.headers, got.body, plan.ep, plan.endpoint, plan.model, plan.key
+            )
+        except Exception:
+            log.exception("counting the usage of an answer of %s failed", plan.model)
 
     def cancel(self) -> None:
         """The client went away: as for a cancelled :meth:`Gateway._forward`,
@@ -245,6 +279,13 @@ class LaneCall:
         plan = self._plan
         self._gw._request_ended(plan.model, plan.ep.replica_id)
         self._gw.metrics.answered_since(plan.model, 499, plan.t0, None)
+
+
+def _carry_limits(quota: Mapping[str, str] | None, resp: web.Response | Whole) -> None:
+    """Put a lane request's rate-limit headers on its answer: what add_quota_headers
+    does for aiohttp's answers as they are prepared."""
+    if quota is not None:
+        resp.headers.update(quota)
 
 
 def _response_of(got: Whole | web.Response) -> web.Response:
@@ -401,11 +442,18 @@ class Gateway:
             )
         return model
 
-    def _admit(self, key: KeyRecord | None) -> web.Response | None:
-        """The key's quota's 429, or None: within its limits (or no quotas)."""
+    def _admit(
+        self, key: KeyRecord | None, request: web.Request | None = None
+    ) -> web.Response | None:
+        """The key's quota's 429, or None: within its limits (or no quotas). Let
+        in, ``request``'s answer will carry the rate-limit headers as the limits
+        stand now (add_quota_headers)."""
         if self.quota is None or key is None:
             return None
-        return self.quota.admit(key)
+        refused = self.quota.admit(key)
+        if refused is None and request is not None:
+            request[QUOTA_HEADERS] = self.quota.headers(key)
+        return refused
 
     def _known_names(self, key: KeyRecord | None) -> str:
         parts = []
@@ -821,12 +869,13 @@ class Gateway:
         under way here (answered, or the task's)."""
         refused = self._admit(plan.key)
         if refused is not None:
-            self._lane_deliver(plan, lane, refused, None)
+            lane.answer(refused)  # with the headers of the limit it reached
+            self.metrics.answered_since(plan.model, refused.status, plan.t0, None)
             return None
         if plan.stream:
             # A second or more of answer: a task's turn of the loop is nothing
             # to it, and _forward's handling of a failed try is the path's own.
-            lane.fall_back(plan, None)
+            lane.fall_back(self._admitted(plan), None)
             return None
         assert self._whole is not None, "the gateway app was not started"
         ep = plan.ep
@@ -836,12 +885,19 @@ class Gateway:
             _upstream_headers(lane, ep, "application/json"), plan.body, call.done,
         )  # fmt: skip
         if call.conn is None:
-            lane.fall_back(plan, None)
+            lane.fall_back(self._admitted(plan), None)
             return None
         # Counted once sent: the answer comes in a later turn of the loop, never
         # within send_kept.
-        self._request_started(plan.model, ep.replica_id)
+        call.sent()
         return call
+
+    def _admitted(self, plan: LanePlan) -> LanePlan:
+        """``plan`` with the rate-limit headers of its answer, as the limits stand
+        as it is let in."""
+        if self.quota is None or plan.key is None:
+            return plan
+        return plan._replace(quota=self.quota.headers(plan.key))
 
     def _request_started(self, model: str, replica_id: str) -> None:
         key_ = (model, replica_id)
@@ -855,17 +911,12 @@ class Gateway:
             del self.in_flight[key_]
         self.directory.request_finished(model, replica_id)
 
-    def _add_quota_headers(self, plan: LanePlan, resp: web.Response | Whole) -> None:
-        if self.quota is not None and plan.key is not None:
-            # What add_quota_headers puts on aiohttp's answers as they are prepared.
-            resp.headers.update(self.quota.headers(plan.key))
-
     def _lane_deliver(
         self, plan: LanePlan, lane: LaneClient, resp: web.Response | Whole,
-        first_byte: float | None,
+        first_byte: float | None, then: Callable[[], None],
     ) -> None:  # fmt: skip
-        self._add_quota_headers(plan, resp)
-        lane.answer(resp)
+        _carry_limits(plan.quota, resp)
+        lane.answer(resp, then)
         self.metrics.answered_since(plan.model, resp.status, plan.t0, first_byte)
 
     async def serve_lane(
@@ -874,12 +925,12 @@ class Gateway:
         """Answer an admitted request the lane planned, as :meth:`_proxy` does,
         with ``deliver`` sending the answer (whichever it is) to the client;
         ``failed``: how a try :meth:`lane_send` made ended."""
-        call = _Call(t0=plan.t0, model=plan.model)
+        call = _Call(t0=plan.t0, model=plan.model, quota=plan.quota)
         sent: list[web.Response] = []
 
         async def once(resp: web.Response) -> web.Response:
             sent.append(resp)
-            self._add_quota_headers(plan, resp)
+            _carry_limits(plan.quota, resp)
             return await deliver(resp)
 
         try:
@@ -914,7 +965,7 @@ class Gateway:
             return model
         call.model = model
         trace.get_current_span().set_attribute("llmgw.model", model)
-        refused = self._route(model, endpoint, obj) or self._admit(key)
+        refused = self._route(model, endpoint, obj) or self._admit(key, request)
         if refused is not None:
             return refused
         prepared = _upstream_body(raw, obj, model, endpoint)
@@ -984,7 +1035,7 @@ class Gateway:
             return model
         call.model = model
         trace.get_current_span().set_attribute("llmgw.model", model)
-        refused = self._route(model, endpoint, None) or self._admit(key)
+        refused = self._route(model, endpoint, None) or self._admit(key, request)
         if refused is not None:
             return refused
         head = field.head if field.model == model else field.with_model(model)
@@ -1158,9 +1209,11 @@ class Gateway:
             self._record_usage(key, model, endpoint, sink.usage)
             sink.finish()
             return web.StreamResponse()
-        resp = _response_of(self._whole_answer(
-            answer.status, answer.headers, answer.body, ep, endpoint, model, key, call,
-        ))  # fmt: skip
+        self._count_answer(answer.status, answer.headers, answer.body, ep, endpoint, model, key)
+        resp = _response_of(
+            self._whole_answer(answer.status, answer.headers, answer.body, ep, model)
+        )
+        call.first_byte = time.monotonic()
         return await deliver(resp)
 
     def _lane_sink(
@@ -1173,8 +1226,8 @@ class Gateway:
             out = _answer_headers(ep, headers)
             out["Content-Type"] = headers.get("Content-Type", "text/event-stream")
             out["Cache-Control"] = "no-cache"
-            if self.quota is not None and key is not None:
-                out.update(self.quota.headers(key))
+            if call.quota is not None:
+                out.update(call.quota)
             return out
 
         def drained(whole: bool) -> None:
@@ -1381,9 +1434,9 @@ class Gateway:
             data = await upstream.read()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
             return self._broke_off(model, type(e).__name__)
-        got = self._whole_answer(
-            upstream.status, upstream.headers, data, ep, endpoint, model, key, call
-        )
+        self._count_answer(upstream.status, upstream.headers, data, ep, endpoint, model, key)
+        got = self._whole_answer(upstream.status, upstream.headers, data, ep, model)
+        call.first_byte = time.monotonic()
         return _response_of(got)
 
     def _engine_refused(self, model: str) -> web.Response:
@@ -1408,23 +1461,26 @@ class Gateway:
         )
 
     def _whole_answer(
-        self,
-        status: int,
-        headers: Mapping[str, str],
-        data: bytes,
-        ep: Endpoint,
-        endpoint: str,
-        model: str,
-        key: KeyRecord | None,
-        call: _Call,
+        self, status: int, headers: Mapping[str, str], data: bytes, ep: Endpoint, model: str
     ) -> Whole | web.Response:
-        """The client's answer from the engine's whole one, its usage counted (the
-        gateway's own error: a Response; see :func:`_response_of`)."""
+        """The client's answer from the engine's whole one (the gateway's own
+        error: a Response; see :func:`_response_of`); :meth:`_count_answer`
+        counts its usage."""
         if status in (401, 403):
             return self._engine_refused(model)
-        ctype = headers.get("Content-Type", "")
         out_headers = _answer_headers(ep, headers)
-        if status == 200 and ctype.startswith("application/json"):
+        ctype = headers.get("Content-Type", "")
+        if ctype:
+            out_headers["Content-Type"] = ctype
+        return Whole(status, out_headers, data)
+
+    def _count_answer(
+        self, status: int, headers: Mapping[str, str], data: bytes, ep: Endpoint,
+        endpoint: str, model: str, key: KeyRecord | None,
+    ) -> None:  # fmt: skip
+        """Count the usage of an engine's whole answer (and remember a response
+        of the Responses API, for the requests that continue it)."""
+        if status == 200 and headers.get("Content-Type", "").startswith("application/json"):
             try:
                 parsed = json.loads(data)
             except ValueError:
@@ -1440,10 +1496,6 @@ class Gateway:
                 self._remember_response(
                     parsed["id"], model, ep, key, usage if isinstance(usage, dict) else None
                 )
-        if ctype:
-            out_headers["Content-Type"] = ctype
-        call.first_byte = time.monotonic()
-        return Whole(status, out_headers, data)
 
 
 @web.middleware

@@ -18,7 +18,12 @@ How it is counted, and why:
 Every answer to a request with a valid key carries OpenAI's rate-limit
 headers: ``x-ratelimit-{limit,remaining,reset}-requests`` (the per-minute
 request limit) and ``-tokens`` (whichever token limit has least left);
-a refusal is a 429 in OpenAI's error shape with ``Retry-After``.
+a refusal is a 429 in OpenAI's error shape with ``Retry-After``. For a
+request sent to a model they tell the limits as they stood when it was let
+in, itself counted but not yet its tokens (as OpenAI's, worked out on
+admission; a stream's head could tell no more, and so the gateway works
+them out while the engine works, not between the engine's answer and the
+client); for any other answer, as the limits stand as it is sent.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from llmgw_slurm.router.keys import KeyRecord, request_key
 from llmgw_slurm.router.usage import token_totals
 
 __all__ = [
+    "QUOTA_HEADERS",
     "AccountBudget",
     "AccountBudgets",
     "QuotaBook",
@@ -408,13 +414,17 @@ def _refusal(key: KeyRecord, over: _Limit, headers: Mapping[str, str]) -> web.Re
     return web.json_response(body, status=429, headers={**headers, "Retry-After": retry})
 
 
+# The rate-limit headers of a request let in to a model, as they stood then.
+QUOTA_HEADERS = web.RequestKey("llmgw.quota_headers", dict[str, str])
+
+
 def add_quota_headers(app: web.Application, book: QuotaBook) -> None:
     """Put the rate-limit headers on every answer to a request with a valid key."""
 
     async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
         key = request_key(request)
         if key is not None:
-            response.headers.update(book.headers(key))
+            response.headers.update(request.get(QUOTA_HEADERS) or book.headers(key))
 
     app.on_response_prepare.append(on_prepare)
 

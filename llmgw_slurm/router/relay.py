@@ -13,7 +13,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +37,9 @@ class _Call:
     # The engine's answer is still being read after the client went away: the
     # pipe owns the engine's connection, not the handler.
     handed_off: bool = False
+    # The x-ratelimit-* headers of a fast lane's request, as the limits stood
+    # when it was let in (aiohttp's requests keep theirs in the request).
+    quota: Mapping[str, str] | None = None
 
 
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')

@@ -497,10 +497,12 @@ async def test_a_failure_in_the_lane_answers_once_and_closes(
         def broken(*_: object) -> None:
             raise RuntimeError("a bug")
 
-        # Before: the answer's usage is counted before it is sent; after: the
-        # request's metrics are taken once it was.
-        where = "answered" if after else "counted"
-        monkeypatch.setattr(lane.gateway.metrics, where, broken)
+        # Before: the client's answer is made from the engine's; after: the
+        # request's metrics are taken once it was sent.
+        if after:
+            monkeypatch.setattr(lane.gateway.metrics, "answered", broken)
+        else:
+            monkeypatch.setattr(lane.gateway, "_whole_answer", broken)
         reader, writer = await asyncio.open_connection("127.0.0.1", lane.port)
         writer.write(request())
         status, _, body = await read_answer(reader)
@@ -508,6 +510,71 @@ async def test_a_failure_in_the_lane_answers_once_and_closes(
         writer.close()
         assert status == (200 if after else 500), body
         assert rest == b""  # nothing after the one answer, and the connection closed
+
+
+async def test_a_failure_counting_an_answer_sent_leaves_the_answer_and_the_connection(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # On a kept engine connection the usage is counted once the answer is
+    # written: a bug there is logged, the client has its answer and the
+    # connection serves on.
+    async with lane_stack() as lane:
+        reader, writer = await warm(lane)
+
+        def broken(*_: object) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(lane.gateway.metrics, "counted", broken)
+        writer.write(request())
+        first = await read_answer(reader)
+        monkeypatch.undo()
+        writer.write(request())
+        second = await read_answer(reader)
+        writer.close()
+    assert (first[0], second[0]) == (200, 200)
+    assert json.loads(first[2])["usage"]["total_tokens"] > 0
+    assert "counting the usage of an answer of tiny failed" in caplog.text
+    assert "RuntimeError: a bug" in caplog.text
+
+
+async def test_an_answers_tokens_count_before_the_next_pipelined_request_is_let_in(
+    tmp_path: Path,
+) -> None:
+    # Counted after its answer is written, before the lane takes the
+    # connection's next request: the budget holds for requests sent back to
+    # back as for any others. The answer tells the limits as they stood when
+    # its request was let in (nothing used yet).
+    keyfile = tmp_path / "keys.json"
+    alice = add_key(keyfile, "alice", "t18phys").key
+    bob = add_key(keyfile, "bob", "t18phys").key
+    directory = StaticDirectory([ModelInfo("tiny")])
+    app = create_app(
+        directory, keys=KeyRing(keyfile), quota=QuotaBook(QuotaConfig(user_tokens_per_day=5))
+    )
+    async with engine("tiny", key="k0") as eurl, serve(app) as url:
+        directory.add_endpoint("tiny", Endpoint("r0", eurl, "k0"))
+        kept: list[bool] = []
+        sent = app[GATEWAY_KEY].lane_send
+
+        def noting(plan: LanePlan, client: LaneClient) -> LaneCall | None:
+            call = sent(plan, client)
+            kept.append(call is not None)
+            return call
+
+        app[GATEWAY_KEY].lane_send = noting  # type: ignore[method-assign]
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        # Bob's request leaves a kept-alive connection to the engine.
+        writer.write(request(extra=f"Authorization: Bearer {bob}\r\n"))
+        assert (await read_answer(reader))[0] == 200
+        writer.write(2 * request(extra=f"Authorization: Bearer {alice}\r\n"))
+        first, second = await read_answer(reader), await read_answer(reader)
+        writer.close()
+    assert kept[1] is True  # alice's first: answered from the kept connection
+    assert first[0] == 200 and json.loads(first[2])["usage"]["total_tokens"] >= 5
+    assert first[1]["x-ratelimit-remaining-tokens"] == "5"
+    assert second[0] == 429, second
+    assert json.loads(second[2])["error"]["code"] == "insufficient_quota"
+    assert second[1]["x-ratelimit-remaining-tokens"] == "0"
 
 
 async def test_fast_lane_false_serves_everything_through_aiohttp() -> None:

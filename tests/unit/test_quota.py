@@ -279,6 +279,43 @@ async def test_every_answer_has_the_headers_and_a_429_has_retry_after(tmp_path: 
         await c.close()
 
 
+# A client's trace context sends a request down aiohttp's path; without one,
+# the fast lane serves it.
+TRACED = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+
+
+@pytest.mark.parametrize("path", ["lane", "aiohttp"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_the_headers_tell_the_limits_as_they_stood_when_the_request_was_let_in(
+    tmp_path: Path, path: str, stream: bool
+) -> None:
+    # Itself counted, its tokens not yet (as OpenAI's): the same on both
+    # paths, streamed or not; the next request's tell them.
+    cfg = QuotaConfig(requests_per_minute=100, tokens_per_minute=10_000)
+    async with gateway(tmp_path, cfg) as (url, k, _):
+        c = openai.AsyncOpenAI(
+            api_key=k, base_url=url + "/v1", max_retries=0,
+            default_headers=TRACED if path == "aiohttp" else {},
+        )  # fmt: skip
+        seen = []
+        for _ in range(2):
+            async with c.chat.completions.with_streaming_response.create(
+                model="tiny", messages=[{"role": "user", "content": "a b c"}], max_tokens=4,
+                stream=stream, stream_options={"include_usage": True} if stream else None,
+            ) as r:  # fmt: skip
+                lines = [line async for line in r.iter_lines() if line]
+            usage = [json.loads(x.removeprefix("data: ")) for x in lines if "usage" in x][-1]
+            seen.append((r.headers, usage["usage"]["total_tokens"]))
+        await c.close()
+    (first, used), (second, _) = seen
+    assert (first["x-ratelimit-remaining-requests"], first["x-ratelimit-remaining-tokens"]) == (
+        "99",
+        "10000",
+    )
+    assert second["x-ratelimit-remaining-requests"] == "98"
+    assert second["x-ratelimit-remaining-tokens"] == str(10_000 - used)
+
+
 async def test_a_stream_that_crosses_the_budget_is_finished_and_the_next_refused(
     tmp_path: Path,
 ) -> None:
