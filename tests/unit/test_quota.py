@@ -306,6 +306,8 @@ async def test_the_headers_tell_the_limits_as_they_stood_when_the_request_was_le
                 lines = [line async for line in r.iter_lines() if line]
             usage = [json.loads(x.removeprefix("data: ")) for x in lines if "usage" in x][-1]
             seen.append((r.headers, usage["usage"]["total_tokens"]))
+            # aiohttp names itself in Server; the lane does not.
+            assert ("Server" in r.headers) == (path == "aiohttp"), r.headers
         await c.close()
     (first, used), (second, _) = seen
     assert (first["x-ratelimit-remaining-requests"], first["x-ratelimit-remaining-tokens"]) == (
