@@ -226,7 +226,7 @@ async def main() -> None:
         f"\n{args.requests} requests, max_tokens {args.max_tokens}, {args.clients} clients,"
         f" {args.repeats} round(s); medians"
     )
-    print(f"written {write('batch', results)}")
+    print(f"written {write('batch', results, vars(args))}")
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ async def main() -> None:
         result(f"part: {k}", med[k], "s", "total", med["total"]) for k in keys if k != "total"
     ]
     name = "cold_start" if args.engine == "test" else f"cold_start_{args.engine}"
-    print(f"\nwritten {write(name, results)}")
+    print(f"\nwritten {write(name, results, vars(args))}")
 
 
 if __name__ == "__main__":

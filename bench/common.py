@@ -64,9 +64,11 @@ def machine() -> dict[str, Any]:
     mem_kb = 0
     with contextlib.suppress(OSError, ValueError, IndexError):
         mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
-    slurm = subprocess.run(
-        ["sinfo", "-V"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    slurm = ""  # no Slurm here: a benchmark that needs none still records the rest
+    with contextlib.suppress(OSError):
+        slurm = subprocess.run(
+            ["sinfo", "-V"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -94,15 +96,57 @@ def result(
     }
 
 
-def write(name: str, results: list[dict[str, Any]], settings: dict[str, Any] | None = None) -> Path:
-    """``settings``: the run's arguments, kept beside its figures when given."""
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages, rounded (the machine is shared)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def commit() -> dict[str, Any]:
+    """The checkout the figures come from: its commit and whether its code had
+    changes (a dirty tree's figures are not that commit's). bench/results is left
+    out: the last run's file, not yet committed, changes no figure."""
+
+    def git(*argv: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(ROOT), *argv], capture_output=True, text=True, check=True
+            )
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        return done.stdout.strip()
+
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
+    return {"sha": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+# Taken when a benchmark imports this module, which each does before it measures:
+# the code that runs and the load the run starts under (the load at its end is
+# taken by write()).
+START = {
+    "when": datetime.now(UTC).isoformat(),
+    "load_average": load_average(),
+    "commit": commit(),
+}
+
+
+def write(name: str, results: list[dict[str, Any]], settings: dict[str, Any]) -> Path:
+    """Write ``bench/results/NAME.json``, replacing the last run's: the figures
+    with the run's ``settings`` (its arguments, ``vars(args)``), the commit and
+    the machine's load at the start and end, so that a quoted figure says what
+    produced it. One file per benchmark (and named configuration): no dated copies."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    doc: dict[str, Any] = {"machine": machine(), "when": datetime.now(UTC).isoformat()}
-    if settings is not None:
-        doc["settings"] = settings
-    doc["results"] = results
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    doc: dict[str, Any] = {
+        "machine": machine(),
+        "when": datetime.now(UTC).isoformat(),
+        "started": START["when"],
+        "commit": START["commit"],
+        "load_average": {"start": START["load_average"], "end": load_average()},
+        "settings": settings,
+        "results": results,
+    }
+    # default=str: a setting may be a Path or another plain value json does not know.
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return path
 
 

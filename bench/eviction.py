@@ -153,7 +153,7 @@ async def main() -> None:
         result("ref: cancel -> gone, alone", median(kills), "s", "total", med["total"]),
         result("ref: cold start, alone", median(colds), "s", "total", med["total"]),
     ]
-    print(f"\nwritten {write('eviction', results)}")
+    print(f"\nwritten {write('eviction', results, vars(args))}")
 
 
 if __name__ == "__main__":

@@ -479,7 +479,7 @@ def main() -> None:
     results = [result(f"site: {k}", new[k], u, ref, old[k]) for k, u in units.items()]
     print_table(results)
     print(f"\n{int(new['requests'])} requests over {HOURS:g} h, seed {args.seed}")
-    print(f"written {write('eviction_site', results)}")
+    print(f"written {write('eviction_site', results, vars(args))}")
 
 
 if __name__ == "__main__":

@@ -1086,7 +1086,11 @@ def report(
                                   f"gateway.{case}.rps", off["rps"]))  # fmt: skip
             results.append(result(f"gateway-keyed.{case}.cpu_vs_off", m["cpu_us"], "us/request",
                                   f"gateway.{case}.cpu", off["cpu_us"]))  # fmt: skip
-    path = write("gateway_keyed" if "gateway-keyed" in targets else "gateway", results)
+    path = write(
+        "gateway_keyed" if "gateway-keyed" in targets else "gateway",
+        results,
+        {"argv": sys.argv[1:], "targets": targets},
+    )
     print(f"wrote {path} (load average at start {load_avg:.2f})")
 
 

@@ -83,7 +83,7 @@ def main() -> int:
         print(f"access + quotas together: {added:.2f} us CPU per request (beside the key check)")
         # Against the gateway's goal for all it adds: 1 ms at the median.
         results.append(result("keyed.access_and_quotas", added, "us/request", "goal", 1000.0))
-    path = write("keyed_checks", results)
+    path = write("keyed_checks", results, vars(args))
     print(f"wrote {path}")
     return 0
 

@@ -209,7 +209,7 @@ async def main() -> None:
     results.append(result("load average (1 min), lowest", min(load), "", "highest", max(load)))
     results.append(result("rounds", len(runs), "", "", 0))
     print(f"\nload average over the run: {min(load):.2f}-{max(load):.2f}")
-    print(f"written {write('multinode_cold_start', results)}")
+    print(f"written {write('multinode_cold_start', results, vars(args))}")
 
 
 if __name__ == "__main__":

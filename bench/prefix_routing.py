@@ -354,7 +354,7 @@ def main() -> int:
     print_table(results)
     if not args.no_write:
         name = "prefix_routing" if args.blocks == BLOCKS else f"prefix_routing_{args.blocks}blocks"
-        print(f"wrote {write(name, results, settings=vars(args))}")
+        print(f"wrote {write(name, results, vars(args))}")
     return 0
 
 

@@ -669,7 +669,7 @@ async def main() -> None:
             results += await part_breakdown(args.repeats, args.scale, Path(tmp), args.profile)
     print()
     print_table(results)
-    path = write(f"reconcile_pass_{args.part}", results)
+    path = write(f"reconcile_pass_{args.part}", results, vars(args))
     print(f"\nwritten {path}")
 
 

@@ -185,7 +185,7 @@ def main() -> int:
     args = p.parse_args()
     results = asyncio.run(run(args.passes))
     common.print_table(results)
-    print("written:", common.write("reconcile_tracing", results))
+    print("written:", common.write("reconcile_tracing", results, vars(args)))
     return 0
 
 

@@ -169,7 +169,7 @@ def main() -> None:
         if len(a.trees) == 1:
             results.append(result(f"pass, {n} running", ref, "s", "", 0))
     print_table(results)
-    print(f"wrote {write('running_rows', results)}")
+    print(f"wrote {write('running_rows', results, vars(a))}")
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ async def main() -> None:
         for i in range(0, len(ids), 500):
             subprocess.run(["scancel", *ids[i : i + 500]], check=False)
     print_table(results)
-    path = write("slurm_listing", results)
+    path = write("slurm_listing", results, vars(args))
     print(f"\nwritten {path}")
     print(json.dumps([r["ratio"] for r in results]))
 

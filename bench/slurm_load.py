@@ -238,7 +238,7 @@ async def main() -> None:
         )
     print()
     print_table(results)
-    path = write("slurm_load", results)
+    path = write("slurm_load", results, vars(args))
     print(f"\nwritten {path}")
 
 

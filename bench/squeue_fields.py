@@ -63,7 +63,7 @@ def main() -> None:
         ),
     ]
     print_table(results)
-    print(f"wrote {write('squeue_fields', results)}")
+    print(f"wrote {write('squeue_fields', results, vars(a))}")
 
 
 if __name__ == "__main__":

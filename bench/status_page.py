@@ -246,7 +246,7 @@ def main() -> None:
         result(f"history, {args.models} models x 60 points", h_bytes / 1e6, "MB", "-", 0),
     ]
     print_table(results)
-    print("written", write("status_page", results))
+    print("written", write("status_page", results, vars(args)))
 
 
 if __name__ == "__main__":

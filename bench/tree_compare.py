@@ -129,7 +129,7 @@ def main() -> int:
         print(f"{name:<62} {mine:>10.4f} {theirs:>10.4f} {ratio:>7.3f}")
         unit = "s CPU" if args.part == "plan" else "x bare squeue -u"
         out.append(result(name, mine, unit, f"{args.against}, same run", theirs))
-    write(f"tree_compare_{args.part}", out)
+    write(f"tree_compare_{args.part}", out, vars(args))
     return 0
 
 
