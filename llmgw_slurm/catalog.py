@@ -594,8 +594,23 @@ class Model:
     routing: Routing = field(default_factory=Routing)
     # Default None: everyone with a key may use it. See Access.
     access: Access | None = None
+    # Default None: what the engine's arguments say (vLLM's --max-model-len,
+    # SGLang's --context-length), else unknown. The most tokens one request may
+    # hold, prompt and answer: with token quotas, what a request that sets no
+    # max_tokens reserves (unknown: quotas.default_max_tokens, which the answer
+    # may pass). It must match what the engine is started with.
+    context_length: int | None = field(default=None, metadata=rule(ge=1))
 
     def _problems(self) -> list[tuple[str, str]]:
+        given = _engine_context(self.engine)
+        if given is not None and self.context_length not in (None, given):
+            return [
+                (
+                    "context_length",
+                    f"context_length {self.context_length} differs from the engine's "
+                    f"{_CONTEXT_FLAGS[self.engine.kind]} {given}; give one of them",
+                )
+            ]
         eps = self.endpoints or ()
         twice = sorted({e for e in eps if eps.count(e) > 1})
         if twice:
@@ -621,6 +636,12 @@ class Model:
     def multi_node(self) -> bool:
         return self.resources.nodes > 1
 
+    @property
+    def context_tokens(self) -> int | None:
+        """The most tokens one request may hold: ``context_length``, else the
+        engine's own flag for it, else None (unknown)."""
+        return self.context_length or _engine_context(self.engine)
+
     def to_spec(self) -> dict[str, Any]:
         """Plain JSON-able data of this entry (the LLMGW_REPLICA_SPEC payload).
 
@@ -634,6 +655,25 @@ class Model:
 
     def to_spec_json(self) -> str:
         return json.dumps(self.to_spec(), sort_keys=True, separators=(",", ":"))
+
+
+# The engine flag that sets its context length, per engine kind.
+_CONTEXT_FLAGS = {"vllm": "--max-model-len", "sglang": "--context-length", "command": ""}
+
+
+def _engine_context(engine: EngineSpec) -> int | None:
+    """The context length the engine's args give it (``--flag N`` or ``--flag=N``)."""
+    flag = _CONTEXT_FLAGS[engine.kind]
+    if not flag:
+        return None
+    args = engine.args
+    for i, a in enumerate(args):
+        value = a[len(flag) + 1 :] if a.startswith(flag + "=") else None
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        if value is not None and value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    return None
 
 
 def _drop_none(data: dict[str, Any]) -> dict[str, Any]:

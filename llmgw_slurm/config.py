@@ -404,10 +404,26 @@ class QuotaConfig:
     user_tokens_per_month: int | None = field(default=None, metadata=rule(ge=1))
     account_tokens_per_day: int | None = field(default=None, metadata=rule(ge=1))
     account_tokens_per_month: int | None = field(default=None, metadata=rule(ge=1))
+    # Default 4096: what a request that sets no max_tokens reserves for its answer
+    # on a model whose context length is unknown (no context_length in the
+    # catalog, nor the engine's flag for it). Its answer may pass it: give
+    # models their context_length and every request's maximum is known.
+    default_max_tokens: int = field(default=4096, metadata=rule(ge=1))
 
     @property
     def any(self) -> bool:
-        return any(v is not None for v in dataclasses.astuple(self))
+        """Whether any limit is set."""
+        return any(
+            v is not None
+            for v in (
+                self.requests_per_minute,
+                self.tokens_per_minute,
+                self.user_tokens_per_day,
+                self.user_tokens_per_month,
+                self.account_tokens_per_day,
+                self.account_tokens_per_month,
+            )
+        )
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class ReplicaDirectory:
                     prefix_chars=m.routing.prefix_chars,
                     load_factor=m.routing.load_factor,
                     key_factor=m.routing.key_factor,
+                    context_length=m.context_tokens,
                 )
                 for m in catalog.models
             }

@@ -90,6 +90,8 @@ class ModelRouting:
 
     ``endpoints``: the endpoint names it serves (catalog.ENDPOINTS); None, every one.
     ``policy``, ``prefix_chars``, ``load_factor``, ``key_factor``: as catalog.Routing.
+    ``context_length``: the most tokens one request may hold (None: unknown),
+    what token quotas reserve for a request that sets no ``max_tokens``.
     """
 
     endpoints: frozenset[str] | None = None
@@ -97,6 +99,7 @@ class ModelRouting:
     prefix_chars: int = 2048
     load_factor: float = 2.0
     key_factor: float = 1.0
+    context_length: int | None = None
 
 
 @runtime_checkable

@@ -43,7 +43,16 @@ from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
 from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
-from llmgw_slurm.router.quota import QUOTA_HEADERS, QuotaBook, add_quota_headers
+from llmgw_slurm.router.quota import (
+    NOTHING,
+    QUOTA_HEADERS,
+    Ask,
+    QuotaBook,
+    Refusal,
+    Reservation,
+    add_quota_headers,
+    ask_of,
+)
 from llmgw_slurm.router.relay import LaneSink, StreamClient, _Call, _Pipe, _SseRelay
 from llmgw_slurm.router.upstream import (
     Answer,
@@ -177,8 +186,11 @@ class LanePlan(NamedTuple):
     t0: float
     stream: bool = False
     strip_usage: bool = False  # the usage chunk the gateway asked for, not the client
-    # The x-ratelimit-* headers as the limits stood when the request was let in
-    # (set once admitted, for a request that goes to the task path).
+    # The most it may spend, for the quotas (NOTHING without them).
+    ask: Ask = NOTHING
+    # Once let in: what the quotas hold for it, and the x-ratelimit-* headers
+    # of its answer, as the limits stood then.
+    hold: Reservation | None = None
     quota: Mapping[str, str] | None = None
 
 
@@ -223,9 +235,7 @@ class LaneCall:
     def sent(self) -> None:
         """The request went to the engine: what its answer will need is worked
         out while the engine works on it, not between its answer and the client."""
-        gw, plan = self._gw, self._plan
-        gw._request_started(plan.model, plan.ep.replica_id)
-        self._plan = gw._admitted(plan)
+        self._gw._request_started(self._plan.model, self._plan.ep.replica_id)
 
     def done(self, result: Answer | BaseException) -> None:
         """The engine's answer, or why there is none (see upstream.Conn)."""
@@ -266,10 +276,14 @@ class LaneCall:
         gw._request_ended(plan.model, plan.ep.replica_id)
         try:
             gw._count_answer(
-                got.status, got.headers, got.body, plan.ep, plan.endpoint, plan.model, plan.key
-            )
+                got.status, got.headers, got.body, plan.ep, plan.endpoint, plan.model, plan.key,
+                plan.hold,
+            )  # fmt: skip
         except Exception:
             log.exception("counting the usage of an answer of %s failed", plan.model)
+        finally:
+            if plan.hold is not None:
+                plan.hold.release()  # an answer without usage
 
     def cancel(self) -> None:
         """The client went away: as for a cancelled :meth:`Gateway._forward`,
@@ -277,6 +291,8 @@ class LaneCall:
         assert self.conn is not None
         self.conn.abandon()
         plan = self._plan
+        if plan.hold is not None:
+            plan.hold.release()
         self._gw._request_ended(plan.model, plan.ep.replica_id)
         self._gw.metrics.answered_since(plan.model, 499, plan.t0, None)
 
@@ -442,18 +458,32 @@ class Gateway:
             )
         return model
 
+    def _ask(self, obj: dict[str, Any], endpoint: str, model: str, key: KeyRecord | None) -> Ask:
+        """The most a request may spend, for the quotas (NOTHING without them)."""
+        if self.quota is None or key is None:
+            return NOTHING
+        context = self._routing(model).context_length
+        return ask_of(obj, endpoint, context, self.quota.config.default_max_tokens)
+
     def _admit(
-        self, key: KeyRecord | None, request: web.Request | None = None
+        self, key: KeyRecord | None, ask: Ask, call: _Call, request: web.Request | None = None
     ) -> web.Response | None:
-        """The key's quota's 429, or None: within its limits (or no quotas). Let
-        in, ``request``'s answer will carry the rate-limit headers as the limits
-        stand now (add_quota_headers)."""
+        """The key's quota's 429, or None: let in (or no quotas), what it may spend
+        held in ``call.hold`` until it ends, and ``request``'s answer to carry the
+        rate-limit headers as the limits stood then (add_quota_headers)."""
+        held = self._reserve(key, ask)
+        if isinstance(held, web.Response):
+            return held
+        call.hold = held
+        if held is not None and request is not None:
+            request[QUOTA_HEADERS] = dict(held.headers)
+        return None
+
+    def _reserve(self, key: KeyRecord | None, ask: Ask) -> Reservation | web.Response | None:
         if self.quota is None or key is None:
             return None
-        refused = self.quota.admit(key)
-        if refused is None and request is not None:
-            request[QUOTA_HEADERS] = self.quota.headers(key)
-        return refused
+        got = self.quota.reserve(key, ask)
+        return got.response() if isinstance(got, Refusal) else got
 
     def _known_names(self, key: KeyRecord | None) -> str:
         parts = []
@@ -676,8 +706,9 @@ class Gateway:
                 self._cold_since.pop(model, None)
 
     def _record_usage(
-        self, key: KeyRecord | None, model: str, endpoint: str, usage: dict[str, Any] | None
-    ) -> None:
+        self, key: KeyRecord | None, model: str, endpoint: str, usage: dict[str, Any] | None,
+        hold: Reservation | None = None,
+    ) -> None:  # fmt: skip
         if usage is None or not _TOKEN_FIELDS.intersection(usage):
             # A transcription's usage is in seconds of audio: no tokens to count.
             return
@@ -686,7 +717,9 @@ class Gateway:
         completion = _int(usage.get("completion_tokens", usage.get("output_tokens")))
         total = _int(usage.get("total_tokens")) or prompt + completion
         self.metrics.counted(model, prompt, completion)
-        if self.quota is not None and key is not None:
+        if hold is not None and not hold.ended:
+            hold.settle(total)
+        elif self.quota is not None and key is not None:
             self.quota.spent(key, total)
         if self.usage is None:
             return
@@ -792,6 +825,8 @@ class Gateway:
                 call.status = 499
                 raise
             finally:
+                if not call.handed_off:
+                    call.release()
                 span.set_attribute("http.response.status_code", call.status)
                 self.metrics.answered_since(
                     call.model or "_unknown", call.status, call.t0, call.first_byte
@@ -857,7 +892,8 @@ class Gateway:
         if ep is None:
             return None
         body, stream, strip_usage = prepared
-        return LanePlan(endpoint, model, key, ep, body, time.monotonic(), stream, strip_usage)
+        ask = self._ask(obj, endpoint, model, key)
+        return LanePlan(endpoint, model, key, ep, body, time.monotonic(), stream, strip_usage, ask)
 
     def lane_send(self, plan: LanePlan, lane: LaneClient) -> LaneCall | None:
         """Start a request the lane planned: admitted (the quota's refusal is
@@ -867,15 +903,17 @@ class Gateway:
         the loop and tens of microseconds on a cold CPU. Otherwise it goes to
         ``lane.fall_back`` (a new connection, made in a task). None: no call
         under way here (answered, or the task's)."""
-        refused = self._admit(plan.key)
-        if refused is not None:
-            lane.answer(refused)  # with the headers of the limit it reached
-            self.metrics.answered_since(plan.model, refused.status, plan.t0, None)
+        held = self._reserve(plan.key, plan.ask)
+        if isinstance(held, web.Response):
+            lane.answer(held)  # with the headers of the limit it reached
+            self.metrics.answered_since(plan.model, held.status, plan.t0, None)
             return None
+        if held is not None:
+            plan = plan._replace(hold=held, quota=held.headers)
         if plan.stream:
             # A second or more of answer: a task's turn of the loop is nothing
             # to it, and _forward's handling of a failed try is the path's own.
-            lane.fall_back(self._admitted(plan), None)
+            lane.fall_back(plan, None)
             return None
         assert self._whole is not None, "the gateway app was not started"
         ep = plan.ep
@@ -885,19 +923,12 @@ class Gateway:
             _upstream_headers(lane, ep, "application/json"), plan.body, call.done,
         )  # fmt: skip
         if call.conn is None:
-            lane.fall_back(self._admitted(plan), None)
+            lane.fall_back(plan, None)
             return None
         # Counted once sent: the answer comes in a later turn of the loop, never
         # within send_kept.
         call.sent()
         return call
-
-    def _admitted(self, plan: LanePlan) -> LanePlan:
-        """``plan`` with the rate-limit headers of its answer, as the limits stand
-        as it is let in."""
-        if self.quota is None or plan.key is None:
-            return plan
-        return plan._replace(quota=self.quota.headers(plan.key))
 
     def _request_started(self, model: str, replica_id: str) -> None:
         key_ = (model, replica_id)
@@ -925,7 +956,7 @@ class Gateway:
         """Answer an admitted request the lane planned, as :meth:`_proxy` does,
         with ``deliver`` sending the answer (whichever it is) to the client;
         ``failed``: how a try :meth:`lane_send` made ended."""
-        call = _Call(t0=plan.t0, model=plan.model, quota=plan.quota)
+        call = _Call(t0=plan.t0, model=plan.model, quota=plan.quota, hold=plan.hold)
         sent: list[web.Response] = []
 
         async def once(resp: web.Response) -> web.Response:
@@ -946,6 +977,8 @@ class Gateway:
             call.status = 499
             raise
         finally:
+            if not call.handed_off:
+                call.release()
             self.metrics.answered_since(plan.model, call.status, call.t0, call.first_byte)
 
     async def _proxy_inner(
@@ -965,7 +998,9 @@ class Gateway:
             return model
         call.model = model
         trace.get_current_span().set_attribute("llmgw.model", model)
-        refused = self._route(model, endpoint, obj) or self._admit(key, request)
+        refused = self._route(model, endpoint, obj) or self._admit(
+            key, self._ask(obj, endpoint, model, key), call, request
+        )
         if refused is not None:
             return refused
         prepared = _upstream_body(raw, obj, model, endpoint)
@@ -1035,7 +1070,7 @@ class Gateway:
             return model
         call.model = model
         trace.get_current_span().set_attribute("llmgw.model", model)
-        refused = self._route(model, endpoint, None) or self._admit(key, request)
+        refused = self._route(model, endpoint, None) or self._admit(key, NOTHING, call, request)
         if refused is not None:
             return refused
         head = field.head if field.model == model else field.with_model(model)
@@ -1206,10 +1241,12 @@ class Gateway:
         if sink is not None and sink.began:
             # The engine's answer is whole: its usage counts whether the
             # client reads the end or not.
-            self._record_usage(key, model, endpoint, sink.usage)
+            self._record_usage(key, model, endpoint, sink.usage, call.hold)
             sink.finish()
             return web.StreamResponse()
-        self._count_answer(answer.status, answer.headers, answer.body, ep, endpoint, model, key)
+        self._count_answer(
+            answer.status, answer.headers, answer.body, ep, endpoint, model, key, call.hold
+        )
         resp = _response_of(
             self._whole_answer(answer.status, answer.headers, answer.body, ep, model)
         )
@@ -1233,9 +1270,10 @@ class Gateway:
         def drained(whole: bool) -> None:
             # The end of an answer whose client went away.
             if whole:
-                self._record_usage(key, model, endpoint, relay.usage)
+                self._record_usage(key, model, endpoint, relay.usage, call.hold)
             else:
                 self.metrics.upstream_errors.labels(model, "drain").inc()
+            call.release()
 
         cfg = self.config
         drain = (cfg.drain_after_disconnect, cfg.drain_after_disconnect_bytes)
@@ -1354,9 +1392,10 @@ class Gateway:
                 # The end of an answer whose client went away (in a callback:
                 # the handler has returned or was cancelled by then).
                 if p.error is None:
-                    self._record_usage(key, model, endpoint, relay.usage)
+                    self._record_usage(key, model, endpoint, relay.usage, call.hold)
                 else:
                     self.metrics.upstream_errors.labels(model, "drain").inc()
+                call.release()
                 upstream.close()
 
             cfg = self.config
@@ -1375,7 +1414,7 @@ class Gateway:
                 call.outcome = call.outcome or 499
                 if pipe.done and pipe.error is None and not pipe.draining:
                     # Ended before the client was missed: the usage is in.
-                    self._record_usage(key, model, endpoint, relay.usage)
+                    self._record_usage(key, model, endpoint, relay.usage, call.hold)
                 return resp
             e = pipe.error
             if e is not None:
@@ -1389,7 +1428,7 @@ class Gateway:
             pipe.send(relay.rest())
             # The engine's answer is whole: its usage counts whether the
             # client reads the end or not.
-            self._record_usage(key, model, endpoint, relay.usage)
+            self._record_usage(key, model, endpoint, relay.usage, call.hold)
             if pipe.gone:
                 call.outcome = call.outcome or 499
                 return resp
@@ -1434,7 +1473,9 @@ class Gateway:
             data = await upstream.read()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
             return self._broke_off(model, type(e).__name__)
-        self._count_answer(upstream.status, upstream.headers, data, ep, endpoint, model, key)
+        self._count_answer(
+            upstream.status, upstream.headers, data, ep, endpoint, model, key, call.hold
+        )
         got = self._whole_answer(upstream.status, upstream.headers, data, ep, model)
         call.first_byte = time.monotonic()
         return _response_of(got)
@@ -1476,7 +1517,7 @@ class Gateway:
 
     def _count_answer(
         self, status: int, headers: Mapping[str, str], data: bytes, ep: Endpoint,
-        endpoint: str, model: str, key: KeyRecord | None,
+        endpoint: str, model: str, key: KeyRecord | None, hold: Reservation | None = None,
     ) -> None:  # fmt: skip
         """Count the usage of an engine's whole answer (and remember a response
         of the Responses API, for the requests that continue it)."""
@@ -1486,7 +1527,7 @@ class Gateway:
             except ValueError:
                 parsed = None
             if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
-                self._record_usage(key, model, endpoint, parsed["usage"])
+                self._record_usage(key, model, endpoint, parsed["usage"], hold)
             if (
                 endpoint == "responses"
                 and isinstance(parsed, dict)

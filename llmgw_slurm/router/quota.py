@@ -6,24 +6,41 @@ that the gateway rereads when it changes, as it does the key file.
 
 How it is counted, and why:
 
-- A request is counted when it is let in; its tokens when the engine reports
-  them (the usage the gateway records anyway). So a request is refused only
-  once a limit is already reached: an answer in flight, a stream included,
-  is never cut for crossing a budget, and the next request is refused.
+- A request is let in only if the most it may spend fits every token limit
+  that applies (its :class:`Ask`: its prompt, estimated at 4 bytes of text a
+  token as OpenAI's own estimate is, plus the most its answer may hold:
+  ``max_tokens``, ``max_completion_tokens`` or ``max_output_tokens`` times
+  ``n``, else the model's ``context_length``, else ``quotas.default_max_tokens``).
+  That much is *held* (a :class:`Reservation`) from admission until the answer
+  ends, beside what was spent; then it settles to the engine's real count, or,
+  when no count ever comes (the engine failed; the client left and the answer
+  was cut past the drain bound), it is released. Each reservation ends
+  exactly once. So requests in flight at once cannot pass a limit together:
+  before, a dozen concurrent requests were all let in under a nearly spent
+  limit, each spending up to its ``max_tokens``.
+- A request whose own maximum is more than a whole limit can never be let in:
+  its 429 says so and what to change (OpenAI's "Request too large").
 - Per-minute limits are fixed windows (the minute of the clock), in memory:
-  a restart forgets them, which costs at most one extra minute's worth.
+  a restart forgets them, which costs at most one extra minute's worth. An
+  answer's tokens count in the minute it ends; tokens held count against
+  every window while their request is in flight.
 - Day and month budgets (UTC calendar) start, at start-up, from the usage
   store's totals, so a restart does not hand out a fresh budget.
+- Batches count against the day and month budgets, not the per-minute limits
+  (as OpenAI's batches, which have a pool of their own): a batch holds its
+  whole input's maximum from its creation to its end (batch/service.py).
 
 Every answer to a request with a valid key carries OpenAI's rate-limit
 headers: ``x-ratelimit-{limit,remaining,reset}-requests`` (the per-minute
-request limit) and ``-tokens`` (whichever token limit has least left);
-a refusal is a 429 in OpenAI's error shape with ``Retry-After``. For a
-request sent to a model they tell the limits as they stood when it was let
-in, itself counted but not yet its tokens (as OpenAI's, worked out on
-admission; a stream's head could tell no more, and so the gateway works
-them out while the engine works, not between the engine's answer and the
-client); for any other answer, as the limits stand as it is sent.
+request limit) and ``-tokens`` (whichever token limit has least left, tokens
+held included); a refusal is a 429 in OpenAI's error shape with
+``Retry-After``. For a request sent to a model they tell the limits as they
+stood when it was let in, itself counted but not yet its tokens (as
+OpenAI's, worked out on admission: a stream's head could tell no more); for
+any other answer, as the limits stand as it is sent.
+
+The book's state lives behind :meth:`QuotaBook.reserve`, :class:`Reservation`
+and :meth:`QuotaBook.spent`: nothing outside reads or writes its counts.
 """
 
 from __future__ import annotations
@@ -36,24 +53,31 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from aiohttp import web
 
 from llmgw_slurm.config import QuotaConfig, ServerConfig
 from llmgw_slurm.errors import ConfigError, LlmgwError
 from llmgw_slurm.fsutil import atomic_write, locked
-from llmgw_slurm.router.keys import KeyRecord, request_key
+from llmgw_slurm.router.keys import request_key
 from llmgw_slurm.router.usage import token_totals
 
 __all__ = [
+    "NOTHING",
     "QUOTA_HEADERS",
     "AccountBudget",
     "AccountBudgets",
+    "Ask",
+    "Payer",
     "QuotaBook",
+    "Refusal",
+    "Reservation",
     "add_quota_headers",
+    "ask_of",
     "budgets_path",
     "format_reset",
+    "prompt_estimate",
     "quota_book",
     "set_account_budget",
 ]
@@ -169,6 +193,94 @@ def _next_month(now: float) -> float:
     return float(calendar.timegm((year, month, 1, 0, 0, 0)))
 
 
+class Payer(Protocol):
+    """Whose tokens: a key's id, its user and its Slurm account (a KeyRecord, or a
+    batch's creator)."""
+
+    @property
+    def key_id(self) -> str: ...
+
+    @property
+    def user(self) -> str: ...
+
+    @property
+    def project(self) -> str: ...
+
+
+class Ask(NamedTuple):
+    """The most one request may spend, worked out from its body before it is let in."""
+
+    prompt: int  # its prompt, estimated
+    answer: int  # the most its answer may hold, all choices together
+    # Whether the answer's bound is the request's own max_tokens (else the
+    # model's context length or the default): a refusal says what to change.
+    own: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.answer
+
+
+NOTHING = Ask(0, 0)
+
+# The endpoints whose answer is generated text, and the fields that bound it
+# (the first one set wins: chat's max_completion_tokens replaced max_tokens).
+_ANSWER_FIELDS = {
+    "chat/completions": ("max_completion_tokens", "max_tokens"),
+    "completions": ("max_tokens",),
+    "responses": ("max_output_tokens",),
+}
+
+
+def _count(value: Any) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else None
+
+
+def prompt_estimate(body: Mapping[str, Any]) -> int:
+    """A request's prompt in tokens, estimated as OpenAI's rate limiter does: 4 bytes
+    of its text a token (every string in the body but the model's name and inline
+    files, which are counted when the answer ends), and a token per number in
+    a list (a prompt of token ids)."""
+    size = 0
+    numbers = 0
+    # A stack, not recursion: a body nests as deep as json.loads lets it.
+    stack: list[Any] = [v for k, v in body.items() if k != "model"]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not v.startswith("data:"):
+                size += len(v) if v.isascii() else len(v.encode("utf-8", "replace"))
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            for x in v:
+                if isinstance(x, (int, float)):
+                    numbers += 1
+                else:
+                    stack.append(x)
+    return (size + 3) // 4 + numbers
+
+
+def ask_of(body: Mapping[str, Any], endpoint: str, context: int | None, default_answer: int) -> Ask:
+    """The most a request to ``endpoint`` with ``body`` may spend, on a model whose
+    context (prompt and answer together) is ``context`` tokens (None: unknown)."""
+    prompt = prompt_estimate(body)
+    fields = _ANSWER_FIELDS.get(endpoint)
+    if fields is None:
+        return Ask(prompt, 0)  # embeddings, rerank, score, tokenize: no answer text
+    choices = max(1, _count(body.get("n")) or 1, _count(body.get("best_of")) or 1)
+    most = next((m for f in fields if (m := _count(body.get(f))) is not None), None)
+    own = most is not None
+    if most is None:
+        most = context if context is not None else default_answer
+    if context is not None:
+        # Prompt and answer together never pass the context: with an estimate
+        # of the prompt above the real one, the whole still bounds the request.
+        most = min(most, max(0, context - prompt))
+    return Ask(prompt, most * choices, own)
+
+
 class _Limit(NamedTuple):
     """One limit as the headers and a refusal tell it (a tuple: made per request)."""
 
@@ -177,10 +289,11 @@ class _Limit(NamedTuple):
     limit: int
     used: int
     reset: float  # seconds
+    held: int = 0  # by requests in flight
 
     @property
     def remaining(self) -> int:
-        return max(0, self.limit - self.used)
+        return max(0, self.limit - self.used - self.held)
 
 
 # The per-minute limits, in _Limit.what's words.
@@ -216,7 +329,7 @@ class _Rule(NamedTuple):
     """A day or month budget that applies to one key: whose counts, how many."""
 
     period: _Period
-    name: str  # the user's or the account's
+    whose: tuple[str, str]  # ("user", name) or ("account", name): where its holds are
     limit: int
     what: tuple[str, str, str]  # as _Limit's
 
@@ -229,8 +342,77 @@ _BUDGETS = tuple(
 )
 
 
+class Refusal(NamedTuple):
+    """A request the quotas turn away: OpenAI's 429, saying which limit and what to do."""
+
+    message: str
+    type: str
+    code: str
+    retry_after: int
+    headers: Mapping[str, str]
+
+    def response(self) -> web.Response:
+        body = {
+            "error": {"message": self.message, "type": self.type, "param": None, "code": self.code}
+        }
+        headers = {**self.headers, "Retry-After": str(self.retry_after)}
+        return web.json_response(body, status=429, headers=headers)
+
+
+class Reservation:
+    """The tokens one request holds from its admission to its end.
+
+    It ends once: :meth:`settle` with the real count, or :meth:`release` when
+    no count will come; whichever comes first counts, later calls do nothing.
+    ``headers``: the rate-limit headers of its answer, as the limits stood
+    when it was let in.
+    """
+
+    __slots__ = ("_book", "_holds", "_open", "headers", "per_minute", "tokens", "who")
+
+    def __init__(
+        self,
+        book: QuotaBook,
+        who: Payer,
+        tokens: int,
+        holds: tuple[tuple[str, str], ...],
+        headers: Mapping[str, str],
+        per_minute: bool,
+    ) -> None:
+        self._book = book
+        self.who = who
+        self.tokens = tokens
+        self._holds = holds
+        self.headers = headers
+        self.per_minute = per_minute
+        self._open = True
+
+    @property
+    def ended(self) -> bool:
+        return not self._open
+
+    def settle(self, actual: int) -> None:
+        """The request's answer ended having used ``actual`` tokens."""
+        if self._open:
+            self._open = False
+            self._book._unhold(self._holds, self.tokens)
+            self._book.spent(self.who, actual, per_minute=self.per_minute)
+
+    def release(self) -> None:
+        """The request ended without a count (never sent, failed, or cut): nothing spent."""
+        if self._open:
+            self._open = False
+            self._book._unhold(self._holds, self.tokens)
+
+
 class QuotaBook:
-    """Counts what each key, user and account used, and says when a limit is reached."""
+    """Counts what each key, user and account used and holds, and lets a request in
+    only if what it may spend fits.
+
+    The whole interface: :meth:`reserve` (and :meth:`hold`), the
+    :class:`Reservation` it returns, :meth:`spent`, :meth:`headers` and
+    :meth:`load`; the counts behind them are the book's own.
+    """
 
     def __init__(
         self,
@@ -242,13 +424,15 @@ class QuotaBook:
         self.budgets = budgets
         self._clock = clock
         self._minute: dict[str, tuple[int, int, int]] = {}  # key id -> (minute, requests, tokens)
+        # Tokens held by requests in flight: ("key", id), ("user", name), ("account", name).
+        self._held: dict[tuple[str, str], int] = {}
         self._periods = {(kind, span): _Period(span) for kind, span, _ in _BUDGETS}
         self._server_budgets = [
             (kind, span, self._periods[(kind, span)], getattr(config, name))
             for kind, span, name in _BUDGETS
         ]
         self._rules_from: dict[str, AccountBudget] | None = None
-        self._rules_of: dict[str, tuple[_Rule, ...]] = {}
+        self._rules_of: dict[tuple[str, str, str], tuple[_Rule, ...]] = {}
 
     def load(self, usage_db: Path) -> None:
         """Start the day and month budgets from the usage store (after a restart)."""
@@ -263,34 +447,111 @@ class QuotaBook:
                     if names[pick]:
                         used[names[pick]] = used.get(names[pick], 0) + tokens
 
-    def spent(self, key: KeyRecord, tokens: int) -> None:
-        """A request of ``key`` used ``tokens`` (called as its usage is recorded)."""
+    # ---- the interface ------------------------------------------------------------------
+
+    def reserve(
+        self, who: Payer, ask: Ask = NOTHING, *, per_minute: bool = True
+    ) -> Reservation | Refusal:
+        """Let a request of ``who`` in, holding ``ask.tokens`` until its
+        :class:`Reservation` ends; or the :class:`Refusal` naming the limit it
+        does not fit. ``per_minute`` False (a batch): the day and month
+        budgets only, and not counted as a request."""
+        if self.budgets is not None:
+            self.budgets.refresh()
         now = self._clock()
-        minute = int(now // 60)
-        m, reqs, toks = self._minute.get(key.key_id, (minute, 0, 0))
-        if m == minute:
-            self._minute[key.key_id] = (minute, reqs, toks + tokens)
+        reqs, toks = self._minute_counts(who, now) if per_minute else (0, 0)
+        req = self._request_limit(reqs, now) if per_minute else None
+        limits = self._token_limits(who, now, toks, per_minute)
+        tokens = ask.tokens
+        over = [t for t in limits if t.remaining == 0 or tokens > t.remaining]
+        if req is not None and req.limit <= req.used:
+            over.insert(0, req)
+        if over:
+            return _refusal(who, ask, over, _headers(req, _least_left(limits)))
+        if per_minute:
+            minute = int(now // 60)
+            self._minute[who.key_id] = (minute, reqs + 1, toks)
+            if len(self._minute) > 100_000:
+                # Keys idle for a minute or more hold nothing worth keeping.
+                self._minute = {k: v for k, v in self._minute.items() if v[0] == minute}
+            if req is not None:
+                req = req._replace(used=reqs + 1)
+        # Itself counted, its tokens not yet: what its answer's headers tell.
+        headers = _headers(req, _least_left(limits))
+        return self.hold(who, tokens, per_minute=per_minute, headers=headers)
+
+    def hold(
+        self,
+        who: Payer,
+        tokens: int,
+        *,
+        per_minute: bool = False,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reservation:
+        """Hold ``tokens`` for ``who`` without asking whether they fit: a batch's
+        reservation taken again after a restart."""
+        holds: tuple[tuple[str, str], ...] = ()
+        if tokens:
+            names = [("user", who.user), ("account", who.project)]
+            if per_minute:
+                names.insert(0, ("key", who.key_id))
+            holds = tuple((kind, name) for kind, name in names if name)
+            for h in holds:
+                self._held[h] = self._held.get(h, 0) + tokens
+        return Reservation(self, who, tokens, holds, headers or {}, per_minute)
+
+    def spent(self, who: Payer, tokens: int, *, per_minute: bool = True) -> None:
+        """``who`` used ``tokens`` that no reservation held (or its settlement):
+        counted in the minute (unless ``per_minute`` is False), day and month."""
+        now = self._clock()
+        if per_minute:
+            minute = int(now // 60)
+            m, reqs, toks = self._minute.get(who.key_id, (minute, 0, 0))
+            # An answer that ends in a later minute than its key's last
+            # request counts in the minute it ends.
+            self._minute[who.key_id] = (minute, reqs, toks + tokens) if m == minute else (
+                minute, 0, tokens
+            )  # fmt: skip
         for (kind, _), period in self._periods.items():
-            name = key.user if kind == "user" else key.project
+            name = who.user if kind == "user" else who.project
             if name:
                 used = period.at(now)
                 used[name] = used.get(name, 0) + tokens
 
-    def _rules(self, key: KeyRecord) -> tuple[_Rule, ...]:
+    def headers(self, who: Payer) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers for ``who`` as things stand (the budgets
+        file as :meth:`reserve` last read it: one stat a request is enough)."""
+        now = self._clock()
+        reqs, toks = self._minute_counts(who, now)
+        limits = self._token_limits(who, now, toks, True)
+        return _headers(self._request_limit(reqs, now), _least_left(limits))
+
+    # ---- the counts -----------------------------------------------------------------
+
+    def _unhold(self, holds: tuple[tuple[str, str], ...], tokens: int) -> None:
+        for h in holds:
+            left = self._held.get(h, 0) - tokens
+            if left > 0:
+                self._held[h] = left
+            else:
+                self._held.pop(h, None)
+
+    def _rules(self, key: Payer) -> tuple[_Rule, ...]:
         """The day and month budgets that apply to ``key``: worked out once a key
         (and again when the budgets file changes), not once a request."""
         budgets = self.budgets.budgets if self.budgets is not None else None
         if budgets is not self._rules_from:
             self._rules_from, self._rules_of = budgets, {}
-        rules = self._rules_of.get(key.key_id)
+        whose = (key.key_id, key.user, key.project)
+        rules = self._rules_of.get(whose)
         if rules is None:
             if len(self._rules_of) > 100_000:
                 self._rules_of = {}
-            rules = self._rules_of[key.key_id] = self._make_rules(key, budgets)
+            rules = self._rules_of[whose] = self._make_rules(key, budgets)
         return rules
 
     def _make_rules(
-        self, key: KeyRecord, budgets: dict[str, AccountBudget] | None
+        self, key: Payer, budgets: dict[str, AccountBudget] | None
     ) -> tuple[_Rule, ...]:
         own = budgets.get(key.project) if budgets is not None and key.project else None
         rules = []
@@ -300,82 +561,40 @@ class QuotaBook:
             if kind == "account" and own is not None:
                 limit = own.tokens_per_day if span == "day" else own.tokens_per_month
             if limit is not None and name:
-                rules.append(_Rule(period, name, limit, ("tokens", span, kind + " " + name)))
+                what = ("tokens", span, kind + " " + name)
+                rules.append(_Rule(period, (kind, name), limit, what))
         return tuple(rules)
 
-    def _minute_counts(self, key: KeyRecord, now: float) -> tuple[int, int]:
+    def _minute_counts(self, key: Payer, now: float) -> tuple[int, int]:
         """The requests and tokens ``key`` has used in the clock's minute."""
         m, reqs, toks = self._minute.get(key.key_id, (-1, 0, 0))
         return (reqs, toks) if m == int(now // 60) else (0, 0)
 
-    def _limits(self, key: KeyRecord, now: float) -> tuple[_Limit | None, list[_Limit]]:
-        """The request limit and every token limit that applies to ``key`` now."""
-        cfg = self.config
-        reqs, toks = self._minute_counts(key, now)
-        to_minute = 60.0 - (now % 60)
-        req = None
-        if cfg.requests_per_minute is not None:
-            req = _Limit(_MINUTE_REQUESTS, cfg.requests_per_minute, reqs, to_minute)
-        tokens = []
-        if cfg.tokens_per_minute is not None:
-            tokens.append(_Limit(_MINUTE_TOKENS, cfg.tokens_per_minute, toks, to_minute))
-        for rule in self._rules(key):
-            used = rule.period.at(now).get(rule.name, 0)
-            tokens.append(_Limit(rule.what, rule.limit, used, rule.period.end - now))
-        return req, tokens
-
-    def _tightest(self, key: KeyRecord, now: float, toks: int) -> _Limit | None:
-        """The token limit with least left (of two, the later reset), as the headers
-        tell it; what :meth:`_limits` would give, without a limit for each rule."""
-        best: _Limit | None = None
-        if self.config.tokens_per_minute is not None:
-            best = _Limit(_MINUTE_TOKENS, self.config.tokens_per_minute, toks, 60.0 - (now % 60))
-        for rule in self._rules(key):
-            used = rule.period.at(now).get(rule.name, 0)
-            reset = rule.period.end - now
-            if best is None or (max(0, rule.limit - used), -reset) < (best.remaining, -best.reset):
-                best = _Limit(rule.what, rule.limit, used, reset)
-        return best
-
-    def headers(self, key: KeyRecord) -> dict[str, str]:
-        """OpenAI's x-ratelimit-* headers for ``key`` as things stand (the budgets
-        file as :meth:`admit` last read it: one stat a request is enough)."""
-        now = self._clock()
-        reqs, toks = self._minute_counts(key, now)
+    def _request_limit(self, reqs: int, now: float) -> _Limit | None:
         rpm = self.config.requests_per_minute
-        req = None if rpm is None else _Limit(_MINUTE_REQUESTS, rpm, reqs, 60.0 - (now % 60))
-        return _headers(req, self._tightest(key, now, toks))
+        return None if rpm is None else _Limit(_MINUTE_REQUESTS, rpm, reqs, 60.0 - (now % 60))
 
-    def admit(self, key: KeyRecord) -> web.Response | None:
-        """Count a request of ``key``, or the 429 that says which limit it reached."""
-        if self.budgets is not None:
-            self.budgets.refresh()
-        now = self._clock()
-        reqs, toks = self._minute_counts(key, now)
-        rpm = self.config.requests_per_minute
-        tight = self._tightest(key, now, toks)
-        if (rpm is not None and rpm <= reqs) or (tight is not None and tight.remaining == 0):
-            return self._refusal(key, now)
-        minute = int(now // 60)
-        self._minute[key.key_id] = (minute, reqs + 1, toks)
-        if len(self._minute) > 100_000:
-            # Keys idle for a minute or more hold nothing worth keeping.
-            self._minute = {k: v for k, v in self._minute.items() if v[0] == minute}
-        return None
+    def _token_limits(self, key: Payer, now: float, toks: int, per_minute: bool) -> list[_Limit]:
+        """Every token limit that applies to ``key`` now, with what is held against it."""
+        out = []
+        tpm = self.config.tokens_per_minute
+        if per_minute and tpm is not None:
+            held = self._held.get(("key", key.key_id), 0)
+            out.append(_Limit(_MINUTE_TOKENS, tpm, toks, 60.0 - (now % 60), held))
+        for rule in self._rules(key):
+            used = rule.period.at(now).get(rule.whose[1], 0)
+            held = self._held.get(rule.whose, 0)
+            out.append(_Limit(rule.what, rule.limit, used, rule.period.end - now, held))
+        return out
 
-    def _refusal(self, key: KeyRecord, now: float) -> web.Response:
-        """The 429 for a key over a limit: the one that resets last, every limit
-        in the headers. (Rare, so every limit is worked out in full here.)"""
-        req, tokens = self._limits(key, now)
-        over = [t for t in tokens if t.limit <= t.used]
-        if req is not None and req.limit <= req.used:
-            over.insert(0, req)
-        return _refusal(key, max(over, key=lambda t: t.reset), _headers(req, _least_left(tokens)))
+
+# Seconds a refusal for tokens held by the key's own requests in flight asks to
+# wait: they end in seconds, not at the limit's reset.
+_HELD_RETRY = 5
 
 
 def _least_left(tokens: list[_Limit]) -> _Limit | None:
-    """The token limit the headers tell: least left, and of two, the later reset
-    (QuotaBook._tightest finds the same one without a list)."""
+    """The token limit the headers tell: least left, and of two, the later reset."""
     return min(tokens, key=lambda t: (t.remaining, -t.reset)) if tokens else None
 
 
@@ -383,7 +602,6 @@ def _headers(req: _Limit | None, tight: _Limit | None) -> dict[str, str]:
     """The x-ratelimit-* headers: the request limit's, and the tightest token limit's."""
     out: dict[str, str] = {}
     if req is not None:
-        # Remaining after this request: the request itself was counted on admission.
         out["x-ratelimit-limit-requests"] = str(req.limit)
         out["x-ratelimit-remaining-requests"] = str(req.remaining)
         out["x-ratelimit-reset-requests"] = format_reset(req.reset)
@@ -394,24 +612,55 @@ def _headers(req: _Limit | None, tight: _Limit | None) -> dict[str, str]:
     return out
 
 
-def _refusal(key: KeyRecord, over: _Limit, headers: Mapping[str, str]) -> web.Response:
-    what, per, whose = over.what
-    budget = per != "minute"
-    words = f"{what} per {per}" + (f" of {whose}" if whose else "")
+def _words(t: _Limit) -> str:
+    what, per, whose = t.what
+    return f"{what} per {per}" + (f" of {whose}" if whose else "")
+
+
+def _asked(ask: Ask) -> str:
+    """What a request may spend, in words, with what bounds its answer."""
+    if not ask.answer:
+        return f"{ask.tokens} tokens (its input, estimated)"
+    bound = "max_tokens" if ask.own else "no max_tokens: the model's limit"
+    return f"{ask.tokens} tokens (about {ask.prompt} for its prompt, {ask.answer} by {bound})"
+
+
+def _refusal(who: Payer, ask: Ask, over: list[_Limit], headers: Mapping[str, str]) -> Refusal:
+    """The 429 for a request that does not fit: a limit it can never fit first, then
+    one only the requests in flight fill, then the one that resets last."""
+    never = [t for t in over if t.what[0] == "tokens" and ask.tokens > t.limit]
+    if never:
+        t = min(never, key=lambda t: t.limit)
+        fix = "Lower max_tokens or the prompt." if ask.own else "Set max_tokens."
+        message = (
+            f"Request too large for key {who.key_id} on {_words(t)}: it may use up to "
+            f"{_asked(ask)}, more than the whole limit of {t.limit}. {fix}"
+        )
+        return _refused(t, message, max(1, int(t.reset + 0.999)), headers)
+    t = max(over, key=lambda t: t.reset)
+    if t.what[0] == "tokens" and t.limit - t.used >= max(1, ask.tokens):
+        message = (
+            f"Rate limit reached for key {who.key_id} on {_words(t)}: limit {t.limit}, "
+            f"used {t.used}, and {t.held} held by your requests in flight; this one may use "
+            f"up to {_asked(ask)}. Try again when they end, or lower max_tokens."
+        )
+        return _refused(t, message, min(_HELD_RETRY, max(1, int(t.reset + 0.999))), headers)
     message = (
-        f"Rate limit reached for key {key.key_id} on {words}: limit {over.limit}, "
-        f"used {over.used}. Try again in {format_reset(over.reset)}."
+        f"Rate limit reached for key {who.key_id} on {_words(t)}: limit {t.limit}, "
+        f"used {t.used}. Try again in {format_reset(t.reset)}."
     )
-    body: dict[str, Any] = {
-        "error": {
-            "message": message,
-            "type": "insufficient_quota" if budget else what,
-            "param": None,
-            "code": "insufficient_quota" if budget else "rate_limit_exceeded",
-        }
-    }
-    retry = str(max(1, int(over.reset + 0.999)))
-    return web.json_response(body, status=429, headers={**headers, "Retry-After": retry})
+    return _refused(t, message, max(1, int(t.reset + 0.999)), headers)
+
+
+def _refused(t: _Limit, message: str, retry: int, headers: Mapping[str, str]) -> Refusal:
+    budget = t.what[1] != "minute"
+    return Refusal(
+        message,
+        "insufficient_quota" if budget else t.what[0],
+        "insufficient_quota" if budget else "rate_limit_exceeded",
+        retry,
+        headers,
+    )
 
 
 # The rate-limit headers of a request let in to a model, as they stood then.

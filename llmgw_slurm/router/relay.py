@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import aiohttp
 from multidict import CIMultiDict
 
+from llmgw_slurm.router.quota import Reservation
 from llmgw_slurm.router.upstream import CHUNK_SIZE as _CHUNK_SIZE
 from llmgw_slurm.router.upstream import MAX_CHUNK_LINE as _MAX_CHUNK_LINE
 from llmgw_slurm.router.upstream import Conn
@@ -40,6 +41,15 @@ class _Call:
     # The x-ratelimit-* headers of a fast lane's request, as the limits stood
     # when it was let in (aiohttp's requests keep theirs in the request).
     quota: Mapping[str, str] | None = None
+    # The tokens the quotas hold for it: settled with its usage, else released
+    # when the request ends (by whoever reads its answer to the end: the
+    # handler, or the drain once handed_off).
+    hold: Reservation | None = None
+
+    def release(self) -> None:
+        """The request ended: what it held and did not settle is free again."""
+        if self.hold is not None:
+            self.hold.release()
 
 
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
@@ -583,6 +593,7 @@ class LaneSink:
         if self._drain_s <= 0:
             return False
         self._draining = True
+        self._call.handed_off = True  # the drain settles what the request holds
         conn.resume()  # nobody reads the client's side any more
         self._timer = asyncio.get_running_loop().call_later(self._drain_s, self._cut_drain)
         return True

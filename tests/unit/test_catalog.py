@@ -60,6 +60,27 @@ def one_model(extra: str = "", **blocks: str) -> str:
 # ----------------------------------------------------------------- valid files
 
 
+def test_a_models_context_length_is_its_own_or_its_engines_flag(tmp_path: Path) -> None:
+    def ctx(text: str) -> int | None:
+        m = load_catalog(write(tmp_path, text)).resolve("m")
+        assert m is not None
+        return m.context_tokens
+
+    assert ctx(one_model()) is None
+    assert ctx(one_model(engine="{kind: vllm, args: [--max-model-len, '8192']}")) == 8192
+    assert ctx(one_model(engine="{kind: sglang, args: [--context-length=4096]}")) == 4096
+    assert ctx(one_model("    context_length: 2048\n")) == 2048
+    both = one_model(
+        "    context_length: 2048\n", engine="{kind: vllm, args: [--max-model-len, '8192']}"
+    )
+    assert errors_of(tmp_path, both) == [
+        "F:5: models[0].context_length: context_length 2048 differs from the engine's "
+        "--max-model-len 8192; give one of them"
+    ]
+    site = load_catalog(SITE / "models.yaml").resolve("llama-3.1-8b")
+    assert site is not None and site.context_tokens == 16384
+
+
 def test_site_config_catalog_loads() -> None:
     cat = load_catalog(SITE / "models.yaml")
     assert cat.names == ("tiny", "llama-3.1-8b", "llama-3.1-70b")
@@ -407,7 +428,8 @@ def test_unknown_key_suggests_the_closest_and_lists_valid_keys(tmp_path: Path) -
     ]
     errs = errors_of(tmp_path, one_model("    zzz: 1\n"))
     assert errs == [
-        "F:5: models[0].zzz: unknown key 'zzz' (valid keys: access, aliases, description, "
+        "F:5: models[0].zzz: unknown key 'zzz' (valid keys: access, aliases, context_length, "
+        "description, "
         "endpoints, engine, name, resources, routing, scaling, weights)"
     ]
 

@@ -540,17 +540,23 @@ async def test_a_failure_counting_an_answer_sent_leaves_the_answer_and_the_conne
 async def test_an_answers_tokens_count_before_the_next_pipelined_request_is_let_in(
     tmp_path: Path,
 ) -> None:
-    # Counted after its answer is written, before the lane takes the
+    # Settled after its answer is written, before the lane takes the
     # connection's next request: the budget holds for requests sent back to
-    # back as for any others. The answer tells the limits as they stood when
-    # its request was let in (nothing used yet).
+    # back as for any others. Each request holds 8 tokens (about 4 for its
+    # prompt, 4 by max_tokens) and uses 5 (1 + 4): of 13, the second fits only
+    # once the first has settled (5 used, nothing held), and the third does
+    # not (10 used). The answers tell the limits as they stood when each
+    # request was let in.
     keyfile = tmp_path / "keys.json"
     alice = add_key(keyfile, "alice", "t18phys").key
     bob = add_key(keyfile, "bob", "t18phys").key
     directory = StaticDirectory([ModelInfo("tiny")])
     app = create_app(
-        directory, keys=KeyRing(keyfile), quota=QuotaBook(QuotaConfig(user_tokens_per_day=5))
+        directory, keys=KeyRing(keyfile), quota=QuotaBook(QuotaConfig(user_tokens_per_day=13))
     )
+    body = json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    ).encode()
     async with engine("tiny", key="k0") as eurl, serve(app) as url:
         directory.add_endpoint("tiny", Endpoint("r0", eurl, "k0"))
         kept: list[bool] = []
@@ -564,17 +570,20 @@ async def test_an_answers_tokens_count_before_the_next_pipelined_request_is_let_
         app[GATEWAY_KEY].lane_send = noting  # type: ignore[method-assign]
         reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
         # Bob's request leaves a kept-alive connection to the engine.
-        writer.write(request(extra=f"Authorization: Bearer {bob}\r\n"))
+        writer.write(request(body, extra=f"Authorization: Bearer {bob}\r\n"))
         assert (await read_answer(reader))[0] == 200
-        writer.write(2 * request(extra=f"Authorization: Bearer {alice}\r\n"))
-        first, second = await read_answer(reader), await read_answer(reader)
+        writer.write(3 * request(body, extra=f"Authorization: Bearer {alice}\r\n"))
+        answers = [await read_answer(reader) for _ in range(3)]
         writer.close()
-    assert kept[1] is True  # alice's first: answered from the kept connection
-    assert first[0] == 200 and json.loads(first[2])["usage"]["total_tokens"] >= 5
-    assert first[1]["x-ratelimit-remaining-tokens"] == "5"
-    assert second[0] == 429, second
-    assert json.loads(second[2])["error"]["code"] == "insufficient_quota"
-    assert second[1]["x-ratelimit-remaining-tokens"] == "0"
+    assert kept[1:3] == [True, True]  # answered from the kept connection
+    first, second, third = answers
+    assert first[0] == 200 and json.loads(first[2])["usage"]["total_tokens"] == 5
+    assert first[1]["x-ratelimit-remaining-tokens"] == "13"
+    assert second[0] == 200, second
+    assert second[1]["x-ratelimit-remaining-tokens"] == "8"
+    assert third[0] == 429, third
+    assert json.loads(third[2])["error"]["code"] == "insufficient_quota"
+    assert third[1]["x-ratelimit-remaining-tokens"] == "3"
 
 
 async def test_fast_lane_false_serves_everything_through_aiohttp() -> None:

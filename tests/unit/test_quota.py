@@ -3,26 +3,32 @@ user and account, OpenAI's 429 and x-ratelimit-* headers."""
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from _router_support import engine, serve
+from _router_support import engine, eventually, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw_slurm.config import QuotaConfig, load_server_config
 from llmgw_slurm.errors import ConfigError
 from llmgw_slurm.router import (
+    GATEWAY_KEY,
     Endpoint,
+    Gateway,
     KeyRing,
     ModelInfo,
+    RouterConfig,
     StaticDirectory,
     UsageRecord,
     UsageStore,
@@ -31,12 +37,16 @@ from llmgw_slurm.router import (
 )
 from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.router.quota import (
+    NOTHING,
     AccountBudget,
     AccountBudgets,
+    Ask,
     QuotaBook,
-    _headers,
-    _least_left,
+    Refusal,
+    Reservation,
+    ask_of,
     format_reset,
+    prompt_estimate,
     set_account_budget,
 )
 
@@ -67,37 +77,81 @@ def test_reset_times_read_as_openais() -> None:
     ]
 
 
+def admitted(book: QuotaBook, k: KeyRecord, ask: Ask = NOTHING) -> Reservation:
+    got = book.reserve(k, ask)
+    assert isinstance(got, Reservation), got
+    return got
+
+
+def refused(book: QuotaBook, k: KeyRecord, ask: Ask = NOTHING) -> Refusal:
+    got = book.reserve(k, ask)
+    assert isinstance(got, Refusal), got
+    return got
+
+
 def test_requests_per_minute_per_key_in_fixed_windows() -> None:
     clock = Clock()
     book = QuotaBook(QuotaConfig(requests_per_minute=2), clock=clock)
     a, b = key(key_id="0000000a"), key(key_id="0000000b")
-    assert book.admit(a) is None and book.admit(a) is None
-    refused = book.admit(a)
-    assert refused is not None and refused.status == 429
-    assert refused.headers["Retry-After"] == "30"
-    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
-    assert refused.headers["x-ratelimit-reset-requests"] == "30s"
-    body = json.loads(refused.text or "")
+    admitted(book, a)
+    assert admitted(book, a).headers["x-ratelimit-remaining-requests"] == "0"
+    no = refused(book, a).response()
+    assert no.status == 429
+    assert no.headers["Retry-After"] == "30"
+    assert no.headers["x-ratelimit-remaining-requests"] == "0"
+    assert no.headers["x-ratelimit-reset-requests"] == "30s"
+    body = json.loads(no.text or "")
     assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "requests"
-    assert book.admit(b) is None  # another key has its own
+    admitted(book, b)  # another key has its own
     clock.now += 30
-    assert book.admit(a) is None
+    admitted(book, a)
 
 
-def test_tokens_per_minute_count_what_was_spent() -> None:
+def test_a_request_is_let_in_only_if_its_maximum_fits_and_holds_it_until_it_ends() -> None:
     clock = Clock()
     book = QuotaBook(QuotaConfig(tokens_per_minute=100), clock=clock)
     k = key()
-    assert book.admit(k) is None
-    book.spent(k, 60)
-    assert book.headers(k)["x-ratelimit-remaining-tokens"] == "40"
-    assert book.admit(k) is None  # not yet over: the answer in flight is not cut
-    book.spent(k, 60)
-    refused = book.admit(k)
-    assert refused is not None
-    assert json.loads(refused.text or "")["error"]["type"] == "tokens"
+    first = admitted(book, k, Ask(10, 50))
+    assert first.headers["x-ratelimit-remaining-tokens"] == "100"  # as it was let in
+    assert book.headers(k)["x-ratelimit-remaining-tokens"] == "40"  # 60 held
+    # 40 left while the first is in flight: a second of 60 waits for it.
+    no = refused(book, k, Ask(10, 50))
+    assert no.retry_after == 5 and "60 held by your requests in flight" in no.message
+    assert no.code == "rate_limit_exceeded"
+    first.settle(25)
+    assert book.headers(k)["x-ratelimit-remaining-tokens"] == "75"
+    second = admitted(book, k, Ask(10, 50))
+    second.release()  # ended with no count: nothing spent
+    assert book.headers(k)["x-ratelimit-remaining-tokens"] == "75"
     clock.now += 60
-    assert book.admit(k) is None
+    assert book.headers(k)["x-ratelimit-remaining-tokens"] == "100"
+
+
+def test_a_reservation_ends_exactly_once() -> None:
+    book = QuotaBook(QuotaConfig(user_tokens_per_day=1000), clock=Clock())
+    k = key()
+    r = admitted(book, k, Ask(100, 100))
+    r.settle(30)
+    r.settle(30)
+    r.release()
+    assert r.ended
+    assert book.headers(k)["x-ratelimit-remaining-tokens"] == "970"
+    r2 = admitted(book, k, Ask(100, 100))
+    r2.release()
+    r2.settle(500)  # too late: it ended
+    assert book.headers(k)["x-ratelimit-remaining-tokens"] == "970"
+
+
+def test_a_request_larger_than_a_whole_limit_is_refused_with_what_to_change() -> None:
+    book = QuotaBook(QuotaConfig(tokens_per_minute=2000, user_tokens_per_day=10**6), clock=Clock())
+    k = key()
+    no = refused(book, k, Ask(20, 4000))
+    assert no.message.startswith("Request too large for key 0000000a on tokens per minute")
+    assert "4020 tokens (about 20 for its prompt, 4000 by max_tokens)" in no.message
+    assert no.message.endswith("Lower max_tokens or the prompt.")
+    no = refused(book, k, Ask(20, 32000, own=False))
+    assert "no max_tokens: the model's limit" in no.message
+    assert no.message.endswith("Set max_tokens.")
 
 
 def test_budgets_per_user_and_account_per_day_and_month() -> None:
@@ -106,67 +160,104 @@ def test_budgets_per_user_and_account_per_day_and_month() -> None:
         QuotaConfig(user_tokens_per_day=100, account_tokens_per_month=150), clock=clock
     )
     alice, bob = key("alice", "t18phys"), key("bob", "t18phys", "0000000b")
-    book.spent(alice, 100)
-    refused = book.admit(alice)
-    assert refused is not None
-    body = json.loads(refused.text or "")["error"]
-    assert body["code"] == "insufficient_quota"
-    assert "tokens per day of user alice: limit 100, used 100" in body["message"]
+    admitted(book, alice, Ask(0, 100)).settle(100)
+    no = refused(book, alice)
+    assert no.code == "insufficient_quota"
+    assert "tokens per day of user alice: limit 100, used 100" in no.message
     # 14 h to midnight UTC.
-    assert refused.headers["Retry-After"] == str(14 * 3600 - 30)
-    assert book.admit(bob) is None
-    book.spent(bob, 50)
-    refused = book.admit(bob)  # the account's month is used up, by both
-    assert refused is not None and "tokens per month of account t18phys" in (refused.text or "")
+    assert no.retry_after == 14 * 3600 - 30
+    admitted(book, bob, Ask(0, 50)).settle(50)
+    # The account's month is used up, by both.
+    assert "tokens per month of account t18phys" in refused(book, bob).message
     clock.now += 14 * 3600  # the next day: alice's day budget is back, the month's is not
-    refused = book.admit(alice)
-    assert refused is not None and "per month" in (refused.text or "")
+    assert "per month" in refused(book, alice).message
 
 
-_LIMIT = st.one_of(st.none(), st.integers(1, 300))
-# Seconds between requests: within a minute, or past an hour, a day, a month.
-_GAP = st.one_of(st.integers(0, 120), st.sampled_from([3600, 86400, 29 * 86400]))
+def test_tokens_held_over_midnight_still_count_the_next_day() -> None:
+    clock = Clock()
+    book = QuotaBook(QuotaConfig(user_tokens_per_day=100), clock=clock)
+    k = key()
+    long = admitted(book, k, Ask(0, 90))
+    clock.now += 14 * 3600  # a new day: nothing used yet, 90 still held
+    refused(book, k, Ask(0, 20))
+    long.settle(90)  # counted in the day it ended
+    assert book.headers(k)["x-ratelimit-remaining-tokens"] == "10"
+
+
+def test_a_batch_counts_against_budgets_not_per_minute_limits() -> None:
+    book = QuotaBook(
+        QuotaConfig(requests_per_minute=1, tokens_per_minute=10, user_tokens_per_day=1000),
+        clock=Clock(),
+    )
+    k = key()
+    admitted(book, k)  # the key's one request this minute
+    batch = book.reserve(k, Ask(0, 900), per_minute=False)
+    assert isinstance(batch, Reservation)
+    assert isinstance(book.reserve(k, Ask(0, 200), per_minute=False), Refusal)
+    batch.settle(300)
+    assert isinstance(book.reserve(k, Ask(0, 700), per_minute=False), Reservation)
+
+
+# A request of the model below: (key, prompt, answer) asked, and the fraction of it used.
+_REQUEST = st.tuples(
+    st.sampled_from("abc"), st.integers(0, 200), st.integers(0, 900), st.floats(0, 1)
+)
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    limits=st.tuples(*[_LIMIT] * 6),
-    own=st.one_of(st.none(), st.tuples(_LIMIT, _LIMIT)),
-    spends=st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 120), _GAP)),
+    limits=st.tuples(*[st.one_of(st.none(), st.integers(1, 3000))] * 6),
+    steps=st.lists(st.tuples(_REQUEST, st.sampled_from(["hold", "settle", "release", "wait"]))),
 )
-def test_admission_and_headers_tell_every_limit_as_the_full_count_does(
-    tmp_path_factory: pytest.TempPathFactory,
-    limits: tuple[int | None, ...],
-    own: tuple[int | None, int | None] | None,
-    spends: list[tuple[str, int, int]],
+def test_no_mix_of_requests_in_flight_passes_any_limit(
+    limits: tuple[int | None, ...], steps: list[tuple[tuple[str, int, int, float], str]]
 ) -> None:
-    """The per-request path (one pass, a key's budgets worked out once) against
-    every limit worked out in full: the same refusals, the same headers."""
-    path = tmp_path_factory.mktemp("q") / "quotas.json"
-    if own is not None:
-        set_account_budget(path, "t18phys", AccountBudget(*own))
+    """Whatever requests are let in, in flight together or not, and however each
+    ends (settled at most at what it asked, or released), no limit is passed, and
+    once all have ended nothing is held."""
     clock = Clock()
-    book = QuotaBook(QuotaConfig(*limits), AccountBudgets(path), clock=clock)
+    book = QuotaBook(QuotaConfig(*limits), clock=clock)
     keys = {
         "a": key("alice", "t18phys", "0000000a"),
         "b": key("bob", "t18phys", "0000000b"),
         "c": key("carol", "", "0000000c"),
     }
-    for who, tokens, seconds in spends:
+    spent = {"minute": {}, "user": {}, "account": {}}  # type: dict[str, dict[str, int]]
+    flying: list[tuple[Reservation, int]] = []
+    for (who, prompt, answer, used), action in steps:
         k = keys[who]
-        clock.now += seconds
-        req, token_limits = book._limits(k, clock.now)
-        full = _headers(req, _least_left(token_limits))
-        over = any(t.limit <= t.used for t in token_limits) or (
-            req is not None and req.limit <= req.used
-        )
-        assert book.headers(k) == full
-        refused = book.admit(k)
-        assert (refused is not None) == over
-        if refused is not None:
-            assert {h: refused.headers[h] for h in full} == full
-        else:
-            book.spent(k, tokens)
+        if action == "wait":
+            clock.now += 61  # a new minute (the day and month as they were)
+            spent["minute"] = {}
+            continue
+        if action != "hold" and flying:
+            r, most = flying.pop(0)
+            actual = round(most * used)
+            if action == "settle":
+                r.settle(actual)
+                spent["minute"][r.who.key_id] = spent["minute"].get(r.who.key_id, 0) + actual
+                for kind, name in (("user", r.who.user), ("account", r.who.project)):
+                    spent[kind][name] = spent[kind].get(name, 0) + actual
+            else:
+                r.release()
+            continue
+        got = book.reserve(k, Ask(prompt, answer))
+        if isinstance(got, Reservation):
+            flying.append((got, prompt + answer))
+    _, tpm, upd, upm, apd, apm = limits
+    for n in spent["minute"].values():
+        assert tpm is None or n <= tpm
+    for name, n in spent["user"].items():
+        assert all(lim is None or n <= lim for lim in (upd, upm)), name
+    for name, n in spent["account"].items():
+        assert not name or all(lim is None or n <= lim for lim in (apd, apm)), name
+    for r, _ in flying:
+        r.release()
+    for k in keys.values():
+        h = book.headers(k)
+        if "x-ratelimit-limit-tokens" in h:
+            used_now = int(h["x-ratelimit-limit-tokens"]) - int(h["x-ratelimit-remaining-tokens"])
+            assert used_now >= 0  # nothing held: only what was spent
 
 
 def test_an_accounts_own_budget_overrides_the_servers(tmp_path: Path) -> None:
@@ -175,12 +266,12 @@ def test_an_accounts_own_budget_overrides_the_servers(tmp_path: Path) -> None:
     book = QuotaBook(QuotaConfig(account_tokens_per_day=10), budgets, clock=Clock())
     k = key()
     book.spent(k, 10)
-    assert book.admit(k) is not None
+    refused(book, k)
     set_account_budget(path, "t18phys", AccountBudget(tokens_per_day=1000))
-    assert book.admit(k) is None
+    admitted(book, k)
     assert book.headers(k)["x-ratelimit-limit-tokens"] == "1000"
     set_account_budget(path, "t18phys", AccountBudget())
-    assert book.admit(k) is not None
+    refused(book, k)
     assert json.loads(path.read_text()) == {"version": 1, "accounts": {}}
 
 
@@ -189,16 +280,16 @@ def test_budgets_follow_the_file_as_it_comes_goes_and_breaks(tmp_path: Path) -> 
     book = QuotaBook(QuotaConfig(account_tokens_per_day=10), AccountBudgets(path), clock=Clock())
     k = key()
     book.spent(k, 10)
-    assert book.admit(k) is not None  # no file yet: the server's budget
+    refused(book, k)  # no file yet: the server's budget
     path.write_text('{"version": 1, "accounts": {"t18phys": {"tokens_per_day": 50}}')
-    assert book.admit(k) is not None  # a broken file, never read: still the server's
+    refused(book, k)  # a broken file, never read: still the server's
     path.unlink()
     set_account_budget(path, "t18phys", AccountBudget(tokens_per_day=50))
-    assert book.admit(k) is None
+    admitted(book, k)
     path.write_text("{nope")  # broken once read: the budgets read last stay
-    assert book.admit(k) is None
+    admitted(book, k)
     path.unlink()
-    assert book.admit(k) is not None
+    refused(book, k)
 
 
 def test_a_broken_budgets_file_is_a_clear_error(tmp_path: Path) -> None:
@@ -206,6 +297,49 @@ def test_a_broken_budgets_file_is_a_clear_error(tmp_path: Path) -> None:
     path.write_text('{"version": 1, "accounts": {"a": {"tokens_per_day": "many"}}}')
     with pytest.raises(ConfigError, match=r"quotas.json.*accounts\.a"):
         set_account_budget(path, "b", AccountBudget(5))
+
+
+# ---- what a request may spend ------------------------------------------------------
+
+
+def test_the_prompt_is_estimated_at_four_bytes_a_token_inline_files_aside() -> None:
+    chat = {
+        "model": "a-very-long-model-name",
+        "messages": [
+            {"role": "user", "content": "x" * 40},
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "data:" + "A" * 10**6}}],
+            },
+        ],
+    }
+    # "user" twice, 40 x, the type "image_url": 8 + 40 + 9 = 57 bytes, 15 tokens.
+    assert prompt_estimate(chat) == 15
+    assert prompt_estimate({"model": "m", "prompt": [1, 2, 3, 4]}) == 4  # token ids
+    assert prompt_estimate({"input": "é" * 4}) == 2  # 8 bytes of UTF-8
+    deep: object = "abcd"
+    for _ in range(100_000):
+        deep = [deep]
+    assert prompt_estimate({"input": deep}) == 1  # no recursion to exhaust
+
+
+def test_what_a_request_may_spend_by_endpoint_and_model() -> None:
+    def ask(
+        body: dict[str, object], endpoint: str = "chat/completions", ctx: int | None = None
+    ) -> Ask:
+        return ask_of({"model": "m", "prompt": "", **body}, endpoint, ctx, 4096)
+
+    assert ask({"max_tokens": 300}) == Ask(0, 300)
+    assert ask({"max_tokens": 300, "max_completion_tokens": 200}) == Ask(0, 200)
+    assert ask({"max_tokens": 300, "n": 3}) == Ask(0, 900)
+    assert ask({"max_tokens": 16, "best_of": 4, "prompt": "abcde"}, "completions") == Ask(2, 64)
+    assert ask({"max_output_tokens": 50}, "responses") == Ask(0, 50)
+    assert ask({}) == Ask(0, 4096, own=False)  # no context known: the default
+    assert ask({}, ctx=8192) == Ask(0, 8192, own=False)
+    assert ask({"max_tokens": 10**6, "prompt": "abcd"}, ctx=8192) == Ask(1, 8191)
+    assert ask({"max_tokens": None}) == Ask(0, 4096, own=False)
+    assert ask({"input": "x" * 400}, "embeddings") == Ask(100, 0)
+    assert ask({"max_tokens": True}) == Ask(0, 4096, own=False)  # not a count
 
 
 def test_budgets_start_from_the_usage_store(tmp_path: Path) -> None:
@@ -241,22 +375,60 @@ def test_quotas_need_keys(tmp_path: Path) -> None:
 # ---- through the gateway, with the openai client ------------------------------------
 
 
+@dataclass
+class Gw:
+    url: str
+    key: str
+    book: QuotaBook
+    directory: StaticDirectory
+    engine_url: str
+    gateway: Gateway
+
+    def ready(self) -> None:
+        self.directory.add_endpoint("tiny", Endpoint("r0", self.engine_url, "k0"))
+
+    def client(self, traced: bool = False) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            api_key=self.key, base_url=self.url + "/v1", max_retries=0,
+            default_headers=TRACED if traced else {},
+        )  # fmt: skip
+
+    def left(self) -> int:
+        """Tokens left on the tightest limit, what is held included."""
+        return int(self.book.headers(key_of(self))["x-ratelimit-remaining-tokens"])
+
+
+def key_of(g: Gw) -> KeyRecord:
+    rec = g.gateway.keys.lookup(g.key) if g.gateway.keys is not None else None
+    assert rec is not None
+    return rec
+
+
 @asynccontextmanager
-async def gateway(tmp_path: Path, cfg: QuotaConfig) -> AsyncIterator[tuple[str, str, QuotaBook]]:
+async def gateway(
+    tmp_path: Path,
+    cfg: QuotaConfig,
+    *,
+    ready: bool = True,
+    token_delay: float = 0.0,
+    router: RouterConfig | None = None,
+) -> AsyncIterator[Gw]:
     keyfile = tmp_path / "keys.json"
     k = add_key(keyfile, "alice", "t18phys").key
     directory = StaticDirectory([ModelInfo("tiny")])
     book = QuotaBook(cfg)
-    app = create_app(directory, keys=KeyRing(keyfile), quota=book)
-    async with engine("tiny", key="k0") as eurl, serve(app) as url:
-        directory.add_endpoint("tiny", Endpoint("r0", eurl, "k0"))
-        yield url, k, book
+    app = create_app(directory, router, keys=KeyRing(keyfile), quota=book)
+    async with engine("tiny", key="k0", token_delay=token_delay) as eurl, serve(app) as url:
+        g = Gw(url, k, book, directory, eurl, app[GATEWAY_KEY])
+        if ready:
+            g.ready()
+        yield g
 
 
 async def test_every_answer_has_the_headers_and_a_429_has_retry_after(tmp_path: Path) -> None:
     cfg = QuotaConfig(requests_per_minute=2, user_tokens_per_day=10_000)
-    async with gateway(tmp_path, cfg) as (url, k, _):
-        c = openai.AsyncOpenAI(api_key=k, base_url=url + "/v1", max_retries=0)
+    async with gateway(tmp_path, cfg) as g:
+        url, k, c = g.url, g.key, g.client()
         raw = await c.completions.with_raw_response.create(model="tiny", prompt="a b", max_tokens=3)
         assert raw.headers["x-ratelimit-limit-requests"] == "2"
         assert raw.headers["x-ratelimit-remaining-requests"] == "1"
@@ -292,11 +464,8 @@ async def test_the_headers_tell_the_limits_as_they_stood_when_the_request_was_le
     # Itself counted, its tokens not yet (as OpenAI's): the same on both
     # paths, streamed or not; the next request's tell them.
     cfg = QuotaConfig(requests_per_minute=100, tokens_per_minute=10_000)
-    async with gateway(tmp_path, cfg) as (url, k, _):
-        c = openai.AsyncOpenAI(
-            api_key=k, base_url=url + "/v1", max_retries=0,
-            default_headers=TRACED if path == "aiohttp" else {},
-        )  # fmt: skip
+    async with gateway(tmp_path, cfg) as g:
+        c = g.client(traced=path == "aiohttp")
         seen = []
         for _ in range(2):
             async with c.chat.completions.with_streaming_response.create(
@@ -318,22 +487,139 @@ async def test_the_headers_tell_the_limits_as_they_stood_when_the_request_was_le
     assert second["x-ratelimit-remaining-tokens"] == str(10_000 - used)
 
 
-async def test_a_stream_that_crosses_the_budget_is_finished_and_the_next_refused(
-    tmp_path: Path,
+async def twelve_at_once(c: openai.AsyncOpenAI, stream: bool) -> list[int | BaseException]:
+    """Twelve requests of 300 tokens at most each: the tokens each used, or its error."""
+
+    async def one(i: int) -> int:
+        msgs: Any = [{"role": "user", "content": f"w{i}"}]
+        if not stream:
+            r = await c.chat.completions.create(model="tiny", messages=msgs, max_tokens=300)
+            assert r.usage is not None
+            return r.usage.total_tokens
+        s = await c.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=300, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        used = [ch.usage.total_tokens async for ch in s if ch.usage is not None]
+        return used[-1]
+
+    return await asyncio.gather(*(one(i) for i in range(12)), return_exceptions=True)
+
+
+def served_within(got: list[int | BaseException], limit: int) -> int:
+    served = [n for n in got if isinstance(n, int)]
+    refused = [e for e in got if not isinstance(e, int)]
+    assert all(isinstance(e, openai.RateLimitError) for e in refused), refused
+    assert served and refused
+    assert sum(served) <= limit, (served, limit)
+    return sum(served)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_twelve_requests_held_for_a_cold_start_serve_at_most_the_limit(
+    tmp_path: Path, stream: bool
 ) -> None:
-    async with gateway(tmp_path, QuotaConfig(user_tokens_per_day=5)) as (url, k, _):
-        c = openai.AsyncOpenAI(api_key=k, base_url=url + "/v1", max_retries=0)
-        stream = await c.chat.completions.create(
-            model="tiny",
-            messages=[{"role": "user", "content": "one two three four"}],
-            max_tokens=8,
-            stream=True,
+    # All twelve are let in (or not) before any answer: before reservations all
+    # were, and spent 12 x 301 against 2,000.
+    async with gateway(tmp_path, QuotaConfig(tokens_per_minute=2000), ready=False) as g:
+        c = g.client()
+        work = asyncio.ensure_future(twelve_at_once(c, stream))
+        await eventually(lambda: g.gateway.held.get("tiny", 0) == 6, "six requests let in and held")
+        g.ready()
+        got = await work
+        # Each holds 302 (2 for "user w0", 300 by max_tokens) and uses 301.
+        assert served_within(got, 2000) == 6 * 301
+        assert g.left() == 2000 - 6 * 301  # settled: nothing held any more
+        await c.close()
+
+
+@pytest.mark.parametrize("path", ["lane", "aiohttp"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_twelve_requests_at_once_on_a_ready_model_serve_at_most_the_limit(
+    tmp_path: Path, path: str, stream: bool
+) -> None:
+    cfg = QuotaConfig(tokens_per_minute=2000)
+    async with gateway(tmp_path, cfg, token_delay=0.002) as g:
+        c = g.client(traced=path == "aiohttp")
+        served_within(await twelve_at_once(c, stream), 2000)
+        await c.close()
+
+
+@pytest.mark.parametrize("path", ["lane", "aiohttp"])
+async def test_every_ending_of_a_stream_frees_or_settles_what_it_held(
+    tmp_path: Path, path: str
+) -> None:
+    router = RouterConfig(drain_after_disconnect=0)  # a client gone: the answer cut at once
+    async with gateway(
+        tmp_path, QuotaConfig(tokens_per_minute=10_000), token_delay=0.01, router=router
+    ) as g:
+        c = g.client(traced=path == "aiohttp")
+        msgs: Any = [{"role": "user", "content": "a b"}]
+        # The engine fails mid-answer: no count comes, nothing is spent.
+        s = await c.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=50, stream=True,
+            extra_body={"test_abort_after": 3},
+        )  # fmt: skip
+        with pytest.raises(openai.APIError):
+            async for _ in s:
+                pass
+        await eventually(lambda: g.left() == 10_000, "the failed stream's hold released")
+        # The client goes after two events: cut, released.
+        s = await c.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=500, stream=True
         )
-        text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
-        assert text  # the whole answer came, past the budget
-        with pytest.raises(openai.RateLimitError) as e:
-            await c.completions.create(model="tiny", prompt="a", max_tokens=1)
-        assert e.value.code == "insufficient_quota"
+        seen = 0
+        async for _ in s:
+            seen += 1
+            if seen == 2:
+                break
+        await s.close()
+        await eventually(lambda: g.left() == 10_000, "the abandoned stream's hold released")
+        # A whole stream: settled to its count.
+        s = await c.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=5, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        used = [ch.usage.total_tokens async for ch in s if ch.usage is not None][-1]
+        assert g.left() == 10_000 - used
+        await c.close()
+
+
+async def test_a_client_gone_mid_stream_is_charged_what_the_drain_counts(tmp_path: Path) -> None:
+    async with gateway(tmp_path, QuotaConfig(tokens_per_minute=10_000), token_delay=0.01) as g:
+        c = g.client(traced=True)
+        s = await c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=40, stream=True
+        )
+        async for _ in s:
+            break
+        await s.close()
+        # Held until the drain reads the engine's usage (1 + 40), then settled to it.
+        await eventually(lambda: g.left() == 10_000 - 41, "the drained stream settled")
+        await c.close()
+
+
+async def test_requests_that_end_before_the_engine_free_what_they_held(tmp_path: Path) -> None:
+    router = RouterConfig(hold_timeout=0.2, retry_after=1)
+    async with gateway(
+        tmp_path, QuotaConfig(user_tokens_per_day=10_000), ready=False, router=router
+    ) as g:
+        c = g.client()
+        with pytest.raises(openai.InternalServerError):  # 503: no replica in time
+            await c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=100
+            )
+        assert g.left() == 10_000
+        g.ready()
+        async with aiohttp.ClientSession() as s:  # 400 after it was let in
+            body = {"model": "tiny", "prompt": "a", "max_tokens": 100, "stream": "yes"}
+            r = await s.post(
+                g.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {g.key}"}
+            )
+            assert r.status == 400
+        assert g.left() == 10_000
+        r2 = await c.completions.create(model="tiny", prompt="a b", max_tokens=3)
+        assert r2.usage is not None and g.left() == 10_000 - r2.usage.total_tokens
         await c.close()
 
 
