@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from llmgw_slurm.router.keys import add_key
+from llmgw_slurm.router.usage import query_usage
 from tests.hostile_user import INTRUDER, HostileUser, world_dir
 from tests.slurm.harness import Harness, running, tiny_model
 
@@ -92,3 +93,90 @@ async def test_twelve_requests_at_once_get_no_more_tokens_than_the_per_minute_li
     assert served, got
     assert sum(served) <= 2000, got
     assert refused and set(refused) == {"rate_limit_exceeded"}, got
+
+
+# Upload argv[3] as a batch input file, make a batch of it, and wait for its end
+# (or, past 4 minutes, give up waiting); prints the batch as the API last gave it.
+BATCH = r"""
+import json, sys, time, uuid, urllib.request, urllib.error
+url, key, path = sys.argv[1:4]
+def call(method, p, data=None, ctype="application/json"):
+    req = urllib.request.Request(url + p, data=data, method=method,
+        headers={"Authorization": "Bearer " + key, "Content-Type": ctype})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+b = "llmgw" + uuid.uuid4().hex
+head = ('--%s\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--%s\r\n'
+        'Content-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+        'Content-Type: application/jsonl\r\n\r\n' % (b, b)).encode()
+status, f = call("POST", "/v1/files", head + open(path, "rb").read() + b"\r\n--%s--\r\n" % b.encode(),
+                 "multipart/form-data; boundary=" + b)
+assert status == 200, (status, f)
+ask = {"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "1h"}
+status, batch = call("POST", "/v1/batches", json.dumps(ask).encode())
+assert status == 200, (status, batch)
+deadline = time.time() + 240
+while batch["status"] in ("validating", "in_progress", "finalizing", "cancelling"):
+    if time.time() > deadline:
+        break
+    time.sleep(1)
+    status, batch = call("GET", "/v1/batches/" + batch["id"])
+print(json.dumps(batch))
+"""
+
+
+def batch_lines(n: int, max_tokens: int) -> bytes:
+    out = []
+    for i in range(n):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"w{i}"}]}
+        body["max_tokens"] = max_tokens
+        out.append(
+            {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        )
+    return "".join(json.dumps(o) + "\n" for o in out).encode()
+
+
+async def run_batch(user: HostileUser, url: str, key: str, top: Path, data: bytes) -> Any:
+    path = top / f"in-{len(list(top.glob('in-*')))}.jsonl"
+    path.write_bytes(data)
+    path.chmod(0o644)
+    r = await asyncio.to_thread(user.python, BATCH, url, key, str(path), timeout=400)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+async def test_a_batch_past_the_daily_budget_is_refused_and_the_budget_holds(
+    top: Path, prefix: str
+) -> None:
+    # Before: a key's batches never entered its budgets; ten requests of 300
+    # tokens ran against a 2,000-token day and used 3,010.
+    keys_file = top / "keys.json"
+    key = add_key(keys_file, INTRUDER.name, "t33acct").key
+    configure = with_server(
+        quotas={"user_tokens_per_day": 2000},
+        batch={"partition": "llm", "concurrency": 2, "poll_interval": "1s"},
+    )
+    async with running(
+        top, prefix, [tiny_model("tiny")], router={"keys_file": str(keys_file)},
+        configure=configure,
+    ) as h:  # fmt: skip
+        big = await run_batch(INTRUDER, h.url, key, top, batch_lines(10, 300))
+        assert big["status"] == "failed", big
+        assert [e["code"] for e in big["errors"]["data"]] == ["insufficient_quota"], big
+        assert h.jobs() == []  # nothing ran
+        fits = await run_batch(INTRUDER, h.url, key, top, batch_lines(5, 300))
+        assert fits["status"] == "completed", fits
+        assert fits["request_counts"]["completed"] == 5
+        # What is left of the day (2,000 - 5 x 301) is less than another such batch.
+        again = await run_batch(INTRUDER, h.url, key, top, batch_lines(2, 300))
+        assert again["status"] == "failed", again
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "@i"}], "max_tokens": 600}
+        (online,) = await at_once(INTRUDER, h.url, key, 1, body)
+        assert online == [429, "insufficient_quota"]
+    # The usage store, once the daemon has written all of it.
+    usage = query_usage(top / "daemon" / "state" / "usage.sqlite3", user=INTRUDER.name)
+    spent = sum(u.total_tokens for u in usage)
+    assert spent == 5 * 301, usage
