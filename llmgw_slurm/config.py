@@ -302,6 +302,13 @@ class RouterConfig:
     # model per gateway key; beyond it that key gets 429, so that one key
     # cannot fill a cold model's queue. Applies only with keys_file set.
     max_held_per_key: int | None = field(default=None, metadata=rule(ge=1))
+    # Default None: max_held_per_key. Held requests of one model per user, over all
+    # their keys: one key each from `llmgw login` must not multiply a user's share.
+    max_held_per_user: int | None = field(default=None, metadata=rule(ge=1))
+    # Default None: half of max_held (at least 1). Held requests of one model per
+    # Slurm account (the keys' account), over all its users: one group cannot
+    # fill a cold model's queue and leave others no room.
+    max_held_per_account: int | None = field(default=None, metadata=rule(ge=1))
     # Default 16M: request bodies beyond this get 413 (most before they are
     # read); a 128k-token prompt is about 0.5 MiB of text and a few base64
     # images fit too, and a runaway client cannot fill the login node's memory.
