@@ -389,10 +389,18 @@ class LoginConfig:
     enabled: bool = False
     # Default None: munge's own default socket. munged's socket on the daemon's host.
     munge_socket: Path | None = None
-    # Default 16: active keys one user may hold; a login past it is refused.
+    # Default 16: keys one user may hold (active, or revoked within
+    # revoked_key_window); a login past it is refused.
     max_keys_per_user: int = field(default=16, metadata=rule(ge=1))
-    # Default 10: login attempts per client address per minute; more get 429.
+    # Default 10: login attempts per user (the one the munge credential proves)
+    # per minute; more get 429. Not per address: every local user is 127.0.0.1.
     attempts_per_minute: int = field(default=10, metadata=rule(ge=1))
+    # Default 1h: a revoked key still counts against max_keys_per_user this long,
+    # so revoking and logging in again does not make keys without end (each one a
+    # record in the key file).
+    revoked_key_window: float = field(
+        default=3600.0, metadata=rule(ge=0, parse=_schema.parse_duration)
+    )
 
 
 @dataclass(frozen=True)

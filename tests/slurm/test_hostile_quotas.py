@@ -14,13 +14,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 
+from llmgw_slurm.munge import LOGIN_PAYLOAD
+from llmgw_slurm.router import GATEWAY_KEY
 from llmgw_slurm.router.keys import add_key
 from llmgw_slurm.router.usage import query_usage
 from tests.hostile_user import INTRUDER, HostileUser, world_dir
-from tests.slurm.harness import Harness, running, tiny_model
+from tests.slurm.conftest import eventually
+from tests.slurm.harness import TINY_ENGINE, Harness, running, tiny_model
+from tests.slurm.test_login import ALICE, associations, login, munge_socket
+
+__all__ = ["associations"]  # a fixture of test_login's, used here too
 
 
 @pytest.fixture
@@ -31,16 +38,17 @@ def top() -> Iterator[Path]:
 
 
 # N requests at once from one process of the user's, each in a thread of its own:
-# argv url, key, N, then a JSON body template ("{i}" becomes the request's number).
-# Prints, per request, [status, usage's total_tokens or the error's code].
+# argv url, keys (comma-separated, used in turn), N, then a JSON body template
+# ("{i}" becomes the request's number). Prints, per request, [status, usage's
+# total_tokens or the error's code].
 AT_ONCE = r"""
 import json, sys, threading, urllib.request, urllib.error
-url, key, n, template = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+url, keys, n, template = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), sys.argv[4]
 out = [None] * n
 def one(i):
     body = template.replace("{i}", str(i)).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={
-        "Authorization": "Bearer " + key, "Content-Type": "application/json"})
+        "Authorization": "Bearer " + keys[i % len(keys)], "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             out[i] = [r.status, json.load(r)["usage"]["total_tokens"]]
@@ -180,3 +188,91 @@ async def test_a_batch_past_the_daily_budget_is_refused_and_the_budget_holds(
     usage = query_usage(top / "daemon" / "state" / "usage.sqlite3", user=INTRUDER.name)
     spent = sum(u.total_tokens for u in usage)
     assert spent == 5 * 301, usage
+
+
+async def test_one_user_with_many_keys_cannot_take_more_than_a_users_share_of_the_queue(
+    top: Path, prefix: str
+) -> None:
+    # A model that stays cold for the test's length: every request waits. Before,
+    # another user with four keys (as llmgw login hands out) held a key's share
+    # with each, 4 x 2 = the whole queue of 8, and everyone else got 429.
+    cold = tiny_model(
+        "cold",
+        engine={"kind": "command", "command": [*TINY_ENGINE, "--ready-after", "600"],
+                "ready_timeout": "15m"},
+    )  # fmt: skip
+    keys_file = top / "keys.json"
+    theirs = [add_key(keys_file, INTRUDER.name, "t33acct").key for _ in range(4)]
+    alice = add_key(keys_file, "t33alice", "t33other").key
+    router = {"keys_file": str(keys_file), "max_held": 8, "hold_timeout": "20s"}
+    body = {"model": "cold", "messages": [{"role": "user", "content": "@i"}], "max_tokens": 5}
+    async with running(top, prefix, [cold], router=router) as h:
+        gw = h.d.gateway[GATEWAY_KEY] if h.d is not None else None
+        assert gw is not None
+        burst = asyncio.ensure_future(at_once(INTRUDER, h.url, ",".join(theirs), 12, body))
+        await eventually(
+            lambda: _true(gw.held.get("cold", 0) >= 2 or burst.done()), "their held requests"
+        )
+        mine = asyncio.ensure_future(_post(h.url, alice, body))
+        await eventually(lambda: _true(gw.held.get("cold", 0) == 3 or mine.done()), "mine held")
+        assert not mine.done(), mine.result()  # waiting, not refused
+        got = await burst
+        mine.cancel()
+    refused = [code for status, code in got if status == 429]
+    assert len(refused) == 10, got  # a user's share is 2: 2 held, 10 refused
+    assert set(refused) <= {"too_many_held_requests_for_user", "too_many_held_requests_for_key"}
+    assert "too_many_held_requests_for_user" in refused, got
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _post(url: str, key: str, body: dict[str, Any]) -> tuple[int, Any]:
+    data = json.dumps(body).replace('"@i"', '"mine"')
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        async with s.post(url + "/v1/chat/completions", data=data, headers=headers) as r:
+            return r.status, await r.json()
+
+
+# One user's logins in a burst, each with a fresh credential of their own:
+# argv url, munge socket, N. Prints each answer's status.
+LOGINS = r"""
+import json, subprocess, sys, urllib.request, urllib.error
+url, sock, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out = []
+for _ in range(n):
+    cred = subprocess.run(["munge", "--socket=" + sock, "--string", %r],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    req = urllib.request.Request(url + "/api/v1/login", data=json.dumps({"credential": cred}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            out.append(r.status)
+    except urllib.error.HTTPError as e:
+        out.append(e.code)
+print(json.dumps(out))
+""" % (LOGIN_PAYLOAD,)  # noqa: UP031
+
+
+async def test_one_users_login_burst_does_not_lock_out_another_user(
+    top: Path, prefix: str, associations: None
+) -> None:
+    # Every local user is 127.0.0.1: before, a limit per address let the other
+    # user's burst lock alice out of llmgw login for a minute.
+    keys_file = top / "keys.json"
+    login_cfg = {"enabled": True, "munge_socket": str(munge_socket()), "attempts_per_minute": 3}
+    async with running(
+        top, prefix, [tiny_model("tiny")], router={"keys_file": str(keys_file)},
+        configure=with_server(login=login_cfg),
+    ) as h:  # fmt: skip
+        r = await asyncio.to_thread(
+            INTRUDER.python, LOGINS, h.url, str(munge_socket()), "5", timeout=120
+        )
+        assert r.returncode == 0, r.stderr
+        # Slurm does not know them (403), and past 3 a minute they are refused (429).
+        assert json.loads(r.stdout) == [403, 403, 403, 429, 429]
+        status, body, _ = await login(ALICE, h.url)
+    assert status == 200, body
+    assert body["user"] == ALICE.name
