@@ -361,6 +361,11 @@ class RouterConfig:
     # sent a sampled traceparent, or when it is held for a cold start. "all" gives
     # every request a span, which costs the gateway up to a third of its throughput.
     trace_requests: Literal["sampled", "all"] = "sampled"
+    # Default None: only the daemon's admin token sees every series of /metrics.
+    # A file holding a token for the Prometheus scraper (read as it changes), so
+    # that the scraper needs no admin token. Without either, /metrics leaves out
+    # the series of models the caller may not use (access rules), as /v1/models.
+    metrics_token_file: Path | None = None
     # Default true: a plain (not streamed) chat, completion or embedding request
     # with a ready replica is served by the gateway's fast lane
     # (llmgw_slurm.router.fastlane) rather than aiohttp's server, which takes

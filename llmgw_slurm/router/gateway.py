@@ -34,7 +34,7 @@ from aiohttp.abc import AbstractStreamWriter
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import TextMapPropagator
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from llmgw_slurm.access import AccessGuard
 from llmgw_slurm.config import RouterConfig
@@ -354,6 +354,9 @@ class Gateway:
         self.access = AccessGuard(registry)
         self.in_flight: dict[tuple[str, str], int] = {}
         self.holds = HoldQueue(config)
+        # Whether a bearer token may see every series of /metrics (the daemon's
+        # admin token, or router.metrics_token_file's); None: nobody.
+        self.metrics_token: Callable[[str], bool] | None = None
         self._cold_since: dict[str, float] = {}
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
@@ -750,10 +753,13 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
-        )
+        """Every series for the metrics token; otherwise those of the models the
+        request's key (or no key) may use, and those that name no model."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        gate = self.metrics_token
+        full = gate is not None and scheme.lower() == "bearer" and gate(token.strip())
+        body = self.metrics.exposition(None if full else self.visible_to(request))
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def proxy(self, endpoint: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:

@@ -276,3 +276,52 @@ async def test_one_users_login_burst_does_not_lock_out_another_user(
         status, body, _ = await login(ALICE, h.url)
     assert status == 200, body
     assert body["user"] == ALICE.name
+
+
+# GET argv[1] with an optional bearer argv[2]; prints the status and the body.
+GET = r"""
+import json, sys, urllib.request, urllib.error
+url, token = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
+req = urllib.request.Request(url, headers={"Authorization": "Bearer " + token} if token else {})
+try:
+    with urllib.request.urlopen(req) as r:
+        print(json.dumps([r.status, r.read().decode()]))
+except urllib.error.HTTPError as e:
+    print(json.dumps([e.code, e.read().decode()]))
+"""
+
+
+async def test_metrics_without_the_admin_token_name_no_restricted_model(
+    top: Path, prefix: str
+) -> None:
+    # Before: /metrics answered anyone with every model's series, restricted or not.
+    keys_file = top / "keys.json"
+    owner = add_key(keys_file, "t33owner", "t33acct").key
+    models = [
+        tiny_model("open-one"),
+        tiny_model("t33secret", scaling={"min": 1, "max": 1}, access={"users": ["t33owner"]}),
+    ]
+    async with running(top, prefix, models, router={"keys_file": str(keys_file)}) as h:
+        await eventually(
+            lambda: _true(bool(h.rec.endpoints("t33secret"))), "t33secret to serve", 120
+        )
+        status, _ = await _post(
+            h.url, owner, {"model": "t33secret", "messages": [{"role": "user", "content": "x"}]}
+        )
+        assert status == 200
+        admin = (top / "daemon" / "state" / "admin.token").read_text().strip()
+        seen = {}
+        for who, token in (
+            ("no key", ""),
+            ("a wrong token", "llmgw-admin-guess"),
+            ("admin", admin),
+        ):
+            r = await asyncio.to_thread(INTRUDER.python, GET, h.url + "/metrics", token)
+            assert r.returncode == 0, r.stderr
+            seen[who] = json.loads(r.stdout)
+    for who in ("no key", "a wrong token"):
+        status, text = seen[who]
+        assert status == 200 and "t33secret" not in text, who
+        assert "llmgw_heap_untrimmed_bytes" in text  # what names no model is still there
+    status, text = seen["admin"]
+    assert 'llmgw_requests_total{model="t33secret",status="200"} 1.0' in text
