@@ -589,6 +589,13 @@ class Gateway:
                 "invalid_request_error",
                 "previous_response_other_model",
             )
+        if self._routing(model).stores_responses is False:
+            return _error(
+                400,
+                stored.not_stored_message(prev, model),
+                "invalid_request_error",
+                "previous_response_not_stored",
+            )
         for e in self.directory.endpoints(model):
             if e.replica_id == home.replica_id and e.epoch == home.epoch:
                 return e
