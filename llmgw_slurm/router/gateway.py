@@ -904,10 +904,17 @@ class Gateway:
         assert self._whole is not None, "the gateway app was not started"
         ep = plan.ep
         call = LaneCall(self, plan, lane)
-        call.conn = self._whole.send_kept(
-            ep.base_url, ep.ssl, surface.upstream_path(plan.endpoint),
-            _upstream_headers(lane, ep, "application/json"), plan.body, call.done,
-        )  # fmt: skip
+        try:
+            call.conn = self._whole.send_kept(
+                ep.base_url, ep.ssl, surface.upstream_path(plan.endpoint),
+                _upstream_headers(lane, ep, "application/json"), plan.body, call.done,
+            )  # fmt: skip
+        except BaseException:
+            # Nothing was sent, and nobody else will end the reservation: a
+            # leaked one would hold the key's tokens until a restart.
+            if held is not None:
+                held.release()
+            raise
         if call.conn is None:
             lane.fall_back(plan, None)
             return None
