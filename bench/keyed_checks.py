@@ -9,11 +9,13 @@ processes' load disturbs far less than wall time), each over ``--n`` calls:
 - ``lookup``: the key ring's check of a presented key (a stat of the key file,
   sha256 of the key, a constant-time compare), as with keys alone;
 - ``access``: the catalog's access rule of the model against the key;
-- ``admit``: the quota book's check and count of a request (every limit set:
-  per-minute requests and tokens, user and account budgets, one stat of the
-  budgets file);
-- ``headers``: the ``x-ratelimit-*`` headers of the answer;
-- ``spent``: counting the answer's tokens.
+- ``ask``: what a chat request may spend, from its body (its prompt
+  estimated from about 1 KB of text, its ``max_tokens``);
+- ``reserve``: the quota book's check of that against every limit (per-minute
+  requests and tokens, user and account budgets, one stat of the budgets
+  file), the request counted and its maximum held, and the ``x-ratelimit-*``
+  headers of its answer worked out;
+- ``settle``: the answer's real count in place of what was held.
 
     python bench/keyed_checks.py [--n 100000] [--rounds 5]
 """
@@ -50,7 +52,7 @@ def main() -> int:
     from llmgw_slurm.catalog import Access
     from llmgw_slurm.config import QuotaConfig
     from llmgw_slurm.router.keys import KeyRing, add_key
-    from llmgw_slurm.router.quota import AccountBudgets, QuotaBook
+    from llmgw_slurm.router.quota import AccountBudgets, QuotaBook, Reservation, ask_of
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=100_000)
@@ -64,12 +66,32 @@ def main() -> int:
         book = QuotaBook(QuotaConfig(big, big, big, big, big, big), AccountBudgets(tmp / "q.json"))
         guard = AccessGuard(CollectorRegistry())
         rule = Access(accounts=("bench",), groups=("llm-users",))
+        words = " ".join(["token"] * 170)  # about 1 KB of prompt
+        body = {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": words},
+            ],
+            "max_tokens": 200,
+        }
+        ask = ask_of(body, "chat/completions", 8192, 4096)
+        held: list[Reservation] = []
+
+        def reserve() -> None:
+            got = book.reserve(new.record, ask)
+            assert isinstance(got, Reservation)
+            held.append(got)
+
+        def settle() -> None:
+            held.pop().settle(50)
+
         checks: dict[str, Callable[[], object]] = {
             "lookup": lambda: ring.lookup(new.key),
             "access": lambda: guard.allows(rule, new.record),
-            "admit": lambda: book.admit(new.record),
-            "headers": lambda: book.headers(new.record),
-            "spent": lambda: book.spent(new.record, 50),
+            "ask": lambda: ask_of(body, "chat/completions", 8192, 4096),
+            "reserve": reserve,
+            "settle": settle,
         }
         took = {name: cpu_us(fn, args.n, args.rounds) for name, fn in checks.items()}
         for name, us in took.items():

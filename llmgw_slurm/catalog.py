@@ -637,6 +637,16 @@ class Model:
         return self.resources.nodes > 1
 
     @property
+    def stores_responses(self) -> bool | None:
+        """Whether the engine keeps ``/v1/responses`` answers for ``GET`` (and
+        ``previous_response_id``, ``background``): vLLM only when started with
+        VLLM_ENABLE_RESPONSES_API_STORE=1 (in ``engine.env``); None: not known."""
+        if self.engine.kind != "vllm":
+            return None
+        value = self.engine.env.get(RESPONSES_STORE_ENV, "0").strip()
+        return value.isdigit() and int(value) != 0
+
+    @property
     def context_tokens(self) -> int | None:
         """The most tokens one request may hold: ``context_length``, else the
         engine's own flag for it, else None (unknown)."""
@@ -656,6 +666,10 @@ class Model:
     def to_spec_json(self) -> str:
         return json.dumps(self.to_spec(), sort_keys=True, separators=(",", ":"))
 
+
+# vLLM keeps /v1/responses answers (for GET, previous_response_id, background)
+# only with this set to a non-zero number in its environment.
+RESPONSES_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
 
 # The engine flag that sets its context length, per engine kind.
 _CONTEXT_FLAGS = {"vllm": "--max-model-len", "sglang": "--context-length", "command": ""}

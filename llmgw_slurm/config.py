@@ -302,6 +302,13 @@ class RouterConfig:
     # model per gateway key; beyond it that key gets 429, so that one key
     # cannot fill a cold model's queue. Applies only with keys_file set.
     max_held_per_key: int | None = field(default=None, metadata=rule(ge=1))
+    # Default None: max_held_per_key. Held requests of one model per user, over all
+    # their keys: one key each from `llmgw login` must not multiply a user's share.
+    max_held_per_user: int | None = field(default=None, metadata=rule(ge=1))
+    # Default None: half of max_held (at least 1). Held requests of one model per
+    # Slurm account (the keys' account), over all its users: one group cannot
+    # fill a cold model's queue and leave others no room.
+    max_held_per_account: int | None = field(default=None, metadata=rule(ge=1))
     # Default 16M: request bodies beyond this get 413 (most before they are
     # read); a 128k-token prompt is about 0.5 MiB of text and a few base64
     # images fit too, and a runaway client cannot fill the login node's memory.
@@ -354,6 +361,11 @@ class RouterConfig:
     # sent a sampled traceparent, or when it is held for a cold start. "all" gives
     # every request a span, which costs the gateway up to a third of its throughput.
     trace_requests: Literal["sampled", "all"] = "sampled"
+    # Default None: only the daemon's admin token sees every series of /metrics.
+    # A file holding a token for the Prometheus scraper (read as it changes), so
+    # that the scraper needs no admin token. Without either, /metrics leaves out
+    # the series of models the caller may not use (access rules), as /v1/models.
+    metrics_token_file: Path | None = None
     # Default true: a plain (not streamed) chat, completion or embedding request
     # with a ready replica is served by the gateway's fast lane
     # (llmgw_slurm.router.fastlane) rather than aiohttp's server, which takes
@@ -382,10 +394,18 @@ class LoginConfig:
     enabled: bool = False
     # Default None: munge's own default socket. munged's socket on the daemon's host.
     munge_socket: Path | None = None
-    # Default 16: active keys one user may hold; a login past it is refused.
+    # Default 16: keys one user may hold (active, or revoked within
+    # revoked_key_window); a login past it is refused.
     max_keys_per_user: int = field(default=16, metadata=rule(ge=1))
-    # Default 10: login attempts per client address per minute; more get 429.
+    # Default 10: login attempts per user (the one the munge credential proves)
+    # per minute; more get 429. Not per address: every local user is 127.0.0.1.
     attempts_per_minute: int = field(default=10, metadata=rule(ge=1))
+    # Default 1h: a revoked key still counts against max_keys_per_user this long,
+    # so revoking and logging in again does not make keys without end (each one a
+    # record in the key file).
+    revoked_key_window: float = field(
+        default=3600.0, metadata=rule(ge=0, parse=_schema.parse_duration)
+    )
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from llmgw_slurm.router import create_app, fastlane
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
+from llmgw_slurm.router.metrics import tokens_gate
 from llmgw_slurm.router.quota import quota_book
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
@@ -224,6 +225,10 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         )
     token = AdminToken(state / "admin.token")
     token.ensure()
+    scrape = (
+        [AdminToken(server.router.metrics_token_file)] if server.router.metrics_token_file else []
+    )
+    gateway[GATEWAY_KEY].metrics_token = tokens_gate(token, *scrape)
     d = Daemon(
         server,
         server_path,

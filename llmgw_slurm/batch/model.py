@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from llmgw_slurm.router.quota import NOTHING, Ask
+
 __all__ = [
     "ENDPOINTS",
     "BatchError",
@@ -166,6 +168,9 @@ class BatchRecord:
     # The batch's shards: each a task of the batch's job array with its own
     # slice of the input and its own result files (1: one job, no array).
     shards: int = 1
+    # The tokens its creator's day and month budgets hold for it until it ends
+    # (the most its requests may spend; 0: no quotas), held again after a restart.
+    reserved: int = 0
 
     def to_api(self) -> dict[str, Any]:
         stamps = {name: getattr(self, name) for name in _STAMPS.values()}
@@ -235,11 +240,13 @@ def transition(batch: BatchRecord, to: BatchStatus, now: float, **changes: Any) 
 
 @dataclass(frozen=True)
 class Checked:
-    """What a valid input file holds: its request count and the one model it asks for."""
+    """What a valid input file holds: its request count, the one model it asks for,
+    and the most its requests may spend together (NOTHING when nobody asked)."""
 
     total: int
     model: str
     custom_ids: tuple[str, ...]
+    ask: Ask = NOTHING
 
 
 def check_input(
@@ -247,6 +254,7 @@ def check_input(
     endpoint: str,
     resolve: Callable[[str], str | None],
     max_requests: int,
+    ask: Callable[[Mapping[str, Any]], Ask] | None = None,
 ) -> Checked | list[BatchError]:
     """Every line of a batch input file checked, as OpenAI does at create time.
 
@@ -255,13 +263,15 @@ def check_input(
     unique string ``custom_id``, ``method`` POST, ``url`` equal to the batch's
     ``endpoint``, and a ``body`` object whose ``model`` resolves; every line
     must name the same model. Returns the errors (at most MAX_ERRORS, each
-    naming its line) or what the file holds.
+    naming its line) or what the file holds; with ``ask`` (a line's body to
+    the most it may spend), the sum of every line's.
     """
     errors: list[BatchError] = []
     seen: set[str] = set()
     ids: list[str] = []
     model = ""
     n = 0
+    most = NOTHING  # the lines' asks summed
     for n, raw in enumerate(lines, start=1):
         if len(errors) >= MAX_ERRORS:
             break
@@ -279,7 +289,9 @@ def check_input(
             errors.append(problem)
             continue
         assert line is not None
-        cid, name = line
+        cid, name, body = line
+        if ask is not None and not errors:
+            most = _plus(most, ask(body))
         if cid in seen:
             errors.append(
                 BatchError(
@@ -292,39 +304,53 @@ def check_input(
             continue
         seen.add(cid)
         ids.append(cid)
-        canonical = resolve(name)
-        if canonical is None:
-            errors.append(
-                BatchError(
-                    "model_not_found",
-                    f"The model {name!r} does not exist or your key may not use it.",
-                    n,
-                    "body.model",
-                )
-            )
-        elif model and canonical != model:
-            errors.append(
-                BatchError(
-                    "mismatched_model",
-                    f"The model {name!r} differs from {model!r} on earlier lines; "
-                    "a batch runs one model.",
-                    n,
-                    "body.model",
-                )
-            )
-        else:
-            model = canonical
+        canonical = _line_model(resolve(name), name, model, n, errors)
+        model = canonical or model
     if not errors and not ids:
         errors.append(BatchError("empty_file", "The input file holds no requests."))
     if errors:
         return errors
-    return Checked(len(ids), model, tuple(ids))
+    return Checked(len(ids), model, tuple(ids), most)
+
+
+def _line_model(
+    canonical: str | None, name: str, model: str, n: int, errors: list[BatchError]
+) -> str | None:
+    """The catalog model line ``n`` names, or None with its error added: unknown
+    (or not the key's), or another than the earlier lines' ``model``."""
+    if canonical is None:
+        errors.append(
+            BatchError(
+                "model_not_found",
+                f"The model {name!r} does not exist or your key may not use it.",
+                n,
+                "body.model",
+            )
+        )
+        return None
+    if model and canonical != model:
+        errors.append(
+            BatchError(
+                "mismatched_model",
+                f"The model {name!r} differs from {model!r} on earlier lines; "
+                "a batch runs one model.",
+                n,
+                "body.model",
+            )
+        )
+        return None
+    return canonical
+
+
+def _plus(a: Ask, b: Ask) -> Ask:
+    """Two asks as one: every answer bounded by its own max_tokens only if both are."""
+    return Ask(a.prompt + b.prompt, a.answer + b.answer, a.own and b.own)
 
 
 def _check_line(
     raw: bytes, n: int, endpoint: str
-) -> tuple[tuple[str, str] | None, BatchError | None]:
-    """(custom_id, model) of one line, or the error that names what is wrong with it."""
+) -> tuple[tuple[str, str, dict[str, Any]] | None, BatchError | None]:
+    """(custom_id, model, body) of one line, or the error that names what is wrong with it."""
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):
@@ -360,4 +386,4 @@ def _check_line(
         )
     if body.get("stream") is True:
         return None, BatchError("invalid_value", "A batch request cannot stream.", n, "body.stream")
-    return (cid, name), None
+    return (cid, name, body), None

@@ -15,6 +15,16 @@ Per unfinished batch, in order:
 3. job gone (or finished): count the result files; everything answered ends
    ``completed``, a cancel ``cancelled``, anything else is resubmitted (rule 1)
    or, past MAX_JOBS, ``failed`` with how far it got.
+
+Quotas (with a :class:`QuotaBook`): a batch is let in only if the most its
+requests may spend, all of its lines together (each as an online request's:
+its prompt estimated, its max_tokens or the model's context length), fits its
+creator's day and month budgets beside what was spent and what is held; that
+much is held from its creation to its end, then settled to what it used.
+A batch that does not fit is ``failed`` at once with ``insufficient_quota``
+and runs nothing, as OpenAI fails a batch past its enqueued-token limit: a
+refusal before any GPU is spent, rather than lines failing part-way, which
+would leave a half-done batch the user has to sort out and resubmit.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.jobs import BatchJobs, batch_job_prefix, shards_for
@@ -47,6 +57,7 @@ from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.durations import parse_duration
 from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.reconciler.reports import ReportVerifier
+from llmgw_slurm.router.quota import Ask, QuotaBook, Refusal, Reservation, ask_of
 from llmgw_slurm.secrets import batch_secret
 from llmgw_slurm.slurm.types import Job, JobState, SlurmBackend
 
@@ -59,6 +70,18 @@ log = logging.getLogger(__name__)
 MAX_JOBS = 3
 # What a job's report counts; the batch record has a field of each name.
 _COUNTS = ("completed", "failed", "prompt_tokens", "completion_tokens")
+
+
+class _Payer(NamedTuple):
+    """Whose budgets a batch spends: its creator's key, user and account."""
+
+    key_id: str
+    user: str
+    project: str
+
+    @classmethod
+    def of(cls, batch: BatchRecord) -> _Payer:
+        return cls(batch.key_id, batch.owner, batch.project)
 
 
 class BatchRefused(Exception):
@@ -81,6 +104,7 @@ class BatchService:
         jobs: BatchJobs,
         verifier: ReportVerifier,
         clock: Callable[[], float] = time.time,
+        quota: QuotaBook | None = None,
     ) -> None:
         self.store = store
         self.server = server
@@ -97,6 +121,10 @@ class BatchService:
         self._shard_counts: dict[str, dict[int, dict[str, int]]] = {}
         # Called with each batch once it ends (its tokens go to the usage store).
         self.on_usage: Callable[[BatchRecord], None] | None = None
+        # The budgets batches spend (None: no quotas), and what each unfinished one holds.
+        self.quota = quota
+        self._holds: dict[str, Reservation] = {}
+        self._hold_again()
 
     # ---- create and cancel ------------------------------------------------------------
 
@@ -172,6 +200,11 @@ class BatchService:
             batch = transition(batch, BatchStatus.FAILED, now, errors=tuple(checked))
             self.store.save(batch)
             return batch
+        refused = self._reserve(batch, checked)
+        if refused is not None:
+            batch = transition(batch, BatchStatus.FAILED, now, errors=(refused,))
+            self.store.save(batch)
+            return batch
         batch = transition(
             batch,
             BatchStatus.IN_PROGRESS,
@@ -179,9 +212,42 @@ class BatchService:
             model=checked.model,
             total=checked.total,
             shards=shards_for(self.server, checked.total),
+            reserved=checked.ask.tokens if batch.id in self._holds else 0,
         )
         self.store.save(batch)
         return await self._submit(batch)
+
+    def _reserve(self, batch: BatchRecord, checked: Checked) -> BatchError | None:
+        """Hold what the batch may spend on its creator's budgets; or the error
+        that fails it, naming the budget it does not fit."""
+        if self.quota is None or not (batch.key_id or batch.owner):
+            return None
+        got = self.quota.reserve(_Payer.of(batch), checked.ask, per_minute=False)
+        if isinstance(got, Refusal):
+            return BatchError(
+                "insufficient_quota",
+                f"The batch's {checked.total} requests may use up to {checked.ask.tokens} "
+                f"tokens together, more than your budgets leave: {got.message}",
+            )
+        self._holds[batch.id] = got
+        return None
+
+    def _hold_again(self) -> None:
+        """After a restart: unfinished batches hold their reservations again (the
+        usage store has none of their tokens until they end)."""
+        if self.quota is None:
+            return
+        for b in self.store.unfinished():
+            if b.reserved and b.id not in self._holds:
+                self._holds[b.id] = self.quota.hold(_Payer.of(b), b.reserved)
+
+    def _ended(self, batch: BatchRecord) -> None:
+        """A batch's end: its tokens to the usage store, its reservation settled."""
+        if self.on_usage is not None:
+            self.on_usage(batch)
+        hold = self._holds.pop(batch.id, None)
+        if hold is not None:
+            hold.settle(batch.prompt_tokens + batch.completion_tokens)
 
     def _check_active(self, owner: str) -> None:
         limit = self.server.batch.max_active_per_user
@@ -198,8 +264,22 @@ class BatchService:
     def _check(
         self, path: Path, endpoint: str, resolve: Callable[[str], str | None]
     ) -> Checked | list[BatchError]:
+        ask = self._line_ask(endpoint, resolve) if self.quota is not None else None
         with path.open("rb") as lines:
-            return check_input(lines, endpoint, resolve, self.server.batch.max_requests)
+            return check_input(lines, endpoint, resolve, self.server.batch.max_requests, ask)
+
+    def _line_ask(
+        self, endpoint: str, resolve: Callable[[str], str | None]
+    ) -> Callable[[Mapping[str, Any]], Ask]:
+        """The most one line may spend: as an online request to its model would."""
+        catalog, name = self._catalog(), endpoint.removeprefix("/v1/")
+        default = self.server.quotas.default_max_tokens
+
+        def ask(body: Mapping[str, Any]) -> Ask:
+            model = catalog.get(resolve(str(body.get("model"))) or "")
+            return ask_of(body, name, model.context_tokens if model else None, default)
+
+        return ask
 
     async def cancel(self, owner: str, batch_id: str) -> BatchRecord:
         batch = self.store.batch(owner, batch_id)
@@ -267,6 +347,7 @@ class BatchService:
         else:
             batch = transition(batch, BatchStatus.FAILED, now, errors=(BatchError(code, message),))
         self.store.save(batch)
+        self._ended(batch)
         return batch
 
     # ---- the poll ---------------------------------------------------------------------
@@ -413,8 +494,7 @@ class BatchService:
             batch.completed,
             batch.failed,
         )
-        if self.on_usage is not None:
-            self.on_usage(batch)
+        self._ended(batch)
 
     # ---- the job's reports ------------------------------------------------------------
 

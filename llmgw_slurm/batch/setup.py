@@ -13,6 +13,7 @@ from llmgw_slurm.batch.routes import add_batch_routes, add_internal_routes
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.batch.store import BatchStore
 from llmgw_slurm.config import ServerConfig
+from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 from llmgw_slurm.slurm.types import SlurmBackend
 
@@ -33,7 +34,9 @@ def install(
     nonces, the gateway's certificate), taken as is so this package does not import it."""
     store = BatchStore(server.batch_directory)
     jobs = BatchJobs(server, server_key, daemon_url, rec.engine_tls.identity.cert_pem)
-    svc = BatchService(store, server, backend, lambda: rec.catalog, jobs, rec.verifier)
+    # The gateway's quota book: batches spend the same day and month budgets.
+    quota = gateway[GATEWAY_KEY].quota
+    svc = BatchService(store, server, backend, lambda: rec.catalog, jobs, rec.verifier, quota=quota)
     if usage is not None:
 
         def record(batch: BatchRecord) -> None:

@@ -88,6 +88,7 @@ class ReplicaDirectory:
                     load_factor=m.routing.load_factor,
                     key_factor=m.routing.key_factor,
                     context_length=m.context_tokens,
+                    stores_responses=m.stores_responses,
                 )
                 for m in catalog.models
             }

@@ -92,6 +92,8 @@ class ModelRouting:
     ``policy``, ``prefix_chars``, ``load_factor``, ``key_factor``: as catalog.Routing.
     ``context_length``: the most tokens one request may hold (None: unknown),
     what token quotas reserve for a request that sets no ``max_tokens``.
+    ``stores_responses``: whether its engine keeps ``/v1/responses`` answers for
+    ``GET`` (vLLM: only with VLLM_ENABLE_RESPONSES_API_STORE=1); None: not known.
     """
 
     endpoints: frozenset[str] | None = None
@@ -100,6 +102,7 @@ class ModelRouting:
     load_factor: float = 2.0
     key_factor: float = 1.0
     context_length: int | None = None
+    stores_responses: bool | None = None
 
 
 @runtime_checkable

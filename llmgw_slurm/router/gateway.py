@@ -34,13 +34,14 @@ from aiohttp.abc import AbstractStreamWriter
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import TextMapPropagator
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from llmgw_slurm.access import AccessGuard
 from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router import balance, stored, surface
 from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
+from llmgw_slurm.router.holdqueue import HoldQueue
 from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.quota import (
@@ -352,9 +353,10 @@ class Gateway:
         self.metrics = GatewayMetrics(directory, registry)
         self.access = AccessGuard(registry)
         self.in_flight: dict[tuple[str, str], int] = {}
-        self.held: dict[str, int] = {}
-        self.held_total = 0
-        self.held_by_key: dict[tuple[str, str], int] = {}
+        self.holds = HoldQueue(config)
+        # Whether a bearer token may see every series of /metrics (the daemon's
+        # admin token, or router.metrics_token_file's); None: nobody.
+        self.metrics_token: Callable[[str], bool] | None = None
         self._cold_since: dict[str, float] = {}
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
@@ -363,6 +365,15 @@ class Gateway:
         self.responses = surface.ResponseHomes()
         # Per model under policy prefix: which replica each active key lives on.
         self.placements: dict[str, balance.Placement] = {}
+
+    @property
+    def held(self) -> dict[str, int]:
+        """Requests waiting for each model to have a ready replica."""
+        return self.holds.held
+
+    @property
+    def held_total(self) -> int:
+        return self.holds.total
 
     # lifecycle
 
@@ -578,6 +589,13 @@ class Gateway:
                 "invalid_request_error",
                 "previous_response_other_model",
             )
+        if self._routing(model).stores_responses is False:
+            return _error(
+                400,
+                stored.not_stored_message(prev, model),
+                "invalid_request_error",
+                "previous_response_not_stored",
+            )
         for e in self.directory.endpoints(model):
             if e.replica_id == home.replica_id and e.epoch == home.epoch:
                 return e
@@ -610,31 +628,6 @@ class Gateway:
         linked.add(sc.span_id)
         trace.get_current_span().add_link(sc, {"llmgw.link": "replica.start"})
 
-    def _per_key_cap(self) -> int:
-        cap = self.config.max_held_per_key
-        return cap if cap is not None else max(1, self.config.max_held // 4)
-
-    def _hold_refused(self, model: str, mine: tuple[str, str] | None) -> web.Response | None:
-        """A 429 when the hold queue (the model's, all models', or this key's) is full."""
-        cfg = self.config
-        if self.held.get(model, 0) >= cfg.max_held or self.held_total >= cfg.max_held_total:
-            return _error(
-                429,
-                f"Too many requests are waiting for model '{model}' to start; try again later.",
-                "rate_limit_error",
-                "too_many_held_requests",
-            )
-        if mine is not None and self.held_by_key.get(mine, 0) >= self._per_key_cap():
-            return _error(
-                429,
-                f"Your key has {self.held_by_key[mine]} requests waiting for model '{model}' "
-                "to start, the most one key may; try again when it is ready.",
-                "rate_limit_error",
-                "too_many_held_requests_for_key",
-                headers={"Retry-After": str(cfg.retry_after)},
-            )
-        return None
-
     async def _hold(
         self,
         request: Client,
@@ -643,17 +636,12 @@ class Gateway:
         key: KeyRecord | None = None,
     ) -> Endpoint | web.Response:
         cfg = self.config
-        mine = (model, key.key_id) if key is not None else None
-        refused = self._hold_refused(model, mine)
-        if refused is not None:
-            return refused
-        if mine is not None:
-            self.held_by_key[mine] = self.held_by_key.get(mine, 0) + 1
+        place = self.holds.take(model, key)
+        if isinstance(place, web.Response):
+            return place
         loop = asyncio.get_running_loop()
         timeout = self._hold_timeout(model)
         deadline = loop.time() + timeout
-        self.held[model] = self.held.get(model, 0) + 1
-        self.held_total += 1
         self.metrics.held.labels(model).inc()
         self._cold_since.setdefault(model, time.monotonic())
         self.directory.want(model)
@@ -694,12 +682,7 @@ class Gateway:
                     await asyncio.wait({waiter}, timeout=step)
         finally:
             waiter.cancel()
-            if mine is not None:
-                self.held_by_key[mine] -= 1
-                if not self.held_by_key[mine]:
-                    del self.held_by_key[mine]
-            self.held[model] -= 1
-            self.held_total -= 1
+            place.release()
             self.metrics.held.labels(model).dec()
             if self.held[model] == 0:
                 # Nobody is waiting any more: a later start is a new cold start.
@@ -777,10 +760,13 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
-        )
+        """Every series for the metrics token; otherwise those of the models the
+        request's key (or no key) may use, and those that name no model."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        gate = self.metrics_token
+        full = gate is not None and scheme.lower() == "bearer" and gate(token.strip())
+        body = self.metrics.exposition(None if full else self.visible_to(request))
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def proxy(self, endpoint: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -918,10 +904,17 @@ class Gateway:
         assert self._whole is not None, "the gateway app was not started"
         ep = plan.ep
         call = LaneCall(self, plan, lane)
-        call.conn = self._whole.send_kept(
-            ep.base_url, ep.ssl, surface.upstream_path(plan.endpoint),
-            _upstream_headers(lane, ep, "application/json"), plan.body, call.done,
-        )  # fmt: skip
+        try:
+            call.conn = self._whole.send_kept(
+                ep.base_url, ep.ssl, surface.upstream_path(plan.endpoint),
+                _upstream_headers(lane, ep, "application/json"), plan.body, call.done,
+            )  # fmt: skip
+        except BaseException:
+            # Nothing was sent, and nobody else will end the reservation: a
+            # leaked one would hold the key's tokens until a restart.
+            if held is not None:
+                held.release()
+            raise
         if call.conn is None:
             lane.fall_back(plan, None)
             return None

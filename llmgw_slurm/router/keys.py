@@ -163,10 +163,19 @@ class TooManyKeys(LlmgwError):
     """The user holds the most active keys one user may (``llmgw login``'s cap)."""
 
 
-def add_key(path: Path, user: str, project: str = "", *, limit: int | None = None) -> NewKey:
+def add_key(
+    path: Path,
+    user: str,
+    project: str = "",
+    *,
+    limit: int | None = None,
+    revoked_within: float = 0.0,
+) -> NewKey:
     """Make a key for ``user`` (and ``project``), store its hash, return the key once.
 
-    ``limit``: refuse (TooManyKeys) when ``user`` already has this many active keys.
+    ``limit``: refuse (TooManyKeys) when ``user`` already has this many keys,
+    counting the active ones and those revoked within the last
+    ``revoked_within`` seconds.
     """
     for what, value in (("user", user), ("project", project)):
         if value or what == "user":
@@ -174,12 +183,7 @@ def add_key(path: Path, user: str, project: str = "", *, limit: int | None = Non
     with _locked(path):
         records = _load(path)
         if limit is not None:
-            held = sum(1 for r in records.values() if r.user == user and r.active)
-            if held >= limit:
-                raise TooManyKeys(
-                    f"user {user} has {held} active keys, the most one user may; "
-                    "revoke one first (llmgw keys revoke ID)"
-                )
+            _check_limit(records, user, limit, revoked_within, time.time())
         key_id = secrets.token_hex(4)
         while key_id in records:
             key_id = secrets.token_hex(4)
@@ -188,6 +192,31 @@ def add_key(path: Path, user: str, project: str = "", *, limit: int | None = Non
         records[key_id] = rec
         _write(path, records)
     return NewKey(rec, key)
+
+
+def _check_limit(
+    records: dict[str, KeyRecord], user: str, limit: int, window: float, now: float
+) -> None:
+    """Raise TooManyKeys if ``user`` holds ``limit`` keys, active or revoked within
+    ``window`` seconds of ``now``."""
+    mine = [r for r in records.values() if r.user == user]
+    active = sum(1 for r in mine if r.active)
+    recent = sorted(
+        r.revoked for r in mine if r.revoked is not None and now - r.revoked < window
+    )
+    if active + len(recent) < limit:
+        return
+    if active >= limit:
+        after = f" and after {window / 60:g} min has passed (a revoked key counts until then)"
+        raise TooManyKeys(
+            f"user {user} has {active} active keys, the most one user may; revoke one first "
+            f"(llmgw keys revoke ID){after if window > 0 else ''}"
+        )
+    wait = int(recent[active + len(recent) - limit] + window - now) + 1
+    raise TooManyKeys(
+        f"user {user} has {active} active keys and revoked {len(recent)} within the last "
+        f"{window / 60:g} min, together the most one user may; try again in {wait} s"
+    )
 
 
 def list_keys(path: Path) -> list[KeyRecord]:

@@ -15,9 +15,15 @@ Why the account check happens at login and not per request: an association
 rarely changes, and sacctmgr costs tens of milliseconds; a key names its
 account, so a user who loses the association keeps a key until it is revoked.
 
-Login attempts are limited per client address (before the credential is
-decoded, so garbage costs as little as a replay): munged decodes any
-credential it is given, and the key file grows by one record per login.
+Login attempts are limited per user, the one the credential proves, not per
+client address: every user of a login node connects from 127.0.0.1, and a
+limit per address let one user's burst lock every other user out for a
+minute. So the credential is decoded first (at most ``_DECODING`` at once:
+each is an ``unmunge`` process), then the user's attempts are counted; a
+credential that proves nobody is refused by munged and counts for no one.
+A user holds at most ``max_keys_per_user`` keys, counting those revoked
+within ``revoked_key_window``: revoking and logging in again does not make
+keys (and key-file records) without end.
 """
 
 from __future__ import annotations
@@ -70,12 +76,19 @@ class LoginSettings:
     # Active keys one user may hold: every login makes one, and a script that
     # logs in in a loop must not grow the key file without end.
     max_keys_per_user: int = 16
-    # Login attempts per client address per minute.
+    # Login attempts per user (as munge proves them) per minute.
     attempts_per_minute: int = 10
+    # Seconds a revoked key still counts against max_keys_per_user.
+    revoked_key_window: float = 3600.0
+
+
+# Credentials decoded at once: each is an unmunge process, and a flood of garbage
+# must not spawn one per connection.
+_DECODING = 8
 
 
 class RateLimit:
-    """At most ``per_minute`` events per client address in any 60 s (a sliding log)."""
+    """At most ``per_minute`` events per name (a user's uid) in any 60 s (a sliding log)."""
 
     def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.per_minute = per_minute
@@ -92,8 +105,8 @@ class RateLimit:
         recent.append(now)
         self._seen[host] = recent
         if len(self._seen) > 10_000:
-            # Forget addresses with no recent attempt, so that many clients
-            # cannot grow this without bound.
+            # Forget names with no recent attempt, so that many cannot grow
+            # this without bound.
             self._seen = {h: ts for h, ts in self._seen.items() if now - ts[-1] < 60.0}
         return 0
 
@@ -179,31 +192,25 @@ class LoginRoutes:
         self.lookup = lookup
         self.associations = associations
         self.limit = RateLimit(settings.attempts_per_minute)
+        self._decoding = asyncio.Semaphore(_DECODING)
 
     async def login(self, request: web.Request) -> web.Response:
         host = request.remote or "?"
-        wait = self.limit.retry_after(host)
-        if wait:
-            _log.warning("login: too many attempts from %s", host)
-            return _error(
-                429,
-                f"too many login attempts from {host}; try again in {wait} s",
-                "rate_limited",
-                {"Retry-After": str(wait)},
-            )
         read = await _read_login(request)
         if isinstance(read, web.Response):
             return read
         credential, wanted = read
-        try:
-            who = await munge.decode(credential, self.settings.munge_socket)
-        except munge.MungeRefused as exc:
-            _log.warning("login refused from %s: %s", host, exc.reason)
-            return _error(401, str(exc), f"munge_{exc.reason}")
-        except munge.MungeError as exc:
-            _log.error("login: %s", exc)
+        who = await self._decode(credential, host)
+        if isinstance(who, web.Response):
+            return who
+        wait = self.limit.retry_after(str(who.uid))
+        if wait:
+            _log.warning("login: too many attempts by uid %d (from %s)", who.uid, host)
             return _error(
-                503, "the daemon cannot decode munge credentials now", "munge_unavailable"
+                429,
+                f"too many logins by your user (uid {who.uid}); try again in {wait} s",
+                "rate_limited",
+                {"Retry-After": str(wait)},
             )
         user = await asyncio.to_thread(_user_name, who.uid)
         if user is None:
@@ -228,6 +235,20 @@ class LoginRoutes:
             {"key": new.key, "key_id": new.record.key_id, "user": user, "account": account}
         )
 
+    async def _decode(self, credential: str, host: str) -> munge.MungeIdentity | web.Response:
+        """Who the credential proves, or the answer for one that proves nobody."""
+        try:
+            async with self._decoding:
+                return await munge.decode(credential, self.settings.munge_socket)
+        except munge.MungeRefused as exc:
+            _log.warning("login refused from %s: %s", host, exc.reason)
+            return _error(401, str(exc), f"munge_{exc.reason}")
+        except munge.MungeError as exc:
+            _log.error("login: %s", exc)
+            return _error(
+                503, "the daemon cannot decode munge credentials now", "munge_unavailable"
+            )
+
     async def _issue(self, user: str, account: str) -> NewKey | web.Response:
         """A new key for ``user``, or why none could be made."""
         try:
@@ -237,6 +258,7 @@ class LoginRoutes:
                 user,
                 account,
                 limit=self.settings.max_keys_per_user,
+                revoked_within=self.settings.revoked_key_window,
             )
         except TooManyKeys as exc:
             return _error(409, str(exc), "too_many_keys")
@@ -316,6 +338,7 @@ def login_settings(server: ServerConfig) -> LoginSettings:
         munge_socket=cfg.munge_socket,
         max_keys_per_user=cfg.max_keys_per_user,
         attempts_per_minute=cfg.attempts_per_minute,
+        revoked_key_window=cfg.revoked_key_window,
     )
 
 

@@ -2,21 +2,31 @@
 
 Each app gets its own ``CollectorRegistry``: the default global one would make
 two gateways in one process (tests, benchmarks) collide on metric names.
+
+``/metrics`` tells nobody what they may not see (:meth:`GatewayMetrics.exposition`):
+a series whose ``model`` label names a model the caller may not use (the
+catalog's access rules) is left out, as the model is left out of
+``/v1/models``; the admin token or ``router.metrics_token_file``'s token
+sees every series (what Prometheus should scrape with).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from llmgw_slurm.router.directory import ModelDirectory
+from llmgw_slurm.secrets import AdminToken
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "tokens_gate"]
+
+log = logging.getLogger(__name__)
 
 # From 5 ms (a warm short answer) to 10 min (a long generation or a held
 # request that waited for a cold start).
@@ -39,6 +49,43 @@ class _ReplicaCollector(Collector):
             for state, n in sorted(m.replicas.items()):
                 g.add_metric([m.name, state], n)
         yield g
+
+
+def tokens_gate(*tokens: AdminToken) -> Callable[[str], bool]:
+    """Whether a presented bearer token is one of ``tokens`` (files read as they
+    change; one that cannot be read matches nothing, and says why in the log)."""
+
+    def gate(presented: str) -> bool:
+        for t in tokens:
+            try:
+                if t.matches(presented):
+                    return True
+            except OSError as exc:
+                log.warning("metrics: cannot read the token file %s: %s", t.path, exc)
+        return False
+
+    return gate
+
+
+class _Visible:
+    """The registry as one caller may see it: series of models it may not use left out."""
+
+    def __init__(self, registry: CollectorRegistry, visible: Callable[[str], bool]) -> None:
+        self._registry = registry
+        self._visible = visible
+
+    def collect(self) -> Iterator[Metric]:
+        seen: dict[str, bool] = {}
+        for family in self._registry.collect():
+            kept = []
+            for sample in family.samples:
+                model = sample.labels.get("model")
+                if model is not None and model not in seen:
+                    seen[model] = self._visible(model)
+                if model is None or seen[model]:
+                    kept.append(sample)
+            family.samples = kept
+            yield family
 
 
 class GatewayMetrics:
@@ -95,6 +142,13 @@ class GatewayMetrics:
         # call, a few microseconds a request. Models and statuses are few.
         self._answered: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
         self._tokens: dict[str, tuple[Any, Any]] = {}
+
+    def exposition(self, visible: Callable[[str], bool] | None = None) -> bytes:
+        """The Prometheus text: every series, or (``visible``) only those of the models
+        ``visible`` allows and those that name no model."""
+        if visible is None:
+            return generate_latest(self.registry)
+        return generate_latest(_Visible(self.registry, visible))
 
     def answered(self, model: str, status: int, seconds: float, first_byte: float | None) -> None:
         """One request answered: its status, its duration and (when it began

@@ -289,11 +289,16 @@ class _Limit(NamedTuple):
     limit: int
     used: int
     reset: float  # seconds
-    held: int = 0  # by requests in flight
+    held: int  # by requests in flight
+    # What is left, worked out once (read several times a request: a property
+    # was a sixth of the book's time).
+    remaining: int
 
-    @property
-    def remaining(self) -> int:
-        return max(0, self.limit - self.used - self.held)
+
+def _limit(
+    what: tuple[str, str, str], limit: int, used: int, reset: float, held: int = 0
+) -> _Limit:
+    return _Limit(what, limit, used, reset, held, max(0, limit - used - held))
 
 
 # The per-minute limits, in _Limit.what's words.
@@ -475,7 +480,7 @@ class QuotaBook:
                 # Keys idle for a minute or more hold nothing worth keeping.
                 self._minute = {k: v for k, v in self._minute.items() if v[0] == minute}
             if req is not None:
-                req = req._replace(used=reqs + 1)
+                req = _limit(req.what, req.limit, reqs + 1, req.reset)
         # Itself counted, its tokens not yet: what its answer's headers tell.
         headers = _headers(req, _least_left(limits))
         return self.hold(who, tokens, per_minute=per_minute, headers=headers)
@@ -572,7 +577,7 @@ class QuotaBook:
 
     def _request_limit(self, reqs: int, now: float) -> _Limit | None:
         rpm = self.config.requests_per_minute
-        return None if rpm is None else _Limit(_MINUTE_REQUESTS, rpm, reqs, 60.0 - (now % 60))
+        return None if rpm is None else _limit(_MINUTE_REQUESTS, rpm, reqs, 60.0 - (now % 60))
 
     def _token_limits(self, key: Payer, now: float, toks: int, per_minute: bool) -> list[_Limit]:
         """Every token limit that applies to ``key`` now, with what is held against it."""
@@ -580,11 +585,11 @@ class QuotaBook:
         tpm = self.config.tokens_per_minute
         if per_minute and tpm is not None:
             held = self._held.get(("key", key.key_id), 0)
-            out.append(_Limit(_MINUTE_TOKENS, tpm, toks, 60.0 - (now % 60), held))
+            out.append(_limit(_MINUTE_TOKENS, tpm, toks, 60.0 - (now % 60), held))
         for rule in self._rules(key):
             used = rule.period.at(now).get(rule.whose[1], 0)
             held = self._held.get(rule.whose, 0)
-            out.append(_Limit(rule.what, rule.limit, used, rule.period.end - now, held))
+            out.append(_limit(rule.what, rule.limit, used, rule.period.end - now, held))
         return out
 
 

@@ -16,6 +16,13 @@ engine frees it when the replica stops). ``/input_items`` is not routed.
 
 A background response (``background: true``) answers ``queued``, without
 usage: its tokens count when a retrieval first shows it finished.
+
+vLLM keeps no response at all unless started with
+``VLLM_ENABLE_RESPONSES_API_STORE=1`` (``store`` is ignored without it, and the
+answer does not say so): a researcher's ``GET`` of their own response then
+found "not found" and no reason. So an engine's 404 for a response the
+gateway saw made, on a model whose catalog entry does not turn the store on,
+is answered ``response_not_stored``, naming the setting.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import aiohttp
 from aiohttp import web
 from opentelemetry import trace
 
-from llmgw_slurm.router.directory import Endpoint, ModelDirectory
+from llmgw_slurm.catalog import RESPONSES_STORE_ENV
+from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
 from llmgw_slurm.router.surface import Home, ResponseHomes
 
 if TYPE_CHECKING:
@@ -61,7 +69,7 @@ class GatewayView(Protocol):
     ) -> None: ...
 
 
-__all__ = ["ROUTES", "handler"]
+__all__ = ["ROUTES", "handler", "not_stored_message"]
 
 # (method, path, action)
 ROUTES = (
@@ -201,11 +209,35 @@ async def _forward(
             return web.json_response(
                 {"id": rid, "object": "response", "deleted": True}, headers=out
             )
+    if upstream.status == 404 and action != "delete" and _stores_none(gw, home.model):
+        return _not_stored(rid, home.model)
     if upstream.status == 200 and action == "retrieve":
         _count_background(gw, request, home, rid, data)
     if ctype:
         out["Content-Type"] = ctype
     return web.Response(status=upstream.status, body=data, headers=out)
+
+
+def _stores_none(gw: GatewayView, model: str) -> bool:
+    """Whether ``model``'s engine is known to keep no responses (vLLM without the store)."""
+    get = getattr(gw.directory, "routing", None)
+    routing = get(model) if get is not None else None
+    return isinstance(routing, ModelRouting) and routing.stores_responses is False
+
+
+def not_stored_message(rid: str, model: str) -> str:
+    """Why a response of ``model`` (whose engine keeps none) cannot be had, and the fix."""
+    return (
+        f"Response '{rid}' was not kept by model '{model}': its engine, vLLM, keeps "
+        f"responses only when started with {RESPONSES_STORE_ENV}=1, which the model's "
+        f'catalog entry does not set (engine.env: {{{RESPONSES_STORE_ENV}: "1"}}); ask '
+        "the admin to set it. Until then send the whole conversation as input (a "
+        "response made with store: false is never kept either)."
+    )
+
+
+def _not_stored(rid: str, model: str) -> web.Response:
+    return _error(404, not_stored_message(rid, model), "response_not_stored")
 
 
 def _count_background(

@@ -83,6 +83,7 @@ class EngineOptions:
         world_size: int = 1,
         master_port: int | None = None,
         usage_delay: float = 0.0,
+        store_responses: bool = True,
     ) -> None:
         self.api_key = api_key
         self.served_name = served_name
@@ -97,6 +98,9 @@ class EngineOptions:
         # Seconds between a stream's last chunk and its usage chunk: vLLM sends
         # usage separately, after the finish_reason, and a client may be gone by then.
         self.usage_delay = usage_delay
+        # False: as vLLM without VLLM_ENABLE_RESPONSES_API_STORE, no response is
+        # kept (``store`` ignored, the answer saying nothing of it).
+        self.store_responses = store_responses
 
     def delay_before(self, i: int) -> float:
         """Seconds to wait before token ``i`` (0-based)."""
@@ -603,7 +607,7 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     st.completion_tokens += len(tokens)
     if body.get("background"):
         return _start_background(request, rid, text, usage, prev, body)
-    if body.get("store", True):
+    if body.get("store", True) and opts.store_responses:
         st.responses[rid] = text
         st.stored[rid] = _response_obj(rid, opts.served_name, text, usage, prev)
     if not body.get("stream"):
@@ -645,7 +649,7 @@ def _start_background(
 ) -> web.Response:
     """vLLM's ``background``: answer ``queued`` at once, finish after a token delay per token."""
     opts, st = request.app[_OPTIONS], request.app[_STATE]
-    if body.get("stream") or not body.get("store", True):
+    if body.get("stream") or not body.get("store", True) or not opts.store_responses:
         return _error(
             400, "background can only be used when `store` is true", "invalid_request_error"
         )

@@ -197,6 +197,41 @@ async def test_a_forbidden_model_is_the_same_404_as_an_unknown_one(tmp_path: Pat
         assert gw.access.denied.labels("phys")._value.get() == 2
 
 
+async def test_metrics_name_a_restricted_model_only_to_who_may_use_it(tmp_path: Path) -> None:
+    from llmgw_slurm.router.metrics import tokens_gate
+    from llmgw_slurm.secrets import AdminToken, rotate_admin_token
+
+    async with gateway(tmp_path) as (url, gw, keys):
+        async with openai.AsyncOpenAI(api_key=keys["alice"], base_url=url + "/v1") as c:
+            await c.completions.create(model="phys", prompt="a b", max_tokens=2)
+        async with aiohttp.ClientSession() as s:
+            await s.post(url + "/v1/completions", json={"model": "phys", "prompt": "a"},
+                         headers={"Authorization": f"Bearer {keys['bob']}"})  # fmt: skip
+        scrape = tmp_path / "metrics.token"
+        rotate_admin_token(scrape)
+        gw.metrics_token = tokens_gate(AdminToken(tmp_path / "none"), AdminToken(scrape))
+        texts = {}
+        async with aiohttp.ClientSession() as s:
+            for who, auth in (
+                ("anyone", None),
+                ("bob", keys["bob"]),
+                ("alice", keys["alice"]),
+                ("scraper", scrape.read_text().strip()),
+                ("a wrong token", "llmgw-admin-nope"),
+            ):
+                headers = {"Authorization": f"Bearer {auth}"} if auth else {}
+                async with s.get(url + "/metrics", headers=headers) as r:
+                    assert r.status == 200
+                    texts[who] = await r.text()
+    # Its requests, its tokens, its replicas and the refusals of it: all name it.
+    for who in ("anyone", "bob", "a wrong token"):
+        assert 'model="phys"' not in texts[who] and "phys" not in texts[who], who
+        assert 'llmgw_replicas{model="open"' in texts[who]  # what they may see stays
+    for who in ("alice", "scraper"):
+        assert 'llmgw_requests_total{model="phys",status="200"} 1.0' in texts[who], who
+    assert 'llmgw_access_denied_total{model="phys"} 1.0' in texts["scraper"]
+
+
 async def test_narrower_rules_hold_from_the_next_request(tmp_path: Path) -> None:
     async with (
         gateway(tmp_path) as (url, gw, keys),

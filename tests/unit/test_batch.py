@@ -25,9 +25,11 @@ from llmgw_slurm.batch.model import (
 from llmgw_slurm.batch.service import MAX_JOBS, BatchRefused, BatchService
 from llmgw_slurm.batch.store import BatchStore, clean_filename
 from llmgw_slurm.catalog import parse_catalog
-from llmgw_slurm.config import BatchConfig, ServerConfig, SlurmConfig
+from llmgw_slurm.config import BatchConfig, QuotaConfig, ServerConfig, SlurmConfig
 from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.reconciler.reports import ReportVerifier
+from llmgw_slurm.router.keys import KeyRecord
+from llmgw_slurm.router.quota import Ask, QuotaBook, Refusal, Reservation
 from llmgw_slurm.secrets import batch_secret, sign_report
 from llmgw_slurm.slurm.types import Job, JobSpec, JobState
 from llmgw_slurm.yamlsrc import load_yaml
@@ -137,8 +139,12 @@ def test_a_record_reads_back_from_its_json() -> None:
     assert BatchRecord.from_json(json.loads(json.dumps(b.to_json()))) == b
     api = b.to_api()
     assert api["errors"]["data"] == [
-        {"code": "invalid_json_line", "message": "This line is not valid JSON.", "param": None,
-         "line": 1}
+        {
+            "code": "invalid_json_line",
+            "message": "This line is not valid JSON.",
+            "param": None,
+            "line": 1,
+        }
     ]
 
 
@@ -213,13 +219,29 @@ class Backend:
     async def list_jobs(self, name_prefix: str = "") -> list[Job]:
         return [j for j in self.jobs if j.name.startswith(name_prefix)]
 
-    async def cancel(self, job_id: str, *, signal: str | None = None, batch_only: bool = False) -> None:
+    async def cancel(
+        self, job_id: str, *, signal: str | None = None, batch_only: bool = False
+    ) -> None:
         self.cancelled.append(job_id)
 
     def run(self, spec: JobSpec, job_id: str, state: JobState = JobState.RUNNING) -> None:
         self.jobs = [
-            Job(job_id, spec.name, state, "", "batch", "u", spec.comment, (), None, None, None,
-                None, 0, ())
+            Job(
+                job_id,
+                spec.name,
+                state,
+                "",
+                "batch",
+                "u",
+                spec.comment,
+                (),
+                None,
+                None,
+                None,
+                None,
+                0,
+                (),
+            )
         ]
 
 
@@ -256,7 +278,9 @@ def upload(svc: BatchService, owner: str, data: bytes) -> str:
     return svc.store.add_file(owner, "in.jsonl", "batch", p).id
 
 
-async def create(svc: BatchService, fid: str, owner: str = "alice", window: str = "1h") -> BatchRecord:
+async def create(
+    svc: BatchService, fid: str, owner: str = "alice", window: str = "1h"
+) -> BatchRecord:
     return await svc.create(owner, fid, CHAT, window, {}, KNOWN.get)
 
 
@@ -576,9 +600,14 @@ async def test_a_finished_batch_hands_its_tokens_and_its_key_to_the_usage_store(
     s.on_usage = ended.append
     fid = upload(s, "alice", line("a"))
     b = await s.create("alice", fid, CHAT, "1h", {}, KNOWN.get, ("0a0b0c0d", "proj"))
-    body = {"event": "progress", "counts": {"completed": 1, "prompt_tokens": 7, "completion_tokens": 3}}
+    body = {
+        "event": "progress",
+        "counts": {"completed": 1, "prompt_tokens": 7, "completion_tokens": 3},
+    }
     raw = json.dumps(body).encode()
-    s.report(b.id, sign_report(batch_secret(b"k" * 32, b.id), b.id, int(time.time()), raw), raw, body)
+    s.report(
+        b.id, sign_report(batch_secret(b"k" * 32, b.id), b.id, int(time.time()), raw), raw, body
+    )
     answer(s.store.work_dir(b.id), results.OUTPUT, "a")
     backend.jobs = []
     await s.poll()
@@ -727,3 +756,108 @@ async def test_a_sharded_batch_is_cancelled_whole_and_its_array_adopted_after_a_
     assert len(backend.submitted) == 1
     await s.cancel("alice", b.id)
     assert backend.cancelled == ["101"]  # the array's id: scancel takes every task with it
+
+
+# ---- quotas: a batch spends its creator's day and month budgets ---------------------
+
+
+def quota_svc(
+    s: BatchService, cfg: QuotaConfig, book: QuotaBook | None = None
+) -> tuple[BatchService, QuotaBook]:
+    """The fixture's service again over its store, with a quota book (a restart when
+    ``book`` is a fresh one over the same store)."""
+    book = book or QuotaBook(cfg)
+    again = BatchService(
+        s.store, s.server, s.backend, s._catalog, s.jobs, s.verifier, s.clock, quota=book
+    )
+    return again, book
+
+
+def lines(n: int, max_tokens: int) -> bytes:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+    }
+    return b"".join(line(f"q{i}", body=body) for i in range(n))
+
+
+ALICE = KeyRecord("0a0b0c0d", "alice", "proj", "0" * 64, 0.0)
+
+
+async def create_for_alice(s: BatchService, data: bytes) -> BatchRecord:
+    fid = upload(s, "alice", data)
+    return await s.create("alice", fid, CHAT, "1h", {}, KNOWN.get, (ALICE.key_id, ALICE.project))
+
+
+def left(book: QuotaBook) -> int:
+    return int(book.headers(ALICE)["x-ratelimit-remaining-tokens"])
+
+
+async def test_a_batch_past_the_budget_fails_at_once_and_runs_nothing(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, book = quota_svc(svc[0], QuotaConfig(user_tokens_per_day=2000))
+    backend = svc[1]
+    # Ten lines of 300 at most (and "user hi", 2 tokens): 3,020 against 2,000.
+    b = await create_for_alice(s, lines(10, 300))
+    assert b.status is BatchStatus.FAILED
+    (err,) = b.errors
+    assert err.code == "insufficient_quota"
+    assert err.message.startswith("The batch's 10 requests may use up to 3020 tokens together")
+    assert "tokens per day of user alice" in err.message
+    assert backend.submitted == []
+    assert left(book) == 2000
+
+
+async def test_a_batch_holds_its_maximum_until_it_ends_then_settles_what_it_used(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, backend, _ = svc
+    s, book = quota_svc(s, QuotaConfig(user_tokens_per_day=2000, tokens_per_minute=100))
+    b = await create_for_alice(s, lines(5, 300))  # 5 x 302 = 1,510 held
+    assert b.status is BatchStatus.IN_PROGRESS and b.reserved == 1510
+    assert left(book) == 100  # the minute's limit is the tightest: batches do not touch it
+    # The day has 490 left beside the batch: 600 more do not fit.
+    day = book.reserve(ALICE, Ask(0, 600), per_minute=False)
+    assert isinstance(day, Refusal) and "tokens per day of user alice" in day.message
+    # A second batch that would fit an empty day does not fit beside the first.
+    assert (await create_for_alice(s, lines(2, 300))).status is BatchStatus.FAILED
+    body = {
+        "event": "progress",
+        "counts": {"completed": 5, "prompt_tokens": 5, "completion_tokens": 1500},
+    }
+    raw = json.dumps(body).encode()
+    s.report(
+        b.id, sign_report(batch_secret(b"k" * 32, b.id), b.id, int(time.time()), raw), raw, body
+    )
+    answer(s.store.work_dir(b.id), results.OUTPUT, *[f"q{i}" for i in range(5)])
+    backend.jobs = []
+    await s.poll()
+    assert s.store.batch("alice", b.id).status is BatchStatus.COMPLETED  # type: ignore[union-attr]
+    got = book.reserve(ALICE, Ask(0, 495), per_minute=False)  # 2,000 - 1,505 used, none held
+    assert isinstance(got, Reservation)
+    got.release()
+    assert isinstance(book.reserve(ALICE, Ask(0, 496), per_minute=False), Refusal)
+
+
+async def test_a_restarted_daemon_holds_an_unfinished_batchs_reservation_again(
+    svc: tuple[BatchService, Backend, Clock],
+) -> None:
+    s, _, _ = svc
+    first, _ = quota_svc(s, QuotaConfig(user_tokens_per_day=2000))
+    b = await create_for_alice(first, lines(5, 300))
+    again, book = quota_svc(s, QuotaConfig(user_tokens_per_day=2000))  # a fresh book
+    assert left(book) == 2000 - 1510
+    await again.cancel("alice", b.id)
+    again.backend.jobs = []  # type: ignore[attr-defined]
+    await again.poll()
+    assert again.store.batch("alice", b.id).status is BatchStatus.CANCELLED  # type: ignore[union-attr]
+    assert left(book) == 2000  # nothing was reported used
+
+
+def test_each_lines_maximum_is_summed_as_online_requests_reckon_theirs() -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+    asks = [Ask(2, 7), Ask(2, 4096, own=False)]
+    got = check_input([line("a", body=body), line("b")], CHAT, KNOWN.get, 10, lambda _: asks.pop(0))
+    assert isinstance(got, Checked) and got.ask == Ask(4, 4103, own=False)

@@ -108,12 +108,12 @@ def test_munged_away_is_the_daemons_trouble_not_the_users(tmp_path: Path) -> Non
         asyncio.run(munge.encode(tmp_path / "no.socket"))
 
 
-def test_rate_limit_per_host_slides() -> None:
+def test_rate_limit_per_user_slides() -> None:
     now = [1000.0]
     limit = RateLimit(2, clock=lambda: now[0])
-    assert limit.retry_after("a") == 0 and limit.retry_after("a") == 0
-    assert limit.retry_after("a") > 0
-    assert limit.retry_after("b") == 0  # another host has its own allowance
+    assert limit.retry_after("1001") == 0 and limit.retry_after("1001") == 0
+    assert limit.retry_after("1001") > 0
+    assert limit.retry_after("1002") == 0  # another user has their own allowance
     now[0] += 61
     assert limit.retry_after("a") == 0
 
@@ -133,7 +133,11 @@ class FakeSlurmdbd:
 @pytest.fixture(scope="module")
 def rd(tmp_path_factory: pytest.TempPathFactory, sock: Path) -> Iterator[RunningDaemon]:
     tmp = tmp_path_factory.mktemp("daemon")
-    extra = f"login: {{enabled: true, munge_socket: {sock}, max_keys_per_user: 3}}\n"
+    # Revoked keys count for nothing here: each test revokes the keys it made.
+    extra = (
+        f"login: {{enabled: true, munge_socket: {sock}, max_keys_per_user: 3,"
+        " revoked_key_window: 0s}\n"
+    )
     for d in run_daemon(tmp, keys_file=tmp / "keys.json", extra=extra):
         d.d.gateway[LOGIN_KEY].associations = FakeSlurmdbd(
             {
@@ -202,7 +206,7 @@ def test_login_gives_a_key_for_the_proven_user_and_default_account(
     assert stat.S_IMODE(keys_file.stat().st_mode) == 0o600
     # The log names the key by its id, never the key; the metrics do not name it.
     assert f"got key {data['key_id']}" in caplog.text
-    secret = data["key"].rsplit("-", 1)[1]
+    secret = data["key"].split("-", 2)[2]  # llmgw-ID-SECRET; the secret may hold "-"
     assert secret not in caplog.text
     status, metrics, _ = call_text(rd, "/metrics")
     assert status == 200 and secret not in metrics and data["key_id"] not in metrics
@@ -240,13 +244,19 @@ def test_replayed_and_forged_logins_get_401(rd: RunningDaemon, sock: Path, tmp_p
     assert status == 400 and "credential" in data["error"]["message"]
 
 
-def test_login_attempts_are_limited_per_host(rd: RunningDaemon, sock: Path) -> None:
+def test_login_attempts_are_limited_per_user_not_per_address(rd: RunningDaemon, sock: Path) -> None:
+    # Every local user connects from 127.0.0.1: one user's burst used to lock
+    # out every other user for a minute.
     rd.d.gateway[LOGIN_KEY].limit = RateLimit(2)
     for _ in range(2):
-        assert call(rd, "POST", "/api/v1/login", {"credential": "junk"})[0] == 401
-    status, data, headers = call(rd, "POST", "/api/v1/login", {"credential": "junk"})
+        assert login(rd, sock, INTRUDER.uid)[0] == 200
+    status, data = login(rd, sock, INTRUDER.uid)
     assert status == 429 and data["error"]["code"] == "rate_limited"
-    assert int(headers["Retry-After"]) > 0
+    assert f"uid {INTRUDER.uid}" in data["error"]["message"]
+    assert login(rd, sock, 0)[0] == 200  # another user, the same address
+    # A credential that proves nobody counts for nobody: no 429, whoever sends it.
+    for _ in range(3):
+        assert call(rd, "POST", "/api/v1/login", {"credential": "MUNGE:junk:"})[0] == 401
 
 
 def test_a_user_has_at_most_max_keys(rd: RunningDaemon, sock: Path) -> None:
@@ -254,6 +264,22 @@ def test_a_user_has_at_most_max_keys(rd: RunningDaemon, sock: Path) -> None:
         assert login(rd, sock, INTRUDER.uid)[0] == 200
     status, data = login(rd, sock, INTRUDER.uid)
     assert status == 409 and "llmgw keys revoke" in data["error"]["message"]
+
+
+def test_keys_revoked_within_the_window_still_count(tmp_path: Path) -> None:
+    from llmgw_slurm.router.keys import TooManyKeys, add_key, revoke_key
+
+    path = tmp_path / "keys.json"
+    first = add_key(path, "ann", limit=2, revoked_within=3600)
+    add_key(path, "ann", limit=2, revoked_within=3600)
+    add_key(path, "bob", limit=2, revoked_within=3600)  # bob's count is his own
+    revoke_key(path, first.record.key_id)
+    # One active and one revoked a moment ago: still two.
+    with pytest.raises(
+        TooManyKeys, match=r"revoked 1 within the last 60 min.*try again in 3[56]\d\d s"
+    ):
+        add_key(path, "ann", limit=2, revoked_within=3600)
+    add_key(path, "ann", limit=2, revoked_within=0)  # outside the window: counts no more
 
 
 def test_a_user_sees_and_revokes_only_their_own_keys(rd: RunningDaemon, sock: Path) -> None:

@@ -694,3 +694,20 @@ def test_admin_usage_by_user_account_key_and_model(tmp_path: Path) -> None:
     assert [r["key"] for r in usage("key")] == ["0000000a", "0000000b", "0000000c"]
     res = CliRunner().invoke(admin, ["usage", "--by", "account", "--server", str(server)])
     assert res.exit_code == 0 and "t18phys" in res.output and "TOTAL TOKENS" in res.output
+
+
+async def test_a_request_the_lane_could_not_send_frees_what_it_held(tmp_path: Path) -> None:
+    async with gateway(tmp_path, QuotaConfig(tokens_per_minute=10_000)) as g:
+        c = g.client()
+        await c.completions.create(model="tiny", prompt="a", max_tokens=1)  # a kept connection
+        spent = 10_000 - g.left()
+        assert g.gateway._whole is not None
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("a bug in sending")
+
+        g.gateway._whole.send_kept = broken  # type: ignore[method-assign]
+        with pytest.raises(openai.APIConnectionError):
+            await c.completions.create(model="tiny", prompt="a", max_tokens=100)
+        assert g.left() == 10_000 - spent  # nothing held for it any more
+        await c.close()

@@ -448,3 +448,46 @@ async def test_an_upload_waits_for_a_cold_start() -> None:
         await st.add_replica(es, "r0")
         status, out = await sender
         assert (status, out["text"]) == (200, "heard 300 bytes")
+
+
+async def test_a_response_its_vllm_engine_did_not_keep_says_which_setting_keeps_it() -> None:
+    # vLLM without VLLM_ENABLE_RESPONSES_API_STORE ignores store and keeps nothing;
+    # its GET then answers only "not found" (checked on vLLM 0.32's CPU build).
+    from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
+
+    directory = StaticDirectory()
+    directory.add_model("vllm-default", routing=ModelRouting(stores_responses=False))
+    app = create_app(directory)
+    eng = create_engine_app(
+        EngineOptions(api_key="k0", served_name="vllm-default", store_responses=False)
+    )
+    async with serve(eng) as eurl, serve(app) as url:
+        directory.add_endpoint("vllm-default", Endpoint("r0", eurl, "k0"))
+        async with openai.AsyncOpenAI(api_key="x", base_url=url + "/v1", max_retries=0) as c:
+            made = await c.responses.create(model="vllm-default", input="a b", max_output_tokens=2)
+            assert made.output_text == "a b"
+            with pytest.raises(openai.NotFoundError) as err:
+                await c.responses.retrieve(made.id)
+            assert err.value.code == "response_not_stored"
+            message = err.value.response.json()["error"]["message"]
+            assert "VLLM_ENABLE_RESPONSES_API_STORE=1" in message and "engine.env" in message
+            with pytest.raises(openai.BadRequestError) as bad:
+                await c.responses.create(
+                    model="vllm-default", input="x", previous_response_id=made.id
+                )
+            assert bad.value.code == "previous_response_not_stored"
+
+
+def test_a_vllm_model_keeps_responses_only_with_the_store_in_its_env(tmp_path: Path) -> None:
+    from llmgw_slurm.catalog import load_catalog
+
+    p = tmp_path / "models.yaml"
+    p.write_text(
+        "models:\n"
+        "  - {name: plain, engine: {kind: vllm}, weights: {source: /m}}\n"
+        "  - {name: kept, engine: {kind: vllm, env: {VLLM_ENABLE_RESPONSES_API_STORE: '1'}},"
+        " weights: {source: /m}}\n"
+        "  - {name: own, engine: {kind: command, command: [x]}}\n"
+    )
+    cat = load_catalog(p)
+    assert [m.stores_responses for m in cat.models] == [False, True, None]
