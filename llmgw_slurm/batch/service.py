@@ -46,6 +46,7 @@ from llmgw_slurm.catalog import Catalog
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.durations import parse_duration
 from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.secrets import batch_secret
 from llmgw_slurm.slurm.types import Job, JobState, SlurmBackend
@@ -97,6 +98,8 @@ class BatchService:
         self._shard_counts: dict[str, dict[int, dict[str, int]]] = {}
         # Called with each batch once it ends (its tokens go to the usage store).
         self.on_usage: Callable[[BatchRecord], None] | None = None
+        # Where a failed poll is counted (the daemon's, for /metrics; set by setup).
+        self.faults = Faults()
 
     # ---- create and cancel ------------------------------------------------------------
 
@@ -463,9 +466,9 @@ class BatchService:
         while not stop.is_set():
             try:
                 await self.poll()
-            except Exception:
+            except Exception as err:
                 # One bad batch must not stop every other batch's progress.
-                log.exception("batch poll failed")
+                self.faults.record("batch_poll", err)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
 

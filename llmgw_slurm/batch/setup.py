@@ -34,6 +34,7 @@ def install(
     store = BatchStore(server.batch_directory)
     jobs = BatchJobs(server, server_key, daemon_url, rec.engine_tls.identity.cert_pem)
     svc = BatchService(store, server, backend, lambda: rec.catalog, jobs, rec.verifier)
+    svc.faults = rec.faults
     if usage is not None:
 
         def record(batch: BatchRecord) -> None:
@@ -57,5 +58,5 @@ def install(
 
         svc.on_usage = record
     add_batch_routes(gateway, svc)
-    add_internal_routes(internal, svc)
+    add_internal_routes(internal, svc, rec.faults)
     return svc
