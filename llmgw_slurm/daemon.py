@@ -42,7 +42,7 @@ from llmgw_slurm.guard import (
 )
 from llmgw_slurm.guard.metrics import GuardCollector
 from llmgw_slurm.heap import HeapTrimmer, glibc_heap
-from llmgw_slurm.reconciler.core import Reconciler
+from llmgw_slurm.reconciler.core import ROUND_FAILED, Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.reportroute import report_route
 from llmgw_slurm.router import create_app, fastlane
@@ -410,7 +410,8 @@ def status_line(d: Daemon) -> str:
     if coming:
         parts.append(f"{coming} starting")
     if rec.last_pass_error:
-        parts.append(f"Slurm not answering: {rec.last_pass_error}")
+        failed = rec.last_pass_error.startswith(ROUND_FAILED)
+        parts.append(("" if failed else "Slurm not answering: ") + rec.last_pass_error)
     if d.reload_error:
         parts.append(d.reload_error)
     return "; ".join(parts)

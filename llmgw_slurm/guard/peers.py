@@ -17,7 +17,6 @@ kernel does not tell (netlink refused, the client already gone) is too.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import os
 import socket
@@ -51,11 +50,17 @@ def _sockid(family: int, src: tuple[str, int], dst: tuple[str, int]) -> bytes:
 
 
 def _unmapped(host: str) -> tuple[int, str]:
-    """The family and address a client socket has: ``::ffff:a.b.c.d`` is an IPv4 one's."""
-    ip = ipaddress.ip_address(host.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return socket.AF_INET, str(ip.ipv4_mapped)
-    return (socket.AF_INET6 if ip.version == 6 else socket.AF_INET), str(ip)
+    """The family and address a client socket has: ``::ffff:a.b.c.d`` is an IPv4 one's.
+
+    By the text's shape, not ``ipaddress`` (ten times slower, per connection):
+    the names come from the kernel (getpeername), in its canonical forms.
+    """
+    if ":" not in host:
+        return socket.AF_INET, host
+    host = host.split("%", 1)[0]
+    if host.startswith("::ffff:") and "." in host:
+        return socket.AF_INET, host[len("::ffff:") :]
+    return socket.AF_INET6, host
 
 
 class PeerIdentifier:
@@ -74,15 +79,16 @@ class PeerIdentifier:
         """
         if self._broken:
             return None
-        try:
-            family, src = _unmapped(client[0])
-            dfamily, dst = _unmapped(server[0])
-        except ValueError:
-            return None
+        family, src = _unmapped(client[0])
+        dfamily, dst = _unmapped(server[0])
         if family != dfamily:
             return None
         try:
-            return self._ask(family, _sockid(family, (src, client[1]), (dst, server[1])))
+            sockid = _sockid(family, (src, client[1]), (dst, server[1]))
+        except OSError:  # inet_pton: not an address of that family
+            return None
+        try:
+            return self._ask(family, sockid)
         except OSError as err:
             self._broken = True
             log.warning(

@@ -56,6 +56,9 @@ from llmgw_slurm.tls import PinnedContexts, load_or_create_identity
 
 log = logging.getLogger(__name__)
 
+# How last_pass_error begins when the pass itself failed, not Slurm (see _pass_surviving).
+ROUND_FAILED = "the pass failed: "
+
 
 class PassLoop:
     """The passes: observe (one squeue, sinfo when due), reap, plan, execute."""
@@ -136,7 +139,7 @@ class PassLoop:
         except Exception as err:
             self.faults.record("pass", err)
             self._consecutive_errors += 1
-            self.last_pass_error = f"the pass failed: {type(err).__name__}: {err}"[:300]
+            self.last_pass_error = f"{ROUND_FAILED}{type(err).__name__}: {err}"[:300]
 
     async def pass_once(self) -> list[Action]:
         pass_id = uuid.uuid4().hex[:8]

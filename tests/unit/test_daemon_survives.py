@@ -182,14 +182,18 @@ async def test_a_pass_that_raises_does_not_end_the_loop(tmp_path: Path) -> None:
     stop = asyncio.Event()
     loop = asyncio.create_task(rec.run(stop))
     deadline = time.monotonic() + 60
+    said: set[str] = set()
     # Before: the first exception left run() and, with it, the daemon.
     while rec.passes < 2:
         assert not loop.done(), loop
         assert time.monotonic() < deadline, "no pass after the faults"
-        await asyncio.sleep(0.02)
+        said.add(rec.last_pass_error)
+        await asyncio.sleep(0.005)
     stop.set()
     await loop
     assert rec.faults.counts["pass"] == 2
+    # Said as the pass's own failure, not as Slurm's (the status line tells them apart).
+    assert "the pass failed: RuntimeError: a bug in a pass" in said, said
 
 
 async def test_a_failed_usage_write_is_counted_and_written_at_the_next_flush(

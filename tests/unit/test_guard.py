@@ -122,6 +122,11 @@ def test_a_remote_client_is_its_address() -> None:
     ident = PeerIdentifier()
     # No socket on this host has that client address: the kernel says so.
     assert ident.uid(("192.0.2.7", 40000), ("127.0.0.1", 8000)) is None
+    # What is not an address at all is nobody's; the kernel is still asked next time.
+    assert ident.uid(("300.1.2.3", 40000), ("127.0.0.1", 8000)) is None
+    srv = socket.create_server(("127.0.0.1", 0))
+    with srv, socket.create_connection(srv.getsockname()) as c:
+        assert ident.uid(c.getsockname(), c.getpeername()) == 0
 
 
 # ---- the accept loop ----------------------------------------------------------------------
