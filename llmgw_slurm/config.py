@@ -36,6 +36,7 @@ __all__ = [
     "AgentWeightsConfig",
     "ApptainerConfig",
     "BatchConfig",
+    "ConnectionsConfig",
     "DrainConfig",
     "EngineRuntime",
     "EnginesConfig",
@@ -224,6 +225,39 @@ class ListenConfig:
         if self.daemon_url:
             return self.daemon_url.rstrip("/")
         return f"http://{hostname}:{self.internal.port}"
+
+
+@dataclass(frozen=True)
+class ConnectionsConfig:
+    """``connections:``: how many connections each port takes, from whom, for how long.
+
+    Every connection holds a file descriptor, and so does every Slurm command
+    the daemon runs: unbounded, a flood of idle connections made the next
+    ``squeue`` fail (EMFILE). The daemon raises its open-files limit to the
+    hard limit at start and shares it out (docs/operations.md, Security).
+    """
+
+    # Default 256: connections one peer may hold on each port at once; past it
+    # a new one is closed at once. A peer is a local user (its uid, which the
+    # kernel tells for connections from this host: every local user is
+    # 127.0.0.1) or a remote address.
+    per_peer: int = field(default=256, metadata=rule(ge=1))
+    # Default 10s: a connection that has not sent a whole request head this long
+    # after it was accepted (or its TLS handshake began) is closed: an idle or
+    # trickling client holds nothing for long. Clients send the head at once.
+    head_timeout: float = field(default=10.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 512: open files never given to connections: Slurm commands' pipes,
+    # the state files, engine connections. Half the limit at most.
+    reserve_fds: int = field(default=512, metadata=rule(ge=64))
+    # Default None: from the open-files limit (half of what the reserve leaves,
+    # after the internal port's eighth: each request may hold a second
+    # descriptor to its engine). Connections the gateway port holds at once;
+    # past it the daemon stops accepting until one closes.
+    max_gateway: int | None = field(default=None, metadata=rule(ge=16))
+    # Default None: an eighth of what the reserve leaves. The same for the
+    # internal port (agents' reports), apart from the gateway's so that a
+    # flood there never stops a report.
+    max_internal: int | None = field(default=None, metadata=rule(ge=16))
 
 
 @dataclass(frozen=True)
@@ -534,6 +568,8 @@ class ServerConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     # Default: see ListenConfig.
     listen: ListenConfig = field(default_factory=ListenConfig)
+    # Default: see ConnectionsConfig.
+    connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
     # Default ~/.local/state/llmgw-slurm: the daemon's own small state (last
     # use per model, failure counts); Slurm keeps the rest.
     state_dir: Path = Path("~/.local/state/llmgw-slurm")

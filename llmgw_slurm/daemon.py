@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -29,11 +29,22 @@ from opentelemetry.sdk.trace import TracerProvider
 from llmgw_slurm import api, chartsapi, identity, private, sdnotify, traceapi
 from llmgw_slurm.batch.setup import install as install_batch_api
 from llmgw_slurm.catalog import Catalog, load_catalog
-from llmgw_slurm.config import HostPort, ServerConfig, load_agent_config
+from llmgw_slurm.config import ConnectionsConfig, HostPort, ServerConfig, load_agent_config
 from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.guard import (
+    Acceptor,
+    ConnectionLimiter,
+    Faults,
+    FdBudget,
+    bind_listeners,
+    open_fds,
+    raise_open_files_limit,
+)
+from llmgw_slurm.guard.metrics import GuardCollector
 from llmgw_slurm.heap import HeapTrimmer, glibc_heap
-from llmgw_slurm.reconciler.core import Reconciler
+from llmgw_slurm.reconciler.core import ROUND_FAILED, Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
+from llmgw_slurm.reconciler.reportroute import report_route
 from llmgw_slurm.router import create_app, fastlane
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRing
@@ -42,7 +53,7 @@ from llmgw_slurm.router.metrics import tokens_gate
 from llmgw_slurm.router.quota import quota_book
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
-from llmgw_slurm.secrets import REPORT_SCHEME, AdminToken, load_or_create_server_key
+from llmgw_slurm.secrets import AdminToken, load_or_create_server_key, replica_secret
 from llmgw_slurm.slurm import make_backend
 from llmgw_slurm.tracestore import TraceStore
 from llmgw_slurm.tracing import setup_tracing
@@ -67,30 +78,12 @@ RUNNER_OPTIONS: dict[str, Any] = {
 def internal_app(rec: Reconciler) -> web.Application:
     app = web.Application(client_max_size=64 * 1024)
 
-    async def report(request: web.Request) -> web.Response:
-        rid = request.match_info["rid"]
-        auth = request.headers.get("Authorization", "")
-        if not auth.startswith(REPORT_SCHEME + " "):
-            # A bearer secret included: one copied off the network could be replayed.
-            return web.json_response(
-                {"ok": False, "error": f"missing signature ({REPORT_SCHEME})"}, status=401
-            )
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
-            return web.json_response({"ok": False, "error": "body is not JSON"}, status=400)
-        if not isinstance(body, dict):
-            return web.json_response({"ok": False, "error": "body must be an object"}, status=400)
-        try:
-            answer = rec.report_signed(rid, auth, raw, body)
-        except PermissionError as err:
-            return web.json_response({"ok": False, "error": str(err)}, status=401)
-        return web.json_response(answer)
-
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
+    report = report_route(
+        "rid", rec.report_signed, lambda rid: replica_secret(rec.server_key, rid), rec.faults
+    )
     app.router.add_post("/internal/v1/replicas/{rid:[0-9a-f]{8}}/report", report)
     app.router.add_get("/healthz", health)
     return app
@@ -151,6 +144,8 @@ class Daemon:
     # Returns a burst's freed heap to the kernel after a pass; None in tests
     # that build a Daemon by hand.
     heap: HeapTrimmer | None = None
+    # Faults survived and connections per listener, for /metrics.
+    guard: GuardCollector = field(default_factory=lambda: GuardCollector(Faults(), ()))
 
     def reload(self) -> str | None:
         """Re-read the catalog; a bad one is refused (its errors returned), the last good kept.
@@ -213,7 +208,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         tracer=tracer,
     )
     keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
-    usage = UsageStore(state / "usage.sqlite3")
+    usage = UsageStore(state / "usage.sqlite3", faults=rec.faults)
     quota = quota_book(server, usage.path) if keys is not None else None
     gateway = create_app(rec, server.router, keys=keys, usage=usage, quota=quota, tracer=tracer)
     gateway[RECONCILER_KEY] = rec
@@ -248,7 +243,10 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     traceapi.add_trace_route(d.internal, rec, store, api.token_gate(token))
     traceapi.add_trace_route(d.admin, rec, store, api.peer_gate(server.admin_group))
     d.trace_store = store
-    d.heap = HeapTrimmer(gateway[GATEWAY_KEY].metrics.registry, glibc_heap())
+    registry = gateway[GATEWAY_KEY].metrics.registry
+    d.heap = HeapTrimmer(registry, glibc_heap())
+    d.guard = GuardCollector(rec.faults, ())
+    registry.register(d.guard)
     return d
 
 
@@ -260,12 +258,18 @@ class Listeners:
     runtime_dir: Path
     admin_socket: Path
     socket_inode: int = 0
+    # The gateway's and the internal port's accept loops, with their bounds.
+    acceptors: list[Acceptor] = field(default_factory=list)
 
     async def close(self) -> None:
         # First: from here on a CLI finds no daemon.json and sends nothing.
         identity.unpublish(self.runtime_dir, os.getpid())
+        for a in self.acceptors:
+            a.stop_accepting()
         for r in self.runners:
             await r.cleanup()
+        for a in self.acceptors:
+            a.abort_all()
         with contextlib.suppress(OSError):
             # Only ours: a newer daemon may have bound the path since.
             if self.admin_socket.stat().st_ino == self.socket_inode:
@@ -306,16 +310,17 @@ async def open_listeners(
     d: Daemon, inherited: list[tuple[str, socket.socket]] | None = None
 ) -> Listeners:
     """Listen on the gateway and internal ports (systemd's sockets when it passed them),
-    and on the admin socket; then publish daemon.json for the CLIs' checks."""
+    within the connection bounds, and on the admin socket; then publish daemon.json
+    for the CLIs' checks."""
     server = d.server
     inherited = sdnotify.listen_fds() if inherited is None else inherited
     runtime = server.effective_runtime_dir()
     private.public_dir(runtime)
     admin_path = server.effective_admin_socket()
     tls = _tls_context(server)
-    runners: list[web.AppRunner] = []
-    out = Listeners(runners, runtime, admin_path)
+    out = Listeners([], runtime, admin_path)
     try:
+        limiters = connection_limiters(server.connections)
         for name, app, hp, ctx in (
             ("gateway", d.gateway, server.listen.gateway, tls),
             ("internal", d.internal, server.listen.internal, None),
@@ -325,16 +330,12 @@ async def open_listeners(
                 app, **RUNNER_OPTIONS
             )
             await runner.setup()
-            runners.append(runner)
-            sock = _inherited(inherited, name, hp)
-            if sock is not None:
-                log.info("%s: the socket systemd passed (%s)", name, sock.getsockname())
-                await web.SockSite(runner, sock, ssl_context=ctx).start()
-            else:
-                await web.TCPSite(runner, hp.host, hp.port, ssl_context=ctx).start()
+            out.runners.append(runner)
+            out.acceptors.append(_accept(name, runner, inherited, hp, limiters[name], ctx))
+        d.guard.limiters = list(limiters.values())
         runner = web.AppRunner(d.admin, **RUNNER_OPTIONS)
         await runner.setup()
-        runners.append(runner)
+        out.runners.append(runner)
         admin_sock = identity.bind_unix(admin_path)
         out.socket_inode = admin_path.stat().st_ino
         await web.SockSite(runner, admin_sock).start()
@@ -343,8 +344,8 @@ async def open_listeners(
             identity.DaemonInfo(
                 uid=os.geteuid(),
                 pid=os.getpid(),
-                gateway_port=_bound_port(runners[0]) or server.listen.gateway.port,
-                internal_port=_bound_port(runners[1]) or server.listen.internal.port,
+                gateway_port=out.acceptors[0].port or server.listen.gateway.port,
+                internal_port=out.acceptors[1].port or server.listen.internal.port,
                 tls=tls is not None,
                 admin_socket=str(admin_path),
             ),
@@ -355,12 +356,50 @@ async def open_listeners(
     return out
 
 
-def _bound_port(runner: web.AppRunner) -> int | None:
-    # The port really bound: listen.*.port may be 0 (any free port), in tests.
-    for addr in runner.addresses:
-        if isinstance(addr, tuple):
-            return int(addr[1])
-    return None
+def connection_limiters(cfg: ConnectionsConfig) -> dict[str, ConnectionLimiter]:
+    """The gateway's and the internal port's bounds, from the open-files limit now."""
+    budget = FdBudget.share(
+        resource.getrlimit(resource.RLIMIT_NOFILE)[0], cfg.reserve_fds, open_fds()
+    )
+    gateway = cfg.max_gateway or budget.gateway
+    internal = cfg.max_internal or budget.internal
+    log.info(
+        "connections: %s; gateway %d, internal %d, %d per peer, %gs for a request head",
+        budget.describe(),
+        gateway,
+        internal,
+        cfg.per_peer,
+        cfg.head_timeout,
+    )
+    return {
+        "gateway": ConnectionLimiter("gateway", gateway, cfg.per_peer, cfg.head_timeout),
+        "internal": ConnectionLimiter("internal", internal, cfg.per_peer, cfg.head_timeout),
+    }
+
+
+def _accept(
+    name: str,
+    runner: web.AppRunner,
+    inherited: list[tuple[str, socket.socket]],
+    hp: HostPort,
+    limiter: ConnectionLimiter,
+    ctx: ssl.SSLContext | None,
+) -> Acceptor:
+    """Accept on the port ``name`` (systemd's socket, else one bound here) for ``runner``."""
+    sock = _inherited(inherited, name, hp)
+    if sock is not None:
+        log.info("%s: the socket systemd passed (%s)", name, sock.getsockname())
+        socks = [sock]
+    else:
+        try:
+            socks = bind_listeners(hp.host, hp.port)
+        except OSError as err:
+            raise LlmgwError(f"listen.{name}: {err.strerror or err}") from None
+    factory = runner.server
+    assert factory is not None, "the runner is set up"
+    acceptor = Acceptor(socks, factory, limiter, ssl=ctx)
+    acceptor.start()
+    return acceptor
 
 
 def status_line(d: Daemon) -> str:
@@ -376,7 +415,8 @@ def status_line(d: Daemon) -> str:
     if coming:
         parts.append(f"{coming} starting")
     if rec.last_pass_error:
-        parts.append(f"Slurm not answering: {rec.last_pass_error}")
+        failed = rec.last_pass_error.startswith(ROUND_FAILED)
+        parts.append(("" if failed else "Slurm not answering: ") + rec.last_pass_error)
     if d.reload_error:
         parts.append(d.reload_error)
     return "; ".join(parts)
@@ -397,7 +437,13 @@ def event_loop() -> asyncio.AbstractEventLoop:
 
 
 def run(d: Daemon) -> None:
-    """Serve until SIGTERM or SIGINT, on :func:`event_loop`."""
+    """Serve until SIGTERM or SIGINT, on :func:`event_loop`.
+
+    First the open-files limit goes up to the hard limit: at systemd's default
+    soft limit of 1,024 a thousand idle connections were enough to starve the
+    Slurm commands (the listeners then share out what it gives).
+    """
+    raise_open_files_limit()
     with asyncio.Runner(loop_factory=event_loop) as runner:
         runner.run(serve(d))
 

@@ -10,7 +10,8 @@ The hierarchy, drawn once::
     │   └── SlurmParseError     the command answered something we could not read
     ├── TemplateError           an sbatch template could not be rendered, or a value was refused
     ├── UnsafePathError         a folder or file that must be the daemon's alone is not
-    └── UnverifiedServerError   a CLI will not send a secret to a server not proven the daemon
+    ├── UnverifiedServerError   a CLI will not send a secret to a server not proven the daemon
+    └── ReportNotRecorded       an agent's report could not be journalled: refused, to be retried
 
 Callers that face a person (the CLIs) catch ``LlmgwError`` and print ``str(err)``
 without a traceback; anything else escaping is a bug.
@@ -113,3 +114,11 @@ class UnsafePathError(LlmgwError):
 class UnverifiedServerError(LlmgwError):
     """A CLI would send a key, token or prompt to a server that cannot prove it is the
     daemon; the message says why and how to fix it."""
+
+
+class ReportNotRecorded(LlmgwError):
+    """A signed report was not accepted because its nonce could not be journalled.
+
+    Accepting it unjournalled would let a copy of it be replayed after a
+    restart; the agent is answered 503 and sends it again (a new nonce).
+    """

@@ -17,6 +17,7 @@ from pathlib import Path
 from llmgw_slurm.fsutil import atomic_write
 
 __all__ = [
+    "REPLY_HEADER",
     "REPORT_SCHEME",
     "AdminToken",
     "batch_secret",
@@ -26,6 +27,7 @@ __all__ = [
     "parse_report_auth",
     "read_admin_token",
     "replica_secret",
+    "reply_signature",
     "report_signature",
     "rotate_admin_token",
     "sign_report",
@@ -35,6 +37,12 @@ __all__ = [
 # report and never travels, so that whoever reads the cluster network (the
 # internal API is plain HTTP) learns nothing that lets them report as the replica.
 REPORT_SCHEME = "LLMGW-HMAC"
+# The header of the daemon's answer to a signed report: an HMAC, with the same
+# secret, of the answer bound to the report it answers. The agent acts on an
+# answer (drain, stop, a batch cancelled) only when it checks: while the daemon
+# is down anyone may listen on its port, and anyone on the network path may
+# rewrite a plain-HTTP answer.
+REPLY_HEADER = "X-Llmgw-Reply-Sig"
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -114,6 +122,16 @@ def rotate_admin_token(path: Path) -> None:
 def report_signature(secret: str, replica_id: str, ts: int, nonce: str, body: bytes) -> str:
     """HMAC-SHA256 of one report: its time, its nonce, the replica and the exact body bytes."""
     msg = f"{ts}\n{nonce}\n{replica_id}\n".encode() + body
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def reply_signature(secret: str, replica_id: str, nonce: str, status: int, body: bytes) -> str:
+    """HMAC-SHA256 of the daemon's answer to the report signed with ``nonce``.
+
+    The report's nonce is fresh per attempt, so an answer cannot be replayed
+    to another report, nor one replica's answer passed off as another's.
+    """
+    msg = f"reply\n{replica_id}\n{nonce}\n{status}\n".encode() + body
     return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
 
 

@@ -14,7 +14,12 @@ from typing import Any
 
 from aiohttp import ClientSession, TCPConnector, web
 
-from llmgw_slurm.secrets import parse_report_auth, report_signature
+from llmgw_slurm.secrets import (
+    REPLY_HEADER,
+    parse_report_auth,
+    reply_signature,
+    report_signature,
+)
 from llmgw_slurm.tls import Identity, client_context, engine_address_problem, make_identity
 
 RID = "0123abcd"
@@ -89,6 +94,8 @@ class FakeDaemon:
         self.reports: list[dict[str, Any]] = []
         self.refused: list[str] = []
         self.drain_after_ready = False
+        # False: answers as a squatter on the daemon's port would (unsigned).
+        self.sign_answers = True
         self.url = ""
 
     async def handle(self, request: web.Request) -> web.Response:
@@ -127,7 +134,14 @@ class FakeDaemon:
             return web.json_response({"ok": False}, status=400)
         self.reports.append(body)
         ready_seen = any(r["event"] == "ready" for r in self.reports)
-        return web.json_response({"ok": True, "drain": self.drain_after_ready and ready_seen})
+        answer = json.dumps({"ok": True, "drain": self.drain_after_ready and ready_seen}).encode()
+        # As the daemon does: the answer signed with the secret, bound to this report.
+        headers = {REPLY_HEADER: reply_signature(self.secret, rid, nonce, 200, answer)}
+        return web.Response(
+            body=answer,
+            content_type="application/json",
+            headers=headers if self.sign_answers else {},
+        )
 
     def events(self) -> list[str]:
         return [

@@ -25,8 +25,10 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import signal
 import ssl
+import string
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,7 +37,7 @@ from typing import IO
 
 import aiohttp
 
-from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.agent.errors import EngineError, PortTaken
 from llmgw_slurm.catalog import PLACEHOLDERS, EngineSpec
 from llmgw_slurm.config import EngineRuntime
 from llmgw_slurm.tls import EngineTLS
@@ -246,7 +248,10 @@ def _sglang(spec: EngineSpec, p: LaunchParams, in_image: bool) -> list[str]:
     return argv + list(spec.args)
 
 
-def _command(spec: EngineSpec, p: LaunchParams, api_key: str) -> list[str]:
+def _command(
+    spec: EngineSpec, p: LaunchParams, api_key: str
+) -> tuple[list[str], dict[str, str]]:
+    """The command's argv (and what its shim reads from the environment, if any)."""
     d = p.dist or DistInfo(1, 0, p.host, 0)
     values = {
         "host": p.host,
@@ -260,22 +265,87 @@ def _command(spec: EngineSpec, p: LaunchParams, api_key: str) -> list[str]:
         "master_port": str(d.master_port),
         **dict(zip(("tls_certfile", "tls_keyfile", "tls_ca_certs"), _tls_files(p), strict=True)),
     }
+    args = [*spec.command, *spec.args]
+    templates = {i: _port_template(a, values) for i, a in enumerate(args) if _uses_port(a)}
+    if templates and _python_program(args):
+        # The port stays off the command line: the arguments that name it carry
+        # {port} itself, and a few lines of Python fill it in from the engine's
+        # environment before they run the module or script.
+        argv = [_format(a, values) if i not in templates else templates[i] for i, a in
+                enumerate(args)]  # fmt: skip
+        shim_argv = [argv[0], "-c", _PORT_SHIM, *argv[1:]]
+        return shim_argv, {_PORT_ARGS_ENV: ",".join(str(i) for i in sorted(templates))}
+    return [_format(a, values) for a in args], {}
+
+
+# A `command` engine that is `python -m MODULE ...` or `python SCRIPT ...` and
+# names its port with {port}: run as `python -c SHIM -m MODULE ... --port {port}`,
+# so that /proc shows "{port}", not the port, until the engine has bound it. The
+# shim fills in the arguments listed in LLMGW_PORT_ARGS (their indices after -c's
+# code; each is a format string whose only field is {port}).
+_PORT_ARGS_ENV = "LLMGW_PORT_ARGS"
+_PORT_SHIM = (
+    "import os, runpy, sys\n"
+    "port = os.environ['LLMGW_ENGINE_PORT']\n"
+    f"fill = {{int(i) for i in os.environ.pop('{_PORT_ARGS_ENV}', '').split(',') if i}}\n"
+    "args = [a.format(port=port) if i + 1 in fill else a for i, a in enumerate(sys.argv[1:])]\n"
+    "if args[0] == '-m':\n"
+    "    sys.argv = args[1:]\n"
+    "    runpy.run_module(args[1], run_name='__main__', alter_sys=True)\n"
+    "else:\n"
+    "    sys.argv = args\n"
+    "    runpy.run_path(args[0], run_name='__main__')\n"
+)
+_PYTHON = re.compile(r"python[0-9.]*")
+
+
+def _python_program(argv: Sequence[str]) -> bool:
+    """``python -m MODULE ...`` or ``python SCRIPT ...``: what the port shim can run."""
+    if len(argv) < 2 or not _PYTHON.fullmatch(os.path.basename(argv[0])):
+        return False
+    return (argv[1] == "-m" and len(argv) > 2) or not argv[1].startswith("-")
+
+
+def _uses_port(arg: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return any(name == "port" for _, name, _, _ in string.Formatter().parse(arg))
+    return False
+
+
+def _escape(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _port_template(arg: str, values: Mapping[str, str]) -> str:
+    """``arg`` with every placeholder but {port} filled in, as a format string whose
+    only field is {port} (every other brace doubled)."""
     out = []
-    for arg in (*spec.command, *spec.args):
-        # str.format semantics, as the catalog checks them: {{ and }} are
-        # literal braces, and a substituted value is never scanned again.
-        try:
-            out.append(arg.format_map(values))
-        except KeyError as err:
-            raise EngineError(
-                f"engine.command: {arg!r}: unknown placeholder {{{err.args[0]}}}; valid: "
-                + ", ".join(f"{{{k}}}" for k in PLACEHOLDERS)
-            ) from err
-        except (ValueError, IndexError, AttributeError) as err:
-            raise EngineError(
-                f"engine.command: {arg!r}: {err}; write {{{{ and }}}} for literal braces"
-            ) from err
-    return out
+    for literal, name, spec, conv in string.Formatter().parse(arg):
+        out.append(_escape(literal))
+        if name is None:
+            continue
+        if name == "port":
+            out.append("{port" + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}")
+        else:
+            field = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            out.append(_escape(_format(field, values)))
+    return "".join(out)
+
+
+def _format(arg: str, values: Mapping[str, str]) -> str:
+    # str.format semantics, as the catalog checks them: {{ and }} are literal
+    # braces, and a substituted value is never scanned again.
+    try:
+        return arg.format_map(values)
+    except KeyError as err:
+        raise EngineError(
+            f"engine.command: {arg!r}: unknown placeholder {{{err.args[0]}}}; valid: "
+            + ", ".join(f"{{{k}}}" for k in PLACEHOLDERS)
+        ) from err
+    except (ValueError, IndexError, AttributeError) as err:
+        raise EngineError(
+            f"engine.command: {arg!r}: {err}; write {{{{ and }}}} for literal braces"
+        ) from err
 
 
 def _tls_files(p: LaunchParams) -> tuple[str, str, str]:
@@ -299,7 +369,8 @@ def build_engine_command(spec: EngineSpec, p: LaunchParams, api_key: str) -> Eng
     elif spec.kind == "sglang":
         argv = _sglang(spec, p, in_image)
     elif spec.kind == "command":
-        argv = _command(spec, p, api_key)
+        argv, shim_env = _command(spec, p, api_key)
+        env.update(shim_env)
     else:
         raise EngineError(f"engine.kind: {spec.kind!r} is not an engine")
     if p.tls is not None:
@@ -495,7 +566,7 @@ def _ignore_usr1() -> None:
 
 
 def check_port_owner(port: int, uid: int, owners: set[int] | None) -> bool:
-    """True when ``port`` listens for ``uid`` alone; EngineError when another user holds it.
+    """True when ``port`` listens for ``uid`` alone; PortTaken when another user holds it.
 
     False: nobody listens yet (the engine is still loading), or the socket
     tables cannot be read (then only TLS protects the poll).
@@ -504,10 +575,11 @@ def check_port_owner(port: int, uid: int, owners: set[int] | None) -> bool:
         return owners is None
     strangers = owners - {uid}
     if strangers:
-        raise EngineError(
+        raise PortTaken(
             f"port {port} on this node is held by uid {', '.join(map(str, sorted(strangers)))}, "
             f"not this job's user ({uid}): another user's process listens on the engine's "
-            "port, so nothing is sent to it; the next start picks another random port"
+            "port, so nothing is sent to it",
+            port,
         )
     return True
 
@@ -537,6 +609,10 @@ async def wait_ready(
     try:
         while True:
             if exited.done():
+                if port_ok is not None:
+                    # Another user on the port is the likeliest cause (EADDRINUSE):
+                    # PortTaken says so, and the start goes on elsewhere.
+                    port_ok()
                 rc = exited.result()
                 tail = "\n".join(engine.tail()[-20:])
                 raise EngineError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llmgw_slurm.errors import LlmgwError
 
-__all__ = ["AgentError", "EngineError", "RendezvousError", "WeightsError"]
+__all__ = ["AgentError", "EngineError", "PortTaken", "RendezvousError", "WeightsError"]
 
 
 class AgentError(LlmgwError):
@@ -17,6 +17,15 @@ class WeightsError(AgentError):
 
 class EngineError(AgentError):
     """The engine could not be started, or exited before it was ready."""
+
+
+class PortTaken(EngineError):
+    """Another user's process listens on the engine's port: the start goes on
+    on another port (a single-node replica), nothing is ever sent there."""
+
+    def __init__(self, message: str, port: int) -> None:
+        super().__init__(message)
+        self.port = port
 
 
 class RendezvousError(AgentError):

@@ -8,6 +8,11 @@ away (restarting, or the login node rebooting) is normal: a report is
 retried with backoff, and a report that never gets through is logged, never
 raised. The engine keeps serving either way; the daemon adopts the replica
 when it comes back.
+
+The daemon's answer is signed back with the same secret, bound to the
+report's nonce (``X-Llmgw-Reply-Sig``): an answer that does not check (a
+squatter on the daemon's port while it is away, a rewrite on the network
+path) is logged and ignored, its ``drain`` never obeyed.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import asyncio
 import json
 import logging
 import random
+import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from llmgw_slurm.secrets import sign_report
+from llmgw_slurm.secrets import REPLY_HEADER, constant_time_equal, reply_signature, sign_report
 
 __all__ = ["EVENTS", "DaemonClient", "ReportAnswer"]
 
@@ -94,37 +101,61 @@ class DaemonClient:
         return body
 
     async def send_once(self, body: dict[str, Any]) -> ReportAnswer | None:
-        """One attempt; None when the daemon did not take it."""
+        """One attempt; None when the daemon did not take it, or when the answer
+        does not prove it comes from the daemon (then it is logged and ignored)."""
         # Signed per attempt: a retry is a new report to the daemon, which refuses
-        # one it has seen (a replay), and the time in it must be recent.
+        # one it has seen (a replay), and the time in it must be recent. The nonce
+        # is kept: the daemon's answer must be signed for this very attempt.
         raw = json.dumps(body, separators=(",", ":")).encode()
+        nonce = secrets.token_hex(8)
         headers = {
-            "Authorization": sign_report(self._secret, self.replica_id, int(time.time()), raw),
+            "Authorization": sign_report(
+                self._secret, self.replica_id, int(time.time()), raw, nonce=nonce
+            ),
             "Content-Type": "application/json",
         }
         try:
             async with self._session.post(
                 self.url, data=raw, headers=headers, timeout=self._timeout
             ) as resp:
+                answer = await resp.read()
                 if resp.status == 200:
-                    data = await resp.json(content_type=None)
-                    return ReportAnswer(
-                        ok=bool(data.get("ok", True)), drain=bool(data.get("drain", False))
-                    )
-                text = (await resp.text())[:200]
-                if resp.status == 401:
-                    log.error(
-                        "report %s: daemon refused the report's signature (401): %s",
-                        body["event"],
-                        text,
-                    )
-                elif resp.status == 404:
-                    log.error("report %s: daemon does not know this replica (404)", body["event"])
-                else:
-                    log.warning("report %s: HTTP %s %s", body["event"], resp.status, text)
+                    return self._answer(body["event"], nonce, resp.headers, answer)
+                self._refused(body["event"], resp.status, answer)
         except (aiohttp.ClientError, TimeoutError, ValueError) as err:
             log.warning("report %s: daemon unreachable (%s)", body["event"], type(err).__name__)
         return None
+
+    def _answer(
+        self, event: str, nonce: str, headers: Mapping[str, str], raw: bytes
+    ) -> ReportAnswer | None:
+        """The daemon's answer, if signed with this replica's secret for this report."""
+        expected = reply_signature(self._secret, self.replica_id, nonce, 200, raw)
+        if not constant_time_equal(headers.get(REPLY_HEADER, ""), expected):
+            # Whoever answered does not hold the secret: a listener on the daemon's
+            # port while it is down, or someone on the network path. Nothing it
+            # says is acted on; the report counts as not delivered.
+            log.error(
+                "report %s: the answer is not signed by the daemon (%s missing or wrong); "
+                "ignored: something else answers at %s",
+                event,
+                REPLY_HEADER,
+                self.url,
+            )
+            return None
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("the answer is not a JSON object")
+        return ReportAnswer(ok=bool(data.get("ok", True)), drain=bool(data.get("drain", False)))
+
+    def _refused(self, event: str, status: int, raw: bytes) -> None:
+        text = raw[:200].decode("utf-8", "replace")
+        if status == 401:
+            log.error("report %s: daemon refused the report's signature (401): %s", event, text)
+        elif status == 404:
+            log.error("report %s: daemon does not know this replica (404)", event)
+        else:
+            log.warning("report %s: HTTP %s %s", event, status, text)
 
     async def report(
         self,

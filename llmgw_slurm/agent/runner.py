@@ -49,7 +49,7 @@ from llmgw_slurm.agent.engine import (
     in_flight_from_metrics,
     wait_ready,
 )
-from llmgw_slurm.agent.errors import AgentError
+from llmgw_slurm.agent.errors import AgentError, PortTaken, RendezvousError
 from llmgw_slurm.agent.headwatch import wait_head_gone
 from llmgw_slurm.agent.install import install_marker_for
 from llmgw_slurm.agent.portowner import port_owner
@@ -69,6 +69,10 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 _HEAD_EVENTS = frozenset({"ready", "heartbeat", "draining", "stopped"})
 _EXIT_SIGNAL_GRACE_S = 5.0
+# Ports an engine may lose to other users in one start before it fails: each
+# loss costs a restart of the engine, and more than a couple means someone
+# watches this job's ports, whom the next start (a new job) may evade.
+_PORT_TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,8 @@ class Agent:
         self._client: DaemonClient | None = None
         self._published: Path | None = None
         self._log_files: list[IO[bytes]] = []
+        # The engine's output files (one pair for every start of it in this job).
+        self._log_pair: tuple[IO[bytes] | None, IO[bytes] | None] = (None, None)
         self._metrics_url = ""
         self._tls: EngineTLS | None = None
         # Only the job's user may enter it (mkdtemp makes it 0700): the engine's
@@ -412,12 +418,51 @@ class Agent:
         return result.model_path
 
     async def _startup_steps(self, session: aiohttp.ClientSession) -> None:
+        model_path = await self._weights_step()
+        role, dist, port, private = await self._rendezvous_step()
+        lost: set[int] = set()
+        while True:
+            await self._launch_step(model_path, role, dist, port, private)
+            if not role.is_head:
+                self._watch_head(dist)
+                return
+            try:
+                await self._readiness_step(session, port)
+                break
+            except PortTaken as err:
+                port = await self._another_port(err, role, lost)
+        await self._register_step()
+
+    async def _another_port(self, err: PortTaken, role: rdzv.NodeRole, lost: set[int]) -> int:
+        """After a port was taken: the engine stopped, and a port to start it on again.
+
+        Raises ``err`` when the start cannot go on: a multi-node replica (its
+        workers have joined this engine), the tries used up, or no free port left.
+        """
+        lost.add(err.port)
+        await self._stop_engine()
+        if role.multi_node or len(lost) >= _PORT_TRIES:
+            raise err
+        try:
+            port = rdzv.pick_free_port(
+                self.settings.port_range, secrets.randbelow(1 << 30), self.settings.bind_host, lost
+            )
+        except RendezvousError:
+            raise err from None
+        log.warning("engine: %s; starting it again on port %d", err, port)
+        self._step_message = f"port {err.port} was taken by another user; moved to {port}"
+        return port
+
+    async def _launch_step(
+        self,
+        model_path: str,
+        role: rdzv.NodeRole,
+        dist: DistInfo | None,
+        port: int,
+        private: Path,
+    ) -> None:
         spec = self.job.spec
         s = self.settings
-        model_path = await self._weights_step()
-
-        role, dist, port, private = await self._rendezvous_step()
-
         async with self._step("engine_launch", engine=spec.engine.kind) as span:
             binds = (model_path,) if model_path.startswith("/") else ()
             launch = LaunchParams(
@@ -439,7 +484,9 @@ class Agent:
                 (private / name).write_text(text)
             self._link_engine_install(span, spec.engine.apptainer_image or cmd.argv[0])
             log.info("engine: %s", _redact(cmd.argv, self.job.engine_api_key))
-            out, err = self._engine_log_files(role)
+            if self.engine is None:
+                self._log_pair = self._engine_log_files(role)
+            out, err = self._log_pair
             self.engine = EngineProcess(
                 cmd.argv,
                 engine_env(self.env, cmd.env),
@@ -449,9 +496,10 @@ class Agent:
             )
             await self.engine.start()
 
-        if not role.is_head:
-            self._watch_head(dist)
-            return
+    async def _readiness_step(self, session: aiohttp.ClientSession, port: int) -> None:
+        assert self.engine is not None
+        spec = self.job.spec
+        s = self.settings
         poll_host = "127.0.0.1" if s.bind_host in ("0.0.0.0", "") else s.bind_host  # noqa: S104
         scheme = "https" if self._tls is not None else "http"
         health = f"{scheme}://{poll_host}:{port}{spec.engine.health_path}"
@@ -470,7 +518,6 @@ class Agent:
             )
         self.url = f"{scheme}://{s.advertise_host or self.hostname}:{port}"
         self._metrics_url = f"{scheme}://{poll_host}:{port}{_METRICS_PATH}"
-        await self._register_step()
 
     async def _register_step(self) -> None:
         async with self._step("register", url=self.url) as span:

@@ -22,9 +22,11 @@ from aiohttp import BodyPartReader, web
 
 from llmgw_slurm.batch.model import BatchRecord, FileRecord
 from llmgw_slurm.batch.service import BatchRefused, BatchService
+from llmgw_slurm.guard.faults import Faults
+from llmgw_slurm.reconciler.reportroute import report_route
 from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway
 from llmgw_slurm.router.keys import KeyRecord
-from llmgw_slurm.secrets import REPORT_SCHEME
+from llmgw_slurm.secrets import batch_secret
 
 __all__ = ["BATCH_KEY", "add_batch_routes", "add_internal_routes", "owner_of"]
 
@@ -322,26 +324,10 @@ def add_batch_routes(app: web.Application, svc: BatchService) -> None:
     app.on_cleanup.append(end)
 
 
-def add_internal_routes(app: web.Application, svc: BatchService) -> None:
-    """The route batch jobs report their progress to (signed, as replicas' agents do)."""
-
-    async def report(request: web.Request) -> web.Response:
-        auth = request.headers.get("Authorization", "")
-        if not auth.startswith(REPORT_SCHEME + " "):
-            return web.json_response(
-                {"ok": False, "error": f"missing signature ({REPORT_SCHEME})"}, status=401
-            )
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            return web.json_response({"ok": False, "error": "body is not JSON"}, status=400)
-        if not isinstance(body, dict):
-            return web.json_response({"ok": False, "error": "body must be an object"}, status=400)
-        try:
-            answer = svc.report(request.match_info["bid"], auth, raw, body)
-        except PermissionError as err:
-            return web.json_response({"ok": False, "error": str(err)}, status=401)
-        return web.json_response(answer)
-
+def add_internal_routes(app: web.Application, svc: BatchService, faults: Faults) -> None:
+    """The route batch jobs report their progress to (signed, as replicas' agents do;
+    answered signed, as replicas' agents are)."""
+    report = report_route(
+        "bid", svc.report, lambda bid: batch_secret(svc.verifier.server_key, bid), faults
+    )
     app.router.add_post("/internal/v1/batches/{bid:batch_[0-9a-f]{24}}/report", report)

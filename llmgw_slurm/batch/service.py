@@ -56,6 +56,7 @@ from llmgw_slurm.catalog import Catalog
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.durations import parse_duration
 from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.router.quota import Ask, QuotaBook, Refusal, Reservation, ask_of
 from llmgw_slurm.secrets import batch_secret
@@ -125,6 +126,8 @@ class BatchService:
         self.quota = quota
         self._holds: dict[str, Reservation] = {}
         self._hold_again()
+        # Where a failed poll is counted (the daemon's, for /metrics; set by setup).
+        self.faults = Faults()
 
     # ---- create and cancel ------------------------------------------------------------
 
@@ -543,9 +546,9 @@ class BatchService:
         while not stop.is_set():
             try:
                 await self.poll()
-            except Exception:
+            except Exception as err:
                 # One bad batch must not stop every other batch's progress.
-                log.exception("batch poll failed")
+                self.faults.record("batch_poll", err)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
 

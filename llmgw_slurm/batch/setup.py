@@ -37,6 +37,7 @@ def install(
     # The gateway's quota book: batches spend the same day and month budgets.
     quota = gateway[GATEWAY_KEY].quota
     svc = BatchService(store, server, backend, lambda: rec.catalog, jobs, rec.verifier, quota=quota)
+    svc.faults = rec.faults
     if usage is not None:
 
         def record(batch: BatchRecord) -> None:
@@ -60,5 +61,5 @@ def install(
 
         svc.on_usage = record
     add_batch_routes(gateway, svc)
-    add_internal_routes(internal, svc)
+    add_internal_routes(internal, svc, rec.faults)
     return svc

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import logging
+import os
 import re
+import ssl
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -362,7 +364,7 @@ def status(
     The status API needs no admin token: with LLMGW_URL set (as a researcher
     has it), no server.yaml is needed.
     """
-    tls: Any = None
+    server: ServerConfig | None = None
     explicit = ctx.get_parameter_source("server_path") not in (
         click.core.ParameterSource.DEFAULT,
         None,
@@ -377,11 +379,8 @@ def status(
         server = _load_server(server_path)
         url = _local_url(server.listen.gateway)
         if server.tls.enabled:
-            # The certificate names the login node, not 127.0.0.1; status carries no
-            # secret either way, so it is read without checking the name.
             url = "https" + url[len("http") :]
-            tls = False
-    reply: DaemonReply = run(call_daemon("GET", url, "/api/v1/status", ssl=tls))
+    reply: DaemonReply = run(call_daemon("GET", url, "/api/v1/status", ssl=_proven(url, server)))
     if not reply.ok or not isinstance(reply.data, dict):
         raise click.ClickException(f"{url}: status request failed: {reply.error_message()}")
     st: dict[str, Any] = reply.data
@@ -398,6 +397,46 @@ def status(
     _print_service_jobs(st.get("jobs") or [])
     _print_nodes(st.get("nodes") or [], st.get("nodes_listed_at"), now)
     _print_decisions((st.get("decisions") or [])[-decisions:] if decisions > 0 else [], now)
+
+
+def _proven(url: str, server: ServerConfig | None) -> ssl.SSLContext | None:
+    """How to reach ``url`` so that only the daemon can answer (the ``ssl`` of
+    call_daemon); a ClickException, saying why and what to do, when nothing can prove it.
+
+    While the daemon is down anyone may listen on its port, and a status shown
+    from there would be theirs. As ``llmgw`` checks before it sends a key: over
+    https the certificate (server.yaml's own, pinned, when this runs on the
+    daemon's host: it names the login node, not 127.0.0.1; else the system's CAs
+    or LLMGW_CA_FILE); over plain http only a loopback port, whose owner must
+    be the daemon's uid in daemon.json (llmgw_slurm/identity.py).
+    """
+    from llmgw_slurm.errors import UnverifiedServerError
+    from llmgw_slurm.identity import DEFAULT_INFO, verify_url
+
+    if url.startswith("https://"):
+        if server is not None and server.tls.cert is not None:
+            try:
+                ctx = ssl.create_default_context(cafile=str(server.tls.cert))
+            except (OSError, ssl.SSLError) as exc:
+                raise click.ClickException(
+                    f"cannot read the gateway's certificate {server.tls.cert} to check "
+                    f"{url} with: {exc}"
+                ) from None
+            ctx.check_hostname = False  # pinned: this very certificate, whatever its name
+            return ctx
+        ca_file = os.environ.get("LLMGW_CA_FILE")
+        return ssl.create_default_context(cafile=ca_file) if ca_file else None
+    info = Path(os.environ.get("LLMGW_DAEMON_INFO") or DEFAULT_INFO)
+    if server is not None and not os.environ.get("LLMGW_DAEMON_INFO"):
+        mine = server.effective_runtime_dir() / "daemon.json"
+        info = mine if mine.exists() else info
+    try:
+        verify_url(url, info, "the status request")
+    except UnverifiedServerError as exc:
+        raise click.ClickException(
+            f"{exc}. Not showing a status that may not be the daemon's."
+        ) from None
+    return None
 
 
 def _print_models(models: list[dict[str, Any]]) -> None:

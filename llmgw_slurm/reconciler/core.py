@@ -37,6 +37,7 @@ from opentelemetry import trace
 from llmgw_slurm.catalog import Access, Catalog
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.errors import LlmgwError, SlurmError
+from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler import plan as planmod
 from llmgw_slurm.reconciler import status as statusmod
 from llmgw_slurm.reconciler.admin import AdminRequests
@@ -55,6 +56,9 @@ from llmgw_slurm.tls import PinnedContexts, load_or_create_identity
 
 log = logging.getLogger(__name__)
 
+# How last_pass_error begins when the pass itself failed, not Slurm (see _pass_surviving).
+ROUND_FAILED = "the pass failed: "
+
 
 class PassLoop:
     """The passes: observe (one squeue, sinfo when due), reap, plan, execute."""
@@ -69,8 +73,11 @@ class PassLoop:
         intake: ReportIntake,
         wanted: Callable[[], Mapping[str, float]],
         held_since: Callable[[], Mapping[str, float]] | None = None,
+        faults: Faults | None = None,
     ) -> None:
         self.table = table
+        # What a pass did not foresee is logged and counted here, never raised.
+        self.faults = faults or Faults()
         self.server = server
         self.backend = backend
         self.jobs = jobs
@@ -101,9 +108,10 @@ class PassLoop:
         """
         interval = self.server.reconcile.interval
         while not stop.is_set():
-            await self.pass_once()
+            await self._pass_surviving()
             if on_pass is not None:
-                on_pass()
+                with self.faults.caught("after_pass"):
+                    on_pass()
             # Back off when Slurm does not answer: a storm of commands at a slurmctld
             # that is restarting helps nobody.
             delay = interval * min(2**self._consecutive_errors, 12)
@@ -117,6 +125,21 @@ class PassLoop:
             finally:
                 for w in waits:
                     w.cancel()
+
+    async def _pass_surviving(self) -> None:
+        """One pass; whatever it raises ends the pass, never the daemon.
+
+        Slurm not answering is foreseen (``_list``); this is for the rest: a
+        bug, or the kernel refusing a resource (EMFILE in a spawn). It is
+        logged and counted, the pass counts as failed for the backoff, and
+        the next pass runs.
+        """
+        try:
+            await self.pass_once()
+        except Exception as err:
+            self.faults.record("pass", err)
+            self._consecutive_errors += 1
+            self.last_pass_error = f"{ROUND_FAILED}{type(err).__name__}: {err}"[:300]
 
     async def pass_once(self) -> list[Action]:
         pass_id = uuid.uuid4().hex[:8]
@@ -514,6 +537,8 @@ class Reconciler:
         self.verifier = ReportVerifier(server_key, Path(server.state_dir) / "report-nonces")
         self.probe = EngineProbe(server_key, self.engine_tls)
         self.intake = ReportIntake(self.table, self.probe, self.directory.signal_ready)
+        # Failures the daemon survives (passes, reports, the usage writer), for /metrics.
+        self.faults = Faults()
         self.pass_loop = PassLoop(
             self.table,
             server,
@@ -523,6 +548,7 @@ class Reconciler:
             self.intake,
             self.directory.wanted_at,
             self.directory.held_since,
+            self.faults,
         )
         self.admin = AdminRequests(self.table, backend)
 
@@ -666,6 +692,7 @@ class Reconciler:
 
     async def close(self) -> None:
         await self.probe.close()
+        self.verifier.close()
 
     # ---- admin requests (llmgw-admin drain / stop) and status ------------------------
 

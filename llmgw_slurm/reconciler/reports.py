@@ -19,7 +19,9 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TextIO
 
+from llmgw_slurm.errors import ReportNotRecorded
 from llmgw_slurm.fsutil import atomic_write
 from llmgw_slurm.secrets import (
     REPORT_SCHEME,
@@ -47,6 +49,7 @@ class ReportVerifier:
         self._nonces: set[str] = set()
         self._nonces_order: collections.deque[tuple[float, str]] = collections.deque()
         self._journal = journal
+        self._file: TextIO | None = None
         self._appended = 0
         if journal is not None:
             self._load(journal)
@@ -66,7 +69,8 @@ class ReportVerifier:
 
         Raises PermissionError, saying why, on a malformed, wrong, old or replayed
         signature: a report copied off the network is refused, and the secret that
-        signs it was never on the network.
+        signs it was never on the network. Raises ReportNotRecorded when its nonce
+        cannot be journalled (the report is refused; the agent retries).
         """
         parsed = parse_report_auth(authorization)
         if parsed is None:
@@ -91,13 +95,17 @@ class ReportVerifier:
             self._nonces.discard(self._nonces_order.popleft()[1])
         if key in self._nonces:
             raise PermissionError("replayed report")
+        # Journalled before it counts: a report accepted but not journalled could
+        # be replayed after a restart. ReportNotRecorded: the agent sends it again.
+        self._remember(now, key)
         self._nonces.add(key)
         self._nonces_order.append((now, key))
-        self._remember(now, key)
 
     # A line per accepted report ("TIME REPLICA:NONCE"), appended unsynced: a
     # daemon that crashes leaves its writes in the page cache; only a crash of
     # the machine loses the last ones, and its reboot outlasts the reports' age.
+    # The file stays open between reports: appending needs no new descriptor,
+    # so a daemon short of them still takes reports.
     def _load(self, journal: Path) -> None:
         horizon = time.time() - 2 * REPORT_MAX_AGE_S
         try:
@@ -123,7 +131,11 @@ class ReportVerifier:
             # Rare (at start, then once per thousands of reports): its fsyncs are cheap.
             atomic_write(self._journal, text, mode=0o600)
         except OSError as err:
-            log.warning("report nonces: cannot write %s: %s", self._journal, err)
+            # The old file still holds every nonce kept: appending to it goes on,
+            # and the rewrite is tried again after as many more reports.
+            log.warning("report nonces: cannot rewrite %s: %s", self._journal, err)
+        else:
+            self._close_journal()
         self._appended = 0
 
     def _remember(self, at: float, key: str) -> None:
@@ -131,15 +143,28 @@ class ReportVerifier:
             return
         if self._appended > 4 * max(1000, len(self._nonces_order)):
             self._compact()
-            return
         try:
-            fd = os.open(self._journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            with os.fdopen(fd, "a") as f:
-                f.write(f"{at:.3f} {key}\n")
+            if self._file is None:
+                fd = os.open(self._journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                self._file = os.fdopen(fd, "a", buffering=1)
+            self._file.write(f"{at:.3f} {key}\n")
         except OSError as err:
-            # Refusing the report for this would stop every replica from reporting.
-            log.warning("report nonces: cannot append to %s: %s", self._journal, err)
+            self._close_journal()
+            raise ReportNotRecorded(
+                f"the daemon cannot journal the report's nonce ({err.strerror or err}); "
+                "send it again"
+            ) from err
         self._appended += 1
+
+    def close(self) -> None:
+        """Close the journal (the daemon's end; reports after it reopen it)."""
+        self._close_journal()
+
+    def _close_journal(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
 
     @property
     def nonces_kept(self) -> int:

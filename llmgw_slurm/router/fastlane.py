@@ -41,6 +41,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 
+from llmgw_slurm.guard.accept import hand_over
 from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, LaneCall, LanePlan, Whole
 from llmgw_slurm.router.relay import LaneSink
 
@@ -364,7 +365,9 @@ class _Lane(asyncio.Protocol):
         self._runner.lanes.discard(self)
         transport = self._transport()
         handler = self._runner.aiohttp_server()
-        transport.set_protocol(handler)
+        # Not set_protocol: the connection's guard (its place among the
+        # gateway's connections) stays in between.
+        hand_over(transport, handler)
         handler.connection_made(transport)
         if self._paused:
             transport.resume_reading()

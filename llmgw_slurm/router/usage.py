@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmgw_slurm.guard.faults import Faults
+
 __all__ = [
     "USAGE_GROUPS",
     "UsageRecord",
@@ -175,12 +177,21 @@ def tokens_by(path: Path, by: str, model: str, since: float, until: float) -> di
     return {str(o): int(t or 0) for o, t in rows}
 
 
+# Records kept for a retry while the database cannot be written (about 100 MB):
+# past it the oldest are dropped, and the fault count in /metrics has said so.
+_MAX_PENDING = 1_000_000
+
+
 class UsageStore:
     """Collects usage records on the event loop and commits them in batches."""
 
-    def __init__(self, path: Path, *, flush_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, path: Path, *, flush_interval_s: float = 1.0, faults: Faults | None = None
+    ) -> None:
         self.path = path
         self.flush_interval_s = flush_interval_s
+        # Where a failed write is counted (the daemon's, for /metrics).
+        self.faults = faults or Faults()
         self._pending: list[UsageRecord] = []
         self._conn = _connect(path)
         # One connection, used by one worker thread at a time.
@@ -211,20 +222,29 @@ class UsageStore:
             )
 
     async def flush(self) -> None:
-        """Commit everything recorded so far."""
+        """Commit everything recorded so far; on a failure it stays pending (and raises)."""
         batch, self._pending = self._pending, []
-        if batch:
+        if not batch:
+            return
+        try:
             await asyncio.to_thread(self._write, batch)
+        except Exception:
+            # Nothing of it was committed (one transaction): kept for the next try,
+            # before what came meanwhile, unless that would hold too much.
+            self._pending[:0] = batch[-_MAX_PENDING:]
+            del self._pending[:-_MAX_PENDING]
+            raise
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.flush_interval_s)
             try:
                 await self.flush()
-            except sqlite3.Error as e:
-                # Usage accounting must not take the gateway down; the batch
-                # is lost and the next one is tried.
-                _log.warning("usage: could not write to %s: %s", self.path, e)
+            except Exception as err:
+                # Usage accounting must not take the gateway down, nor stop for good
+                # (a full disk, EMFILE, a locked file): the records wait for the
+                # next flush, which tries again.
+                self.faults.record("usage", err)
 
     def start(self) -> None:
         if self._task is None:

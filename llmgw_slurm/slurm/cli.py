@@ -147,6 +147,10 @@ class CliBackend:
             ) from exc
         except PermissionError as exc:
             raise SlurmUnavailable(f"cannot run: {exc}", command=argv) from exc
+        except OSError as exc:
+            # EMFILE, ENOMEM, EAGAIN: the daemon (or the host) is out of something
+            # for now; the pass fails as when slurmctld does not answer, and backs off.
+            raise SlurmUnavailable(f"cannot start the command: {exc}", command=argv) from exc
         try:
             out, err = await asyncio.wait_for(
                 communicate(proc, stdin.encode() if stdin is not None else None), limit

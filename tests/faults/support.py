@@ -104,12 +104,14 @@ class DaemonProcess:
     h: Harness
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    # Before the command: e.g. prlimit, for a daemon started under systemd's limits.
+    wrap: tuple[str, ...] = ()
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(TOP)}
         code = "import sys; from llmgw_slurm.cli.admin import main; sys.exit(main())"
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, "serve", "--server", str(self.h.server_yaml)],
+            [*self.wrap, sys.executable, "-c", code, "serve", "--server", str(self.h.server_yaml)],
             stdout=subprocess.DEVNULL,
             stderr=open(self.log, "ab"),  # noqa: SIM115 - the child owns it
             env=env,
@@ -158,8 +160,8 @@ class DaemonProcess:
 
 
 @contextlib.contextmanager
-def daemon_process(h: Harness, log: Path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(h, log)
+def daemon_process(h: Harness, log: Path, wrap: tuple[str, ...] = ()) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(h, log, wrap=wrap)
     d.start()
     try:
         yield d

@@ -117,6 +117,66 @@ async def test_a_squatter_on_a_starting_engines_port_gets_no_key_no_prompt_no_tr
         await client.close()
 
 
+def _range(lo: int, hi: int) -> object:
+    """``configure``: the agent picks the engine's port in ``lo``-``hi``."""
+
+    def configure(h: Harness) -> None:
+        path = h.folder / "agent.yaml"
+        path.write_text(path.read_text().replace("port_range: 22000-29999", f"port_range: {lo}-{hi}"))
+
+    return configure
+
+
+def _engine_port(pid: int) -> int:
+    """The engine's port, from its environment (root reads any process's)."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in env if v.startswith(b"LLMGW_ENGINE_PORT=")).split(b"=", 1)[1])
+
+
+async def test_a_squatter_on_a_command_engines_port_moves_the_start_to_another_port(
+    tmp_path: Path, prefix: str
+) -> None:
+    intruder = INTRUDER.ensure()
+    lo = 31000 + os.getpid() % 2000
+    # The catalog names the port with {port}, as site-config/models.yaml's tiny does;
+    # the engine binds 6 s after it starts, as vLLM does after its imports.
+    command = [*TINY_ENGINE, "--port", "{port}", "--bind-after", "6"]
+    model = tiny_model("moved", engine={"kind": "command", "command": command})
+    async with running(
+        tmp_path, prefix, [model], configure=_range(lo, lo + 40), router={"hold_timeout": "3m"}
+    ) as h:
+        client = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        chat = asyncio.create_task(
+            client.chat.completions.create(
+                model="moved", messages=[{"role": "user", "content": PROMPT}]
+            )
+        )
+        (pid, *_) = await eventually(
+            lambda: asyncio.sleep(0, _engine_pids("moved")), "the engine to start"
+        )
+        # What another user of the node reads of it: "{port}", not the port.
+        seen = INTRUDER.python(
+            "import sys; print(open(f'/proc/{sys.argv[1]}/cmdline', 'rb').read())", str(pid)
+        )
+        port = _engine_port(pid)
+        assert seen.returncode == 0 and "{port}" in seen.stdout, seen
+        assert str(port) not in seen.stdout, seen.stdout
+        # A squatter that learned it anyway takes it before the engine binds.
+        with INTRUDER.spawn_python(_SQUATTER, str(port)) as squatter:
+            assert squatter.stdout is not None and squatter.stdout.readline().strip() == "up"
+            # Before: the start failed (4 of 4), the request hung, the model backed off.
+            answer = await asyncio.wait_for(chat, 240)
+            assert answer.choices[0].message.content.startswith(PROMPT)
+            squatter.kill()
+            heard, _ = squatter.communicate(timeout=10)
+        assert heard == "", heard  # nothing, not even a poll, went to the squatter
+        (url,) = [r.base_url for r in h.rec.replicas.values() if r.base_url]
+        assert not url.endswith(f":{port}"), url
+        failed = [d.reason for d in h.decisions(model="moved") if f"uid {intruder.pw_uid}" in d.reason]
+        assert failed == [], failed
+        await client.close()
+
+
 async def test_every_path_of_a_serving_engine_refuses_another_user(
     tmp_path: Path, prefix: str
 ) -> None:

@@ -32,6 +32,8 @@ from tests.agent_support import (
     fake_engine_spec,
     gateway_identity,
 )
+from tests.hostile_user import INTRUDER
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # The gateway's client identity these tests play: the certificate goes to the job.
@@ -309,6 +311,94 @@ def test_cli_fetch_copies_weights(tmp_path: Path) -> None:
     assert "(fetched," in first.output
     second = CliRunner().invoke(main, args, env={"LLMGW_REPLICA_SPEC": spec})
     assert "(already there," in second.output
+
+
+_SQUATTER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(16); print("up", flush=True)
+while True:
+    c, _ = s.accept(); print(repr(c.recv(4096)), flush=True); c.close()
+"""
+
+
+async def test_a_port_taken_before_the_engine_binds_it_moves_the_start_to_another(
+    daemon: FakeDaemon, tmp_path: Path
+) -> None:
+    INTRUDER.ensure()
+    spec = json.loads(spec_json(make_weights(tmp_path)))
+    # The engine listens 3 s after it starts, as a real one loads first.
+    spec["engine"]["command"] = [
+        sys.executable, "-m", "llmgw_slurm.testing.engine", "--host", "{host}",
+        "--port", "{port}", "--served-name", "{served_name}", "--bind-after", "3",
+    ]  # fmt: skip
+    env = job_env(daemon.url, json.dumps(spec))
+    lo = free_port()
+    settings = AgentSettings(
+        fetch=FetchSettings(cache_dir=tmp_path / "cache"),
+        bind_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        port_range=(lo, lo + 50),
+        heartbeat_interval_s=0.2,
+        ready_poll_s=0.1,
+        drain_poll_s=0.1,
+        stop_grace_s=5,
+    )
+    agent = Agent(settings, job_context_from_env(env), env)
+    run = asyncio.create_task(agent.run())
+    try:
+        deadline = time.monotonic() + 60
+        while agent.engine is None:
+            assert time.monotonic() < deadline and not run.done()
+            await asyncio.sleep(0.02)
+        port = int(agent.engine.env["LLMGW_ENGINE_PORT"])
+        # Another user takes it between the agent's choice and the engine's bind.
+        with INTRUDER.spawn_python(_SQUATTER, str(port)) as squatter:
+            assert squatter.stdout is not None and squatter.stdout.readline() == "up\n"
+            await daemon.wait_for(lambda: "ready" in daemon.events())
+            squatter.kill()
+            heard, _ = squatter.communicate(timeout=10)
+        ready = next(r for r in daemon.reports if r["event"] == "ready")
+        # Before: the start failed ("held by uid ..."); now it goes on elsewhere.
+        assert ready["url"].rsplit(":", 1)[1] != str(port)
+        assert daemon.events().count("engine_launch:done") == 2
+        assert "failed" not in daemon.events()
+        moved = [r["message"] for r in daemon.reports if r.get("message")]
+        assert any(f"port {port} was taken" in m for m in moved), moved
+        assert heard == "", heard  # nothing was sent to the squatter
+    finally:
+        agent.request_drain("the test is over")
+        assert await asyncio.wait_for(run, 60) == 0
+
+
+async def test_an_unsigned_drain_answer_is_ignored_and_the_replica_keeps_serving(
+    daemon: FakeDaemon, tmp_path: Path
+) -> None:
+    # What a squatter on the daemon's port (or a rewrite on the way) answers: a
+    # drain without the daemon's signature. Before, the agent obeyed it.
+    daemon.drain_after_ready = True
+    daemon.sign_answers = False
+    env = job_env(daemon.url, spec_json(make_weights(tmp_path)))
+    settings = AgentSettings(
+        fetch=FetchSettings(cache_dir=tmp_path / "cache"),
+        bind_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        heartbeat_interval_s=0.2,
+        ready_poll_s=0.1,
+        drain_poll_s=0.1,
+        stop_grace_s=5,
+        report_timeout_s=1.0,
+    )
+    agent = Agent(settings, job_context_from_env(env), env)
+    run = asyncio.create_task(agent.run())
+    try:
+        await daemon.wait_for(lambda: daemon.events().count("heartbeat") >= 10)
+        assert not run.done() and agent.drain_reason == ""
+        assert agent.engine is not None and agent.engine.returncode is None
+    finally:
+        agent.request_drain("the test is over")
+        assert await asyncio.wait_for(run, 60) == 0
+    assert agent.drain_reason == "the test is over"
 
 
 async def test_drain_asked_by_daemon_and_spans(daemon: FakeDaemon, tmp_path: Path) -> None:

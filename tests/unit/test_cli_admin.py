@@ -69,12 +69,41 @@ def test_status_json_has_nodes_and_decisions(rd: RunningDaemon) -> None:
 def test_daemon_down_and_missing_server_file(tmp_path: Path) -> None:
     path = write_config(tmp_path, free_port(), free_port(), None)
     code, out = admin("status", "--server", str(path))
-    assert code == 1 and out.startswith("Error: cannot reach the llmgw daemon at http://127.0.0.1:")
+    # Nothing proves a daemon there (no daemon.json): nothing is asked, nothing shown.
+    assert code == 1 and out.startswith("Error: refusing to send the status request to http://")
+    assert "is the daemon running?" in out
     code, out = admin("drain", "tiny", "--server", str(path))
     # No key yet: the daemon never ran with this config.
     assert code == 1 and "cannot look at state_dir" in out
     code, out = admin("status", "--server", str(tmp_path / "nope.yaml"))
     assert code == 1 and "does not exist" in out
+
+
+def test_status_is_not_taken_from_a_squatter_on_the_gateway_port(tmp_path: Path) -> None:
+    # The daemon crashed (its daemon.json left behind) and another user took its
+    # port (issue 33, finding 9): before, llmgw-admin status showed what they answered.
+    from llmgw_slurm.config import load_server_config
+    from llmgw_slurm.identity import DaemonInfo, publish
+    from llmgw_slurm.private import public_dir
+    from tests.hostile_user import INTRUDER, squatting
+
+    intruder = INTRUDER.ensure()
+    gw, internal = free_port(), free_port()
+    path = write_config(tmp_path, gw, internal, None)
+    runtime = load_server_config(path).effective_runtime_dir()
+    public_dir(runtime)
+    publish(runtime, DaemonInfo(os.geteuid(), 1, gw, internal, False, ""))
+    with squatting(INTRUDER, gw) as (sq,):
+        code, out = admin("status", "--server", str(path))
+        assert code == 1 and f"uid {intruder.pw_uid}" in out, out
+        assert "Not showing a status that may not be the daemon's" in out
+        os.environ["LLMGW_DAEMON_INFO"] = str(runtime / "daemon.json")
+        try:
+            code, out = admin("status", "--url", f"http://127.0.0.1:{gw}")
+        finally:
+            del os.environ["LLMGW_DAEMON_INFO"]
+        assert code == 1 and f"uid {intruder.pw_uid}" in out, out
+    assert sq.heard() == ""  # nothing was even asked
 
 
 def test_drain_model_replica_and_node(rd: RunningDaemon) -> None:

@@ -236,6 +236,41 @@ def test_command_literal_braces_and_bad_format() -> None:
         build_engine_command(EngineSpec("command", command=("x", "{port")), P, KEY)
 
 
+@pytest.mark.parametrize("form", ["module", "script"])
+def test_a_python_commands_port_stays_off_its_command_line(tmp_path: Path, form: str) -> None:
+    # What a watcher of /proc would read to take the port first (issue 33, finding 3).
+    (tmp_path / "show_argv.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    program = ("-m", "show_argv") if form == "module" else (str(tmp_path / "show_argv.py"),)
+    p = replace(P, model_path="/m/{odd}")
+    spec = EngineSpec(
+        "command",
+        command=(sys.executable, *program, "--port", "{port}", "--addr={host}:{port:>6}"),
+        args=('{{"port": {port}, "path": "{model_path}"}}', "--plain", "{served_name}"),
+    )
+    cmd = build_engine_command(spec, p, KEY)
+    assert "23456" not in " ".join(cmd.argv)
+    assert cmd.argv[:2] == [sys.executable, "-c"] and "{port}" in cmd.argv
+    env = {**os.environ, **cmd.env, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(cmd.argv, env=env, capture_output=True, text=True, check=True).stdout
+    # Inside the process the program sees exactly what the old argv had.
+    assert json.loads(out) == [
+        "--port",
+        "23456",
+        "--addr=0.0.0.0: 23456",
+        '{"port": 23456, "path": "/m/{odd}"}',
+        "--plain",
+        "llama",
+    ]
+
+
+def test_other_commands_keep_the_port_on_their_command_line() -> None:
+    # Not a Python program (nor python with other options first): the port must
+    # be on argv; the agent moves to another port if someone takes it first.
+    for command in (("serve", "--port={port}"), ("python3", "-u", "-m", "x", "{port}")):
+        cmd = build_engine_command(EngineSpec("command", command=command), P, KEY)
+        assert "23456" in " ".join(cmd.argv) and "LLMGW_PORT_ARGS" not in cmd.env
+
+
 def test_spec_env_and_withheld_secret() -> None:
     cmd = build_engine_command(EngineSpec("vllm", env={"HF_HUB_OFFLINE": "1"}), P, KEY)
     env = engine_env({"PATH": "/bin", "LLMGW_REPLICA_SECRET": "s", "HOME": "/h"}, cmd.env)
