@@ -17,6 +17,13 @@ only HTTP to slurmrestd and a JWT (:mod:`llmgw_slurm.slurm.rest_auth`).
   few hundred bytes when no job on the cluster changed; the previous listing
   stands, and the Job objects of jobs whose fields did not change are the
   same objects (the reconciler's fast path, as the CLI's row cache).
+- HTTP through httpx2 (h11), not aiohttp: slurmrestd 25.11 writes each error
+  reply twice on a connection it then closes (``HTTP/1.1 511 ... Connection:
+  Close``, the JSON, then a second plain-text reply). aiohttp's parser
+  (llhttp) refuses the whole answer ("Data after Connection: close") and the
+  status and the error's words are lost; h11 reads the first reply by its
+  Content-Length and the connection is closed. One client per event loop,
+  connections kept alive between calls, a timeout on every call.
 - No request is retried blindly: a submission that got no answer may or may
   not have made a job, so it is an error and the next listing decides (the
   daemon adopts a replica's job by its name). Reads and cancels are retried
@@ -45,7 +52,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+import httpx2
 
 from llmgw_slurm.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm import directives, rest_parse, rest_submit
@@ -76,29 +83,32 @@ class _VersionMissing(SlurmUnavailable):
 
 
 class _Http:
-    """One aiohttp session with kept-alive connections, on the loop that made it.
+    """One HTTP client with kept-alive connections, on the loop that made it.
 
-    The session lives as long as that loop: a task waits for the loop's end and
-    closes the session then (asyncio.run cancels every task before it closes its
-    loop), so a command that calls asyncio.run twice gets a session each time
-    and leaks none.
+    The client lives as long as that loop: a task waits for the loop's end and
+    closes the client then (asyncio.run cancels every task before it closes its
+    loop), so a command that calls asyncio.run twice gets a client each time and
+    leaks no connection.
     """
 
     def __init__(self, timeout: float, tls: ssl.SSLContext | None) -> None:
         self.loop = asyncio.get_running_loop()
-        connector = aiohttp.TCPConnector(limit=8, keepalive_timeout=15.0, ssl=tls or True)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=timeout, connect=min(timeout, 10.0)),
-            raise_for_status=False,
+        self.client = httpx2.AsyncClient(
+            verify=tls or True,
+            timeout=httpx2.Timeout(timeout, connect=min(timeout, 10.0)),
+            limits=httpx2.Limits(max_connections=8, keepalive_expiry=15.0),
+            # A proxy from the environment (an admin's http_proxy) would see every token.
+            trust_env=False,
         )
+        self.closed = False
         self._keeper = self.loop.create_task(self._keep())
 
     async def _keep(self) -> None:
         try:
             await asyncio.Future()
         finally:
-            await self.session.close()
+            self.closed = True
+            await self.client.aclose()
 
     async def close(self) -> None:
         self._keeper.cancel()
@@ -157,11 +167,11 @@ class RestBackend:
 
     # ------------------------------------------------------------------ HTTP
 
-    def _session(self) -> aiohttp.ClientSession:
+    def _client(self) -> httpx2.AsyncClient:
         loop = asyncio.get_running_loop()
-        if self._http is None or self._http.loop is not loop or self._http.session.closed:
+        if self._http is None or self._http.loop is not loop or self._http.closed:
             self._http = _Http(self.timeout, self._tls)
-        return self._http.session
+        return self._http.client
 
     async def close(self) -> None:
         """Close the kept-alive connections (the daemon's stop)."""
@@ -177,14 +187,14 @@ class RestBackend:
         headers = {"X-SLURM-USER-TOKEN": token.text, "Accept": "application/json"}
         self.call_counts[f"{method} {_endpoint(path)}"] += 1
         try:
-            async with self._session().request(
+            resp = await self._client().request(
                 method, self.url + path, params=params, json=body, headers=headers
-            ) as resp:
-                return resp.status, await resp.read()
-        except aiohttp.ServerDisconnectedError:
+            )
+        except httpx2.RemoteProtocolError:
             if once:
                 raise
             return await self._send(method, path, token, params, body, True)
+        return resp.status_code, resp.content
 
     async def _request(
         self,
@@ -208,7 +218,7 @@ class RestBackend:
         while token is not None:
             try:
                 status, raw = await self._send(method, path, token, params, body, not retry)
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            except (httpx2.HTTPError, OSError) as exc:
                 raise SlurmUnavailable(
                     f"{self.url} did not answer: {_describe(exc)}"
                     + ("; the job may or may not exist: the next listing shows" if body else ""),
@@ -278,7 +288,7 @@ class RestBackend:
         token = self._tokens.current()
         try:
             status, raw = await self._send("GET", path, token, {}, None, False)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (httpx2.HTTPError, OSError) as exc:
             raise SlurmUnavailable(
                 f"{self.url} did not answer: {_describe(exc)}", command=[f"slurmrestd GET {path}"]
             ) from None
@@ -303,7 +313,7 @@ class RestBackend:
         try:
             status, raw = await self._send("GET", "/openapi/v3", token, {}, None, False)
             spec = await _decode(raw) if status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, OSError):
+        except (httpx2.HTTPError, OSError):
             spec = None
         paths = (spec or {}).get("paths") or {}
         offered = sorted({m.group(1) for p in paths if (m := re.match(r"/slurm/(v[\d.]+)/", p))})
@@ -507,6 +517,6 @@ def _snippet(raw: bytes) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, httpx2.TimeoutException | TimeoutError):
         return "timed out"
     return str(exc) or type(exc).__name__
