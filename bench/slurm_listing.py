@@ -1,13 +1,17 @@
 """Cost of the adapter's one-call job listing against a bare ``squeue``.
 
-With 0, 500 and 2,000 of the service's jobs queued (held, so they cost the
+With 0, 100 and 2,000 of the service's jobs queued (held, so they cost the
 cluster nothing), times ``list_jobs(prefix)`` of every backend that works here
-(the CLI always; pyslurm on a Slurm 25.11 cluster where it imports) and a bare
-``squeue -u USER`` in the same run, alternating, and prints medians and the
-ratio. Needs the dev cluster: ``eval "$(scripts/dev-cluster env)"`` (or
-``LLMGW_SLURM=25.11 scripts/dev-cluster env`` for both backends).
+(the CLI always; pyslurm on a Slurm 25.11 cluster where it imports; rest where
+the cluster runs slurmrestd) and a bare ``squeue -u USER`` in the same run,
+alternating, and prints medians and the ratio. The rest backend is timed
+twice: asking for every job at each listing, as on a cluster where some job
+always changed since the last pass, and with ``update_time``, its default,
+which on a queue where nothing changed gets slurmctld's "no change". Needs
+the dev cluster: ``eval "$(scripts/dev-cluster env)"`` (or
+``LLMGW_SLURM=25.11 scripts/dev-cluster env`` for every backend).
 
-    python3 bench/slurm_listing.py [--repeats 15] [--backends cli,pyslurm]
+    python3 bench/slurm_listing.py [--repeats 15] [--backends cli,pyslurm,rest]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import asyncio
 import getpass
 import json
+import os
 import subprocess
 import sys
 import time
@@ -55,6 +60,32 @@ async def bare_squeue() -> float:
     return time.perf_counter() - t0
 
 
+def rest_options() -> dict[str, str]:
+    """The cluster's slurmrestd, as `scripts/dev-cluster env` exports it."""
+    url, key = os.environ.get("LLMGW_DEV_RESTD_URL"), os.environ.get("LLMGW_DEV_JWT_KEY")
+    return {"url": url, "jwt_key": key} if url and key else {}
+
+
+async def make_listers(kinds: list[str]) -> dict[str, SlurmBackend]:
+    """Each backend by the label its figures get; rest twice (every job, update_time)."""
+    out: dict[str, SlurmBackend] = {}
+    for kind in kinds:
+        if kind != "rest":
+            try:
+                out[kind] = make_backend(kind, timeout=120)
+            except SlurmUnavailable as exc:
+                print(f"{kind}: skipped ({exc})")
+            continue
+        if not rest_options():
+            print("rest: skipped (no LLMGW_DEV_RESTD_URL: not a 25.11 cluster with slurmrestd)")
+            continue
+        for label, incremental in (("rest, every job", False), ("rest, update_time", True)):
+            b = make_backend("rest", timeout=120, incremental=incremental, **rest_options())
+            await b.check()  # the version check is once per daemon, not per listing
+            out[label] = b
+    return out
+
+
 async def adapter(backend: SlurmBackend, expect: int) -> float:
     t0 = time.perf_counter()
     jobs = [j for j in await backend.list_jobs(PREFIX) if j.state.is_active]
@@ -69,12 +100,7 @@ async def main() -> None:
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
     args = ap.parse_args()
     backend = CliBackend(timeout=120)
-    listers: dict[str, SlurmBackend] = {}
-    for kind in args.backends.split(","):
-        try:
-            listers[kind] = make_backend(kind, timeout=120)
-        except SlurmUnavailable as exc:
-            print(f"{kind}: skipped ({exc})")
+    listers = await make_listers(args.backends.split(","))
     stale = [j.job_id for j in await backend.list_jobs(PREFIX)]
     if stale:
         subprocess.run(["scancel", *stale], check=False)
@@ -82,7 +108,7 @@ async def main() -> None:
     ids: list[str] = []
     results = []
     try:
-        for n in (0, 500, 2000):
+        for n in (0, 100, 2000):
             ids += await fill(backend, len(ids), n)
             ours: dict[str, list[float]] = {kind: [] for kind in listers}
             bare = []
@@ -103,8 +129,10 @@ async def main() -> None:
     finally:
         for i in range(0, len(ids), 500):
             subprocess.run(["scancel", *ids[i : i + 500]], check=False)
+        for lister in listers.values():
+            await lister.close()
     print_table(results)
-    path = write("slurm_listing", results, vars(args))
+    path = write("slurm_listing", results, {**vars(args), "jobs_queued": [0, 100, 2000]})
     print(f"\nwritten {path}")
     print(json.dumps([r["ratio"] for r in results]))
 

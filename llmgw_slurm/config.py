@@ -50,6 +50,7 @@ __all__ = [
     "RouterConfig",
     "ServerConfig",
     "SlurmConfig",
+    "SlurmRestConfig",
     "TlsConfig",
     "TracingConfig",
     "check_files",
@@ -153,12 +154,53 @@ def _parse_hostport(node: YNode, ctx: Ctx) -> HostPort:
 
 
 @dataclass(frozen=True)
+class SlurmRestConfig:
+    """slurmrestd, for ``backend: rest`` (docs/slurm-backends.md)."""
+
+    # Required with backend rest: slurmrestd's address, http(s)://HOST:PORT.
+    url: str | None = field(default=None, metadata=_URL)
+    # Default v0.0.44 (Slurm 25.11 to 27.11): the OpenAPI version spoken,
+    # checked against the server at start. v0.0.43 for 25.05 to 27.05,
+    # v0.0.42 for 24.11 to 26.11.
+    version: Literal["v0.0.42", "v0.0.43", "v0.0.44"] = "v0.0.44"
+    # A JWT someone else renews (what `scontrol token username=USER
+    # lifespan=SECONDS` prints, rewritten by a timer), read again whenever
+    # the file changes; mode 0600. Set this or jwt_key.
+    token_file: Path | None = None
+    # auth/jwt's HS256 key (slurm.conf's AuthAltParameters=jwt_key): the
+    # daemon mints its own tokens and renews them. It can act as any user:
+    # only the daemon's user may read it. Set this or token_file.
+    jwt_key: Path | None = None
+    # Default None: the token's user (token_file), else the daemon's user.
+    # The Slurm user the service's jobs run as and are listed for.
+    user: str | None = field(
+        default=None,
+        metadata=rule(pattern=r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}", pattern_help="a user name"),
+    )
+    # Default 1h: how long a token minted with jwt_key lives; a new one is
+    # minted when a fifth of it is left.
+    token_lifespan: float = field(
+        default=3600.0, metadata=rule(ge=60, parse=_schema.parse_duration)
+    )
+    # Default None: the system's certificate authorities, for an https url.
+    ca_file: Path | None = None
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.token_file is not None and self.jwt_key is not None:
+            return [("jwt_key", "set token_file or jwt_key, not both")]
+        return []
+
+
+@dataclass(frozen=True)
 class SlurmConfig:
     """How the daemon talks to Slurm, and site defaults for job requests."""
 
     # Default cli: sbatch/squeue/scancel work on every Slurm from 22.05 on;
-    # pyslurm builds against one Slurm release only and cannot submit hetjobs.
-    backend: Literal["cli", "pyslurm"] = "cli"
+    # pyslurm builds against one Slurm release only and cannot submit hetjobs;
+    # rest talks to slurmrestd over HTTP (no Slurm on the daemon's host).
+    backend: Literal["cli", "pyslurm", "rest"] = "cli"
+    # For backend rest: slurmrestd's address and the token (SlurmRestConfig).
+    rest: SlurmRestConfig = field(default_factory=SlurmRestConfig)
     # Default None (Slurm's default partition): used for models that do not
     # set resources.partition.
     partition: str | None = field(
@@ -191,6 +233,33 @@ class SlurmConfig:
     # Default 5s: one squeue for all of the daemon's jobs per poll; cheap, but
     # every user's squeue shares slurmctld.
     poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.backend != "rest":
+            return []
+        out: list[tuple[str, str]] = []
+        if self.rest.url is None:
+            out.append(("rest.url", "backend rest needs slurmrestd's url (http://HOST:PORT)"))
+        if self.rest.token_file is None and self.rest.jwt_key is None:
+            out.append(("rest", "backend rest needs token_file or jwt_key"))
+        return out
+
+    def backend_options(self, timeout: float | None = None) -> dict[str, Any]:
+        """The keyword arguments of ``make_backend(self.backend, ...)``: one place
+        that turns this block into a backend's options."""
+        opts: dict[str, Any] = {"timeout": self.command_timeout if timeout is None else timeout}
+        if self.backend == "rest":
+            r = self.rest
+            opts.update(
+                url=r.url,
+                version=r.version,
+                token_file=r.token_file,
+                jwt_key=r.jwt_key,
+                user=r.user,
+                token_lifespan=r.token_lifespan,
+                ca_file=r.ca_file,
+            )
+        return opts
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from llmgw_slurm import api, chartsapi, identity, private, sdnotify, traceapi
 from llmgw_slurm.batch.setup import install as install_batch_api
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import ConnectionsConfig, HostPort, ServerConfig, load_agent_config
-from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.errors import LlmgwError, SlurmError
 from llmgw_slurm.guard import (
     Acceptor,
     ConnectionLimiter,
@@ -187,7 +187,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         log.warning(
             "agent config %s: %s (assuming a 15 min readiness timeout)", server.agent_config, exc
         )
-    backend = make_backend(server.slurm.backend, timeout=server.slurm.command_timeout)
+    backend = make_backend(server.slurm.backend, **server.slurm.backend_options())
     state = Path(server.state_dir).expanduser()
     # Before anything is written there: 0700 and its files 0600 whatever the
     # umask, or a clear refusal of a folder other users could write.
@@ -436,6 +436,16 @@ def event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+async def check_slurm(d: Daemon) -> None:
+    """Before the listeners open: a Slurm setting that cannot work (slurmrestd without
+    the configured OpenAPI version) stops the daemon with what to change; Slurm not
+    answering yet is a warning, and the passes try again with their backoff."""
+    try:
+        await d.reconciler.backend.check()
+    except SlurmError as exc:
+        log.warning("Slurm did not answer at start (each pass tries again): %s", exc)
+
+
 def run(d: Daemon) -> None:
     """Serve until SIGTERM or SIGINT, on :func:`event_loop`.
 
@@ -481,6 +491,7 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
 
     listeners: Listeners | None = None
     try:
+        await check_slurm(d)
         listeners = await open_listeners(d)
         log.info(
             "serving: gateway %s://%s:%d, internal http://%s:%d, admin socket %s, %d models",
@@ -498,6 +509,7 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
         for sig in handled:
             loop.remove_signal_handler(sig)
         await d.reconciler.close()
+        await d.reconciler.backend.close()
         if listeners is not None:
             await listeners.close()
         # Open replica starts are ended as such ("daemon stopped"): the next

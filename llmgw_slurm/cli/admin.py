@@ -738,7 +738,10 @@ def audit(
     if t0 >= t1:
         raise click.UsageError(f"--since ({t0:%Y-%m-%d %H:%M}) must be before --until")
     who = user or _service_user(server)
-    backend = make_backend(server.slurm.backend, timeout=max(server.slurm.command_timeout, 60))
+    backend = make_backend(
+        server.slurm.backend,
+        **server.slurm.backend_options(timeout=max(server.slurm.command_timeout, 60)),
+    )
     prefix = server.slurm.job_prefix
     recs = _accounting(backend, t0, t1, prefix)
     recs = [r for r in recs if r.user == who]
@@ -1024,7 +1027,10 @@ _time_option = click.option(
 def _svc_backend(server: ServerConfig) -> Any:
     from llmgw_slurm.slurm import make_backend
 
-    return make_backend(server.slurm.backend, timeout=max(server.slurm.command_timeout, 30))
+    return make_backend(
+        server.slurm.backend,
+        **server.slurm.backend_options(timeout=max(server.slurm.command_timeout, 30)),
+    )
 
 
 def _submit_service_job(server: ServerConfig, spec: Any, wait: bool, poll: float) -> None:

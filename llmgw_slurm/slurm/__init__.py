@@ -14,14 +14,18 @@ from llmgw_slurm.slurm.types import (
     SlurmBackend,
 )
 
-BACKENDS = ("cli", "pyslurm")
+BACKENDS = ("cli", "pyslurm", "rest")
 
 
 def make_backend(kind: str, **opts: Any) -> SlurmBackend:
-    """The backend named by ``slurm.backend``: ``"cli"`` (default) or ``"pyslurm"``.
+    """The backend named by ``slurm.backend``: ``"cli"`` (default), ``"pyslurm"`` or
+    ``"rest"``; ``opts`` are its constructor's (``SlurmConfig.backend_options()``).
 
-    Imports are deferred so that choosing ``cli`` never loads pyslurm. A
-    ``pyslurm`` backend whose module is missing raises SlurmUnavailable.
+    Each call makes a backend of its own: nothing is kept at module level, so
+    one process may hold several (one per cluster). Imports are deferred so
+    that choosing ``cli`` never loads pyslurm or aiohttp's client. A
+    ``pyslurm`` backend whose module is missing raises SlurmUnavailable; a
+    ``rest`` backend without its url or token, ConfigError.
     """
     name = kind.strip().lower()
     if name not in BACKENDS:
@@ -32,10 +36,14 @@ def make_backend(kind: str, **opts: Any) -> SlurmBackend:
         from llmgw_slurm.slurm.cli import CliBackend
 
         factory: Any = CliBackend
-    else:
+    elif name == "pyslurm":
         from llmgw_slurm.slurm.pyslurm_backend import PyslurmBackend
 
         factory = PyslurmBackend
+    else:
+        from llmgw_slurm.slurm.rest import RestBackend
+
+        factory = RestBackend
     try:
         backend: SlurmBackend = factory(**opts)
     except TypeError as exc:

@@ -113,6 +113,12 @@ class CliBackend:
     def calls(self) -> int:
         return sum(self.call_counts.values())
 
+    async def check(self) -> None:
+        """Nothing to check before the first call: a missing command fails that call."""
+
+    async def close(self) -> None:
+        """Nothing held open between calls."""
+
     def _exe(self, name: str) -> str:
         return os.path.join(self._bin_dir, name) if self._bin_dir else name
 

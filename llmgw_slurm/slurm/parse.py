@@ -426,6 +426,41 @@ def parse_sinfo(stdout: str) -> list[NodeInfo]:
     return list(nodes.values())
 
 
+# pyslurm and slurmrestd give a node's complete state ("MIXED+DRAIN",
+# ["IDLE", "NOT_RESPONDING"]); NodeInfo holds sinfo's long form ("draining",
+# "idle*"), so every backend feeds the same `usable` test. Suffixes as sinfo prints them.
+_NODE_SUFFIX = (
+    ("NOT_RESPONDING", "*"),
+    ("POWERED_DOWN", "~"),
+    ("POWERING_UP", "#"),
+    ("POWERING_DOWN", "%"),
+    ("POWER_DOWN", "!"),
+    ("REBOOT_ISSUED", "^"),
+    ("REBOOT_REQUESTED", "@"),
+)
+_BUSY = frozenset({"allocated", "mixed", "completing"})
+
+
+def node_state(text: str) -> str:
+    parts = [p for p in text.strip().upper().split("+") if p]
+    if not parts:
+        return "unknown"
+    base, flags = parts[0].lower(), set(parts[1:])
+    busy = base in _BUSY or "COMPLETING" in flags
+    if "DRAIN" in flags:
+        word = "draining" if busy else "drained"
+    elif "FAIL" in flags:
+        word = "failing" if busy else "fail"
+    elif "MAINT" in flags:
+        word = "maint"
+    elif "INVALID_REG" in flags:
+        word = "inval"
+    else:
+        word = base
+    suffix = next((s for flag, s in _NODE_SUFFIX if flag in flags), "")
+    return word + suffix
+
+
 def parse_features(text: str) -> tuple[str, ...]:
     """A node's features as sinfo lists them ("nvlink,ib"; "(null)" when it has none)."""
     text = text.strip()

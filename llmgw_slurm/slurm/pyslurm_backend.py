@@ -34,7 +34,6 @@ import logging
 import os
 import pwd
 import re
-import shlex
 import signal as _signal
 import tempfile
 import threading
@@ -43,9 +42,11 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from llmgw_slurm.errors import SlurmError, SlurmParseError, SlurmUnavailable
-from llmgw_slurm.slurm import parse
+from llmgw_slurm.slurm import directives, parse
 from llmgw_slurm.slurm.cli import CliBackend
+from llmgw_slurm.slurm.directives import signal_number
 from llmgw_slurm.slurm.hostlist import expand
+from llmgw_slurm.slurm.parse import node_state
 from llmgw_slurm.slurm.types import (
     AccountingRecord,
     GpuCount,
@@ -263,41 +264,6 @@ def gpu_counts(gres: Any) -> dict[str, int]:
     return out
 
 
-# pyslurm's node state is Slurm's complete state string ("MIXED+DRAIN",
-# "IDLE+NOT_RESPONDING"); NodeInfo holds sinfo's long form ("draining", "idle*"),
-# so both backends feed the same `usable` test. Suffixes as sinfo prints them.
-_NODE_SUFFIX = (
-    ("NOT_RESPONDING", "*"),
-    ("POWERED_DOWN", "~"),
-    ("POWERING_UP", "#"),
-    ("POWERING_DOWN", "%"),
-    ("POWER_DOWN", "!"),
-    ("REBOOT_ISSUED", "^"),
-    ("REBOOT_REQUESTED", "@"),
-)
-_BUSY = frozenset({"allocated", "mixed", "completing"})
-
-
-def node_state(text: str) -> str:
-    parts = [p for p in text.strip().upper().split("+") if p]
-    if not parts:
-        return "unknown"
-    base, flags = parts[0].lower(), set(parts[1:])
-    busy = base in _BUSY or "COMPLETING" in flags
-    if "DRAIN" in flags:
-        word = "draining" if busy else "drained"
-    elif "FAIL" in flags:
-        word = "failing" if busy else "fail"
-    elif "MAINT" in flags:
-        word = "maint"
-    elif "INVALID_REG" in flags:
-        word = "inval"
-    else:
-        word = base
-    suffix = next((s for flag, s in _NODE_SUFFIX if flag in flags), "")
-    return word + suffix
-
-
 def used_gpus(total: Mapping[str, int], used: Mapping[str, int]) -> dict[str, int]:
     """GPUs in use per configured type, from what pyslurm's ``allocated_gres`` says.
 
@@ -489,12 +455,6 @@ _VALUED: dict[str, str] = {
     "tmp": "temporary_disk_per_node",
     "wckey": "wckey",
 }
-_SHORT = {
-    "A": "account", "b": "begin", "C": "constraint", "c": "cpus-per-task", "D": "chdir",
-    "d": "dependency", "e": "error", "G": "gpus", "H": "hold", "i": "input", "J": "job-name",
-    "L": "licenses", "N": "nodes", "n": "ntasks", "o": "output", "p": "partition", "q": "qos",
-    "s": "oversubscribe", "t": "time", "w": "nodelist", "x": "exclude",
-}  # fmt: skip
 # pyslurm stores these through u16/u32 converters that take numbers, not text.
 _NUMERIC = frozenset({"cpus_per_task", "cpus_per_gpu", "ntasks", "ntasks_per_node", "nice"})
 # Times in minutes: pyslurm passes a value of digits on as it is, and then wants an int.
@@ -509,56 +469,21 @@ def _sbatch_error(message: str) -> SlurmError:
     )
 
 
-def _sbatch_tokens(script: str) -> list[str]:
-    """The options of the script's #SBATCH lines, in order, as sbatch reads them:
-    up to the first line that is neither blank nor a comment."""
-    tokens: list[str] = []
-    for line in script.splitlines()[1:]:
-        text = line.strip()
-        if not text:
-            continue
-        if not text.startswith("#"):
-            break
-        if not text.startswith("#SBATCH"):
-            continue
-        try:
-            tokens.extend(shlex.split(text[len("#SBATCH") :]))
-        except ValueError as exc:
-            raise _sbatch_error(f"cannot read the #SBATCH line {text!r}: {exc}") from exc
-    return tokens
-
-
 def sbatch_options(script: str) -> dict[str, Any]:
     """``#SBATCH`` lines -> JobSubmitDescription keyword arguments (the last wins, as in sbatch)."""
     out: dict[str, Any] = {}
-    tokens = _sbatch_tokens(script)
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        i += 1
-        if tok.startswith("--"):
-            name, eq, value = tok[2:].partition("=")
-            given: str | None = value if eq else None
-        elif tok.startswith("-") and len(tok) > 1:
-            name = _SHORT.get(tok[1], "-" + tok[1])
-            given = tok[2:] or None
-        else:
-            raise _sbatch_error(f"unexpected #SBATCH word {tok!r}")
-        if name in _FLAGS and given is None:
-            attr, flag = _FLAGS[name]
+    read = directives.components(script, frozenset(_VALUED), _sbatch_error)
+    if len(read) > 1:
+        raise _sbatch_error("a heterogeneous job goes through sbatch, not here")
+    for opt in read[0]:
+        if opt.value is None:
+            attr, flag = _FLAGS[opt.name]
             out[attr] = flag
             continue
-        if name not in _VALUED:
-            raise _sbatch_error(f"#SBATCH option {tok!r} is not one it can pass on")
-        if given is None:
-            if i >= len(tokens):
-                raise _sbatch_error(f"#SBATCH option {tok!r} has no value")
-            given = tokens[i]
-            i += 1
-        attr = _VALUED[name]
+        attr, given = _VALUED[opt.name], opt.value
         if attr in _NUMERIC:
             if not given.isdigit():
-                raise _sbatch_error(f"#SBATCH {tok} wants a number, got {given!r}")
+                raise _sbatch_error(f"#SBATCH {opt.written} wants a number, got {given!r}")
             out[attr] = int(given)
         elif attr in _MINUTES and given.isdigit():
             out[attr] = int(given)
@@ -615,23 +540,6 @@ def submit_kwargs(spec: JobSpec, script_path: str, base_env: Mapping[str, str]) 
     if spec.workdir:
         kwargs["working_directory"] = spec.workdir
     return kwargs
-
-
-def signal_number(sig: str | int) -> int:
-    """``"USR1"``, ``"SIGUSR1"``, ``"10"`` or 10 -> 10: pyslurm wants SIG-names or numbers."""
-    if isinstance(sig, int):
-        return sig
-    text = sig.strip().upper()
-    if text.isdigit():
-        return int(text)
-    name = text if text.startswith("SIG") else f"SIG{text}"
-    try:
-        return int(_signal.Signals[name])
-    except KeyError as exc:
-        raise SlurmError(
-            f"unknown signal {sig!r}; use a name such as TERM or USR1, or a number",
-            command=["pyslurm.Job.send_signal"],
-        ) from exc
 
 
 def _job_number(job_id: str, what: str) -> int:
@@ -691,6 +599,12 @@ class PyslurmBackend:
     @property
     def calls(self) -> int:
         return sum(self.call_counts.values()) + self._cli.calls
+
+    async def check(self) -> None:
+        """Nothing to check: the import in the constructor proved pyslurm fits this Slurm."""
+
+    async def close(self) -> None:
+        """Nothing held open between calls."""
 
     async def _call(self, what: str, fn: Callable[[], T]) -> T:
         self.call_counts[what] += 1

@@ -367,6 +367,14 @@ class SlurmBackend(Protocol):
     def calls(self) -> int:
         """How many Slurm commands or API calls this backend has made (for load figures)."""
 
+    async def check(self) -> None:
+        """Before the first pass: ConfigError for a setting Slurm shows cannot work (the
+        daemon stops, saying what to change), SlurmError when Slurm does not answer
+        (the passes try again). Nothing to check for the command-line tools."""
+
+    async def close(self) -> None:
+        """Let go of what the backend holds open (connections), at the daemon's stop."""
+
 
 __all__: Sequence[str] = (
     "AccountingRecord",

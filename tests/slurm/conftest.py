@@ -1,14 +1,18 @@
 """Fixtures for tests against the one-machine cluster (scripts/dev-cluster up).
 
-``LLMGW_TEST_SLURM_BACKEND`` (``cli``, the default, or ``pyslurm``) is the
-backend the harness's daemons use; with ``pyslurm`` a missing or unusable
-pyslurm fails the tests instead of skipping them. The adapter's contract tests
-run on every backend this cluster can use (tests/slurm/test_adapter.py).
+``LLMGW_TEST_SLURM_BACKEND`` (``cli``, the default, ``pyslurm`` or ``rest``)
+is the backend the harness's daemons use; with ``pyslurm`` or ``rest`` a
+backend this cluster cannot use fails the tests instead of skipping them. The
+adapter's contract tests run on every backend this cluster can use
+(tests/slurm/test_adapter.py). ``rest`` talks to the 25.11 cluster's
+slurmrestd, found through what ``scripts/dev-cluster env`` exports
+(LLMGW_DEV_RESTD_URL, LLMGW_DEV_JWT_KEY), with tokens signed by that key.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import secrets
 import subprocess
@@ -18,7 +22,8 @@ from typing import TypeVar
 
 import pytest
 
-from llmgw_slurm.slurm import BACKENDS, SlurmUnavailable, make_backend
+from llmgw_slurm.errors import ConfigError
+from llmgw_slurm.slurm import BACKENDS, SlurmError, SlurmUnavailable, make_backend
 from llmgw_slurm.slurm.cli import CliBackend
 
 TOP = Path(__file__).resolve().parents[2]
@@ -66,15 +71,57 @@ def pyslurm_unusable() -> str | None:
     return _pyslurm_reason[0]
 
 
+def rest_options() -> dict[str, str]:
+    """The rest backend's options for this cluster's slurmrestd (empty when it has none)."""
+    url, key = os.environ.get("LLMGW_DEV_RESTD_URL"), os.environ.get("LLMGW_DEV_JWT_KEY")
+    return {"url": url, "jwt_key": key} if url and key else {}
+
+
+_rest_reason: list[str | None] = []
+
+
+def rest_unusable() -> str | None:
+    """Why the rest backend cannot run against this cluster, or None when it can."""
+    if not _rest_reason:
+        reason: str | None = None
+        if not rest_options():
+            reason = (
+                "no slurmrestd here: LLMGW_DEV_RESTD_URL and LLMGW_DEV_JWT_KEY come from "
+                "`LLMGW_SLURM=25.11 scripts/dev-cluster env`"
+            )
+        else:
+
+            async def probe() -> None:
+                b = make_backend("rest", timeout=30, **rest_options())
+                try:
+                    await b.check()
+                finally:
+                    await b.close()
+
+            try:
+                # In a thread of its own: callers may run inside the test's event loop.
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    pool.submit(asyncio.run, probe()).result()
+            except (SlurmError, ConfigError) as exc:
+                reason = f"slurmrestd is not usable here: {exc}"
+        _rest_reason.append(reason)
+    return _rest_reason[0]
+
+
+def backend_options(kind: str) -> dict[str, str]:
+    """What ``make_backend(kind, ...)`` needs besides its timeout on this cluster."""
+    return rest_options() if kind == "rest" else {}
+
+
 def need_backend(kind: str) -> None:
     """Skip a test of ``kind`` this cluster cannot run, unless the run asked for it."""
-    if kind != "pyslurm":
+    if kind == "cli":
         return
-    reason = pyslurm_unusable()
+    reason = pyslurm_unusable() if kind == "pyslurm" else rest_unusable()
     if reason is None:
         return
-    if daemon_backend() == "pyslurm":
-        pytest.fail(f"LLMGW_TEST_SLURM_BACKEND=pyslurm, but {reason}")
+    if daemon_backend() == kind:
+        pytest.fail(f"LLMGW_TEST_SLURM_BACKEND={kind}, but {reason}")
     pytest.skip(reason)
 
 

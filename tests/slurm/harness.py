@@ -23,7 +23,7 @@ from llmgw_slurm import daemon as daemonmod
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.slurm.cli import CliBackend
 from tests.ports import free_port
-from tests.slurm.conftest import daemon_backend, eventually, need_backend
+from tests.slurm.conftest import backend_options, daemon_backend, eventually, need_backend
 
 TOP = Path(__file__).resolve().parents[2]
 
@@ -131,7 +131,12 @@ class Harness:
             **self.reconcile,
         }
         server = {
-            "slurm": {"backend": self.backend, "partition": "llm", "job_prefix": self.prefix},
+            "slurm": {
+                "backend": self.backend,
+                "partition": "llm",
+                "job_prefix": self.prefix,
+                **({"rest": backend_options("rest")} if self.backend == "rest" else {}),
+            },
             "listen": {
                 "gateway": f"127.0.0.1:{self.gateway_port}",
                 "internal": f"127.0.0.1:{self.internal_port}",
@@ -165,6 +170,7 @@ class Harness:
     async def start(self) -> None:
         server = load_server_config(self.server_yaml)
         self.d = daemonmod.build(server, self.server_yaml)
+        await daemonmod.check_slurm(self.d)
         self._stop = asyncio.Event()
         # As serve() does: both ports, the admin socket, and daemon.json published.
         self._listeners = await daemonmod.open_listeners(self.d, inherited=[])
@@ -179,6 +185,7 @@ class Harness:
                 await self._task
         if self.d is not None:
             await self.d.reconciler.close()
+            await self.d.reconciler.backend.close()
         if self._listeners is not None:
             await self._listeners.close()
         self._listeners = None

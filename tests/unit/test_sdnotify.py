@@ -136,6 +136,13 @@ class FakeSlurm:
             raise SlurmUnavailable("command not found", command=["sinfo"])
         return []
 
+    async def check(self) -> None:
+        if self.down:
+            raise SlurmUnavailable("command not found", command=["scontrol"])
+
+    async def close(self) -> None:
+        pass
+
 
 def pending_job(model: str) -> Job:
     return Job(
