@@ -34,11 +34,12 @@ from llmgw_slurm.errors import LlmgwError
 from llmgw_slurm.heap import HeapTrimmer, glibc_heap
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
-from llmgw_slurm.router import create_app, fastlane
+from llmgw_slurm.router import create_app
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
 from llmgw_slurm.router.quota import quota_book
+from llmgw_slurm.router.server import Runner as GatewayRunner
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import REPORT_SCHEME, AdminToken, load_or_create_server_key
@@ -251,7 +252,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
 class Listeners:
     """The daemon's three ways in, open; :meth:`close` ends them and withdraws daemon.json."""
 
-    runners: list[web.AppRunner]
+    runners: list[web.AppRunner | GatewayRunner]
     runtime_dir: Path
     admin_socket: Path
     socket_inode: int = 0
@@ -308,25 +309,29 @@ async def open_listeners(
     private.public_dir(runtime)
     admin_path = server.effective_admin_socket()
     tls = _tls_context(server)
-    runners: list[web.AppRunner] = []
+    runners: list[web.AppRunner | GatewayRunner] = []
     out = Listeners(runners, runtime, admin_path)
     try:
-        for name, app, hp, ctx in (
-            ("gateway", d.gateway, server.listen.gateway, tls),
-            ("internal", d.internal, server.listen.internal, None),
-        ):
-            # The gateway's connections meet its fast lane first (router.fast_lane).
-            runner = (fastlane.Runner if name == "gateway" else web.AppRunner)(
-                app, **RUNNER_OPTIONS
-            )
-            await runner.setup()
-            runners.append(runner)
-            sock = _inherited(inherited, name, hp)
-            if sock is not None:
-                log.info("%s: the socket systemd passed (%s)", name, sock.getsockname())
-                await web.SockSite(runner, sock, ssl_context=ctx).start()
-            else:
-                await web.TCPSite(runner, hp.host, hp.port, ssl_context=ctx).start()
+        # The gateway's connections meet its own server (router.server), aiohttp's
+        # application behind it; the internal API is aiohttp's alone.
+        gateway = GatewayRunner(d.gateway, **RUNNER_OPTIONS)
+        await gateway.setup()
+        runners.append(gateway)
+        sock = _inherited(inherited, "gateway", server.listen.gateway)
+        if sock is not None:
+            log.info("gateway: the socket systemd passed (%s)", sock.getsockname())
+        hp = server.listen.gateway
+        await gateway.start(hp.host, hp.port, tls, sock=sock)
+        internal = web.AppRunner(d.internal, **RUNNER_OPTIONS)
+        await internal.setup()
+        runners.append(internal)
+        hp = server.listen.internal
+        sock = _inherited(inherited, "internal", hp)
+        if sock is not None:
+            log.info("internal: the socket systemd passed (%s)", sock.getsockname())
+            await web.SockSite(internal, sock).start()
+        else:
+            await web.TCPSite(internal, hp.host, hp.port).start()
         runner = web.AppRunner(d.admin, **RUNNER_OPTIONS)
         await runner.setup()
         runners.append(runner)
@@ -350,7 +355,7 @@ async def open_listeners(
     return out
 
 
-def _bound_port(runner: web.AppRunner) -> int | None:
+def _bound_port(runner: web.AppRunner | GatewayRunner) -> int | None:
     # The port really bound: listen.*.port may be 0 (any free port), in tests.
     for addr in runner.addresses:
         if isinstance(addr, tuple):
