@@ -7,7 +7,8 @@ once, whatever way the request ends:
   (a stream cut short: 502; a client gone: 499), the metrics (count,
   duration, time to the first byte) and the span's end;
 - the usage's end (:meth:`Tally.counted`): the tokens the engine reported,
-  for the usage store, the token metrics and the key's quota. For a stream
+  for the usage store, the token metrics and the key's quota, whose
+  reservation is settled to them (or released, when no count came). For a stream
   whose client went away this comes later, when the engine's answer was read
   on to its end (or never, when that was cut: then nothing is counted).
 
@@ -34,7 +35,7 @@ from llmgw_slurm.router import surface
 from llmgw_slurm.router.directory import Endpoint
 from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.router.metrics import GatewayMetrics
-from llmgw_slurm.router.quota import QuotaBook
+from llmgw_slurm.router.quota import QuotaBook, Reservation
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 
 __all__ = ["Accounting", "Tally"]
@@ -76,17 +77,24 @@ class Accounting:
         return Tally(self, endpoint, span, trace.set_span_in_context(span, ctx))
 
     def record(
-        self, key: KeyRecord | None, model: str, endpoint: str, usage: dict[str, Any] | None
+        self, key: KeyRecord | None, model: str, endpoint: str, usage: dict[str, Any] | None,
+        hold: Reservation | None = None,
     ) -> None:
-        """Count an answer's tokens for its key (also for other routes on the gateway app)."""
+        """Count an answer's tokens for its key (also for other routes on the gateway
+        app); what ``hold`` held is settled to them, or released without a count."""
         if usage is None or not _TOKEN_FIELDS.intersection(usage):
-            return  # a transcription's usage is in seconds of audio: no tokens to count
+            # A transcription's usage is in seconds of audio: no tokens to count.
+            if hold is not None:
+                hold.release()
+            return
         # The Responses API says input/output where the others say prompt/completion.
         prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
         completion = _int(usage.get("completion_tokens", usage.get("output_tokens")))
         total = _int(usage.get("total_tokens")) or prompt + completion
         self.metrics.counted(model, prompt, completion)
-        if self.quota is not None and key is not None:
+        if hold is not None and not hold.ended:
+            hold.settle(total)
+        elif self.quota is not None and key is not None:
             self.quota.spent(key, total)
         if self.usage is not None:
             self.usage.record(UsageRecord(
@@ -107,8 +115,8 @@ class Accounting:
 class Tally:
     """One request's ends (see the module's docstring)."""
 
-    __slots__ = ("_book", "_counted", "context", "endpoint", "first_byte", "key", "model",
-                 "span", "status", "t0")
+    __slots__ = ("_book", "_counted", "context", "endpoint", "first_byte", "hold", "key",
+                 "model", "span", "status", "t0")
 
     def __init__(
         self, book: Accounting, endpoint: str, span: trace.Span | None = None,
@@ -118,6 +126,7 @@ class Tally:
         self.t0 = time.monotonic()
         self.model: str | None = None
         self.key: KeyRecord | None = None
+        self.hold: Reservation | None = None  # what the quotas hold for it, once let in
         self.first_byte: float | None = None
         self.status: int | None = None  # once answered
         self._counted = False
@@ -144,14 +153,19 @@ class Tally:
                 self.span.end()
 
     def counted(self, usage: dict[str, Any] | None) -> None:
-        """The engine's answer ended (``usage``: its tokens, None: none known)."""
-        if self._counted or self.model is None:
+        """The engine's answer ended (``usage``: its tokens, None: none known); what
+        the request held is settled or released here, whatever way it ended."""
+        if self._counted:
             return
         self._counted = True
         try:
-            self._book.record(self.key, self.model, self.endpoint, usage)
+            if self.model is not None:
+                self._book.record(self.key, self.model, self.endpoint, usage, self.hold)
         except Exception:
             log.exception("counting the usage of an answer of %s failed", self.model)
+        finally:
+            if self.hold is not None:
+                self.hold.release()  # no count came (or counting failed): nothing spent
 
     def count_whole(self, status: int, ctype: str, body: bytes, ep: Endpoint) -> None:
         """Count an engine's whole answer (and remember a response of the Responses API)."""

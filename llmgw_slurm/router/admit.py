@@ -8,8 +8,8 @@ The checks, in the order they apply (each refusal is the client's answer):
    nobody learns what exists);
 4. the endpoint: one the model serves (400); ``stream`` a boolean (400);
 5. a ``previous_response_id``: the replica that holds it (400 when it cannot);
-6. the quota: the request is counted and, let in, its answer will tell the
-   limits as they stood (429 over a limit).
+6. the quota: the most it may spend is held (``quota.Reservation``) and, let
+   in, its answer will tell the limits as they stood (429 over a limit).
 
 No I/O and no waiting: the forwarder (``forward``) does the rest. The body
 for the engine is made here too: the model's own name for an alias, and a
@@ -29,7 +29,7 @@ from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.answers import Reply, error
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
 from llmgw_slurm.router.keys import KeyRecord, KeyRing
-from llmgw_slurm.router.quota import QuotaBook
+from llmgw_slurm.router.quota import NOTHING, Ask, QuotaBook, Refusal, Reservation, ask_of
 from llmgw_slurm.router.surface import STREAM_USAGE_ENDPOINTS, ResponseHomes
 
 __all__ = ["Admission", "Plan"]
@@ -49,7 +49,10 @@ class Plan(NamedTuple):
     strip_usage: bool = False  # the usage chunk the gateway asked for, not the client
     prefix: str | None = None  # the key of the model's prefix routing
     pinned: Endpoint | None = None  # the replica that holds a previous response
-    # The x-ratelimit-* headers as the limits stood when the request was let in.
+    ask: Ask = NOTHING  # the most it may spend, for the quotas
+    # Once let in: the tokens the quotas hold for it (settled or released by
+    # its tally, once), and the x-ratelimit-* headers as the limits stood then.
+    hold: Reservation | None = None
     limits: Mapping[str, str] | None = None
 
 
@@ -108,7 +111,11 @@ class Admission:
         if routing.policy == "prefix":
             prefix = balance.prefix_key(obj, routing.prefix_chars)
         body, stream, strip = prepared
-        return self.let_in(Plan(endpoint, model, key, body, stream, strip, prefix, pinned))
+        ask = NOTHING
+        if self.quota is not None and key is not None:
+            context = self.routing(model).context_length
+            ask = ask_of(obj, endpoint, context, self.quota.config.default_max_tokens)
+        return self.let_in(Plan(endpoint, model, key, body, stream, strip, prefix, pinned, ask))
 
     def model(self, name: str, key: KeyRecord | None, endpoint: str) -> str | Reply:
         """The catalog name of the model a request names, if the key may use it
@@ -129,14 +136,14 @@ class Admission:
         return model
 
     def let_in(self, plan: Plan) -> Plan | Reply:
-        """The quota's word last: counted and let in, with the limits' headers, or its 429."""
+        """The quota's word last: let in, what it may spend held, or its 429."""
         if self.quota is None or plan.key is None:
             return plan
-        refused = self.quota.admit(plan.key)
-        if refused is not None:
-            assert isinstance(refused.body, bytes)
-            return Reply(refused.status, dict(refused.headers), refused.body)
-        return plan._replace(limits=self.quota.headers(plan.key))
+        got = self.quota.reserve(plan.key, plan.ask)
+        if isinstance(got, Refusal):
+            headers = {**got.headers, "Retry-After": str(got.retry_after)}
+            return error(429, got.message, got.type, got.code, headers)
+        return plan._replace(hold=got, limits=got.headers)
 
     def known_names(self, key: KeyRecord | None) -> str:
         parts = [m.name + (f" (aliases: {', '.join(m.aliases)})" if m.aliases else "")

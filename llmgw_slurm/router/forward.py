@@ -445,6 +445,7 @@ class Exchange:
         self._unplug()
         self._over = True
         self.client.crashed()
+        self.tally.counted(None)
         self.tally.answered(500)
 
     def _spawn(self, step: Coroutine[Any, Any, None]) -> None:

@@ -195,7 +195,7 @@ class Gateway:
         if isinstance(plan, Reply):
             self._refuse(req, tally, plan)
             return None
-        tally.model = plan.model
+        tally.model, tally.hold = plan.model, plan.hold
         tally.set("llmgw.model", plan.model)
         exchange = Exchange(self, req, plan, tally, upload)
         exchange.start()

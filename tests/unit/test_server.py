@@ -587,7 +587,7 @@ async def test_an_answers_tokens_count_before_the_next_pipelined_request_is_let_
         writer.write(3 * request(body, extra=f"Authorization: Bearer {alice}\r\n"))
         answers = [await read_answer(reader) for _ in range(3)]
         writer.close()
-    assert tasks == ["_connect"]  # alice\'s: answered from bob\'s kept connection
+    assert tasks == ["_connect"]  # alice's: answered from bob's kept connection
     first, second, third = answers
     assert first[0] == 200 and json.loads(first[2])["usage"]["total_tokens"] == 5
     assert first[1]["x-ratelimit-remaining-tokens"] == "13"
