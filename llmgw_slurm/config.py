@@ -354,11 +354,9 @@ class RouterConfig:
     # sent a sampled traceparent, or when it is held for a cold start. "all" gives
     # every request a span, which costs the gateway up to a third of its throughput.
     trace_requests: Literal["sampled", "all"] = "sampled"
-    # Default true: a plain (not streamed) chat, completion or embedding request
-    # with a ready replica is served by the gateway's fast lane
-    # (llmgw_slurm.router.fastlane) rather than aiohttp's server, which takes
-    # about a fifth off the gateway's CPU per such request (docs/performance.md).
-    # false: every request through aiohttp's server.
+    # Ignored: every OpenAI request takes the one request path (router/server.py);
+    # kept so that a server.yaml that sets it (the fast lane's switch, before
+    # that path) still loads.
     fast_lane: bool = True
 
     def _problems(self) -> list[tuple[str, str]]:

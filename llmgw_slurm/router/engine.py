@@ -66,7 +66,8 @@ class EngineBroken(Exception):
 class Sink(Protocol):
     """Where an answer goes as it is read; called from the connection's callbacks."""
 
-    def head(self, conn: Conn, status: int, headers: CIMultiDict[str]) -> None: ...
+    def head(self, conn: Conn, status: int, headers: dict[str, str]) -> None:
+        """The answer's head (``headers``: names in lower case, the last of a name's values)."""
 
     def data(self, data: bytes) -> None: ...
 
@@ -115,7 +116,7 @@ class Conn(asyncio.BufferedProtocol):
         self.idle_since = time.monotonic()
         self._sink: Sink | None = None
         self._parser = httptools.HttpResponseParser(self)
-        self._headers: CIMultiDict[str] = CIMultiDict()
+        self._headers: dict[str, str] = {}
         self._status = 0
         self._head_bytes = self._unfinished = 0
         self._in_head = False
@@ -147,8 +148,8 @@ class Conn(asyncio.BufferedProtocol):
         self._got_bytes = True
         try:
             self._parser.feed_data(data)
-            if self._in_head:  # a head not whole yet: what it is so far, at most
-                self._unfinished += len(data)
+            if self._in_head:  # a head not whole yet: the reads since the one it began in
+                self._unfinished = 0 if self._unfinished < 0 else self._unfinished + len(data)
                 if self._unfinished > http1.MAX_HEAD:
                     raise _Strict("the engine's head is too long")
         except Exception as raised:  # llhttp's errors, ours (_Strict), a sink's bug: never out
@@ -195,8 +196,8 @@ class Conn(asyncio.BufferedProtocol):
         if self._sink is None or self._complete:
             raise _Strict("bytes past the answer")
         self._in_head = True
-        self._head_bytes = self._unfinished = 0
-        self._headers = CIMultiDict()
+        self._head_bytes, self._unfinished = 0, -1
+        self._headers = {}
 
     def on_status(self, status: bytes) -> None:
         self._head_bytes += len(status) + 15
@@ -205,7 +206,10 @@ class Conn(asyncio.BufferedProtocol):
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > http1.MAX_HEAD:
             raise _Strict("the engine's head is too long")
-        self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+        if key == "transfer-encoding" and key in self._headers:
+            text = self._headers[key] + ", " + text  # all of its codings, to be checked
+        self._headers[key] = text
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -435,10 +439,10 @@ class _Collect:
         self.answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._pool, self._target, self._also = pool, target, also
         self._conn: Conn | None = None
-        self._head: tuple[int, CIMultiDict[str]] = (0, CIMultiDict())
+        self._head: tuple[int, dict[str, str]] = (0, {})
         self._parts: list[bytes] = []
 
-    def head(self, conn: Conn, status: int, headers: CIMultiDict[str]) -> None:
+    def head(self, conn: Conn, status: int, headers: dict[str, str]) -> None:
         self._conn, self._head = conn, (status, headers)
         if self._also is not None:
             self._also.head(conn, status, headers)
@@ -459,5 +463,6 @@ class _Collect:
             return
         assert self._conn is not None
         self._pool.give_back(self._conn, self._target)
-        self.answer.set_result(Answer(*self._head, b"".join(self._parts)))
+        status, headers = self._head
+        self.answer.set_result(Answer(status, CIMultiDict(headers), b"".join(self._parts)))
 

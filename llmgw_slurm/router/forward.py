@@ -30,7 +30,6 @@ import logging
 from collections.abc import Coroutine, Mapping
 from typing import Any, Protocol
 
-from multidict import CIMultiDict
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
@@ -105,7 +104,7 @@ class Exchange:
         self._unreachable: set[tuple[str, str, int]] = set()
         self._task: asyncio.Task[None] | None = None
         self._status = 0
-        self._headers: CIMultiDict[str] | None = None
+        self._headers: dict[str, str] | None = None
         self._parts: list[bytes] = []
         self._relay: SseRelay | None = None  # once the answer streams
         self._in_flight = False
@@ -214,7 +213,7 @@ class Exchange:
 
     # 3-5. the answer (engine.Sink)
 
-    def head(self, conn: Conn, status: int, headers: CIMultiDict[str]) -> None:
+    def head(self, conn: Conn, status: int, headers: dict[str, str]) -> None:
         self._status, self._headers = status, headers
         if status == 200 and headers.get("content-type", "").startswith("text/event-stream"):
             plan = self.plan

@@ -31,8 +31,6 @@ MAX_HEAD = 64 * 1024
 LAST_CHUNK = b"0\r\n\r\n"
 # A dict, not HTTPStatus(status): an enum's lookup by value costs microseconds.
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
-# Set by the writer, never passed on from an engine's or a caller's headers.
-_OWN = frozenset({"content-length", "connection", "date", "transfer-encoding", "keep-alive"})
 
 
 def unwrap(e: BaseException) -> BaseException:
@@ -64,12 +62,15 @@ class _Date:
 def _lines(
     lines: list[str], headers: Iterable[tuple[str, str]], tail: tuple[str, ...] = ()
 ) -> bytes:
-    for name, value in headers:
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            # Values come from clients and engines (X-Request-Id): never split a line.
-            raise ValueError(f"a header with a line break: {name!r}")
-        if name.lower() not in _OWN:
-            lines.append(f"{name}: {value}")
+    """A head: its first lines, ``headers`` (never the framing ones: the writer's),
+    then ``tail``."""
+    pairs = [f"{n}: {v}" for n, v in headers]
+    fields = "\n".join(pairs)
+    # Values come from clients and engines (X-Request-Id): never split a line.
+    if "\r" in fields or fields.count("\n") != max(len(pairs) - 1, 0):
+        raise ValueError("a header with a line break")
+    if pairs:
+        lines.append(fields.replace("\n", "\r\n"))
     lines.extend(tail)
     return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8")
 

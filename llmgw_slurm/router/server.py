@@ -125,6 +125,7 @@ class Request:
     def __init__(self, conn: Connection, url: bytes) -> None:
         self.conn, self.url = conn, url
         self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.raw_headers_done = False  # the head is whole
         self.headers: dict[str, str] = {}
         self.method = ""
         self.path = ""
@@ -202,12 +203,17 @@ class Connection(asyncio.Protocol):
         self.gone = False
         self._queue: deque[Request] = deque()
         self._req: Request | None = None  # the one being parsed
-        self._head_bytes = 0
+        self._unfinished = 0  # bytes read of a head not whole yet
         self._advancing = False
         self._closing = False  # no request after the one answered last
-        self._timer: asyncio.TimerHandle | None = None
+        # The keep-alive timer runs from the connection's start to its end, and
+        # checks when it fires (cancelling and arming one a request costs more
+        # than the request's own checks); a body's timer is armed only while
+        # a request waits for its body.
+        self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_since = 0.0
-        self._timer_for: Request | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_for: Request | None = None
         self._bad: str | None = None  # why the connection's reading stopped
         self.bridge: AppBridge | None = None
 
@@ -218,7 +224,7 @@ class Connection(asyncio.Protocol):
         self.flow = FlowControl(self.transport)
         self.runner.connections.add(self)
         self._idle_since = self._loop.time()
-        self._arm(self.runner.keepalive_timeout)
+        self._idle_check()
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -232,8 +238,12 @@ class Connection(asyncio.Protocol):
             if not isinstance(e, (httptools.HttpParserError, ValueError)):
                 log.error("reading a request failed", exc_info=e)
             self._refuse(f"not HTTP/1.1 as read here: {e}")
-        if self._req is not None and self._head_bytes > http1.MAX_HEAD:
-            self._refuse(f"the request's head is longer than {http1.MAX_HEAD} bytes")
+        if self._req is not None and not self._req.raw_headers_done:
+            # A head not whole yet: the reads since the one it began in, all its
+            # (the whole head is measured once it is in: _read_head).
+            self._unfinished = 0 if self._unfinished < 0 else self._unfinished + len(data)
+            if self._unfinished > http1.MAX_HEAD:
+                self._refuse(f"the request's head is longer than {http1.MAX_HEAD} bytes")
 
     def eof_received(self) -> bool:
         return False  # close: connection_lost stops what is under way
@@ -241,11 +251,13 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = self._closing = True
         self.runner.connections.discard(self)
-        self._disarm()
-        for req in self._queue:
+        for timer in (self._idle_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        queue, self._queue = self._queue, deque()
+        for req in queue:
             if req.handler is not None:
                 req.handler.client_gone()
-        self._queue.clear()
         if self.bridge is not None:
             self.bridge.lost()
         self.runner.settle(self)
@@ -265,25 +277,21 @@ class Connection(asyncio.Protocol):
     # httptools' callbacks
 
     def on_message_begin(self) -> None:
-        self._head_bytes = 0
+        self._unfinished = -1  # begun in this read
         self._req = Request(self, b"")
 
     def on_url(self, url: bytes) -> None:
         assert self._req is not None
         self._req.url += url
-        self._head_bytes += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self._req is not None
-        # llhttp leaves a value's trailing spaces on; they are not part of it (RFC 9110 5.5).
-        self._req.raw_headers.append((name, value.rstrip(b" \t")))
-        self._head_bytes += len(name) + len(value) + 4
+        self._req.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         req = self._req
         assert req is not None
-        if self._head_bytes > http1.MAX_HEAD:
-            raise ValueError(f"the request's head is longer than {http1.MAX_HEAD} bytes")
+        req.raw_headers_done = True
         self._read_head(req)
         self._queue.append(req)
         if len(self._queue) > 1:
@@ -333,14 +341,18 @@ class Connection(asyncio.Protocol):
         req.method = parser.get_method().decode("ascii")
         req.http11 = parser.get_http_version() == "1.1"
         req.keep_alive = parser.should_keep_alive()
-        hosts = 0
-        for name, value in req.raw_headers:
-            lname = name.decode("latin-1").lower()
-            hosts += lname == "host"
-            req.headers.setdefault(lname, value.decode("latin-1"))
-        if req.http11 and hosts != 1:
-            # Raised in a parser callback: reading stops here (see _refuse).
+        # Raised in a parser callback, these stop the reading there (see _refuse).
+        raw = req.raw_headers
+        if sum(len(n) + len(v) + 4 for n, v in raw) + len(req.url) > http1.MAX_HEAD:
+            raise ValueError(f"the request's head is longer than {http1.MAX_HEAD} bytes")
+        names = [n.lower() for n, _ in raw]
+        if req.http11 and names.count(b"host") != 1:
             raise ValueError("an HTTP/1.1 request needs exactly one Host header")
+        # llhttp leaves a value's trailing spaces on; they are not part of it
+        # (RFC 9110 5.5). Of a name given twice, the first value is taken.
+        raw[:] = [(n, v.rstrip(b" \t")) for n, v in raw]
+        req.headers = dict(zip([n.decode("latin-1") for n in reversed(names)],
+                               [v.decode("latin-1") for _, v in reversed(raw)], strict=True))
         req.path = req.url.partition(b"?")[0].partition(b"#")[0].decode("latin-1")
         route = ROUTES.get(req.path) if req.method == "POST" else None
         if route is not None:
@@ -382,7 +394,7 @@ class Connection(asyncio.Protocol):
             self._wait_for_body(req)
             return
         req.started = True
-        self._disarm()
+        self._body_wait(None)
         try:
             req.handler = self.gw.serve(req)
         except Exception:
@@ -390,10 +402,10 @@ class Connection(asyncio.Protocol):
             req.crashed()
 
     def _wait_for_body(self, req: Request) -> None:
-        if self._timer is None or self._timer_for is not req:
+        if self._body_for is not req:
             if req.headers.get("expect", "").lower() == "100-continue":
                 self.write(_CONTINUE, True)
-            self._arm(self.gw.config.body_timeout, req)
+            self._body_wait(req)
 
     def finished(self, req: Request) -> None:
         """``req``'s answer is out: on to the next request."""
@@ -405,7 +417,7 @@ class Connection(asyncio.Protocol):
                 req.stream.feed_eof()
             assert self.flow is not None
             self.flow.resume("body")
-            self._arm(self.gw.config.body_timeout, req)
+            self._body_wait(req)
             return
         self._queue.popleft()
         if not req.complete or not req.keep_alive:
@@ -418,7 +430,6 @@ class Connection(asyncio.Protocol):
             self.flow.resume("pipelined")
         if not self._queue:
             self._idle_since = self._loop.time()
-            self._arm(self.runner.keepalive_timeout)
         self._advance()
         if not self._queue:
             self.runner.settle(self)
@@ -487,38 +498,35 @@ class Connection(asyncio.Protocol):
     def busy(self) -> bool:
         return bool(self._queue)
 
-    def _arm(self, seconds: float | None, req: Request | None = None) -> None:
-        self._disarm()
-        if seconds:
-            self._timer = self._loop.call_later(seconds, self._expired)
-            self._timer_for = req
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = self._timer_for = None
-
-    def _expired(self) -> None:
-        req, self._timer, self._timer_for = self._timer_for, None, None
-        if req is not None:
-            if req.discarding:
-                self.close()
-            elif self._queue and self._queue[0] is req and not req.started:
-                # A body that stopped coming: the gateway's own 408.
-                body = error(408, f"The request body did not arrive within "
-                             f"{self.gw.config.body_timeout:g} s.", "invalid_request_error",
-                             "request_timeout")
-                self.write(http1.response_head(408, body.headers.items(), len(body.body), False)
-                           + body.body, False)
-            return
-        if self._queue:
-            return  # a request under way: its own timers apply
-        # Idle, or inside a head, since the last answer: past the keep-alive, closed.
-        left = self._idle_since + self.runner.keepalive_timeout - self._loop.time()
+    def _idle_check(self) -> None:
+        """Idle, or inside a head, since the last answer: past the keep-alive, closed."""
+        keepalive = self.runner.keepalive_timeout
+        left = keepalive if self._queue else self._idle_since + keepalive - self._loop.time()
         if left > 0:
-            self._arm(left)
+            self._idle_timer = self._loop.call_later(left, self._idle_check)
         else:
             self.close()
+
+    def _body_wait(self, req: Request | None) -> None:
+        """Wait for ``req``'s body (None: no request waits any more)."""
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+        self._body_for, self._body_timer = req, None
+        if req is not None:
+            timeout = self.gw.config.body_timeout
+            self._body_timer = self._loop.call_later(timeout, self._body_late, req)
+
+    def _body_late(self, req: Request) -> None:
+        self._body_for = self._body_timer = None
+        if req.discarding:
+            self.close()
+        elif self._queue and self._queue[0] is req and not req.started:
+            # A body that stopped coming: the gateway's own 408.
+            body = error(408, f"The request body did not arrive within "
+                         f"{self.gw.config.body_timeout:g} s.", "invalid_request_error",
+                         "request_timeout")
+            self.write(http1.response_head(408, body.headers.items(), len(body.body), False)
+                       + body.body, False)
 
 
 class Runner:

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
 from llmgw_slurm.router.engine import Conn, EngineBroken, EnginePool, EngineUnreachable
@@ -209,8 +208,8 @@ class _Replay:
             asyncio.Queue()
         )
 
-    def head(self, conn: Conn, status: int, headers: CIMultiDict[str]) -> None:
-        ctype = headers.get("Content-Type", "")
+    def head(self, conn: Conn, status: int, headers: dict[str, str]) -> None:
+        ctype = headers.get("content-type", "")
         self.streams = status == 200 and ctype.startswith("text/event-stream")
         if not self.headed.done():
             self.headed.set_result(None)
