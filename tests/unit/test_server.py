@@ -885,3 +885,25 @@ def test_pipelined_requests_are_framed_as_the_reference_parser_frames_them(
         assert refused and requests[len(got)][1], (got, want)
     else:
         assert got == want
+
+
+async def test_aiohttps_routes_head_and_get_pipelined_with_the_request_path() -> None:
+    # A HEAD's answer has no body to wait for; the requests behind it are
+    # answered in order, by whichever side serves each.
+    async with gateway_stack() as st:
+        reader, writer = await asyncio.open_connection("127.0.0.1", st.port)
+        writer.write(
+            b"HEAD /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n"
+            + request()
+            + b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n"
+            + request()
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        chat = await read_answer(reader)
+        models = await read_answer(reader)
+        again = await read_answer(reader)
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200") and b"Content-Length" in head
+    assert chat[0] == again[0] == models[0] == 200
+    assert json.loads(chat[2])["choices"] and json.loads(models[2])["data"]
+    assert st.served == ["chat/completions"] * 2
