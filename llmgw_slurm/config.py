@@ -469,11 +469,9 @@ class RouterConfig:
     # that the scraper needs no admin token. Without either, /metrics leaves out
     # the series of models the caller may not use (access rules), as /v1/models.
     metrics_token_file: Path | None = None
-    # Default true: a plain (not streamed) chat, completion or embedding request
-    # with a ready replica is served by the gateway's fast lane
-    # (llmgw_slurm.router.fastlane) rather than aiohttp's server, which takes
-    # about a fifth off the gateway's CPU per such request (docs/performance.md).
-    # false: every request through aiohttp's server.
+    # Ignored: every OpenAI request takes the one request path (router/server.py);
+    # kept so that a server.yaml that sets it (the fast lane's switch, before
+    # that path) still loads.
     fast_lane: bool = True
 
     def _problems(self) -> list[tuple[str, str]]:

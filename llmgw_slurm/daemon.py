@@ -19,6 +19,7 @@ import resource
 import signal
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,13 @@ from llmgw_slurm.heap import HeapTrimmer, glibc_heap
 from llmgw_slurm.reconciler.core import ROUND_FAILED, Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.reportroute import report_route
-from llmgw_slurm.router import create_app, fastlane
+from llmgw_slurm.router import create_app
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
 from llmgw_slurm.router.metrics import tokens_gate
 from llmgw_slurm.router.quota import quota_book
+from llmgw_slurm.router.server import Runner as GatewayRunner
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import AdminToken, load_or_create_server_key, replica_secret
@@ -254,7 +256,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
 class Listeners:
     """The daemon's three ways in, open; :meth:`close` ends them and withdraws daemon.json."""
 
-    runners: list[web.AppRunner]
+    runners: list[web.AppRunner | GatewayRunner]
     runtime_dir: Path
     admin_socket: Path
     socket_inode: int = 0
@@ -321,17 +323,24 @@ async def open_listeners(
     out = Listeners([], runtime, admin_path)
     try:
         limiters = connection_limiters(server.connections)
-        for name, app, hp, ctx in (
-            ("gateway", d.gateway, server.listen.gateway, tls),
-            ("internal", d.internal, server.listen.internal, None),
-        ):
-            # The gateway's connections meet its fast lane first (router.fast_lane).
-            runner = (fastlane.Runner if name == "gateway" else web.AppRunner)(
-                app, **RUNNER_OPTIONS
-            )
-            await runner.setup()
-            out.runners.append(runner)
-            out.acceptors.append(_accept(name, runner, inherited, hp, limiters[name], ctx))
+        # The gateway's connections meet its own server (router.server), aiohttp's
+        # application behind it; the internal API is aiohttp's alone.
+        gateway = GatewayRunner(d.gateway, **RUNNER_OPTIONS)
+        await gateway.setup()
+        out.runners.append(gateway)
+        out.acceptors.append(
+            _accept("gateway", gateway.protocol, inherited, server.listen.gateway,
+                    limiters["gateway"], tls)
+        )
+        internal = web.AppRunner(d.internal, **RUNNER_OPTIONS)
+        await internal.setup()
+        out.runners.append(internal)
+        factory = internal.server
+        assert factory is not None, "the runner is set up"
+        out.acceptors.append(
+            _accept("internal", factory, inherited, server.listen.internal,
+                    limiters["internal"], None)
+        )
         d.guard.limiters = list(limiters.values())
         runner = web.AppRunner(d.admin, **RUNNER_OPTIONS)
         await runner.setup()
@@ -379,13 +388,14 @@ def connection_limiters(cfg: ConnectionsConfig) -> dict[str, ConnectionLimiter]:
 
 def _accept(
     name: str,
-    runner: web.AppRunner,
+    factory: Callable[[], asyncio.BaseProtocol],
     inherited: list[tuple[str, socket.socket]],
     hp: HostPort,
     limiter: ConnectionLimiter,
     ctx: ssl.SSLContext | None,
 ) -> Acceptor:
-    """Accept on the port ``name`` (systemd's socket, else one bound here) for ``runner``."""
+    """Accept on the port ``name`` (systemd's socket, else one bound here), each
+    connection served by a protocol ``factory`` makes."""
     sock = _inherited(inherited, name, hp)
     if sock is not None:
         log.info("%s: the socket systemd passed (%s)", name, sock.getsockname())
@@ -395,8 +405,6 @@ def _accept(
             socks = bind_listeners(hp.host, hp.port)
         except OSError as err:
             raise LlmgwError(f"listen.{name}: {err.strerror or err}") from None
-    factory = runner.server
-    assert factory is not None, "the runner is set up"
     acceptor = Acceptor(socks, factory, limiter, ssl=ctx)
     acceptor.start()
     return acceptor

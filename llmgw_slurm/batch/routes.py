@@ -83,7 +83,7 @@ Handler = Callable[[web.Request, BatchService, Caller], Awaitable[web.StreamResp
 def _keyed(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def wrapped(request: web.Request) -> web.StreamResponse:
         gw = request.app[GATEWAY_KEY]
-        key, denied = gw._authenticate(request)
+        key, denied = gw.authenticate(request)
         if denied is not None:
             return denied
         try:
@@ -201,9 +201,17 @@ async def _get_file(request: web.Request, svc: BatchService, who: Caller) -> web
 
 async def _file_content(request: web.Request, svc: BatchService, who: Caller) -> web.StreamResponse:
     rec = _file_or_404(svc, who.owner, request.match_info["file_id"])
-    return web.FileResponse(
-        svc.store.data_path(rec.id), headers={"Content-Type": "application/jsonl"}
-    )
+    path = svc.store.data_path(rec.id)
+    # In pieces, not aiohttp's FileResponse: its sendfile needs a socket, and
+    # the gateway's connections reach aiohttp through the gateway's own server.
+    resp = web.StreamResponse(headers={"Content-Type": "application/jsonl"})
+    resp.content_length = path.stat().st_size
+    await resp.prepare(request)
+    with path.open("rb") as f:
+        while piece := await asyncio.to_thread(f.read, _CHUNK):
+            await resp.write(piece)
+    await resp.write_eof()
+    return resp
 
 
 async def _delete_file(request: web.Request, svc: BatchService, who: Caller) -> web.StreamResponse:

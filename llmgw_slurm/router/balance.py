@@ -29,9 +29,8 @@ them), plus what the key bound sends it; a replica leaving gives up only its
 own keys, and keys that had walked past a full replica walk back as room
 opens. Keys move lazily, when next used.
 
-The key is set per request in :data:`REQUEST_KEY` (a context variable: the
-gateway's handler runs in a task of its own), so that the gateway's replica
-choice, called from several places, reads it without passing it along.
+The key is made at admission (``admit``, in the request's plan) and passed
+to the replica choice (``replicas.Replicas.pick``).
 """
 
 from __future__ import annotations
@@ -42,13 +41,11 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from contextvars import ContextVar
 from typing import Any
 
 __all__ = [
     "KEY_CAPACITY",
     "KEY_WINDOW_S",
-    "REQUEST_KEY",
     "VNODES",
     "Placement",
     "Ring",
@@ -68,9 +65,6 @@ KEY_WINDOW_S = 600.0
 # first): bounds its memory (a key is kept as its 8-byte hash) with many
 # distinct prompts, where an even split of keys matters least.
 KEY_CAPACITY = 4096
-
-REQUEST_KEY: ContextVar[str | None] = ContextVar("llmgw_prefix_key", default=None)
-
 
 def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")

@@ -24,18 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aiohttp import web
-
 from llmgw_slurm.config import RouterConfig
+from llmgw_slurm.router.answers import Reply, error
 from llmgw_slurm.router.keys import KeyRecord
 
 __all__ = ["HoldQueue", "Place"]
 
 
-def _too_many(message: str, code: str, retry_after: int | None) -> web.Response:
-    body = {"error": {"message": message, "type": "rate_limit_error", "param": None, "code": code}}
+def _too_many(message: str, code: str, retry_after: int | None) -> Reply:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return web.json_response(body, status=429, headers=headers)
+    return error(429, message, "rate_limit_error", code, headers)
 
 
 # (whose, the share's words in a refusal, its config field): in the order checked.
@@ -86,7 +84,7 @@ class HoldQueue:
         """How many requests of ``whose`` ``name`` wait for ``model``."""
         return self._shares.get((whose, name, model), 0)
 
-    def take(self, model: str, key: KeyRecord | None) -> Place | web.Response:
+    def take(self, model: str, key: KeyRecord | None) -> Place | Reply:
         """A place in ``model``'s queue for a request of ``key`` (None: keys off), or
         the 429 naming the queue or share that is full."""
         cfg = self.config

@@ -27,24 +27,23 @@ is answered ``response_not_stored``, naming the setting.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
-import aiohttp
 from aiohttp import web
-from opentelemetry import trace
 
-from llmgw_slurm.catalog import RESPONSES_STORE_ENV
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
-from llmgw_slurm.router.surface import Home, ResponseHomes
+from llmgw_slurm.router.engine import Conn, EngineBroken, EnginePool, EngineUnreachable
+from llmgw_slurm.router.surface import Home, ResponseHomes, not_stored_message
 
 if TYPE_CHECKING:
+    from llmgw_slurm.router.account import Tally
     from llmgw_slurm.router.keys import KeyRecord
     from llmgw_slurm.router.metrics import GatewayMetrics
-    from llmgw_slurm.router.relay import _Call
 
 
 class GatewayView(Protocol):
@@ -55,8 +54,7 @@ class GatewayView(Protocol):
     responses: ResponseHomes
     metrics: GatewayMetrics
 
-    @property
-    def session(self) -> aiohttp.ClientSession: ...
+    pool: EnginePool
 
     def authenticate(
         self, request: web.Request
@@ -112,17 +110,17 @@ def _replica(gw: GatewayView, home: Home) -> Endpoint | None:
 
 def handler(
     gw: GatewayView, action: str
-) -> Callable[[web.Request, str, _Call], Awaitable[web.StreamResponse]]:
+) -> Callable[[web.Request, str, Tally], Awaitable[web.StreamResponse]]:
     """The route's inner handler, for :meth:`Gateway.instrumented` (its span and metrics)."""
 
-    async def handle(request: web.Request, endpoint: str, call: _Call) -> web.StreamResponse:
-        return await _handle(gw, request, action, call)
+    async def handle(request: web.Request, endpoint: str, tally: Tally) -> web.StreamResponse:
+        return await _handle(gw, request, action, tally)
 
     return handle
 
 
 async def _handle(
-    gw: GatewayView, request: web.Request, action: str, call: _Call
+    gw: GatewayView, request: web.Request, action: str, tally: Tally
 ) -> web.StreamResponse:
     key, denied = gw.authenticate(request)
     if denied is not None:
@@ -132,10 +130,9 @@ async def _handle(
     owner = key.key_id if key is not None else ""
     if home is None or home.owner != owner or not gw.may_use(home.model, key):
         return _not_found(rid)
-    call.model = home.model
-    trace.get_current_span().set_attributes(
-        {"llmgw.model": home.model, "llmgw.replica_id": home.replica_id}
-    )
+    tally.model = home.model
+    tally.set("llmgw.model", home.model)
+    tally.set("llmgw.replica_id", home.replica_id)
     ep = _replica(gw, home)
     if ep is None:
         return _error(
@@ -149,73 +146,91 @@ async def _handle(
         path += "?" + request.query_string
     try:
         return await _forward(gw, request, action, home, ep, path)
-    except (aiohttp.ClientError, TimeoutError) as e:
+    except (EngineUnreachable, EngineBroken) as e:
         gw.metrics.upstream_errors.labels(home.model, "connect").inc()
-        return web.json_response(
-            {
-                "error": {
-                    "message": f"Could not reach replica {home.replica_id} of model "
-                    f"'{home.model}', which holds response '{rid}' ({type(e).__name__}).",
-                    "type": "server_error",
-                    "param": None,
-                    "code": "upstream_unavailable",
-                }
-            },
-            status=502,
+        return _upstream_error(
+            f"Could not reach replica {home.replica_id} of model '{home.model}', which "
+            f"holds response '{rid}' ({type(e).__name__}).",
+            "upstream_unavailable",
         )
 
 
 async def _forward(
     gw: GatewayView, request: web.Request, action: str, home: Home, ep: Endpoint, path: str
 ) -> web.StreamResponse:
-    session = gw.session
     headers = {
         "Authorization": f"Bearer {ep.api_key}",
         "Accept": request.headers.get("Accept", "*/*"),
         "Accept-Encoding": "identity",
     }
+    replay = _Replay()
+    fetching = asyncio.ensure_future(
+        gw.pool.fetch(ep.base_url, ep.ssl, request.method, path, headers, sink=replay)
+    )
     gw.directory.request_started(home.model, ep.replica_id)
     try:
-        async with session.request(
-            request.method,
-            ep.base_url.rstrip("/") + path,
-            headers=headers,
-            ssl=ep.ssl if ep.ssl is not None else True,
-        ) as upstream:
-            ctype = upstream.headers.get("Content-Type", "")
-            out = {"X-Llmgw-Replica": ep.replica_id}
-            if upstream.status == 200 and ctype.startswith("text/event-stream"):
-                return await _stream(request, upstream, out)
-            data = await upstream.read()
+        await asyncio.wait((fetching, replay.headed), return_when=asyncio.FIRST_COMPLETED)
+        out = {"X-Llmgw-Replica": ep.replica_id}
+        if replay.streams:
+            return await _stream(request, replay, out)
+        answer = await fetching
     finally:
         gw.directory.request_finished(home.model, ep.replica_id)
+        if not fetching.done():
+            fetching.cancel()  # the client went away: the engine's connection is cut
+    data = b"".join(replay.parts)
     rid = request.match_info["response_id"]
-    if upstream.status in (401, 403):
-        return web.json_response(
-            {
-                "error": {
-                    "message": f"The replica of model '{home.model}' refused the "
-                    "gateway's engine key.",
-                    "type": "server_error",
-                    "param": None,
-                    "code": "upstream_auth_failed",
-                }
-            },
-            status=502,
+    if answer.status in (401, 403):
+        return _upstream_error(
+            f"The replica of model '{home.model}' refused the gateway's engine key.",
+            "upstream_auth_failed",
         )
-    if action == "delete" and upstream.status in (200, 204, 404, 405):
+    if action == "delete" and answer.status in (200, 204, 404, 405):
         gw.responses.forget(rid)
-        if upstream.status == 405:
+        if answer.status == 405:
             return web.json_response(
                 {"id": rid, "object": "response", "deleted": True}, headers=out
             )
-    if upstream.status == 404 and action != "delete" and _stores_none(gw, home.model):
+    if answer.status == 404 and action != "delete" and _stores_none(gw, home.model):
         return _not_stored(rid, home.model)
-    if upstream.status == 200 and action == "retrieve":
+    if answer.status == 200 and action == "retrieve":
         _count_background(gw, request, home, rid, data)
-    if ctype:
-        out["Content-Type"] = ctype
-    return web.Response(status=upstream.status, body=data, headers=out)
+    if "Content-Type" in answer.headers:
+        out["Content-Type"] = answer.headers["Content-Type"]
+    return web.Response(status=answer.status, body=data, headers=out)
+
+
+def _upstream_error(message: str, code: str) -> web.Response:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return web.json_response(body, status=502)
+
+
+class _Replay:
+    """An engine's answer as it comes (``engine.Sink``): read whole, or, a
+    200 ``text/event-stream``, queued for the client as it arrives."""
+
+    def __init__(self) -> None:
+        self.headed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.streams = False
+        self.parts: list[bytes] = []
+        self.pieces: asyncio.Queue[bytes | EngineBroken | EngineUnreachable | None] = (
+            asyncio.Queue()
+        )
+
+    def head(self, conn: Conn, status: int, headers: dict[str, str]) -> None:
+        ctype = headers.get("content-type", "")
+        self.streams = status == 200 and ctype.startswith("text/event-stream")
+        if not self.headed.done():
+            self.headed.set_result(None)
+
+    def data(self, data: bytes) -> None:
+        if self.streams:
+            self.pieces.put_nowait(data)
+        else:
+            self.parts.append(data)
+
+    def end(self, error: EngineUnreachable | EngineBroken | None) -> None:
+        self.pieces.put_nowait(error)
 
 
 def _stores_none(gw: GatewayView, model: str) -> bool:
@@ -223,17 +238,6 @@ def _stores_none(gw: GatewayView, model: str) -> bool:
     get = getattr(gw.directory, "routing", None)
     routing = get(model) if get is not None else None
     return isinstance(routing, ModelRouting) and routing.stores_responses is False
-
-
-def not_stored_message(rid: str, model: str) -> str:
-    """Why a response of ``model`` (whose engine keeps none) cannot be had, and the fix."""
-    return (
-        f"Response '{rid}' was not kept by model '{model}': its engine, vLLM, keeps "
-        f"responses only when started with {RESPONSES_STORE_ENV}=1, which the model's "
-        f'catalog entry does not set (engine.env: {{{RESPONSES_STORE_ENV}: "1"}}); ask '
-        "the admin to set it. Until then send the whole conversation as input (a "
-        "response made with store: false is never kept either)."
-    )
 
 
 def _not_stored(rid: str, model: str) -> web.Response:
@@ -264,7 +268,7 @@ def _count(gw: GatewayView, request: web.Request, home: Home, rid: str, usage: A
 
 
 async def _stream(
-    request: web.Request, upstream: aiohttp.ClientResponse, out: dict[str, str]
+    request: web.Request, replay: _Replay, out: dict[str, str]
 ) -> web.StreamResponse:
     """A replayed background stream (``?stream=true``), passed through as it comes.
 
@@ -274,12 +278,14 @@ async def _stream(
         headers={**out, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
-    try:
-        async for chunk in upstream.content.iter_any():
-            await resp.write(chunk)
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+    while (piece := await replay.pieces.get()) is not None:
+        if isinstance(piece, bytes):
+            await resp.write(piece)
+            continue
         # The answer began: an error event, not a second answer. vLLM 0.32
         # cuts the replay of a response not made streamed.
-        await resp.write(_cut_event(type(e).__name__))
+        cause = piece.cause if isinstance(piece, EngineBroken) else type(piece).__name__
+        await resp.write(_cut_event(cause))
+        break
     await resp.write_eof()
     return resp

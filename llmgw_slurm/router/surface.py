@@ -16,21 +16,18 @@ What each needs of the gateway that the first three did not:
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
-from aiohttp import StreamReader
-
-from llmgw_slurm.router.relay import _SseRelay
+from llmgw_slurm.catalog import RESPONSES_STORE_ENV
 
 __all__ = [
     "ROUTES",
     "ModelField",
     "ResponseHomes",
-    "ResponsesRelay",
     "Route",
     "Upload",
     "UploadProblem",
@@ -78,33 +75,6 @@ def upstream_path(endpoint: str) -> str:
     return _UPSTREAM.get(endpoint) or f"/v1/{endpoint}"
 
 
-class ResponsesRelay(_SseRelay):
-    """The SSE relay for ``/v1/responses``: usage and the response id come in
-    the ``response.completed`` event, inside its ``response`` object."""
-
-    def __init__(self) -> None:
-        super().__init__(strip_usage_chunk=False)
-        self.response_id: str | None = None
-
-    def _keep(self, event: bytes) -> bool:
-        # Called only for events with a usage object in them (see _SseRelay.feed).
-        for line in event.splitlines():
-            if not line.startswith(b"data:"):
-                continue
-            try:
-                obj = json.loads(line[5:])
-            except ValueError:
-                continue
-            resp = obj.get("response") if isinstance(obj, dict) else None
-            if not isinstance(resp, dict):
-                continue
-            if isinstance(resp.get("usage"), dict):
-                self.usage = resp["usage"]
-            if isinstance(resp.get("id"), str):
-                self.response_id = resp["id"]
-        return True
-
-
 @dataclass(frozen=True, slots=True)
 class Home:
     """Where a response was made: its model, and one run of one replica."""
@@ -145,6 +115,13 @@ class ResponseHomes:
 
     def __len__(self) -> int:
         return len(self._homes)
+
+
+class Body(Protocol):
+    """A request body read as it arrives (the server's ``BodyStream``)."""
+
+    async def readany(self) -> bytes:
+        """The next bytes of it; b"" at its end."""
 
 
 class UploadProblem(Exception):
@@ -224,7 +201,7 @@ def _find_model(buf: bytes, boundary: bytes) -> ModelField | None:
 
 
 async def read_model_field(
-    content: StreamReader, boundary: bytes, limit: int, timeout: float
+    content: Body, boundary: bytes, limit: int, timeout: float
 ) -> ModelField:
     """Read a multipart body as far as its model field (at most ``limit`` bytes)."""
     buf = b""
@@ -263,7 +240,7 @@ class Upload:
     slow), for the answer to the client.
     """
 
-    def __init__(self, head: bytes, content: StreamReader, limit: int, idle_timeout: float) -> None:
+    def __init__(self, head: bytes, content: Body, limit: int, idle_timeout: float) -> None:
         self.head = head
         self._content = content
         self._limit = limit
@@ -297,3 +274,14 @@ class Upload:
                 )
                 raise self.problem
             yield chunk
+
+
+def not_stored_message(rid: str, model: str) -> str:
+    """Why a response of ``model`` (whose engine keeps none) cannot be had, and the fix."""
+    return (
+        f"Response '{rid}' was not kept by model '{model}': its engine, vLLM, keeps "
+        f"responses only when started with {RESPONSES_STORE_ENV}=1, which the model's "
+        f'catalog entry does not set (engine.env: {{{RESPONSES_STORE_ENV}: "1"}}); ask '
+        "the admin to set it. Until then send the whole conversation as input (a "
+        "response made with store: false is never kept either)."
+    )

@@ -5,32 +5,18 @@ from __future__ import annotations
 import asyncio
 import shutil
 import ssl
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import openai
-import pytest
 from aiohttp import web
 
-from llmgw_slurm.router import GATEWAY_KEY, fastlane
+from llmgw_slurm.router import GATEWAY_KEY
+from llmgw_slurm.router.server import Runner
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from llmgw_slurm.tls import Identity, make_engine_tls
 from tests.ports import free_port
-
-# Whether the gateway under test takes streams on its fast lane (see stream_path).
-FAST_LANE = [True]
-
-
-@pytest.fixture(params=["lane", "aiohttp"])
-def stream_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A stream test on each of the gateway's two stream paths: the fast lane's
-    (relay.LaneSink, on the gateway's own client) and aiohttp's (relay._Pipe,
-    on aiohttp's client). A test about one path parametrizes it itself
-    (``indirect=True``); a module's gateway reads FAST_LANE."""
-    FAST_LANE[0] = request.param == "lane"
-    yield request.param
-    FAST_LANE[0] = True
 
 
 @asynccontextmanager
@@ -45,16 +31,19 @@ async def serve(
     """Serve ``app`` on 127.0.0.1; yields its base URL."""
     # handler_cancellation as the daemon runs it: a client that goes away
     # cancels its handler.
-    # A gateway app on the daemon's runner (its fast lane first when its config turns it on).
-    make = fastlane.Runner if GATEWAY_KEY in app else web.AppRunner
     opts: dict[str, Any] = {"handler_cancellation": handler_cancellation, "access_log": None}
     if keepalive_timeout is not None:
         opts["keepalive_timeout"] = keepalive_timeout
-    runner = make(app, **opts)
-    await runner.setup()
     port = port or free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=ssl_context)
-    await site.start()
+    runner: Runner | web.AppRunner
+    if GATEWAY_KEY in app:  # a gateway app, on the daemon's runner (router.server)
+        runner = Runner(app, **opts)
+        await runner.setup()
+        await runner.start("127.0.0.1", port, ssl_context)
+    else:
+        runner = web.AppRunner(app, **opts)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, ssl_context=ssl_context).start()
     scheme = "https" if ssl_context is not None else "http"
     try:
         yield f"{scheme}://127.0.0.1:{port}"

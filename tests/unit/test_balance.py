@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import AsyncExitStack
 
@@ -11,7 +12,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_slurm.router import GATEWAY_KEY, Endpoint, StaticDirectory, balance, create_app
+from llmgw_slurm.router import GATEWAY_KEY, Endpoint, StaticDirectory, create_app
 from llmgw_slurm.router.balance import Placement, Ring, bound, choose, key_bound, prefix_key
 from llmgw_slurm.router.directory import ModelRouting
 
@@ -338,21 +339,18 @@ def test_a_retry_elsewhere_or_a_draining_replica_moves_the_key_only_when_it_leav
     for i in range(3):
         directory.add_endpoint("tiny", Endpoint(f"r{i}", f"http://127.0.0.1:{9000 + i}", "k"))
     gw = create_app(directory)[GATEWAY_KEY]
-    token = balance.REQUEST_KEY.set("shared system prompt")
-    try:
-        first = gw._pick("tiny")
-        assert first is not None
-        home = first.replica_id
-        # A retry that leaves the key's replica out goes elsewhere, once: the key stays.
-        other = gw._pick("tiny", exclude=frozenset({home}))
-        assert other is not None and other.replica_id != home
-        assert gw.placements["tiny"].home("shared system prompt") == home
-        again = gw._pick("tiny")
-        assert again is not None and again.replica_id == home
-        # A draining replica takes no new work: its keys live elsewhere from now on.
-        directory.set_draining("tiny", home, True)
-        moved = gw._pick("tiny")
-        assert moved is not None and moved.replica_id != home
-        assert gw.placements["tiny"].home("shared system prompt") == moved.replica_id
-    finally:
-        balance.REQUEST_KEY.reset(token)
+    pick = functools.partial(gw.replicas.pick, "tiny", "shared system prompt")
+    first = pick()
+    assert first is not None
+    home = first.replica_id
+    # A retry that leaves the key's replica out goes elsewhere, once: the key stays.
+    other = pick(exclude=frozenset({home}))
+    assert other is not None and other.replica_id != home
+    assert gw.placements["tiny"].home("shared system prompt") == home
+    again = pick()
+    assert again is not None and again.replica_id == home
+    # A draining replica takes no new work: its keys live elsewhere from now on.
+    directory.set_draining("tiny", home, True)
+    moved = pick()
+    assert moved is not None and moved.replica_id != home
+    assert gw.placements["tiny"].home("shared system prompt") == moved.replica_id

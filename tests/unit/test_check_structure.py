@@ -1,4 +1,4 @@
-"""scripts/check-structure: each of its three rules fails on a small bad package."""
+"""scripts/check-structure: each of its rules fails on a small bad package."""
 
 from __future__ import annotations
 
@@ -49,6 +49,17 @@ def test_a_function_over_80_lines_fails_naming_file_and_line(tmp_path: Path) -> 
     result = _run(pkg)
     assert result.returncode == 1
     assert "pkg/a.py:4: function too_long is 81 lines (at most 80)" in result.stderr
+
+
+def test_a_function_over_60_lines_in_a_router_folder_fails(tmp_path: Path) -> None:
+    pkg = _tree(
+        tmp_path,
+        {"router/__init__.py": "", "router/a.py": _function("long", 60), "b.py": _function("ok", 60)},
+    )
+    result = _run(pkg)
+    assert result.returncode == 1
+    assert "pkg/router/a.py:1: function long is 61 lines (at most 60)" in result.stderr
+    assert "b.py" not in result.stderr
 
 
 def test_a_class_name_defined_twice_fails_naming_both_places(tmp_path: Path) -> None:

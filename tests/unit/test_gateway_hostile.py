@@ -20,7 +20,6 @@ from typing import Any
 import aiohttp
 import pytest
 from _router_support import engine, eventually, free_port, serve
-from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_router import post, stack  # type: ignore[import-not-found]
@@ -32,8 +31,8 @@ from llmgw_slurm.router import (
     RouterConfig,
     StaticDirectory,
     create_app,
-    fastlane,
 )
+from llmgw_slurm.router.server import Runner
 
 CHAT = "/v1/chat/completions"
 
@@ -338,17 +337,16 @@ async def test_a_client_stalled_in_its_headers_is_disconnected() -> None:
     assert 0 < RUNNER_OPTIONS["keepalive_timeout"] <= 120
     opts = {**RUNNER_OPTIONS, "keepalive_timeout": 1.0}
     app = create_app(StaticDirectory([ModelInfo("tiny")]), RouterConfig())
-    runner = fastlane.Runner(app, **opts)  # the daemon's, for the gateway
+    runner = Runner(app, **opts)  # the daemon's, for the gateway
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await runner.start("127.0.0.1", 0)
     try:
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = runner.addresses[0][1]
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
         assert await _closed_within(s, 30) is not None
         s.close()
-        # One that sends nothing at all: the fast lane's own keep-alive timer.
+        # One that sends nothing at all: the server's own keep-alive timer.
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         assert await _closed_within(s, 30) is not None
         s.close()

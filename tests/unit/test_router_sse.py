@@ -8,7 +8,8 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw_slurm.router.relay import _USAGE_SET, _SseRelay
+from llmgw_slurm.router.sse import USAGE_SET as _USAGE_SET
+from llmgw_slurm.router.sse import SseRelay as _SseRelay
 
 
 def _events(n: int, with_usage: bool, sep: bytes) -> list[bytes]:

@@ -4,16 +4,11 @@ The engine here is a bare asyncio server that speaks just enough HTTP/1.1 to
 answer the gateway (keep-alive, a chunked event stream), so that each test
 chooses where the chunks split, when the engine stops, and whether the
 terminating chunk ever comes.
-
-Each test runs on both of the gateway's stream paths: the fast lane's
-(relay.LaneSink, on the gateway's own client) and aiohttp's (relay._Pipe,
-on aiohttp's client), unless it is about one of them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from _router_support import FAST_LANE, eventually, serve, stream_path  # noqa: F401
+from _router_support import eventually, serve
 
 from llmgw_slurm.router import (
     GATEWAY_KEY,
@@ -34,7 +29,6 @@ from llmgw_slurm.router import (
     StaticDirectory,
     create_app,
 )
-from llmgw_slurm.router import relay as relay_mod
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 END = b"0\r\n\r\n"
@@ -56,9 +50,6 @@ def text(t: str) -> bytes:
 USAGE = event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-pytestmark = pytest.mark.usefixtures("stream_path")
-
 
 @dataclass
 class Engine:
@@ -114,9 +105,7 @@ async def stack(
     eng.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     directory = StaticDirectory([ModelInfo("tiny")])
     directory.add_endpoint("tiny", Endpoint("r0", eng.url, "k"))
-    app = create_app(
-        directory, dataclasses.replace(config or RouterConfig(), fast_lane=FAST_LANE[0])
-    )
+    app = create_app(directory, config or RouterConfig())
     async with AsyncExitStack() as es:
         es.push_async_callback(server.wait_closed)
         es.callback(server.close)
@@ -322,57 +311,6 @@ async def test_a_body_begun_in_any_place_with_the_headers_is_undone() -> None:
             r = await s.post(st.url + "/v1/completions", json=BODY)
             assert await r.read() == b"".join(data)
         assert st.engine.connections == 1
-
-
-@pytest.mark.parametrize("stream_path", ["aiohttp"], indirect=True)  # _Pipe's own
-async def test_the_relay_reads_raw_with_this_aiohttp(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The raw mode rests on aiohttp's private StreamReader._http_chunk_splits.
-
-    Without it the relay still works, only slower, through aiohttp's parser:
-    every other test here would pass. This one fails instead, so that an
-    aiohttp that renamed or dropped the attribute is noticed (setup.cfg pins
-    the range these tests ran on).
-    """
-    raw_reads: list[bytes] = []
-    unchunk = relay_mod._Pipe._unchunk
-
-    def spy(self: relay_mod._Pipe, data: bytes) -> None:
-        raw_reads.append(data)
-        unchunk(self, data)
-
-    monkeypatch.setattr(relay_mod._Pipe, "_unchunk", spy)
-    events = [text(t) for t in "abc"] + [USAGE, DONE]
-
-    passed = asyncio.Queue[None]()
-
-    async def script(_: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await head_alone(w)
-        for e in events:
-            w.write(chunk(e))
-            await w.drain()
-            if e is not USAGE:
-                # Each chunk in a read of its own: the next one only once the
-                # client has this one (the usage event does not reach it).
-                await passed.get()
-        w.write(END)
-
-    async with stack(script) as st, aiohttp.ClientSession() as s:
-        r = await s.post(st.url + "/v1/completions", json=BODY)
-        got = b""
-        for e in [*events[:3], DONE]:
-            while len(got) < len(e):
-                got += await r.content.readany()
-            assert got[: len(e)] == e
-            got = got[len(e) :]
-            passed.put_nowait(None)
-        assert await r.read() == b""
-        assert st.engine.connections == 1
-    assert hasattr(r.content, "_http_chunk_splits"), (
-        "aiohttp's StreamReader has no _http_chunk_splits any more: the relay's raw "
-        "mode (llmgw_slurm/router/relay.py, _Pipe._at_chunk_end) never starts"
-    )
-    # The first chunk goes through aiohttp; each one after it is read raw.
-    assert b"".join(raw_reads) == b"".join(chunk(e) for e in events[1:]) + END
 
 
 async def test_chunk_extensions_and_trailers_are_understood() -> None:

@@ -6,8 +6,7 @@ client that reads to ``finish_reason`` and hangs up used to leave before that
 chunk, and the relay returned without counting anything: 20 such streams made
 800 tokens in vLLM and were counted as 280. The engine here does what vLLM
 does (the usage chunk comes a moment after the last token) and keeps its own
-counters to compare with. Each test runs on both of the gateway's stream
-paths (_router_support.stream_path).
+counters to compare with.
 """
 
 from __future__ import annotations
@@ -20,17 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import pytest
-from _router_support import FAST_LANE, eventually, serve, stream_path  # noqa: F401
+from _router_support import eventually, serve
 from aiohttp import web
 
 from llmgw_slurm.router import Endpoint, ModelInfo, RouterConfig, StaticDirectory, create_app
 from llmgw_slurm.router.usage import UsageStore, query_usage
 
 TOKENS = 40
-
-pytestmark = pytest.mark.usefixtures("stream_path")
-
 
 @dataclass
 class Counters:
@@ -88,7 +83,7 @@ async def gateway(
     async with serve(engine_app(c, usage_after, endless, pace)) as eurl:
         directory = StaticDirectory([ModelInfo("m")])
         directory.add_endpoint("m", Endpoint("r0", eurl, "k"))
-        config = RouterConfig(**cfg, fast_lane=FAST_LANE[0])  # type: ignore[arg-type]
+        config = RouterConfig(**cfg)  # type: ignore[arg-type]
         app = create_app(directory, config, usage=store)
         async with serve(app) as url:
             yield url, store

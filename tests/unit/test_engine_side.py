@@ -1,5 +1,7 @@
-"""The gateway's client for answers read whole (router/upstream.py), against real
-sockets: scripted servers that answer as engines do, and as broken ones do."""
+"""The gateway's engine side (router/engine.py), against real sockets: scripted
+servers that answer as engines do, as broken ones do, and as a desync would
+(the strict cases: each ends in a closed connection and a clean error, never
+a reused connection)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_slurm.router.upstream import UpstreamBroken, UpstreamPool, UpstreamUnreachable
+from llmgw_slurm.router.engine import Answer, EngineBroken, EnginePool, EngineUnreachable
 from llmgw_slurm.tls import client_context, make_identity
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
@@ -80,8 +82,18 @@ async def keep_answering(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Se
         await w.drain()
 
 
-def pool(read_timeout: float | None = 5.0) -> UpstreamPool:
-    return UpstreamPool(connect_timeout=5.0, read_timeout=read_timeout)
+class Pool(EnginePool):
+    """The pool, with a POST as the request path sends one."""
+
+    async def post(
+        self, url: str, pinned: ssl.SSLContext | None, path: str, headers: dict[str, str],
+        body: bytes,
+    ) -> Answer:  # fmt: skip
+        return await self.fetch(url, pinned, "POST", path, headers, body)
+
+
+def pool(read_timeout: float | None = 5.0) -> Pool:
+    return Pool(connect_timeout=5.0, read_timeout=read_timeout)
 
 
 async def test_answers_by_content_length_on_one_kept_alive_connection() -> None:
@@ -180,7 +192,7 @@ async def test_an_engine_that_takes_the_request_and_closes_is_unreachable() -> N
 
     async with serve(script) as s:
         p = pool()
-        with pytest.raises(UpstreamUnreachable) as e:
+        with pytest.raises(EngineUnreachable) as e:
             await p.post(s.url, None, "/x", {}, b"")
         p.close()
     assert not e.value.timed_out
@@ -195,7 +207,7 @@ async def test_an_answer_that_breaks_off_is_broken_not_unreachable() -> None:
 
     async with serve(script) as s:
         p = pool()
-        with pytest.raises(UpstreamBroken) as e:
+        with pytest.raises(EngineBroken) as e:
             await p.post(s.url, None, "/x", {}, b"")
         p.close()
     assert e.value.cause == "Closed"
@@ -227,7 +239,7 @@ async def test_what_is_not_http_is_broken(wire: bytes, cause: str) -> None:
 
     async with serve(script) as s:
         p = pool()
-        with pytest.raises(UpstreamBroken) as e:
+        with pytest.raises(EngineBroken) as e:
             await p.post(s.url, None, "/x", {}, b"")
         p.close()
     assert e.value.cause == cause
@@ -244,7 +256,7 @@ async def test_a_silent_engine_times_out_and_the_request_is_not_sent_again() -> 
     async with serve(script) as s:
         p = pool(read_timeout=0.2)
         await p.post(s.url, None, "/x", {}, b"")
-        with pytest.raises(UpstreamUnreachable) as e:
+        with pytest.raises(EngineUnreachable) as e:
             await p.post(s.url, None, "/x", {}, b"")
         p.close()
     # A kept-alive connection, but silent, not closed: not resent on a new one.
@@ -270,7 +282,7 @@ async def test_each_request_on_a_kept_alive_connection_gets_its_whole_read_timeo
         assert (await p.post(s.url, None, "/x", {}, b"")).body == b"1"
         await asyncio.sleep(0.8)
         assert (await p.post(s.url, None, "/x", {}, b"")).body == b"2"
-        with pytest.raises(UpstreamUnreachable) as e:
+        with pytest.raises(EngineUnreachable) as e:
             await p.post(s.url, None, "/x", {}, b"")
         p.close()
     assert e.value.timed_out and s.connections == 1
@@ -298,7 +310,7 @@ async def test_a_cancelled_request_closes_its_connection() -> None:
 async def test_no_engine_at_the_address_is_unreachable() -> None:
     async with serve(keep_answering) as s:
         url = s.url
-    with pytest.raises(UpstreamUnreachable):
+    with pytest.raises(EngineUnreachable):
         await pool().post(url, None, "/x", {}, b"")
 
 
@@ -324,10 +336,92 @@ async def test_a_squatter_without_the_pinned_certificate_gets_nothing(tmp_path: 
 
     p = pool()
     async with serve(keep_answering, server_ctx(squatter.cert_file, squatter.key_file)) as s:
-        with pytest.raises(UpstreamUnreachable, match="cannot connect"):
+        with pytest.raises(EngineUnreachable, match="cannot connect"):
             await p.post(s.url, pinned, "/x", {"Authorization": "Bearer secret"}, b"prompt")
     assert s.requests == []
     async with serve(keep_answering, server_ctx(engine.cert_file, engine.key_file)) as s:
         got = [await p.post(s.url, pinned, "/x", {}, b"") for _ in range(2)]
     p.close()
     assert [g.status for g in got] == [200, 200] and s.connections == 1
+
+
+# ---- strict: framing in doubt closes the connection ---------------------------------
+
+OK_BODY = b'{"ok": true}'
+CRAFTED = {
+    "two-lengths": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 12\r\n\r\n" + OK_BODY,
+    "underscored-length": b"HTTP/1.1 200 OK\r\nContent-Length: 1_2\r\n\r\n" + OK_BODY,
+    "plus-length": b"HTTP/1.1 200 OK\r\nContent-Length: +12\r\n\r\n" + OK_BODY,
+    "minus-length": b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n" + OK_BODY,
+    "length-and-chunked": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"c\r\n" + OK_BODY + b"\r\n0\r\n\r\n"
+    ),
+    "unknown-coding": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: xchunked\r\n\r\nc\r\n" + OK_BODY + b"\r\n0\r\n\r\n"
+    ),
+    "gzip-then-chunked": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\nc\r\n" + OK_BODY
+        + b"\r\n0\r\n\r\n"
+    ),
+    "obs-fold": b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\nContent-Length: 12\r\n\r\n" + OK_BODY,
+    "status-99999": b"HTTP/1.1 99999 OK\r\nContent-Length: 12\r\n\r\n" + OK_BODY,
+    "non-ascii-digit": "HTTP/1.1 2\u0660\u0660 OK\r\nContent-Length: 12\r\n\r\n".encode() + OK_BODY,
+    "http-2-status-line": b"HTTP/2.0 200 OK\r\nContent-Length: 12\r\n\r\n" + OK_BODY,
+    "truncated-chunk": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nc\r\n" + OK_BODY[:5],
+    "oversized-head": b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * 70_000 + b"\r\n\r\n",
+}
+
+
+def crafted_then_plain(wire: bytes, close: bool = False) -> Script:
+    """The first request on the first connection gets ``wire`` (then the
+    close, ``close``); everything after, plain."""
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        first = s.connections == 1
+        while await read_request(r, s):
+            if first:
+                w.write(wire)
+                await w.drain()
+                first = False
+                if close:
+                    w.close()
+                    s.closed_by_client.set()  # nothing to wait for
+                    return
+                # Whatever the gateway does next, it is not another request here.
+                if await r.read(1) == b"":
+                    s.closed_by_client.set()
+                return
+            w.write(answer(OK_BODY))
+            await w.drain()
+
+    return script
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+async def test_an_answer_with_framing_in_doubt_is_broken_and_its_connection_closed(
+    name: str,
+) -> None:
+    async with serve(crafted_then_plain(CRAFTED[name], close=name == "truncated-chunk")) as s:
+        p = pool()
+        with pytest.raises(EngineBroken) as e:
+            await p.post(s.url, None, "/x", {}, b"")
+        await asyncio.wait_for(s.closed_by_client.wait(), 10)
+        # Never reused: the next request goes on a new connection.
+        got = await p.post(s.url, None, "/x", {}, b"")
+        p.close()
+    assert e.value.cause in ("BadHeaders", "BadStatusLine", "BadChunk", "Closed"), e.value
+    assert got.body == OK_BODY and s.connections == 2
+
+
+async def test_bytes_past_a_whole_answer_leave_it_whole_and_the_connection_unused() -> None:
+    # A second answer nobody asked for is a desync's sign: the first is the
+    # answer, and the connection is never used again.
+    wire = answer(OK_BODY) + answer(b'{"smuggled": 1}')
+    async with serve(crafted_then_plain(wire)) as s:
+        p = pool()
+        first = await p.post(s.url, None, "/x", {}, b"")
+        await asyncio.wait_for(s.closed_by_client.wait(), 10)
+        second = await p.post(s.url, None, "/x", {}, b"")
+        p.close()
+    assert first.body == second.body == OK_BODY and s.connections == 2

@@ -1,0 +1,468 @@
+"""The engine side: kept-alive HTTP/1.1 connections to the engines, read strictly.
+
+One request at a time on a connection; its answer goes, as it is read, to the
+request's :class:`Sink` (its head, its body's pieces with the framing undone,
+its end), from the connection's own callbacks. The answer is read by
+httptools (llhttp), and strictly: an answer whose framing is in doubt (two
+Content-Lengths, a signed one, Content-Length with Transfer-Encoding, a
+Transfer-Encoding other than chunked, a folded header, a bad status line or
+chunk, a head past :data:`http1.MAX_HEAD`, bytes nobody asked for) is an
+:class:`EngineBroken`, and its connection is closed, never reused: the
+request fails over as for any engine error. Nothing raises out of a callback.
+
+How an answer ends, for the sink: ``end(None)`` whole; ``end(EngineUnreachable)``
+no byte came back (the request may go elsewhere); ``end(EngineBroken)`` it
+began and broke off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterable
+from dataclasses import dataclass
+from typing import Protocol, cast
+from urllib.parse import urlsplit
+
+import httptools
+from multidict import CIMultiDict
+
+from llmgw_slurm.router import http1
+
+__all__ = ["Answer", "Conn", "EngineBroken", "EnginePool", "EngineUnreachable", "Sink"]
+
+log = logging.getLogger(__name__)
+
+# An idle connection older than this is closed, not reused: uvicorn (vLLM,
+# SGLang) closes its idle connections after 5 s, and a request written as the
+# engine closes is lost on the wire.
+IDLE_S = 4.0
+_MAX_IDLE = 256  # idle connections kept per engine
+_MAX_TARGETS = 4096  # base URLs parsed and kept (far more than a site's replicas)
+
+
+class EngineUnreachable(Exception):
+    """No byte of an answer came back: the engine did not take the request, or
+    died (or was silent past the read timeout, ``timed_out``) before answering."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class EngineBroken(Exception):
+    """The answer began and broke off, or was not HTTP read strictly; ``cause``
+    names what happened, for the client's error message."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class Sink(Protocol):
+    """Where an answer goes as it is read; called from the connection's callbacks."""
+
+    def head(self, conn: Conn, status: int, headers: dict[str, str]) -> None:
+        """The answer's head (``headers``: names in lower case, the last of a name's values)."""
+
+    def data(self, data: bytes) -> None: ...
+
+    def end(self, error: EngineUnreachable | EngineBroken | None) -> None:
+        """The answer is whole (None) or failed; the connection is no longer the sink's."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An engine's whole answer."""
+
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    host: str
+    port: int
+    ssl: ssl.SSLContext | None
+    netloc: str
+    path: str  # the base URL's own path, before the endpoint's
+
+
+# One read buffer for every connection: a transport fills it and hands it over
+# in one synchronous step (buffer_updated), so no two reads overlap. As a
+# plain protocol, asyncio's TLS layer decrypts each read into a fresh 256 KiB
+# bytes object: on a stream, a read an event.
+_READ_BUFFER = memoryview(bytearray(64 * 1024))
+
+
+class _Strict(Exception):
+    """What llhttp accepts and the gateway does not (raised inside a parser callback)."""
+
+
+class Conn(asyncio.BufferedProtocol):
+    """One connection to an engine; see the module's docstring."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout: float | None) -> None:
+        self._loop = loop
+        self._read_timeout = read_timeout
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reusable = True
+        self.idle_since = time.monotonic()
+        self._sink: Sink | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._headers: dict[str, str] = {}
+        self._status = 0
+        self._head_bytes = self._unfinished = 0
+        self._in_head = False
+        self._complete = False
+        self._to_close = False  # framed by the connection's end
+        self._got_bytes = False
+        self._last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._paused = False
+        self._writable: asyncio.Future[None] | None = None
+
+    # asyncio.BufferedProtocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's are not asyncio.Transport subclasses).
+        self.transport = cast(asyncio.Transport, transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return _READ_BUFFER
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(_READ_BUFFER[:nbytes].tobytes())
+
+    def data_received(self, data: bytes) -> None:
+        self._last_read = self._loop.time()
+        if self._sink is None:
+            self._fail(EngineBroken("bytes from the engine with no request", "Unasked"))
+            return
+        self._got_bytes = True
+        try:
+            self._parser.feed_data(data)
+            if self._in_head:  # a head not whole yet: the reads since the one it began in
+                self._unfinished = 0 if self._unfinished < 0 else self._unfinished + len(data)
+                if self._unfinished > http1.MAX_HEAD:
+                    raise _Strict("the engine's head is too long")
+        except Exception as raised:  # llhttp's errors, ours (_Strict), a sink's bug: never out
+            e = http1.unwrap(raised)
+            if not isinstance(e, (httptools.HttpParserError, _Strict)):
+                log.error("reading an engine's answer failed", exc_info=e)
+            if not self._complete:
+                why = f"the engine's answer is not HTTP as read here: {e}"
+                self._fail(EngineBroken(why, _cause(e)))
+                return
+            self.reusable = False  # bytes past a whole answer: never reused
+        if self._complete:
+            self._finish()
+
+    def eof_received(self) -> bool | None:
+        return False  # close; connection_lost settles the answer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.reusable = False
+        self._cancel_timer()
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        if self._sink is None:
+            return
+        if self._to_close and not self._in_head:
+            self._finish()
+        elif self._got_bytes:
+            self._fail(EngineBroken("the engine closed the connection mid-answer", "Closed"))
+        else:
+            self._fail(EngineUnreachable(f"the engine closed the connection ({exc!r})"))
+
+    def pause_writing(self) -> None:
+        self._writable = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    # httptools' callbacks
+
+    def on_message_begin(self) -> None:
+        if self._sink is None or self._complete:
+            raise _Strict("bytes past the answer")
+        self._in_head = True
+        self._head_bytes, self._unfinished = 0, -1
+        self._headers = {}
+
+    def on_status(self, status: bytes) -> None:
+        self._head_bytes += len(status) + 15
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > http1.MAX_HEAD:
+            raise _Strict("the engine's head is too long")
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+        if key == "transfer-encoding" and key in self._headers:
+            text = self._headers[key] + ", " + text  # all of its codings, to be checked
+        self._headers[key] = text
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        status = self._status = self._parser.get_status_code()
+        if self._parser.get_http_version() not in ("1.1", "1.0"):
+            raise _Strict(f"HTTP/{self._parser.get_http_version()} is not HTTP/1")
+        te = self._headers.get("transfer-encoding")
+        if te is not None and te.strip().lower() != "chunked":
+            raise _Strict(f"a Transfer-Encoding the gateway does not read: {te!r}")
+        if status < 200:
+            return  # 100 Continue: the answer's own head follows
+        if not self._parser.should_keep_alive():
+            self.reusable = False
+        if te is None and "content-length" not in self._headers and status not in (204, 304):
+            self._to_close = True  # read to the connection's end
+            self.reusable = False
+        if self._sink is not None:
+            self._sink.head(self, status, self._headers)
+
+    def on_body(self, body: bytes) -> None:
+        if self._sink is not None:
+            self._sink.data(body)
+
+    def on_message_complete(self) -> None:
+        if self._status >= 200:
+            self._complete = True
+
+    # requests
+
+    def send(self, request: bytes, sink: Sink) -> None:
+        """Write ``request``; its answer goes to ``sink``."""
+        assert self.transport is not None and self._sink is None
+        self._sink = sink
+        self._got_bytes = self._complete = self._to_close = False
+        self._status = 0
+        self._last_read = self._loop.time()
+        self.transport.write(request)
+        if self._read_timeout and self._timer is None:
+            # A timer left by an earlier answer is reused: it re-arms itself
+            # from _last_read when it fires early (see _idle).
+            self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._idle)
+
+    async def send_body(self, body: AsyncIterable[bytes]) -> None:
+        """Write a chunked body as it comes (after :meth:`send` of its head),
+        at the engine's pace; stops once the answer ended or the connection closed."""
+        async for piece in body:
+            if self._sink is None or self.transport is None or self.transport.is_closing():
+                return
+            if piece:
+                self.transport.write(http1.chunk(piece))
+            if self._writable is not None:
+                await self._writable
+        if self._sink is not None and self.transport is not None:
+            self.transport.write(http1.LAST_CHUNK)
+
+    def pause(self) -> None:
+        """Stop reading (the client's buffer is full): the engine waits on TCP."""
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self._last_read = self._loop.time()
+            self.transport.resume_reading()
+
+    def abandon(self) -> None:
+        """Nobody waits for the answer: closing the connection stops the engine's work."""
+        self._sink = None
+        self.reusable = False
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    # ends: each is the last thing its caller does (the sink may send the
+    # connection's next request)
+
+    def _finish(self) -> None:
+        sink = self._sink
+        self._sink = None
+        self.idle_since = time.monotonic()
+        self.resume()  # a connection back in the pool reads (and sees a close)
+        if sink is not None:
+            sink.end(None)
+
+    def _fail(self, error: EngineUnreachable | EngineBroken) -> None:
+        sink = self._sink
+        self.abandon()
+        if sink is not None:
+            sink.end(error)
+
+    def _idle(self) -> None:
+        self._timer = None
+        if self._sink is None or self._read_timeout is None:
+            return
+        due = self._last_read + self._read_timeout
+        if self._paused:
+            # Waiting on the client is not the engine's silence.
+            due = self._loop.time() + self._read_timeout
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._idle)
+            return
+        what = f"no data from the engine for {self._read_timeout:g} s"
+        if self._got_bytes:
+            self._fail(EngineBroken(what, "TimeoutError"))
+        else:
+            self._fail(EngineUnreachable(what, timed_out=True))
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def _cause(e: BaseException) -> str:
+    """What was wrong, in a word for the client's error message."""
+    text = str(e)
+    if isinstance(e, httptools.HttpParserInvalidStatusError) or text.startswith(
+        ("Expected HTTP/", "HTTP/", "Invalid status", "Invalid HTTP")
+    ):
+        return "BadStatusLine"
+    return "BadChunk" if "chunk" in text.lower() else "BadHeaders"
+
+
+@functools.cache
+def _system_context() -> ssl.SSLContext:
+    return ssl.create_default_context()  # one for all: a pool is per context
+
+
+def target_of(base_url: str, pinned: ssl.SSLContext | None) -> Target:
+    """Where ``base_url`` is, with its TLS context (None: plain HTTP); an https
+    URL without a pinned context is checked against the system's CAs."""
+    u = urlsplit(base_url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"not an http(s) URL: {base_url!r}")
+    https = u.scheme == "https"
+    ctx = (pinned or _system_context()) if https else None
+    port = u.port or (443 if https else 80)
+    return Target(u.hostname, port, ctx, u.netloc, u.path.rstrip("/"))
+
+
+class EnginePool:
+    """Kept-alive connections to each engine. No limit on connections: the
+    engines' own queues are where requests should wait, not a pool in front."""
+
+    def __init__(self, connect_timeout: float | None, read_timeout: float | None) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self._idle: dict[Target, deque[Conn]] = {}
+        self._targets: dict[tuple[str, ssl.SSLContext | None], Target] = {}
+
+    def target(self, base_url: str, pinned: ssl.SSLContext | None) -> Target:
+        got = self._targets.get((base_url, pinned))
+        if got is None:
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()  # replicas come and go: forget the gone ones
+            got = self._targets[(base_url, pinned)] = target_of(base_url, pinned)
+        return got
+
+    def kept(self, target: Target) -> Conn | None:
+        """An idle connection to ``target`` that may be reused, if there is one."""
+        idle = self._idle.get(target)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.reusable and not conn.closed and now - conn.idle_since < IDLE_S:
+                return conn
+            conn.abandon()
+        return None
+
+    async def connect(self, target: Target) -> Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: Conn(loop, self.read_timeout), target.host, target.port,
+                    ssl=target.ssl, server_hostname=target.host if target.ssl else None,
+                )
+        except (OSError, TimeoutError) as e:
+            # ssl.SSLError (a pin that does not match) is an OSError: the same as
+            # an engine that is not there, and nothing was sent.
+            raise EngineUnreachable(f"cannot connect to {target.netloc}: {e!r}") from e
+        return conn
+
+    def give_back(self, conn: Conn, target: Target) -> None:
+        idle = self._idle.setdefault(target, deque())
+        if not conn.reusable or conn.closed or len(idle) >= _MAX_IDLE:
+            conn.abandon()
+        else:
+            idle.append(conn)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.abandon()
+        self._idle.clear()
+
+    async def fetch(
+        self, base_url: str, pinned: ssl.SSLContext | None, method: str, path: str,
+        headers: dict[str, str], body: bytes = b"", sink: Sink | None = None,
+    ) -> Answer:
+        """One request, its whole answer (``sink``: also hears it as it comes);
+        for the routes that are not the request path's (stored responses)."""
+        target = self.target(base_url, pinned)
+        request = http1.request_head(method, target.path + path, target.netloc,
+                                     headers.items(), len(body)) + body
+        conn = self.kept(target)
+        for attempt in (conn, None):
+            got = _Collect(self, target, sink)
+            c = attempt or await self.connect(target)
+            c.send(request, got)
+            try:
+                return await got.answer
+            except EngineUnreachable as e:
+                if attempt is None or e.timed_out:
+                    raise
+            except asyncio.CancelledError:
+                c.abandon()
+                raise
+        raise AssertionError("unreachable")
+
+
+class _Collect:
+    """A sink that collects a whole answer for :meth:`EnginePool.fetch`."""
+
+    def __init__(self, pool: EnginePool, target: Target, also: Sink | None) -> None:
+        self.answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._pool, self._target, self._also = pool, target, also
+        self._conn: Conn | None = None
+        self._head: tuple[int, dict[str, str]] = (0, {})
+        self._parts: list[bytes] = []
+
+    def head(self, conn: Conn, status: int, headers: dict[str, str]) -> None:
+        self._conn, self._head = conn, (status, headers)
+        if self._also is not None:
+            self._also.head(conn, status, headers)
+
+    def data(self, data: bytes) -> None:
+        if self._also is not None:
+            self._also.data(data)
+        else:
+            self._parts.append(data)
+
+    def end(self, error: EngineUnreachable | EngineBroken | None) -> None:
+        if self._also is not None:
+            self._also.end(error)
+        if self.answer.done():
+            return
+        if error is not None:
+            self.answer.set_exception(error)
+            return
+        assert self._conn is not None
+        self._pool.give_back(self._conn, self._target)
+        status, headers = self._head
+        self.answer.set_result(Answer(status, CIMultiDict(headers), b"".join(self._parts)))
+
