@@ -33,6 +33,7 @@ from tests.slurm.harness import (
     Harness,
     fill_all_but_one_node,
     free_port,
+    reservation,
     running,
     tiny_model,
 )
@@ -147,13 +148,19 @@ def enable_tracing(h: Harness, endpoint: str) -> None:
 
 @contextlib.asynccontextmanager
 async def traced_daemon(
-    tmp_path: Path, prefix: str, models: list[dict[str, Any]], col: Collector
+    tmp_path: Path,
+    prefix: str,
+    models: list[dict[str, Any]],
+    col: Collector,
+    reservation: str | None = None,
 ) -> AsyncIterator[Harness]:
     """A daemon with tracing on, sending to ``col``; its spans flushed once it stopped."""
     provider = None
     try:
         configure = functools.partial(enable_tracing, endpoint=col.url)
-        async with running(tmp_path, prefix, models, configure=configure) as h:
+        async with running(
+            tmp_path, prefix, models, configure=configure, reservation=reservation
+        ) as h:
             assert h.d is not None and h.d.tracer_provider is not None
             provider = h.d.tracer_provider
             yield h
@@ -330,12 +337,20 @@ async def test_an_eviction_pass_is_one_trace_with_the_evict_span_and_the_placeme
         tiny_model("first", resources=whole_node),
         tiny_model("second", resources=whole_node),
     ]
-    # Room for one whole-node replica: "second" can only start if "first" (idle, on demand) goes.
-    node, fillers = await fill_all_but_one_node(prefix)
+    # Room for one whole-node replica: "second" can only start if "first" (idle, on demand)
+    # goes; in a reservation of the test's own (tests/slurm/harness.py says why).
+    with reservation(prefix) as resv:
+        await _evict_with_room_for_one(tmp_path, prefix, models, resv)
+
+
+async def _evict_with_room_for_one(
+    tmp_path: Path, prefix: str, models: list[dict[str, Any]], resv: str
+) -> None:
+    node, fillers = await fill_all_but_one_node(prefix, reservation=resv)
     try:
         async with (
             collector() as col,
-            traced_daemon(tmp_path, prefix + "d.", models, col) as h,
+            traced_daemon(tmp_path, prefix + "d.", models, col, reservation=resv) as h,
         ):
             await chat(h, "first")
             (first,) = h.rec.replicas.values()
