@@ -55,17 +55,22 @@ def print_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], free_text: int | None = None
+) -> str:
     """A plain left-aligned table that keeps within the terminal's width.
 
     The widest column is trimmed (with an ellipsis) when the table would not
-    fit, so an 80-column terminal gets whole rows rather than wrapped ones.
+    fit, so an 80-column terminal gets whole rows rather than wrapped ones;
+    column ``free_text`` (a description) first, so the others stay whole.
     """
     cells = [[str(c) for c in headers], *[[str(c) for c in r] for r in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     limit = shutil.get_terminal_size((80, 24)).columns
     while sum(widths) + 2 * (len(widths) - 1) > limit and max(widths) > 8:
         widest = widths.index(max(widths))
+        if free_text is not None and widths[free_text] > 12:
+            widest = free_text
         widths[widest] -= 1
     lines = []
     for row in cells:

@@ -26,7 +26,11 @@ _STEP_WORDS = {
     "rendezvous": "waiting for the other nodes",
     "engine_launch": "launching the engine",
     "readiness": "loading the engine",
+    # The engine answers its agent; the gateway now reaches it itself.
+    "register": "the engine is up; the gateway checks it",
+    "ready": "the engine is up; the gateway checks it",
     "drain": "draining",
+    "stop": "stopping",
 }
 
 

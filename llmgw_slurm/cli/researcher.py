@@ -173,7 +173,8 @@ def models(ctx: click.Context, as_json: bool) -> None:
         )
         for m in status["models"]
     ]
-    click.echo(table(("MODEL", "ALIASES", "STATE", "REPLICAS", "GPUS", "DESCRIPTION"), rows))
+    heads = ("MODEL", "ALIASES", "STATE", "REPLICAS", "GPUS", "DESCRIPTION")
+    click.echo(table(heads, rows, free_text=len(heads) - 1))
     notes = [(m.get("name"), m.get("note")) for m in status["models"] if m.get("note")]
     if notes:
         click.echo()

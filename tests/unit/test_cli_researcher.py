@@ -209,6 +209,9 @@ def test_phase_words() -> None:
     assert _phase(starting) == "fetching weights"
     starting["replicas"][0]["step"] = "readiness started"  # type: ignore[index]
     assert _phase(starting) == "loading the engine"
+    # Ready on the job's side, not yet reached by the gateway: not "job started" again.
+    starting["replicas"][0]["step"] = "ready"  # type: ignore[index]
+    assert _phase(starting) == "the engine is up; the gateway checks it"
     starting["replicas"][0]["step"] = "engine_launch failed"  # type: ignore[index]
     assert _phase(starting) == "launching the engine failed"
     assert _phase({"state": "failing", "note": "engine exited 1", "replicas": []}) == (
