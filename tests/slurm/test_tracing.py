@@ -193,11 +193,13 @@ async def spans_arrive(h: Harness, col: Collector, names: set[str], what: str) -
     await eventually(complete, what)
 
 
-def job_environments(job_id: str) -> dict[str, dict[str, str]]:
+def job_environments(job_id: str, name: str) -> dict[str, dict[str, str]]:
     """The environment every process of a Slurm job started with, by pid and command line.
 
     The dev cluster is this machine: the batch shell's srun, the agent and the
-    engine are processes here, and /proc holds what each was started with.
+    engine are processes here, and /proc holds what each was started with. The
+    job's name is matched too: another cluster on the machine (Slurm 25.11's,
+    a colleague's) numbers its jobs from 1 as well.
     """
     found: dict[str, dict[str, str]] = {}
     for d in Path("/proc").iterdir():
@@ -209,16 +211,16 @@ def job_environments(job_id: str) -> dict[str, dict[str, str]]:
         except OSError:
             continue  # gone, or a kernel thread
         env = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
-        if env.get("SLURM_JOB_ID") == job_id:
+        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_JOB_NAME") == name:
             found[f"{d.name} {cmd.strip()}"] = env
     return found
 
 
-def agent_environment(job_id: str) -> dict[str, str]:
+def agent_environment(job_id: str, name: str) -> dict[str, str]:
     """The environment of the agent the job's srun started (not srun's own)."""
     (env,) = [
         e
-        for cmd, e in job_environments(job_id).items()
+        for cmd, e in job_environments(job_id, name).items()
         if "llmgw_slurm.agent.main" in cmd and not cmd.split()[1].endswith("srun")
     ]
     return env
@@ -249,7 +251,7 @@ async def test_one_trace_from_placement_to_the_agent_steps_in_the_job(
         command = subprocess.run(
             ["squeue", "-h", "-j", job[0], "-o", "%o"], capture_output=True, text=True
         ).stdout
-        agent_env = agent_environment(job[0])
+        agent_env = agent_environment(job[0], job[1])
 
     (start,) = col.named("replica.start")
     trace_id = start.trace_id
@@ -445,7 +447,7 @@ async def test_with_tracing_and_the_store_off_no_span_is_made_and_no_job_has_a_t
             assert not h.rec.tracing.enabled
             await chat(h, "dark")
             (job,) = h.jobs()
-            envs = job_environments(job[0])
+            envs = job_environments(job[0], job[1])
             comment = subprocess.run(
                 ["squeue", "-h", "-j", job[0], "-o", "%k"], capture_output=True, text=True
             ).stdout
@@ -485,7 +487,7 @@ async def test_with_tracing_off_the_store_keeps_the_spans_and_none_reach_a_colle
             await eventually(agent_spans_in, "the agent's spans in the daemon's store")
             (start,) = store.starts()
             (job,) = h.jobs()
-            agent_env = agent_environment(job[0])
+            agent_env = agent_environment(job[0], job[1])
     assert agent_env["TRACEPARENT"].startswith(f"00-{start['trace_id']}-")
     (agent,) = [s for s in store.spans(start["trace_id"]) if s["name"] == "llmgw.agent"]
     assert agent["service"] == "llmgw-agent" and agent["parent_id"] == start["span_id"]
@@ -501,7 +503,7 @@ async def test_a_model_job_is_a_trace_and_a_replica_using_its_weights_links_to_i
     models = [tiny_model("weighted", weights={"source": str(src), "method": "copy"})]
     async with collector() as col, traced_daemon(tmp_path, prefix, models, col) as h:
         rc, out, err = await admin("fetch", "weighted", "--server", str(h.server_yaml), "--wait")
-        assert rc == 0 and "(fetched," in out, out + err
+        assert rc == 0 and out.strip().isdigit() and "(fetched," in err, out + err
         job = await eventually(lambda: ended_job(h, "fetch"), "the model job in status", 90)
         await chat(h, "weighted")
         await spans_arrive(
