@@ -41,6 +41,7 @@ from llmgw_slurm.identity import peer_credentials
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRecord
+from llmgw_slurm.router.login import LOGIN_KEY
 from llmgw_slurm.router.usage import UsageSummary, query_usage
 from llmgw_slurm.secrets import AdminToken
 from llmgw_slurm.status_page import render_page
@@ -49,6 +50,7 @@ __all__ = [
     "ADMIN_PREFIX",
     "add_admin_routes",
     "add_cli_routes",
+    "auth_json",
     "key_required",
     "peer_gate",
     "status_json",
@@ -95,6 +97,12 @@ def status_json(rec: Reconciler, visible: Callable[[str], bool] | None = None) -
             d for d in out["decisions"] if not d.get("model") or visible(d["model"])
         ]
     return out
+
+
+def auth_json(app: web.Application) -> dict[str, bool]:
+    """What a client needs to know before it asks for a key: whether the gateway takes
+    keys at all, and whether ``llmgw login`` may issue one (``llmgw login``, ``llmgw keys``)."""
+    return {"keys": app[GATEWAY_KEY].keys is not None, "login": LOGIN_KEY in app}
 
 
 def caller_may_see(app: web.Application, request: web.Request) -> Callable[[str], bool]:
@@ -190,6 +198,7 @@ def _usage_scope(rec_key: KeyRecord | None, by: str) -> dict[str, str] | web.Res
     if by == "user":
         return {"user": rec_key.user}
     if by == "account" and rec_key.project:
+        # The store's column is still named project (the older word for the account).
         return {"project": rec_key.project}
     if by == "account":
         return _error(400, "your key is charged to no account", "bad_request")
@@ -238,7 +247,7 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
                 "scope": "key",
                 "key_id": rec_key.key_id,
                 "user": rec_key.user,
-                "project": rec_key.project,
+                "account": rec_key.project,
                 "by": by,
                 "since": since,
                 "models": _by_model(rows),

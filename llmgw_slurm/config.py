@@ -217,6 +217,13 @@ class SlurmConfig:
     qos: str | None = field(
         default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
     )
+    # Default None (no reservation): every job of the service (replicas, batches,
+    # model jobs, engine installs) runs in this Slurm reservation (sbatch
+    # --reservation). The plan counts free GPUs on every node of a model's
+    # partitions, so the reservation should cover those nodes (docs/configuration.md).
+    reservation: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
     # Default "llmgw.": job names are PREFIX + model + "." + replica id; the
     # daemon adopts every job of its user with this prefix, so two daemons
     # under one user need different prefixes.

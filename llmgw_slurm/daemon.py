@@ -93,7 +93,9 @@ def internal_app(rec: Reconciler) -> web.Application:
 
 def add_status_routes(app: web.Application, rec: Reconciler) -> None:
     async def status(request: web.Request) -> web.Response:
-        return web.json_response(api.status_json(rec, api.caller_may_see(app, request)))
+        out = api.status_json(rec, api.caller_may_see(app, request))
+        out["auth"] = api.auth_json(app)
+        return web.json_response(out)
 
     async def want(request: web.Request) -> web.Response:
         # A start can evict other keys' idle replicas on a full cluster: with keys

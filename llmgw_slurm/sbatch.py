@@ -158,6 +158,8 @@ class SlurmDefaults(Protocol):
     def account(self) -> str | None: ...
     @property
     def qos(self) -> str | None: ...
+    @property
+    def reservation(self) -> str | None: ...
 
 
 def _check_resources(r: Resources, where: str) -> None:
@@ -192,6 +194,7 @@ class JobOptions:
     qos: str | None = None
     error: str | None = None
     workdir: str | None = None
+    reservation: str | None = None
 
     def validate(self) -> None:
         _check(self.job_name, _JOB_NAME, "job_name", "letters, digits, _ . - (at most 200)")
@@ -204,7 +207,7 @@ class JobOptions:
                 "partition",
                 "Slurm names (letters, digits, _ . + -), comma-separated",
             )
-        for name in ("account", "qos"):
+        for name in ("account", "qos", "reservation"):
             value = getattr(self, name)
             if value is not None:
                 _check(value, _WORD, name, "letters, digits, _ . + - (at most 64)")
@@ -542,6 +545,7 @@ def replica_script(
         partition=r.partition,
         account=r.account,
         qos=r.qos,
+        reservation=slurm.reservation if slurm is not None else None,
     )
     if r.nodes == 1:
         return render_replica(ReplicaParams(job, r, agent_config, lead), template_dir)

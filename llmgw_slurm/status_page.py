@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 
 from llmgw_slurm.durations import format_duration
+from llmgw_slurm.reconciler.status import MODEL_STATES
 
 __all__ = ["REFRESH_SECONDS", "render_page"]
 
@@ -45,8 +46,7 @@ def _text(value: object) -> str:
 
 
 def _state_class(state: str) -> str:
-    word = state.split(" ", 1)[0].split("(", 1)[0]
-    return word if word in ("ready", "failing", "queued", "starting", "backoff", "cold") else ""
+    return state if state in MODEL_STATES else ""
 
 
 def _time(ts: object) -> str:
@@ -79,7 +79,7 @@ def _model(m: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "name": _text(m.get("name")),
         "aliases": ", ".join(str(a) for a in m.get("aliases") or []),
-        "state": state,
+        "state": _text(m.get("state_text")) or state,
         "state_class": _state_class(state),
         "gpus": _text(m.get("gpus")),
         "replicas": f"{len(reps)} (min {m.get('min')}, max {m.get('max')})",

@@ -118,6 +118,7 @@ class ServiceJobBuilder:
             partition=cfg.slurm.partition,
             account=cfg.slurm.account,
             qos=cfg.slurm.qos,
+            reservation=cfg.slurm.reservation,
         )
 
     def fetch(

@@ -81,6 +81,7 @@ class BatchJobs:
             partition=r.partition,
             account=r.account,
             qos=r.qos,
+            reservation=cfg.slurm.reservation,
         )
         lead = max(1, min(_SIGNAL_BEFORE_S, limit // 2))
         script = sbatch.render_batch(

@@ -303,6 +303,21 @@ async def _cancel_batch(request: web.Request, svc: BatchService, who: Caller) ->
     return web.json_response(batch.to_api())
 
 
+async def _delete_batch(request: web.Request, svc: BatchService, who: Caller) -> web.StreamResponse:
+    """Not OpenAI's (its batches stay listed for ever): a finished batch leaves the list,
+    with the output and error files it wrote."""
+    batch = _batch_or_404(svc, who.owner, request.match_info["batch_id"])
+    if not batch.status.is_final:
+        raise BatchRefused(
+            409,
+            "invalid_state",
+            f"Batch {batch.id} is {batch.status.value}; cancel it first "
+            "(POST /v1/batches/ID/cancel, llmgw batch cancel).",
+        )
+    svc.store.delete_batch(who.owner, batch.id)
+    return web.json_response({"id": batch.id, "object": "batch", "deleted": True})
+
+
 def add_batch_routes(app: web.Application, svc: BatchService) -> None:
     """The Batch API on the gateway app (made by ``router.create_app``), and its poll task."""
     app[BATCH_KEY] = svc
@@ -315,6 +330,7 @@ def add_batch_routes(app: web.Application, svc: BatchService) -> None:
     app.router.add_get("/v1/batches", _keyed(_list_batches))
     app.router.add_get("/v1/batches/{batch_id}", _keyed(_get_batch))
     app.router.add_post("/v1/batches/{batch_id}/cancel", _keyed(_cancel_batch))
+    app.router.add_delete("/v1/batches/{batch_id}", _keyed(_delete_batch))
     stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
 

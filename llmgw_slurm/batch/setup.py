@@ -42,7 +42,8 @@ def install(
 
         def record(batch: BatchRecord) -> None:
             # One record per batch, on the key that created it: tokens counted as
-            # the online gateway counts them, under the endpoint "batch".
+            # the online gateway counts them, under the endpoint "batch", and each
+            # request it answered counted as one.
             total = batch.prompt_tokens + batch.completion_tokens
             if total:
                 usage.record(
@@ -56,6 +57,7 @@ def install(
                         batch.prompt_tokens,
                         batch.completion_tokens,
                         total,
+                        requests=batch.completed,
                     )
                 )
 

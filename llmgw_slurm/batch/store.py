@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import secrets
+import shutil
 import time
 from pathlib import Path
 
@@ -129,6 +130,20 @@ class BatchStore:
             key=lambda b: (b.created_at, b.id),
             reverse=True,
         )
+
+    def delete_batch(self, owner: str, batch_id: str) -> bool:
+        """Forget a finished batch of ``owner``'s: its record, its work folder and the
+        files it wrote (its input file is the owner's to keep or delete)."""
+        b = self.batch(owner, batch_id)
+        if b is None:
+            return False
+        for fid in (b.output_file_id, b.error_file_id):
+            if fid:
+                self.delete_file(owner, fid)
+        del self._batches[batch_id]
+        (self.root / "batches" / f"{batch_id}.json").unlink(missing_ok=True)
+        shutil.rmtree(self.root / "work" / batch_id, ignore_errors=True)
+        return True
 
     def get(self, batch_id: str) -> BatchRecord | None:
         """For the daemon's own use (job reports, the poller): no owner check."""

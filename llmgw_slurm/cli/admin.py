@@ -28,18 +28,36 @@ from llmgw_slurm.cli.common import (
     print_json,
     run,
     table,
+    unknown_model,
 )
+from llmgw_slurm.cli.settings import base_url
 from llmgw_slurm.config import HostPort, ServerConfig
 from llmgw_slurm.durations import format_duration
 from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import AccountingRecord, NodeInfo, SlurmBackend
 
+DEFAULT_SERVER = "/etc/llmgw-slurm/server.yaml"
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="llmgw-admin")
 def main() -> None:
-    """Run and operate the llmgw-slurm gateway."""
+    """Run and operate the llmgw-slurm gateway.
+
+    \b
+    Most commands read the daemon's server.yaml: --server, or env
+    LLMGW_SERVER_CONFIG (default /etc/llmgw-slurm/server.yaml).
+    Scripts: --json on every command that prints data; ids alone on
+    stdout; exit 0 ok, 1 failed, 2 usage error, 130 Ctrl-C.
+
+    \b
+    Examples:
+      export LLMGW_SERVER_CONFIG=/etc/llmgw-slurm/server.yaml
+      llmgw-admin status
+      llmgw-admin drain --node gpunode3 --reason maintenance
+      llmgw-admin usage --by account --since 7d --json | jq .totals
+    """
 
 
 def _gpu_text(node: NodeInfo) -> str:
@@ -59,7 +77,15 @@ def _gpu_text(node: NodeInfo) -> str:
 )
 @friendly_errors
 def nodes(as_json: bool, timeout: float) -> None:
-    """The cluster's nodes with free/total GPUs per type (one sinfo call)."""
+    """List the nodes with free/total GPUs per type.
+
+    One sinfo call; reads SLURM_CONF as Slurm's own commands do.
+
+    \b
+    Examples:
+      llmgw-admin nodes
+      llmgw-admin nodes --json | jq -r '.[] | select(.gpus_free > 0) | .name'
+    """
     found = run(CliBackend(timeout=timeout).list_nodes())
     if as_json:
         print_json(
@@ -92,7 +118,7 @@ def nodes(as_json: bool, timeout: float) -> None:
     "server_path",
     type=click.Path(dir_okay=False, path_type=Path),
     envvar="LLMGW_SERVER_CONFIG",
-    default="/etc/llmgw-slurm/server.yaml",
+    default=DEFAULT_SERVER,
     show_default=True,
     help="server.yaml (env LLMGW_SERVER_CONFIG).",
 )
@@ -104,7 +130,15 @@ def nodes(as_json: bool, timeout: float) -> None:
 )
 @friendly_errors
 def serve(server_path: Path, log_level: str) -> None:
-    """Run the daemon: reconciler, gateway and internal API (SIGHUP reloads the catalog)."""
+    """Run the daemon (under systemd: llmgw-slurm.service).
+
+    The reconciler, the gateway and the internal API in one process; SIGHUP
+    reloads the catalog.
+
+    \b
+    Example:
+      llmgw-admin serve --server /etc/llmgw-slurm/server.yaml --log-level DEBUG
+    """
     from llmgw_slurm import daemon
     from llmgw_slurm.config import load_server_config
     from llmgw_slurm.sdnotify import log_handler
@@ -118,24 +152,41 @@ def serve(server_path: Path, log_level: str) -> None:
 
 @main.group()
 def config() -> None:
-    """Configuration files."""
+    """Check the configuration files.
+
+    \b
+    Example:
+      llmgw-admin config check
+    """
 
 
 @config.command("check")
 @click.option("--models", type=click.Path(dir_okay=False, path_type=Path), help="models.yaml")
-@click.option("--server", type=click.Path(dir_okay=False, path_type=Path), help="server.yaml")
+@click.option(
+    "--server",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="server.yaml (env LLMGW_SERVER_CONFIG; with no file given, that or "
+    f"{DEFAULT_SERVER})",
+)
 @click.option("--agent", type=click.Path(dir_okay=False, path_type=Path), help="agent.yaml")
 def config_check(models: Path | None, server: Path | None, agent: Path | None) -> None:
-    """Validate config files without starting anything or touching Slurm.
+    """Validate config files; start nothing, ask no Slurm.
 
     Every problem of every file is reported, each as file:line: field: message.
     With --server alone, the models and agent files it names are checked too.
+    With no file given: the server.yaml every other command reads
+    (LLMGW_SERVER_CONFIG, else the default), and the files it names.
+
+    \b
+    Examples:
+      llmgw-admin config check
+      llmgw-admin config check --models new-models.yaml
     """
     from llmgw_slurm.config import check_files, load_server_config
     from llmgw_slurm.errors import ConfigError
 
     if models is None and server is None and agent is None:
-        raise click.UsageError("give at least one of --models, --server, --agent")
+        server = _default_server_path()
     errors = check_files(models=models, server=server, agent=agent)
     if server is not None and not errors:
         try:
@@ -162,10 +213,23 @@ _server_option = click.option(
     "server_path",
     type=click.Path(dir_okay=False, path_type=Path),
     envvar="LLMGW_SERVER_CONFIG",
-    default="/etc/llmgw-slurm/server.yaml",
+    default=DEFAULT_SERVER,
     show_default=True,
     help="The daemon's server.yaml (env LLMGW_SERVER_CONFIG).",
 )
+
+
+def _default_server_path() -> Path:
+    """The server.yaml of the commands that take ``--server``, when none is given."""
+    import os
+
+    path = Path(os.environ.get("LLMGW_SERVER_CONFIG") or DEFAULT_SERVER)
+    if not path.exists():
+        raise click.UsageError(
+            f"no file to check: {path} does not exist; give --server, --models or --agent "
+            "(or set LLMGW_SERVER_CONFIG)"
+        )
+    return path
 
 
 def _load_server(path: Path) -> ServerConfig:
@@ -359,10 +423,18 @@ def unix_call(path: Path, url_path: str, body: object, uid: int) -> DaemonReply:
 def status(
     ctx: click.Context, server_path: Path, url: str | None, as_json: bool, decisions: int
 ) -> None:
-    """Models, replicas and their jobs, nodes, and recent decisions with reasons.
+    """Show models, replicas, jobs, nodes and decisions.
 
-    The status API needs no admin token: with LLMGW_URL set (as a researcher
-    has it), no server.yaml is needed.
+    Recent decisions come with their reasons (where Slurm ran each job
+    included). The status API needs no admin token: with LLMGW_URL set (as a
+    researcher has it), no server.yaml is needed. --json: the daemon's status
+    as it serves it (models with state, ready_replicas and reason apart).
+
+    \b
+    Examples:
+      llmgw-admin status
+      llmgw-admin status --json | jq -r '.models[] | "\\(.name) \\(.state)"'
+      llmgw-admin status --json | jq '.decisions[-5:]'
     """
     server: ServerConfig | None = None
     explicit = ctx.get_parameter_source("server_path") not in (
@@ -374,7 +446,7 @@ def status(
             raise click.BadParameter(
                 f"{url!r} must start with http:// or https://", param_hint="'--url' / LLMGW_URL"
             )
-        url = url.rstrip("/")
+        url = base_url(url)
     else:
         server = _load_server(server_path)
         url = _local_url(server.listen.gateway)
@@ -447,7 +519,7 @@ def _print_models(models: list[dict[str, Any]]) -> None:
             [
                 (
                     m.get("name"),
-                    m.get("state"),
+                    m.get("state_text") or m.get("state"),
                     m.get("gpus"),
                     f"{m.get('min')}-{m.get('max')}",
                     len(m.get("replicas") or []),
@@ -566,50 +638,104 @@ def _said(what: str, target: str | None, node: str | None, ids: list[str]) -> st
     return f"{doing} {len(ids)} replica(s) of {where}: {', '.join(ids)}"
 
 
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
+def _said_json(what: str, target: str | None, node: str | None, ids: list[str]) -> None:
+    print_json({"action": what, "target": target, "node": node, "replicas": ids})
+
+
 @main.command()
 @click.argument("target", required=False, metavar="REPLICA|MODEL")
 @click.option("--node", help="Drain every replica on this node.")
 @click.option("--reason", help="Recorded with the decision.")
 @_server_option
+@_json_option
 @friendly_errors
-def drain(target: str | None, node: str | None, reason: str | None, server_path: Path) -> None:
-    """Stop routing to replicas; each is cancelled once its requests finish.
+def drain(
+    target: str | None, node: str | None, reason: str | None, server_path: Path, as_json: bool
+) -> None:
+    """Stop routing to replicas; cancel each once idle.
 
-    A model whose min is above what is left gets new replicas: a drain moves
-    replicas (off a node, say), it does not take a model down.
+    Each replica gets no new requests and is cancelled once its requests
+    finish. A model whose min is above what is left gets new replicas: a
+    drain moves replicas (off a node, say), it does not take a model down.
+
+    \b
+    Examples:
+      llmgw-admin drain tiny
+      llmgw-admin drain --node gpunode3 --reason "maintenance 12:00"
+      llmgw-admin drain tiny --json | jq -r '.replicas[]'
     """
     body = _target_body(target, node, reason)
     reply = _admin_call(_load_server(server_path), "drain", body)
-    click.echo(_said("drain", target, node, list(reply.data.get("replicas") or [])))
+    ids = list(reply.data.get("replicas") or [])
+    if as_json:
+        _said_json("drain", target, node, ids)
+        return
+    click.echo(_said("drain", target, node, ids))
 
 
 @main.command()
 @click.argument("target", required=False, metavar="REPLICA|MODEL")
 @click.option("--node", help="Stop every replica on this node.")
 @click.option("--reason", help="Recorded with the decision.")
-@click.option("--yes", is_flag=True, help="Do not ask: requests in flight fail.")
+@click.option("-y", "--yes", is_flag=True, help="Do not ask: requests in flight fail.")
 @_server_option
+@_json_option
 @friendly_errors
 def stop(
-    target: str | None, node: str | None, reason: str | None, yes: bool, server_path: Path
+    target: str | None,
+    node: str | None,
+    reason: str | None,
+    yes: bool,
+    server_path: Path,
+    as_json: bool,
 ) -> None:
-    """Cancel replicas now (scancel), requests in flight or not; `drain` is the gentle way."""
+    """Cancel replicas now (scancel); `drain` is gentler.
+
+    Requests in flight fail. It asks first, on a terminal; from a script
+    (standard input not a terminal) give --yes.
+
+    \b
+    Examples:
+      llmgw-admin stop tiny
+      llmgw-admin stop --node gpunode3 --yes --reason "node failing"
+    """
     body = _target_body(target, node, reason)
     server = _load_server(server_path)
     if not yes:
         # Checked before asking: a typo is told at once, not after a "yes".
         ids = _stop_preview(server, body)
         if ids == []:
-            click.echo(_said("stop", target, node, ids))
+            if as_json:
+                _said_json("stop", target, node, ids)
+            else:
+                click.echo(_said("stop", target, node, ids))
             return
-        which = f" ({', '.join(ids)})" if ids else ""
-        click.confirm(
-            f"Cancel the replicas of {target or 'node ' + str(node)}{which} now, in-flight "
-            "requests failing?",
-            abort=True,
-        )
+        _confirm_stop(target, node, ids)
     reply = _admin_call(server, "stop", body)
-    click.echo(_said("stop", target, node, list(reply.data.get("replicas") or [])))
+    ids = list(reply.data.get("replicas") or [])
+    if as_json:
+        _said_json("stop", target, node, ids)
+        return
+    click.echo(_said("stop", target, node, ids))
+
+
+def _confirm_stop(target: str | None, node: str | None, ids: list[str] | None) -> None:
+    """Ask; no answer (standard input at its end: a script, ``</dev/null``) and a "no"
+    both stop nothing, and say that --yes is how a script stops without asking."""
+    which = f" ({', '.join(ids)})" if ids else ""
+    what = f"the replicas of {target or 'node ' + str(node)}{which}"
+    try:
+        yes = click.confirm(f"Cancel {what} now, in-flight requests failing?")
+    except click.Abort:
+        raise click.ClickException(
+            f"nothing stopped: no answer to the question on standard input; add --yes "
+            f"to cancel {what} without asking"
+        ) from None
+    if not yes:
+        raise click.ClickException("nothing stopped (add --yes to skip the question)")
 
 
 def _stop_preview(server: ServerConfig, body: dict[str, str]) -> list[str] | None:
@@ -630,28 +756,52 @@ def _stop_preview(server: ServerConfig, body: dict[str, str]) -> list[str] | Non
 
 @main.command()
 @_server_option
+@_json_option
 @friendly_errors
-def reload(server_path: Path) -> None:
-    """Re-read the catalog (models.yaml); a bad one is refused and the running one kept."""
+def reload(server_path: Path, as_json: bool) -> None:
+    """Re-read the catalog (models.yaml).
+
+    A bad catalog is refused (with every problem, exit 1) and the running one
+    kept; running replicas go on.
+
+    \b
+    Examples:
+      llmgw-admin config check && llmgw-admin reload
+      llmgw-admin reload --json | jq -r '.models[]'
+    """
     reply = _admin_call(_load_server(server_path), "reload")
     names = list(reply.data.get("models") or [])
+    if as_json:
+        print_json({"models": names})
+        return
     click.echo(f"catalog reloaded: {len(names)} model(s): {', '.join(names)}")
 
 
 @main.group()
 def token() -> None:
-    """The admin token of the internal port (state_dir/admin.token)."""
+    """Rotate the internal port's admin token.
+
+    The token is state_dir/admin.token.
+
+    \b
+    Example:
+      sudo -u llmgw llmgw-admin token rotate
+    """
 
 
 @token.command("rotate")
 @_server_option
 @friendly_errors
 def token_rotate(server_path: Path) -> None:
-    """Replace the admin token; the daemon refuses the old one from its next call on.
+    """Replace the admin token; the old one is refused.
 
     The daemon reads the token file at every admin call over TCP, so this
     works whether it runs or not. llmgw-admin itself uses the admin socket
     when there is one, which needs no token.
+
+    \b
+    Example:
+      sudo -u llmgw llmgw-admin token rotate
     """
     from llmgw_slurm.secrets import rotate_admin_token
 
@@ -724,7 +874,18 @@ def audit(
     chart: bool = False,
     no_color: bool = False,
 ) -> None:
-    """GPU hours, jobs, failures and preemptions per model and period, from sacct."""
+    """GPU hours, jobs and failures per model, from sacct.
+
+    Per model and period (day, week, month), or by user or Slurm account
+    (batch jobs by their owner, online replicas apportioned by tokens).
+    Counts failures, time-outs and preemptions too.
+
+    \b
+    Examples:
+      llmgw-admin audit --since 7d
+      llmgw-admin audit --by month --csv > gpu-hours.csv
+      llmgw-admin audit --by account --json | jq .totals
+    """
     from llmgw_slurm import audit as auditmod
     from llmgw_slurm.slurm import make_backend
 
@@ -863,7 +1024,16 @@ def _print_audit(rows: Sequence[AuditRow], tot: Mapping[str, Any]) -> None:
 
 @main.group()
 def keys() -> None:
-    """Gateway API keys (router.keys_file in server.yaml)."""
+    """Add, list and revoke gateway API keys.
+
+    The keys live in router.keys_file of server.yaml (hashes only).
+
+    \b
+    Examples:
+      llmgw-admin keys add alice --account proj42
+      llmgw-admin keys list --json | jq -r '.[] | select(.active) | .key_id'
+      llmgw-admin keys revoke 0a1b2c3d
+    """
 
 
 _keys_file_option = click.option(
@@ -873,9 +1043,7 @@ _keys_file_option = click.option(
 )
 
 
-def _keys_file(server_path: Path, keys_file: Path | None) -> Path:
-    if keys_file is not None:
-        return keys_file
+def _server_keys_file(server_path: Path) -> Path:
     server = _load_server(server_path)
     if server.router.keys_file is None:
         raise click.ClickException(
@@ -885,37 +1053,107 @@ def _keys_file(server_path: Path, keys_file: Path | None) -> Path:
     return Path(server.router.keys_file)
 
 
-def _valid_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def _existing_keys_file(server_path: Path, keys_file: Path | None) -> Path:
+    """The key file to read: a path that does not exist is a typo, not "no keys"."""
+    path = keys_file if keys_file is not None else _server_keys_file(server_path)
+    if not path.exists():
+        where = "--keys-file" if keys_file is not None else f"router.keys_file of {server_path}"
+        raise click.ClickException(
+            f"no key file at {path} (from {where}): check the path; "
+            "`llmgw-admin keys add` makes the server's first key there"
+        )
+    return path
+
+
+def _new_keys_file(server_path: Path, keys_file: Path | None, create: bool) -> Path:
+    """The key file to add to. It is made only where the daemon reads keys (router.keys_file)
+    or with --create: a mistyped --keys-file must not start a file the gateway never reads."""
+    path = keys_file if keys_file is not None else _server_keys_file(server_path)
+    if path.exists():
+        return path
+    if not path.parent.is_dir():
+        raise click.ClickException(f"cannot make {path}: the folder {path.parent} does not exist")
+    if keys_file is not None and not create:
+        raise click.ClickException(
+            f"{path} does not exist: a typo? Give the daemon's router.keys_file, or add "
+            "--create to start a new key file there"
+        )
+    click.echo(f"note: {path} did not exist; made it (mode 0600)", err=True)
+    return path
+
+
+def _valid_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     from llmgw_slurm.errors import LlmgwError
     from llmgw_slurm.router.keys import check_name
 
     if value or param.name == "user":
         try:
-            check_name(str(param.name), value)
+            check_name(str(param.name), str(value))
         except LlmgwError as exc:
             raise click.BadParameter(str(exc)) from None
     return value
 
 
+def _account_of(account: str | None, project: str | None) -> str:
+    if project is not None:
+        click.echo(
+            "note: --project is deprecated: it is the Slurm account; use --account", err=True
+        )
+        if account is not None and account != project:
+            raise click.UsageError("--project (deprecated) and --account disagree; give --account")
+    return account or project or ""
+
+
+def _key_json(r: Any) -> dict[str, Any]:
+    """A key record for --json: the account under its name (the file says project)."""
+    d = dataclasses.asdict(r)
+    d["account"] = d.pop("project")
+    return d | {"active": r.active}
+
+
 @keys.command("add")
 @click.argument("user", callback=_valid_name)
-@click.option("--project", default="", callback=_valid_name, help="A project to account usage to.")
+@click.option(
+    "--account", callback=_valid_name, help="The Slurm account its usage is charged to."
+)
+@click.option("--project", callback=_valid_name, hidden=True, help="Deprecated: --account.")
 @_server_option
 @_keys_file_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--create", is_flag=True, help="Make --keys-file if it does not exist.")
+@_json_option
 @friendly_errors
 def keys_add(
-    user: str, project: str, server_path: Path, keys_file: Path | None, as_json: bool
+    user: str,
+    account: str | None,
+    project: str | None,
+    server_path: Path,
+    keys_file: Path | None,
+    create: bool,
+    as_json: bool,
 ) -> None:
-    """Make a key for USER. The key is shown once; only its hash is stored."""
+    """Make a key for USER; shown once.
+
+    Only its hash is stored. Standard output gets the key alone (or, with
+    --json, the record with the key), for a script to hand on.
+
+    \b
+    Examples:
+      llmgw-admin keys add alice --account proj42
+      KEY=$(llmgw-admin keys add alice)
+      llmgw-admin keys add alice --json | jq -r .key
+    """
     from llmgw_slurm.router.keys import add_key
 
-    path = _keys_file(server_path, keys_file)
-    new = add_key(path, user, project)
+    account = _account_of(account, project)
+    path = _new_keys_file(server_path, keys_file, create)
+    new = add_key(path, user, account)
     if as_json:
-        print_json(dataclasses.asdict(new.record) | {"key": new.key})
+        print_json(_key_json(new.record) | {"key": new.key})
         return
-    click.echo(f"key {new.record.key_id} for {user}" + (f" (project {project})" if project else ""))
+    click.echo(
+        f"key {new.record.key_id} for {user}" + (f" (account {account})" if account else ""),
+        err=True,
+    )
     click.echo(new.key)
     click.echo(
         "Shown once: the file keeps only its hash. Give it to the user, who sets "
@@ -927,15 +1165,23 @@ def keys_add(
 @keys.command("list")
 @_server_option
 @_keys_file_option
-@click.option("--json", "as_json", is_flag=True)
+@_json_option
 @friendly_errors
 def keys_list(server_path: Path, keys_file: Path | None, as_json: bool) -> None:
-    """Every key (never the key itself): id, user, project, created, revoked."""
+    """List every key (never the key itself).
+
+    Id, user, account, created, revoked.
+
+    \b
+    Examples:
+      llmgw-admin keys list
+      llmgw-admin keys list --json | jq -r '.[] | select(.user == "alice") | .key_id'
+    """
     from llmgw_slurm.router.keys import list_keys
 
-    recs = list_keys(_keys_file(server_path, keys_file))
+    recs = list_keys(_existing_keys_file(server_path, keys_file))
     if as_json:
-        print_json([dataclasses.asdict(r) | {"active": r.active} for r in recs])
+        print_json([_key_json(r) for r in recs])
         return
     if not recs:
         click.echo("no keys")
@@ -946,7 +1192,7 @@ def keys_list(server_path: Path, keys_file: Path | None, as_json: bool) -> None:
 
     click.echo(
         table(
-            ("ID", "USER", "PROJECT", "CREATED", "REVOKED"),
+            ("ID", "USER", "ACCOUNT", "CREATED", "REVOKED"),
             [(r.key_id, r.user, r.project or "-", day(r.created), day(r.revoked)) for r in recs],
         )
     )
@@ -958,10 +1204,17 @@ def keys_list(server_path: Path, keys_file: Path | None, as_json: bool) -> None:
 @_keys_file_option
 @friendly_errors
 def keys_revoke(key_id: str, server_path: Path, keys_file: Path | None) -> None:
-    """Revoke a key by its id; the gateway refuses it from the next request on."""
+    """Revoke a key by its id.
+
+    The gateway refuses it from the next request on.
+
+    \b
+    Example:
+      llmgw-admin keys revoke 0a1b2c3d
+    """
     from llmgw_slurm.router.keys import revoke_key
 
-    rec = revoke_key(_keys_file(server_path, keys_file), key_id)
+    rec = revoke_key(_existing_keys_file(server_path, keys_file), key_id)
     click.echo(f"key {rec.key_id} of {rec.user} revoked")
 
 
@@ -970,15 +1223,29 @@ def keys_revoke(key_id: str, server_path: Path, keys_file: Path | None) -> None:
 _MASKED = ("LLMGW_REPLICA_SECRET", "LLMGW_ENGINE_API_KEY")
 
 
+def _resolve(catalog: Any, name: str) -> Any:
+    """The catalog's model ``name`` (or alias); the unknown-model error as llmgw words it."""
+    m = catalog.resolve(name)
+    if m is None:
+        aliases = [a for x in catalog.models for a in x.aliases]
+        raise click.ClickException(unknown_model(name, list(catalog.names), also=aliases))
+    return m
+
+
 @main.command()
 @click.argument("model")
 @_server_option
 @friendly_errors
 def script(model: str, server_path: Path) -> None:
-    """Print the sbatch command, environment and script a replica of MODEL gets.
+    """Print the sbatch a replica of MODEL would get.
 
-    Nothing is submitted and Slurm is not asked. Secrets are masked; the
-    replica id is a placeholder (each real replica gets its own).
+    The sbatch command, its environment and the batch script. Nothing is
+    submitted and Slurm is not asked. Secrets are masked; the replica id is a
+    placeholder (each real replica gets its own).
+
+    \b
+    Example:
+      llmgw-admin script tiny | less
     """
     import shlex
     import socket
@@ -988,11 +1255,7 @@ def script(model: str, server_path: Path) -> None:
 
     server = _load_server(server_path)
     catalog = load_catalog(server.models)
-    m = catalog.resolve(model)
-    if m is None:
-        raise click.ClickException(
-            f"unknown model {model!r}; known: {', '.join(catalog.names) or '(none)'}"
-        )
+    m = _resolve(catalog, model)
     # The secrets derived from the key are masked below, so the real key is not read.
     key = b"0" * 64
     url = server.listen.advertised_daemon_url(socket.getfqdn())
@@ -1033,13 +1296,21 @@ def _svc_backend(server: ServerConfig) -> Any:
     )
 
 
-def _submit_service_job(server: ServerConfig, spec: Any, wait: bool, poll: float) -> None:
+def _submit_service_job(
+    server: ServerConfig, spec: Any, wait: bool, poll: float, as_json: bool = False
+) -> None:
+    """Submit; the job id alone on standard output (as sbatch --parsable), the rest on
+    standard error."""
     from llmgw_slurm.svcjobs import job_log_path
 
     backend = _svc_backend(server)
     job_id: str = run(backend.submit(spec))
-    click.echo(f"submitted job {job_id} ({spec.name})")
-    click.echo(f"log: {job_log_path(server, spec.name, job_id)}")
+    log_path = job_log_path(server, spec.name, job_id)
+    if as_json:
+        print_json({"job_id": job_id, "name": spec.name, "log": str(log_path)})
+    else:
+        click.echo(job_id)
+    click.echo(f"submitted job {job_id} ({spec.name}); log: {log_path}", err=True)
     # The daemon lists the job in its next pass anyway; told now, it also shows
     # one that ends before that pass. Not running is fine: the job runs regardless.
     target = next((w[7:] for w in spec.comment.split() if w.startswith("target=")), "")
@@ -1077,7 +1348,7 @@ async def _follow(server: ServerConfig, backend: Any, name: str, job_id: str, po
                 f" ({j.reason})" if j.reason and j.reason != "None" else ""
             )
             if shown != last:
-                click.echo(f"{format_duration(time.monotonic() - t0):>6}  {shown}")
+                click.echo(f"{format_duration(time.monotonic() - t0):>6}  {shown}", err=True)
                 last = shown
             await asyncio.sleep(poll)
             continue
@@ -1102,12 +1373,13 @@ async def _follow(server: ServerConfig, backend: Any, name: str, job_id: str, po
     line = last_log_line(job_log_path(server, name, job_id))
     click.echo(
         f"{format_duration(time.monotonic() - t0):>6}  {final.value}"
-        + (f" (exit {exit_code})" if exit_code not in ("", "0:0") else "")
+        + (f" (exit {exit_code})" if exit_code not in ("", "0:0") else ""),
+        err=True,
     )
     if final is not JobState.COMPLETED:
         raise click.ClickException(f"job {job_id} {final.value}: {line or 'no output'}")
     if line:
-        click.echo(line)
+        click.echo(line, err=True)
 
 
 @main.command()
@@ -1119,6 +1391,7 @@ async def _follow(server: ServerConfig, backend: Any, name: str, job_id: str, po
 )
 @_wait_option
 @click.option("--poll", default=2.0, show_default=True, help="Seconds between looks with --wait.")
+@_json_option
 @friendly_errors
 def fetch(
     model: str,
@@ -1127,24 +1400,28 @@ def fetch(
     allow_download: bool,
     wait: bool,
     poll: float,
+    as_json: bool,
 ) -> None:
-    """Fetch MODEL's weights into the agent's cache in a Slurm job, ahead of its first start.
+    """Fetch MODEL's weights in a Slurm job, ahead of use.
 
-    Run it as the daemon's user: the job is the service's, shown in `llmgw-admin
-    status`. The cache is agent.yaml's weights.cache_dir (shared by the nodes).
+    Into the agent's cache (agent.yaml's weights.cache_dir, shared by the
+    nodes). Run it as the daemon's user: the job is the service's, shown in
+    `llmgw-admin status`. Standard output gets the job id alone; with --wait,
+    its states go to standard error and the exit is 0 only if it completes.
+
+    \b
+    Examples:
+      llmgw-admin fetch llama-8b --wait
+      JOB=$(llmgw-admin fetch llama-8b --time 2:00:00)
     """
     from llmgw_slurm.catalog import load_catalog
     from llmgw_slurm.svcjobs import ServiceJobBuilder
 
     server = _load_server(server_path)
     catalog = load_catalog(server.models)
-    m = catalog.resolve(model)
-    if m is None:
-        raise click.ClickException(
-            f"unknown model {model!r}; known: {', '.join(catalog.names) or '(none)'}"
-        )
+    m = _resolve(catalog, model)
     spec = ServiceJobBuilder(server).fetch(m, time=time_limit, allow_download=allow_download)
-    _submit_service_job(server, spec, wait, poll)
+    _submit_service_job(server, spec, wait, poll, as_json)
 
 
 @main.command("install-engine")
@@ -1171,6 +1448,7 @@ def fetch(
 @_time_option
 @_wait_option
 @click.option("--poll", default=2.0, show_default=True, help="Seconds between looks with --wait.")
+@_json_option
 @friendly_errors
 def install_engine(
     kind: str,
@@ -1184,15 +1462,19 @@ def install_engine(
     time_limit: str | None,
     wait: bool,
     poll: float,
+    as_json: bool,
 ) -> None:
-    """Install an engine version at TARGET in a Slurm job: a venv, or an Apptainer image.
+    """Install an engine at TARGET in a Slurm job.
+
+    A venv, or an Apptainer image. TARGET is an absolute path the compute
+    nodes see. Installing twice is safe: a lock serialises installs of one
+    target, and a finished one is kept. Standard output gets the job id alone.
 
     \b
+    Examples:
       llmgw-admin install-engine venv /opt/engines/vllm-0.6.3 --package vllm==0.6.3
-      llmgw-admin install-engine apptainer /opt/images/vllm.sif --image docker://vllm/vllm-openai:v0.6.3
-
-    TARGET is an absolute path the compute nodes see. Installing twice is safe:
-    a lock serialises installs of one target, and a finished one is kept.
+      llmgw-admin install-engine apptainer /opt/images/vllm.sif \\
+          --image docker://vllm/vllm-openai:v0.6.3 --wait
     """
     from llmgw_slurm.svcjobs import ServiceJobBuilder
 
@@ -1213,7 +1495,7 @@ def install_engine(
         apptainer=apptainer_bin,
         time=time_limit,
     )
-    _submit_service_job(server, spec, wait, poll)
+    _submit_service_job(server, spec, wait, poll, as_json)
 
 
 @main.command("trace")
@@ -1223,10 +1505,16 @@ def install_engine(
 @_server_option
 @friendly_errors
 def trace_cmd(target: str, as_json: bool, no_color: bool, server_path: Path) -> None:
-    """A replica's start as a waterfall: the pass, Slurm's queue, each agent step, serving.
+    """Draw a replica's start as a waterfall.
 
-    From the daemon's own recent traces (no collector needed): the newest
-    start of MODEL or REPLICA, or the trace TRACE_ID.
+    The pass, Slurm's queue, each agent step, serving: from the daemon's own
+    recent traces (no collector needed), the newest start of MODEL or
+    REPLICA, or the trace TRACE_ID.
+
+    \b
+    Examples:
+      llmgw-admin trace tiny
+      llmgw-admin trace tiny --json | jq '.spans | length'
     """
     from llmgw_slurm.cli import charts
 

@@ -39,7 +39,15 @@ def quota_group(
 
     @click.group()
     def quota() -> None:
-        """Token budgets of one Slurm account (beside quotas: in server.yaml)."""
+        """Set and list Slurm accounts' token budgets.
+
+        An account's own budgets, beside quotas: in server.yaml.
+
+        \b
+        Examples:
+          llmgw-admin quota set proj42 --tokens-per-day 2000000
+          llmgw-admin quota list --json | jq .accounts
+        """
 
     @quota.command("set")
     @click.argument("account", callback=_account)
@@ -50,10 +58,14 @@ def quota_group(
     def quota_set(
         account: str, tokens_per_day: int | None, tokens_per_month: int | None, server_path: Path
     ) -> None:
-        """Give ACCOUNT budgets of its own (over every key charged to it).
+        """Give ACCOUNT token budgets of its own.
 
-        They replace the account_tokens_per_* of server.yaml for this account;
-        one left out is unlimited for it.
+        Over every key charged to it. They replace the account_tokens_per_* of
+        server.yaml for this account; one left out is unlimited for it.
+
+        \b
+        Example:
+          llmgw-admin quota set proj42 --tokens-per-day 2000000 --tokens-per-month 40000000
         """
         if tokens_per_day is None and tokens_per_month is None:
             raise click.UsageError("give --tokens-per-day, --tokens-per-month or both")
@@ -66,7 +78,14 @@ def quota_group(
     @server_option
     @friendly_errors
     def quota_unset(account: str, server_path: Path) -> None:
-        """Remove ACCOUNT's own budgets: server.yaml's apply to it again."""
+        """Remove ACCOUNT's own budgets.
+
+        server.yaml's apply to it again.
+
+        \b
+        Example:
+          llmgw-admin quota unset proj42
+        """
         path = budgets_path(load_server(server_path))
         set_account_budget(path, account, AccountBudget())
         click.echo(f"account {account}: the budgets of server.yaml apply ({path})")
@@ -76,35 +95,44 @@ def quota_group(
     @click.option("--json", "as_json", is_flag=True, help="JSON for scripts.")
     @friendly_errors
     def quota_list(server_path: Path, as_json: bool) -> None:
-        """The server's quotas and every account's own budgets."""
-        server = load_server(server_path)
-        budgets = AccountBudgets(budgets_path(server)).budgets
-        q = server.quotas
-        if as_json:
-            print_json(
-                {
-                    "server": {f: getattr(q, f) for f in q.__dataclass_fields__},
-                    "accounts": {
-                        n: {
-                            "tokens_per_day": b.tokens_per_day,
-                            "tokens_per_month": b.tokens_per_month,
-                        }
-                        for n, b in sorted(budgets.items())
-                    },
-                }
-            )
-            return
-        rows = [(f, getattr(q, f) or "-") for f in q.__dataclass_fields__]
-        click.echo(table(("SERVER QUOTA", "LIMIT"), rows))
-        if budgets:
-            click.echo()
-            acc_rows = [
-                (n, b.tokens_per_day or "-", b.tokens_per_month or "-")
-                for n, b in sorted(budgets.items())
-            ]
-            click.echo(table(("ACCOUNT", "TOKENS/DAY", "TOKENS/MONTH"), acc_rows))
+        """List the server's quotas and accounts' budgets.
+
+        \b
+        Examples:
+          llmgw-admin quota list
+          llmgw-admin quota list --json | jq '.accounts | keys'
+        """
+        _print_quotas(load_server(server_path), as_json)
 
     return quota
+
+
+def _print_quotas(server: ServerConfig, as_json: bool) -> None:
+    budgets = AccountBudgets(budgets_path(server)).budgets
+    q = server.quotas
+    if as_json:
+        print_json(
+            {
+                "server": {f: getattr(q, f) for f in q.__dataclass_fields__},
+                "accounts": {
+                    n: {
+                        "tokens_per_day": b.tokens_per_day,
+                        "tokens_per_month": b.tokens_per_month,
+                    }
+                    for n, b in sorted(budgets.items())
+                },
+            }
+        )
+        return
+    rows = [(f, getattr(q, f) or "-") for f in q.__dataclass_fields__]
+    click.echo(table(("SERVER QUOTA", "LIMIT"), rows))
+    if budgets:
+        click.echo()
+        acc_rows = [
+            (n, b.tokens_per_day or "-", b.tokens_per_month or "-")
+            for n, b in sorted(budgets.items())
+        ]
+        click.echo(table(("ACCOUNT", "TOKENS/DAY", "TOKENS/MONTH"), acc_rows))
 
 
 def _describe(day: int | None, month: int | None) -> str:

@@ -2,7 +2,7 @@
 
 Read from the daemon's usage store (``state_dir/usage.sqlite3``), so run it
 as the daemon's user. Keys from ``llmgw login`` are charged to the Slurm
-account they name; an admin's key to its ``--project``.
+account they name; an admin's key to its ``--account``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ from typing import Any
 
 import click
 
-from llmgw_slurm.cli.common import friendly_errors, parse_when, print_json, table
+from llmgw_slurm.cli.common import (
+    friendly_errors,
+    iso_time,
+    parse_when,
+    print_json,
+    table,
+    token_totals,
+)
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.router.usage import USAGE_GROUPS, usage_by
 
@@ -35,21 +42,35 @@ def usage_command(
     @server_option
     @friendly_errors
     def usage(by: str, since: str, as_json: bool, server_path: Path) -> None:
-        """Requests and tokens through the gateway, by user, account, key or model."""
+        """Requests and tokens by user, account, key or model.
+
+        Through the gateway, online and batch (a batch counts each of its
+        requests), with totals. --json gives since (ISO 8601), by, rows (one
+        per user, account, key or model) and totals.
+
+        \b
+        Examples:
+          llmgw-admin usage --since 7d
+          llmgw-admin usage --by account --json | jq -r '.rows[] | "\\(.account) \\(.total_tokens)"'
+          llmgw-admin usage --by model --json | jq .totals
+        """
         t0 = parse_when(since, time.time())
         db = Path(load_server(server_path).state_dir) / "usage.sqlite3"
         rows = usage_by(db, by, t0)
+        total = token_totals(rows)
         if as_json:
-            print_json(rows)
+            print_json({"since": iso_time(t0), "by": by, "rows": rows, "totals": total})
             return
+        click.echo(f"Usage through the gateway since {since} ({iso_time(t0)}), by {by}:")
         if not rows:
-            click.echo(f"no requests since {since}")
+            click.echo("no requests")
             return
         cols = (by, "requests", "prompt_tokens", "completion_tokens", "total_tokens")
         click.echo(
             table(
                 [c.upper().replace("_", " ") for c in cols],
-                [[r[c] if r[c] != "" else "-" for c in cols] for r in rows],
+                [[r[c] if r[c] != "" else "-" for c in cols] for r in rows]
+                + [["total", *(total[c] for c in cols[1:])]],
             )
         )
 

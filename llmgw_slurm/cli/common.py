@@ -36,21 +36,41 @@ def run(coro: Coroutine[Any, Any, R]) -> R:
     return asyncio.run(coro)
 
 
+def iso_time(ts: float) -> str:
+    """A Unix time as ISO 8601 with the local offset, as every ``--json`` prints times."""
+    from datetime import datetime
+
+    return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+
+
+def token_totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The requests and tokens of usage rows, summed (both CLIs' ``usage``)."""
+    return {
+        k: sum(int(r.get(k) or 0) for r in rows)
+        for k in ("requests", "prompt_tokens", "completion_tokens", "total_tokens")
+    }
+
+
 def print_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], free_text: int | None = None
+) -> str:
     """A plain left-aligned table that keeps within the terminal's width.
 
     The widest column is trimmed (with an ellipsis) when the table would not
-    fit, so an 80-column terminal gets whole rows rather than wrapped ones.
+    fit, so an 80-column terminal gets whole rows rather than wrapped ones;
+    column ``free_text`` (a description) first, so the others stay whole.
     """
     cells = [[str(c) for c in headers], *[[str(c) for c in r] for r in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     limit = shutil.get_terminal_size((80, 24)).columns
     while sum(widths) + 2 * (len(widths) - 1) > limit and max(widths) > 8:
         widest = widths.index(max(widths))
+        if free_text is not None and widths[free_text] > 12:
+            widest = free_text
         widths[widest] -= 1
     lines = []
     for row in cells:
@@ -99,8 +119,10 @@ async def call_daemon(
     timeout: float = 15.0,
     what: str = "the llmgw daemon",
     ssl: ssl_.SSLContext | bool | None = None,
+    hint: str = "",
 ) -> DaemonReply:
-    """One request to the daemon; an unreachable daemon is a ClickException saying where.
+    """One request to the daemon; an unreachable daemon is a ClickException saying where
+    (and ``hint``: where that address came from, what to set).
 
     ``ssl``: how to verify an https server (None: the system's CAs; False: not at all). The caller
     checks, before it passes a ``token``, that the server is the daemon
@@ -125,10 +147,8 @@ async def call_daemon(
             text = await resp.text()
             status = resp.status
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-        reason = str(exc) or type(exc).__name__
-        if isinstance(exc, TimeoutError):
-            reason = f"no answer within {timeout:g}s"
-        raise click.ClickException(f"cannot reach {what} at {base_url}: {reason}") from None
+        reason = _unreachable_reason(exc, timeout)
+        raise click.ClickException(f"cannot reach {what} at {base_url}: {reason}{hint}") from None
     try:
         data = json.loads(text) if text else None
     except json.JSONDecodeError:
@@ -137,6 +157,40 @@ async def call_daemon(
             f"is it the llmgw daemon? ({text[:80]!r})"
         ) from None
     return DaemonReply(status, data)
+
+
+def _unreachable_reason(exc: BaseException, timeout: float) -> str:
+    """Why a connection failed, in words (aiohttp's own text names its internals:
+    "Cannot connect to host h:p ssl:default [Connect call failed ...]")."""
+    import aiohttp
+
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g}s"
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"its certificate is not trusted ({exc.certificate_error})"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        err = exc.os_error
+        if isinstance(err, ConnectionRefusedError):
+            return "connection refused (nothing listens there)"
+        return (err.strerror or str(err) or type(err).__name__).rstrip(".").lower()
+    return str(exc) or type(exc).__name__
+
+
+def did_you_mean(word: str, known: Sequence[str]) -> str:
+    """``; did you mean 'x'?`` for a near miss among ``known``, else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_model(name: str, known: Sequence[str], also: Sequence[str] = ()) -> str:
+    """How every command says a model is not in the catalog: the near name (among the
+    names and ``also``, their aliases) first, then the known names."""
+    return (
+        f"unknown model {name!r}{did_you_mean(name, [*known, *also])} "
+        f"(known: {', '.join(known) or 'none'})"
+    )
 
 
 def parse_when(text: str, now: float) -> float:

@@ -20,7 +20,7 @@ import yaml
 
 from llmgw_slurm import munge
 from llmgw_slurm.cli import settings as r
-from llmgw_slurm.cli.common import call_daemon, print_json, run, table
+from llmgw_slurm.cli.common import print_json, run, table
 from llmgw_slurm.errors import LlmgwError
 from llmgw_slurm.fsutil import atomic_write
 
@@ -53,6 +53,16 @@ def _need_key(s: r.Settings) -> str:
     return s.key
 
 
+def _gateway_auth(s: r.Settings) -> dict[str, bool]:
+    """Whether the gateway takes keys and offers ``llmgw login`` (its status says;
+    a daemon too old to say is taken to offer both, and the login call decides)."""
+    reply = run(s.call("GET", "/api/v1/status"))
+    auth = reply.data.get("auth") if reply.ok and isinstance(reply.data, dict) else None
+    if not isinstance(auth, dict):
+        return {"keys": True, "login": True}
+    return {"keys": bool(auth.get("keys")), "login": bool(auth.get("login"))}
+
+
 @click.command()
 @click.option(
     "--account",
@@ -67,13 +77,29 @@ def _need_key(s: r.Settings) -> str:
 )
 @click.pass_context
 def login(ctx: click.Context, account: str | None, munge_socket: str | None) -> None:
-    """Get an API key for yourself, proven by munge, and save it in your config.
+    """Get an API key of your own, proven by munge.
 
     Works on any host of the cluster (munged runs there). The key is shown
     nowhere: it goes to ~/.config/llmgw/config.yaml (mode 0600), where llmgw
     and your own code's settings can read it (`llmgw keys` lists yours).
+    On a gateway without API keys there is nothing to do: it says so, exit 0.
+
+    \b
+    Examples:
+      llmgw login
+      llmgw login --account proj42
     """
     s = r._get(ctx)
+    auth = _gateway_auth(s)
+    if not auth["keys"]:
+        click.echo(
+            f"{s.url} needs no key: it has no API keys (anyone who reaches it may use it), "
+            "so llmgw and your own code work as they are.",
+            err=True,
+        )
+        return
+    if not auth["login"]:
+        raise click.ClickException(_login_off(s))
     s.guard("your munge credential")
     try:
         credential = run(munge.encode(Path(munge_socket) if munge_socket else None))
@@ -82,14 +108,11 @@ def login(ctx: click.Context, account: str | None, munge_socket: str | None) -> 
     body: dict[str, str] = {"credential": credential}
     if account:
         body["account"] = account
-    reply = run(call_daemon("POST", s.url, "/api/v1/login", body=body, ssl=s.ssl_context()))
+    reply = run(s.call("POST", "/api/v1/login", body=body))
     data = reply.data if isinstance(reply.data, dict) else {}
     if not reply.ok or not isinstance(data.get("key"), str):
         if reply.status == 404:
-            raise click.ClickException(
-                f"the daemon at {s.url} does not offer `llmgw login` (login.enabled is off in "
-                "its server.yaml); ask the admin for a key"
-            )
+            raise click.ClickException(_login_off(s))
         raise click.ClickException(f"login refused: {reply.error_message()}")
     path = r.config_path()
     values = r._read_config(path)
@@ -105,17 +128,28 @@ def login(ctx: click.Context, account: str | None, munge_socket: str | None) -> 
     )
 
 
+def _login_off(s: r.Settings) -> str:
+    return (
+        f"login is off on the gateway at {s.url} (login.enabled in its server.yaml): "
+        "ask the admin for a key (llmgw-admin keys add YOU), then set LLMGW_API_KEY"
+    )
+
+
 @click.command()
 @click.pass_context
 def logout(ctx: click.Context) -> None:
-    """Revoke the API key in use and remove it from your config."""
+    """Revoke the key in use; remove it from your config.
+
+    \b
+    Example:
+      llmgw logout
+    """
     s = r._get(ctx)
     key = _need_key(s)
     key_id = _key_id(key)
+    _own_keys_offered(s)
     s.guard("your API key")
-    reply = run(
-        call_daemon("DELETE", s.url, f"/api/v1/keys/{key_id}", token=key, ssl=s.ssl_context())
-    )
+    reply = run(s.call("DELETE", f"/api/v1/keys/{key_id}", token=key))
     # A key the daemon no longer takes (revoked elsewhere) is still removed here.
     if not reply.ok and reply.status != 401:
         raise click.ClickException(f"the daemon refused: {reply.error_message()}")
@@ -131,10 +165,24 @@ def logout(ctx: click.Context) -> None:
         click.echo("LLMGW_API_KEY still holds it: unset it.")
 
 
+def _own_keys_offered(s: r.Settings) -> None:
+    """Refuse (ClickException) unless the gateway has the routes of one's own keys,
+    which only a gateway with login has."""
+    auth = _gateway_auth(s)
+    if not auth["keys"]:
+        raise click.ClickException(f"{s.url} has no API keys: there is no key to revoke")
+    if not auth["login"]:
+        raise click.ClickException(
+            f"the gateway at {s.url} keeps keys but not `llmgw login` (login.enabled is "
+            "off): your keys are the admin's to list and revoke (llmgw-admin keys)"
+        )
+
+
 def _keys_reply(s: r.Settings, method: str, path: str) -> Any:
+    _own_keys_offered(s)
     key = _need_key(s)
     s.guard("your API key")
-    reply = run(call_daemon(method, s.url, path, token=key, ssl=s.ssl_context()))
+    reply = run(s.call(method, path, token=key))
     if not reply.ok:
         raise click.ClickException(reply.error_message())
     return reply.data
@@ -144,10 +192,26 @@ def _keys_reply(s: r.Settings, method: str, path: str) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def keys(ctx: click.Context, as_json: bool) -> None:
-    """Your own API keys (list; `llmgw keys revoke ID` to revoke one)."""
+    """List your API keys (revoke one with `keys revoke`).
+
+    On a gateway without API keys the list is empty (exit 0; it says why on
+    standard error).
+
+    \b
+    Examples:
+      llmgw keys
+      llmgw keys --json | jq -r '.keys[] | select(.revoked == null) | .key_id'
+      llmgw keys revoke 0a1b2c3d
+    """
     if ctx.invoked_subcommand is not None:
         return
-    data = _keys_reply(r._get(ctx), "GET", "/api/v1/keys")
+    s = r._get(ctx)
+    if not _gateway_auth(s)["keys"]:
+        click.echo(f"{s.url} has no API keys: there are none to list.", err=True)
+        if as_json:
+            print_json({"user": None, "keys": []})
+        return
+    data = _keys_reply(s, "GET", "/api/v1/keys")
     if as_json:
         print_json(data)
         return
@@ -174,7 +238,12 @@ def _when(ts: object) -> str:
 @click.argument("key_id")
 @click.pass_context
 def keys_revoke(ctx: click.Context, key_id: str) -> None:
-    """Revoke your key KEY_ID (as `llmgw keys` lists it)."""
+    """Revoke your key KEY_ID (as `llmgw keys` lists it).
+
+    \b
+    Example:
+      llmgw keys revoke 0a1b2c3d
+    """
     if not re.fullmatch(r"[0-9a-f]{8}", key_id):
         raise click.BadParameter(
             f"{key_id!r} is not a key id (8 hex digits, as `llmgw keys` shows)"

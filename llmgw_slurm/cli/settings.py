@@ -14,9 +14,32 @@ from pathlib import Path
 import click
 import yaml
 
-__all__ = ["DEFAULT_URL", "Settings", "_get", "_read_config", "_settings", "config_path"]
+from llmgw_slurm.cli.common import DaemonReply, call_daemon
+
+__all__ = [
+    "DEFAULT_URL",
+    "Settings",
+    "_get",
+    "_read_config",
+    "_settings",
+    "base_url",
+    "config_path",
+]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def base_url(url: str) -> str:
+    """The gateway's address without a trailing ``/`` or ``/v1``.
+
+    ``llmgw models`` prints the OpenAI endpoint (``.../v1``), which is what an
+    OpenAI client's ``base_url`` takes; either form works wherever llmgw takes
+    the gateway (``--url``, ``LLMGW_URL``, ``url:``), and llmgw adds ``/v1`` itself.
+    """
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")].rstrip("/")
+    return url
 
 
 @dataclass
@@ -37,6 +60,37 @@ class Settings:
                 f"cannot load the CA file {self.ca_file} (--ca-file, LLMGW_CA_FILE or "
                 f"ca_file:): {exc}; give PEM certificates"
             ) from None
+
+    def unreachable_hint(self) -> str:
+        """What to add when the gateway cannot be reached: where its address came from."""
+        if self.source != "the default":
+            return f" (the address is from {self.source})"
+        return (
+            f" ({self.url} is llmgw's default; give your site's gateway with "
+            "`export LLMGW_URL=https://HOST:PORT`, --url, or url: in "
+            f"{config_path()})"
+        )
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        token: str | None = None,
+        body: object = None,
+        params: dict[str, str] | None = None,
+    ) -> DaemonReply:
+        """One request to the gateway's own API, verified as these settings say."""
+        return await call_daemon(
+            method,
+            self.url,
+            path,
+            token=token,
+            body=body,
+            params=params,
+            ssl=self.ssl_context(),
+            hint=self.unreachable_hint(),
+        )
 
     def guard(self, what: str) -> None:
         """Refuse (ClickException) unless the server can prove it is the daemon."""
@@ -104,7 +158,7 @@ def _settings(url: str | None, key: str | None, ca_file: str | None = None) -> S
             f"daemon URL {url!r} (from {source}) must start with http:// or https://"
         )
     return Settings(
-        url=url.rstrip("/"),
+        url=base_url(url),
         key=key or file.get("api_key"),
         source=source,
         ca_file=ca_file or file.get("ca_file"),
@@ -112,5 +166,11 @@ def _settings(url: str | None, key: str | None, ca_file: str | None = None) -> S
 
 
 def _get(ctx: click.Context) -> Settings:
-    url, key, ca_file = ctx.find_root().obj or (None, None, None)
+    root = ctx.find_root()
+    if root.obj is None:
+        # Shell completion parses the options (--url, LLMGW_URL included) but runs no
+        # group callback: read them where click left them.
+        p = root.params
+        root.obj = (p.get("url"), p.get("key"), p.get("ca_file"))
+    url, key, ca_file = root.obj
     return _settings(url, key, ca_file)

@@ -320,6 +320,14 @@ class PassLoop:
             ident = self._idents[name] = parse_job_name(self.prefix, name)
             return ident
 
+    def _placed(self, r: Replica, job: Job, pass_id: str) -> None:
+        """Where Slurm started the job: the submit decision only said where there was room."""
+        if r.listed is None and r.adopted:
+            return  # the adopt decision of this pass says it (a daemon restart adopts many)
+        self.table.record(
+            "running", r.model, r.replica_id, f"job {job.job_id} on {','.join(job.nodes)}", pass_id
+        )
+
     def _adopt(self, job: Job, model: str, rid: str, now: float, pass_id: str) -> Replica:
         r = Replica(
             replica_id=rid,
@@ -331,7 +339,9 @@ class PassLoop:
         )
         self.table.replicas[rid] = r
         self.tracing.adopt(rid, model, job)
-        self.table.record("adopt", model, rid, f"job {job.job_id} {job.state.value}", pass_id)
+        where = f" on {','.join(job.nodes)}" if job.nodes else ""
+        reason = f"job {job.job_id} {job.state.value}{where}"
+        self.table.record("adopt", model, rid, reason, pass_id)
         return r
 
     def _apply_listing(self, r: Replica, job: Job, now: float, pass_id: str) -> None:
@@ -340,6 +350,9 @@ class PassLoop:
         if job.restarts > r.restarts or (r.job_state in running and job.state is JobState.PENDING):
             self._requeued(r, job, pass_id)
         self.tracing.job_seen(r.replica_id, job)
+        if job.state in running and job.nodes and not r.nodes:
+            # First seen running (again, after a requeue: a pending job lists no nodes).
+            self._placed(r, job, pass_id)
         r.restarts = job.restarts
         r.job_state = job.state
         r.reason = job.reason
@@ -454,11 +467,7 @@ class PassLoop:
                     replaces=a.replaces,
                 )
                 self.table.record(
-                    "submit",
-                    a.model,
-                    a.replica_id,
-                    f"{a.reason}; job {job_id}; {a.placement}",
-                    pass_id,
+                    "submit", a.model, a.replica_id, _submit_reason(a, job_id), pass_id
                 )
             elif a.kind is ActionKind.DRAIN:
                 r = self.table.replicas.get(a.replica_id)
@@ -652,6 +661,11 @@ class Reconciler:
         self.directory.request_finished(model, replica_id)
 
     def want(self, model: str) -> None:
+        """Someone asked for ``model`` to start (``llmgw up``). A model with a ready
+        replica needs nothing: recorded as a waiting request, the ask would start the
+        model again after a drain, "for" a request nobody holds."""
+        if self.table.has_ready(model):
+            return
         self.directory.want(model)
 
     async def wait_ready(self, model: str) -> None:
@@ -726,3 +740,11 @@ def _gpus_in(tres_per_node: str) -> int:
 
 
 __all__ = ["Decision", "PassLoop", "Reconciler", "Replica"]
+
+
+def _submit_reason(a: Action, job_id: str) -> str:
+    """The submit decision's reason: why, the job, and where the plan saw room, told as
+    the plan's view: Slurm picks the node (the ``running`` decision says which)."""
+    if not a.placement or a.placement.startswith("no room now: "):
+        return f"{a.reason}; job {job_id}; {a.placement}".rstrip("; ")
+    return f"{a.reason}; job {job_id}; room now on {a.placement}"

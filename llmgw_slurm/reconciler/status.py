@@ -14,7 +14,7 @@ from llmgw_slurm.reconciler.plan import Failures, ReplicaState
 from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
 from llmgw_slurm.svcjobs import ServiceJobs
 
-__all__ = ["model_state", "replica_status", "status"]
+__all__ = ["MODEL_STATES", "model_state", "replica_status", "state_text", "status"]
 
 
 def status(
@@ -32,14 +32,21 @@ def status(
     models = []
     for m in table.catalog.models:
         reps = [r for r in table.replicas.values() if r.model == m.name]
+        state, reason = model_state(m, reps, failures.get(m.name), give_up_after)
         models.append(
             {
                 "name": m.name,
                 "aliases": list(m.aliases),
+                "description": m.description,
                 "gpus": m.resources.gpus * m.resources.nodes,
                 "min": m.scaling.min,
                 "max": m.scaling.max,
-                "state": model_state(m, reps, failures.get(m.name), give_up_after),
+                # One word, the counts and Slurm's reason beside it: scripts select
+                # on .state == "ready" (state_text is what people read).
+                "state": state,
+                "ready_replicas": sum(1 for r in reps if r.state() is ReplicaState.READY),
+                "reason": reason,
+                "state_text": state_text(state, reps, reason),
                 "note": notes.get(m.name, ""),
                 "replicas": [replica_status(r, now) for r in reps],
             }
@@ -63,21 +70,35 @@ def status(
     }
 
 
-def model_state(m: Model, reps: list[Replica], f: Failures | None, give_up_after: int) -> str:
+# Every word model_state answers with (the status page colours by it).
+MODEL_STATES = ("ready", "failing", "starting", "queued", "backoff", "cold")
+
+
+def model_state(
+    m: Model, reps: list[Replica], f: Failures | None, give_up_after: int
+) -> tuple[str, str]:
+    """The model's state, one of MODEL_STATES, and Slurm's pending reason when queued."""
     states = [r.state() for r in reps]
-    n_ready = states.count(ReplicaState.READY)
-    if n_ready:
-        return f"ready {n_ready}"
+    if ReplicaState.READY in states:
+        return "ready", ""
     if f is not None and f.count >= give_up_after:
-        return "failing"
+        return "failing", ""
     if ReplicaState.STARTING in states:
-        return "starting"
+        return "starting", ""
     if ReplicaState.PENDING in states:
-        reason = next((r.reason for r in reps if r.state() is ReplicaState.PENDING), "")
-        return f"queued ({reason})" if reason else "queued"
+        return "queued", next((r.reason for r in reps if r.state() is ReplicaState.PENDING), "")
     if f is not None:
-        return "backoff"
-    return "cold"
+        return "backoff", ""
+    return "cold", ""
+
+
+def state_text(state: str, reps: list[Replica], reason: str) -> str:
+    """The state as people read it: "ready 2" (ready replicas), "queued (Resources)"."""
+    if state == "ready":
+        return f"ready {sum(1 for r in reps if r.state() is ReplicaState.READY)}"
+    if state == "queued" and reason:
+        return f"queued ({reason})"
+    return state
 
 
 def replica_status(r: Replica, now: float) -> dict[str, Any]:

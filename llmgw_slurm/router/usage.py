@@ -48,7 +48,9 @@ CREATE TABLE IF NOT EXISTS usage (
     endpoint TEXT NOT NULL,
     prompt_tokens INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL,
-    total_tokens INTEGER NOT NULL
+    total_tokens INTEGER NOT NULL,
+    -- A batch is one record of all its requests: requests counts them.
+    requests INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key_id, ts);
 -- Budgets start from the day's and month's totals over every key (router/quota.py).
@@ -58,7 +60,8 @@ CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
 
 @dataclass(frozen=True, slots=True)
 class UsageRecord:
-    """One request's tokens. ``key_id`` is "" when the gateway runs without keys."""
+    """One request's tokens, or a batch's (``requests``: how many it answered).
+    ``key_id`` is "" when the gateway runs without keys."""
 
     ts: float
     key_id: str
@@ -69,6 +72,7 @@ class UsageRecord:
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    requests: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,11 @@ def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(path, check_same_thread=False, timeout=10)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.executescript(_SCHEMA)
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
+    if "requests" not in columns:
+        # A store written before batches counted their requests: each old row was one.
+        with conn:
+            conn.execute("ALTER TABLE usage ADD COLUMN requests INTEGER NOT NULL DEFAULT 1")
     return conn
 
 
@@ -110,7 +119,7 @@ def query_usage(
     if not path.exists():
         return []
     sql = (
-        "SELECT key_id, user, project, model, COUNT(*), SUM(prompt_tokens),"
+        "SELECT key_id, user, project, model, SUM(requests), SUM(prompt_tokens),"
         " SUM(completion_tokens), SUM(total_tokens) FROM usage WHERE 1=1"
     )
     args: list[object] = []
@@ -148,7 +157,7 @@ def usage_by(path: Path, by: str, since: float | None = None) -> list[dict[str, 
         return []
     # column is one of USAGE_GROUPS' fixed names, never the caller's text.
     sql = (
-        f"SELECT {column}, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens),"  # noqa: S608
+        f"SELECT {column}, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens),"  # noqa: S608
         " SUM(total_tokens) FROM usage WHERE ts >= ?"
         f" GROUP BY {column} ORDER BY SUM(total_tokens) DESC, {column}"
     )
@@ -204,7 +213,7 @@ class UsageStore:
     def _write(self, batch: list[UsageRecord]) -> None:
         with self._lock, self._conn:
             self._conn.executemany(
-                "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (
                         r.ts,
@@ -216,6 +225,7 @@ class UsageStore:
                         r.prompt_tokens,
                         r.completion_tokens,
                         r.total_tokens,
+                        r.requests,
                     )
                     for r in batch
                 ],

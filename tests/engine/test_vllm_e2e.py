@@ -419,7 +419,7 @@ async def test_vllm_cpu_served_by_a_slurm_job_through_the_gateway(
             # 4. The Slurm job is what serves: running on a GPU node, with a
             # GPU gres, and its node is the engine URL's host.
             m = await status(s)
-            assert m["state"] == "ready 1", m
+            assert (m["state"], m["ready_replicas"]) == ("ready", 1), m
             (rep,) = m["replicas"]
             job_id, url = rep["job_id"], rep["url"]
             assert job_id and url, rep

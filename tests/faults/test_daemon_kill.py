@@ -24,7 +24,7 @@ async def test_sigkilled_daemon_under_load_adopts_every_job_and_serves_again(
 
         async def all_ready() -> bool:
             st = model_states(await d.status())
-            return bool(st) and all(st.get(n) == "ready 1" for n in names)
+            return bool(st) and all(st.get(n) == "ready" for n in names)
 
         await eventually(all_ready, "both models ready", timeout=120)
         before = sorted(h.jobs())

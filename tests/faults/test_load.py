@@ -89,7 +89,7 @@ async def test_a_thousand_streams_for_a_minute_leave_no_growth_and_the_held_cap_
     with daemon_process(h, tmp_path / "daemon.log") as d:
 
         async def loaded_ready() -> bool:
-            return model_states(await d.status()).get("loaded") == "ready 1"
+            return model_states(await d.status()).get("loaded") == "ready"
 
         await eventually(loaded_ready, "the loaded model ready", timeout=120)
         # Warm up (the first requests allocate what every later one reuses).

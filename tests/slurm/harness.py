@@ -4,15 +4,33 @@ Each harness writes its own server.yaml, models.yaml and agent.yaml to a temp
 folder with a job prefix of its own, so tests never touch each other's jobs,
 and runs the daemon exactly as `llmgw-admin serve` does (daemon.build and the
 same apps), only on free ports and with a stop the test controls.
+
+Tests that count GPUs (evictions: "only two whole nodes are free") share the
+cluster with whatever else runs on it: the README has `scripts/demo` leave its
+daemon and a replica running before `scripts/test`, and a site's cluster always
+has other jobs. They isolate themselves with :func:`reservation`: a Slurm
+reservation over every node for the test's own jobs (its daemon's, through
+server.yaml's slurm.reservation, and its fillers'). Why a reservation and not a
+partition or a node list of its own: jobs that run already keep their GPUs
+whatever the test does (the fillers and :func:`fill_all_but` count them as
+taken), but no job that does not ask for the reservation can start on its nodes
+while it lasts: another daemon's renewal or restart, or another user's job,
+cannot take the GPUs the test has just freed by an eviction. A partition would
+not keep them out, and a node list would still be shared. Created with
+IGNORE_JOBS (jobs already running stay), over ALL nodes so that the test
+daemon's view of free GPUs (every node of its partitions) is the view Slurm
+schedules it by, and with a time limit, so that one a crashed test leaves
+behind ends by itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import subprocess
 import textwrap
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +40,7 @@ import yaml
 from llmgw_slurm import daemon as daemonmod
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.slurm.cli import CliBackend
+from llmgw_slurm.slurm.types import NodeInfo
 from tests.ports import free_port
 from tests.slurm.conftest import backend_options, daemon_backend, eventually, need_backend
 
@@ -105,6 +124,8 @@ class Harness:
     router: dict[str, Any] = field(default_factory=dict)
     # LLMGW_TEST_SLURM_BACKEND: the same reconciler tests on either backend.
     backend: str = field(default_factory=daemon_backend)
+    # The Slurm reservation its jobs run in (reservation()), or None.
+    reservation: str | None = None
     d: daemonmod.Daemon | None = None
     _task: asyncio.Task[None] | None = None
     _stop: asyncio.Event | None = None
@@ -130,13 +151,17 @@ class Harness:
             "restart": {"initial_backoff": "2s", "max_backoff": "20s", "give_up_after_failures": 3},
             **self.reconcile,
         }
+        slurm: dict[str, Any] = {
+            "backend": self.backend,
+            "partition": "llm",
+            "job_prefix": self.prefix,
+        }
+        if self.backend == "rest":
+            slurm["rest"] = backend_options("rest")
+        if self.reservation:
+            slurm["reservation"] = self.reservation
         server = {
-            "slurm": {
-                "backend": self.backend,
-                "partition": "llm",
-                "job_prefix": self.prefix,
-                **({"rest": backend_options("rest")} if self.backend == "rest" else {}),
-            },
+            "slurm": slurm,
             "listen": {
                 "gateway": f"127.0.0.1:{self.gateway_port}",
                 "internal": f"127.0.0.1:{self.internal_port}",
@@ -220,11 +245,19 @@ async def running(
     *,
     router: dict[str, Any] | None = None,
     configure: Callable[[Harness], None] | None = None,
+    reservation: str | None = None,
     **reconcile: Any,
 ) -> AsyncIterator[Harness]:
     """A started daemon; ``router`` and ``reconcile`` override server.yaml's sections,
-    ``configure`` may change the written files before it starts."""
-    h = Harness(tmp_path / "daemon", prefix, reconcile=reconcile, router=router or {})
+    ``configure`` may change the written files before it starts; ``reservation``: the
+    Slurm reservation its jobs run in (:func:`reservation`)."""
+    h = Harness(
+        tmp_path / "daemon",
+        prefix,
+        reconcile=reconcile,
+        router=router or {},
+        reservation=reservation,
+    )
     h.write(models)
     if configure is not None:
         configure(h)
@@ -238,9 +271,32 @@ async def running(
             subprocess.run(["scancel", *ids], check=False)
 
 
-def filler(prefix: str, gres: str, *where: str) -> str:
+@contextlib.contextmanager
+def reservation(prefix: str, minutes: int = 60) -> Iterator[str]:
+    """A Slurm reservation over every node for this user's jobs that ask for it; its name.
+
+    Why (and why these flags): the module docstring. Removed on the way out;
+    one left by a crashed run ends after ``minutes``.
+    """
+    name = prefix.rstrip(".") + "-isolated"
+    argv = ["scontrol", "create", "reservation", f"ReservationName={name}", "StartTime=now"]
+    argv += [f"Duration={minutes}", "Nodes=ALL", f"Users={getpass.getuser()}"]
+    argv += ["Flags=IGNORE_JOBS"]
+    made = subprocess.run(argv, capture_output=True, text=True, check=False)
+    assert made.returncode == 0, f"{' '.join(argv)}: {made.stdout}{made.stderr}"
+    try:
+        yield name
+    finally:
+        subprocess.run(
+            ["scontrol", "delete", f"ReservationName={name}"], capture_output=True, check=False
+        )
+
+
+def filler(prefix: str, gres: str, *where: str, reservation: str | None = None) -> str:
     """Somebody else's job holding ``gres`` for a quarter of an hour; returns its id."""
     argv = ["sbatch", "--parsable", "-p", "llm", *where, f"--job-name={prefix}filler"]
+    if reservation:
+        argv.append(f"--reservation={reservation}")
     argv += [f"--gres={gres}", "--output=/dev/null", "--wrap", "sleep 900"]
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -253,23 +309,46 @@ def research_job(prefix: str, node: str) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def fill_nodes(prefix: str, count: int) -> list[str]:
-    """Occupy ``count`` whole nodes (4 GPUs each) with somebody else's jobs; returns their ids."""
-    return [filler(prefix, "gpu:a100:4") for _ in range(count)]
-
-
-async def fill_all_but_one_node(prefix: str, gpu_type: str = "a100") -> tuple[str, list[str]]:
-    """Occupy every free GPU of the llm partition but one whole free node's with somebody
-    else's jobs, running: room for exactly one whole-node replica, whatever else shares the
-    cluster. Returns (that node, the fillers' job ids)."""
+async def fill_all_but(
+    prefix: str, keep: int = 1, gpu_type: str = "a100", reservation: str | None = None
+) -> tuple[list[str], list[str]]:
+    """Occupy every free GPU of the llm partition but ``keep`` whole free nodes' with
+    somebody else's jobs, running: room for exactly ``keep`` whole-node replicas, whatever
+    else shares the cluster. Returns (the nodes kept, the fillers' job ids)."""
     nodes = [n for n in await CliBackend().list_nodes() if "llm" in n.partitions and n.usable]
     whole = [n.name for n in nodes if n.gpus_free(gpu_type) == n.gpus_total(gpu_type) > 0]
-    assert whole, f"no node with all its GPUs free to leave: {nodes}"
-    keep = whole[0]
+    assert len(whole) >= keep, (
+        f"{keep} node(s) with all their {gpu_type} GPUs free are needed, {len(whole)} are: "
+        f"{[(n.name, n.gpus_free(gpu_type)) for n in nodes]}; squeue shows what holds them"
+    )
+    kept = whole[:keep]
+    ids = await hold_free_gpus(
+        prefix, [n for n in nodes if n.name not in kept], gpu_type, reservation
+    )
+    return kept, ids
+
+
+async def fill_all_but_one_node(
+    prefix: str, gpu_type: str = "a100", reservation: str | None = None
+) -> tuple[str, list[str]]:
+    """:func:`fill_all_but` one node; returns (that node, the fillers' job ids)."""
+    kept, ids = await fill_all_but(prefix, 1, gpu_type, reservation)
+    return kept[0], ids
+
+
+async def hold_free_gpus(
+    prefix: str, nodes: list[NodeInfo], gpu_type: str, reservation: str | None = None
+) -> list[str]:
+    """Somebody else's jobs on every free ``gpu_type`` GPU of ``nodes``, running; their ids."""
     ids = [
-        filler(prefix, f"gpu:{gpu_type}:{n.gpus_free(gpu_type)}", f"--nodelist={n.name}")
+        filler(
+            prefix,
+            f"gpu:{gpu_type}:{n.gpus_free(gpu_type)}",
+            f"--nodelist={n.name}",
+            reservation=reservation,
+        )
         for n in nodes
-        if n.name != keep and n.gpus_free(gpu_type) > 0
+        if n.gpus_free(gpu_type) > 0
     ]
 
     async def running_all() -> bool:
@@ -288,4 +367,4 @@ async def fill_all_but_one_node(prefix: str, gpu_type: str = "a100") -> tuple[st
     except BaseException:
         subprocess.run(["scancel", *ids], check=False)
         raise
-    return keep, ids
+    return ids

@@ -142,12 +142,13 @@ def test_2_up_waits_until_ready(daemon: Daemon) -> None:
     r = llmgw(daemon, "up", "tiny", "--timeout", "150")
     COLD_START["ready"] = time.time()
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = r.stdout.splitlines()
-    # Not a TTY: one line per phase, each with the time since the request.
-    assert all(re.match(r"^\[\s*\d+[sm]", ln) for ln in lines[:-1]), r.stdout
-    assert lines[-2].endswith("] ready") and lines[-1].startswith("tiny is ready: ")
+    # Not a TTY: one line per phase on stderr, each with the time since the request;
+    # the endpoint alone on stdout.
+    lines = r.stderr.splitlines()
+    assert lines and all(re.match(r"^\[\s*\d+[sm]", ln) for ln in lines), r.stderr
+    assert lines[-1].endswith("] ready") and r.stdout.startswith("tiny is ready: ")
     r = llmgw(daemon, "models")
-    assert re.search(r"^tiny\s+test/tiny-chat\s+ready 1\s+1$", r.stdout, re.M), r.stdout
+    assert re.search(r"^tiny\s+test/tiny-chat\s+ready 1\s+1/1\s+1\s", r.stdout, re.M), r.stdout
 
 
 def _trace(d: Daemon, deadline: float) -> dict[str, Any]:

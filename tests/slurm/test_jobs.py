@@ -70,7 +70,9 @@ async def test_fetch_job_copies_weights_into_the_cache_and_shows_completed(
     async with running(tmp_path, prefix, [model]) as h:
         rc, out, err = await admin("fetch", "fetched", "--server", str(h.server_yaml), "--wait")
         assert rc == 0, out + err
-        assert "COMPLETED" in out and "fetched: " in out and "(fetched," in out, out
+        # The job id alone on stdout (as sbatch --parsable), its states on stderr.
+        assert out.strip().isdigit(), out
+        assert "COMPLETED" in err and "fetched: " in err and "(fetched," in err, err
         (copy,) = (h.folder / "weights" / "models").iterdir()
         assert (copy / "config.json").read_text() == '{"hidden_size": 64}'
         assert (copy / ".llmgw-manifest.json").exists()
@@ -88,7 +90,7 @@ async def test_fetch_job_copies_weights_into_the_cache_and_shows_completed(
 
 async def install_bare_venv(h: Harness, target: Path) -> str:
     """``llmgw-admin install-engine`` of a venv that sees this interpreter's packages
-    (the project among them), waited for; its output."""
+    (the project among them), waited for; what it said on stderr (its states)."""
     rc, out, err = await admin(
         "install-engine",
         "venv",
@@ -99,7 +101,8 @@ async def install_bare_venv(h: Harness, target: Path) -> str:
         "--wait",
     )
     assert rc == 0, out + err
-    return out
+    assert out.strip().isdigit(), out
+    return err
 
 
 async def test_engine_install_venv_completes(tmp_path: Path, prefix: str) -> None:
@@ -120,7 +123,7 @@ async def test_failed_fetch_ends_failed_with_its_cause(tmp_path: Path, prefix: s
     async with running(tmp_path, prefix, [model]) as h:
         rc, out, err = await admin("fetch", "lost", "--server", str(h.server_yaml), "--wait")
         assert rc == 1, out + err
-        assert "FAILED" in out, out
+        assert "FAILED" in err, err
         assert f"copy source {missing} does not exist" in err, err
         job = await eventually(lambda: ended_job(h, "fetch"), "the fetch job in status", 90)
         assert job["state"] == "FAILED", job

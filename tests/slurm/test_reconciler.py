@@ -15,7 +15,14 @@ import openai
 import pytest
 
 from tests.slurm.conftest import eventually
-from tests.slurm.harness import Harness, fill_nodes, research_job, running, tiny_model
+from tests.slurm.harness import (
+    Harness,
+    fill_all_but,
+    research_job,
+    reservation,
+    running,
+    tiny_model,
+)
 
 
 def client(h: Harness) -> openai.AsyncOpenAI:
@@ -97,49 +104,59 @@ async def test_eviction_makes_room_for_a_wanted_model(tmp_path: Path, prefix: st
         tiny_model("second", resources=whole_node),
         tiny_model("pinned", resources=whole_node, scaling={"min": 1, "max": 1}),
     ]
-    # Fill two of the four nodes with somebody else's jobs, so that only two replicas fit.
-    fillers = fill_nodes(prefix, 2)
-    try:
-        async with running(tmp_path, prefix + "d.", models) as h:
-            await eventually(lambda: asyncio.sleep(0, ready_replicas(h, "pinned")), "pinned ready")
-            await chat(h, "first")
-            (first_replica,) = ready_replicas(h, "first")
-            # Now the cluster is full; "second" can only start if "first" (idle, on demand) goes.
-            # "pinned" has min 1: a promise, never evicted.
-            text = await chat(h, "second", "room please")
-            assert "room" in text
-            (evict,) = h.decisions("evict")
-            assert evict.model == "first"
-            assert evict.replica_id == first_replica
-            assert "to make room for second" in evict.reason
-            assert ready_replicas(h, "pinned")
-            assert not ready_replicas(h, "first")
-    finally:
-        subprocess.run(["scancel", *fillers], check=False)
+    # Somebody else's jobs on every a100 GPU but two whole nodes', so that only two
+    # replicas fit, in a reservation of the test's own: whatever else runs on the
+    # cluster (scripts/demo's replicas) keeps what it holds and starts nothing new on
+    # the GPUs the eviction frees (tests/slurm/harness.py says why).
+    with reservation(prefix) as resv:
+        _, fillers = await fill_all_but(prefix, keep=2, reservation=resv)
+        try:
+            async with running(tmp_path, prefix + "d.", models, reservation=resv) as h:
+                await eventually(
+                    lambda: asyncio.sleep(0, ready_replicas(h, "pinned")), "pinned ready"
+                )
+                await chat(h, "first")
+                (first_replica,) = ready_replicas(h, "first")
+                # Now the cluster is full; "second" can only start if "first" (idle, on
+                # demand) goes. "pinned" has min 1: a promise, never evicted.
+                text = await chat(h, "second", "room please")
+                assert "room" in text
+                (evict,) = h.decisions("evict")
+                assert evict.model == "first"
+                assert evict.replica_id == first_replica
+                assert "to make room for second" in evict.reason
+                assert ready_replicas(h, "pinned")
+                assert not ready_replicas(h, "first")
+        finally:
+            subprocess.run(["scancel", *fillers], check=False)
 
 
 async def test_nothing_idle_enough_is_said_and_nothing_evicted(tmp_path: Path, prefix: str) -> None:
     whole_node = {"gpus": 4}
-    fillers = fill_nodes(prefix, 3)
-    try:
-        models = [
-            tiny_model("busy", resources=whole_node),
-            tiny_model("waiting", resources=whole_node),
-        ]
-        # A long eviction grace: "busy" was used too recently to be a candidate.
-        async with running(tmp_path, prefix + "d.", models, eviction_grace="10m") as h:
-            await chat(h, "busy")
-            task = asyncio.create_task(chat(h, "waiting"))
+    models = [
+        tiny_model("busy", resources=whole_node),
+        tiny_model("waiting", resources=whole_node),
+    ]
+    # Room for one whole-node replica, whatever else runs (as above).
+    with reservation(prefix) as resv:
+        _, fillers = await fill_all_but(prefix, keep=1, reservation=resv)
+        try:
+            # A long eviction grace: "busy" was used too recently to be a candidate.
+            async with running(
+                tmp_path, prefix + "d.", models, eviction_grace="10m", reservation=resv
+            ) as h:
+                await chat(h, "busy")
+                task = asyncio.create_task(chat(h, "waiting"))
 
-            async def noted() -> str | None:
-                return h.rec.notes.get("waiting")
+                async def noted() -> str | None:
+                    return h.rec.notes.get("waiting")
 
-            note = await eventually(noted, "a placement note for 'waiting'")
-            assert "nothing idle enough to stop" in note
-            assert not h.decisions("evict")
-            task.cancel()
-    finally:
-        subprocess.run(["scancel", *fillers], check=False)
+                note = await eventually(noted, "a placement note for 'waiting'")
+                assert "nothing idle enough to stop" in note
+                assert not h.decisions("evict")
+                task.cancel()
+        finally:
+            subprocess.run(["scancel", *fillers], check=False)
 
 
 async def test_restarted_daemon_adopts_jobs_and_never_submits_twice(
@@ -333,7 +350,7 @@ async def test_sigkilled_daemon_process_adopts_every_job_on_restart(
     def all_ready() -> bool:
         st = status()
         return st is not None and all(
-            m["state"] == "ready 1"
+            m["state"] == "ready" and m["ready_replicas"] == 1
             for m in st["models"]  # type: ignore[index,union-attr]
         )
 

@@ -2,12 +2,17 @@
 makes room, the longest idle of those, the longest waiting model first.
 
 One daemon for the module, on a cluster it fills itself so that every test is
-deterministic: somebody else's jobs hold gpunode2 and gpunode4 throughout; the
-fixture starts ``a-llm`` (4 a100, partition llm) on gpunode3 and then ``b-big``
-(4 a100, partition llm-big) on gpunode1, each used once, so that ``a-llm`` is the
-longer idle. gpunode5 (2 h100) is left to the tests. The tests run in file order:
-each leaves the replicas it started for the next (the last one's fair order
-needs two idle replicas that make room, whichever they are).
+deterministic, in a Slurm reservation of its own (harness.reservation: jobs that
+already run keep their GPUs, no other job starts on the nodes while it lasts).
+The nodes are taken by role, whichever of each role has all its GPUs free (other
+jobs, such as scripts/demo's replicas, may hold some): somebody else's jobs hold
+every free GPU of one llm-only a100 node and one nvlink a100 node throughout; the
+fixture starts ``a-llm`` (4 a100, partition llm) on the other llm-only node and
+then ``b-big`` (4 a100, partition llm-big) on the other nvlink node, each used
+once, so that ``a-llm`` is the longer idle. The h100 node is left to the tests.
+The tests run in file order: each leaves the replicas it started for the next
+(the last one's fair order needs two idle replicas that make room, whichever
+they are).
 """
 
 from __future__ import annotations
@@ -23,9 +28,17 @@ import openai
 import pytest
 import pytest_asyncio
 
-from llmgw_slurm.slurm.types import JobState
+from llmgw_slurm.slurm.cli import CliBackend
+from llmgw_slurm.slurm.types import JobState, NodeInfo
 from tests.slurm.conftest import eventually
-from tests.slurm.harness import SITE, Harness, filler, running, tiny_model
+from tests.slurm.harness import (
+    SITE,
+    Harness,
+    hold_free_gpus,
+    reservation,
+    running,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -54,10 +67,47 @@ MODELS = [
 ]
 
 
+@dataclass(frozen=True)
+class Roles:
+    """The site's nodes by what the tests use them for (harness.SITE's kinds)."""
+
+    llm: str  # an a100 node outside llm-big, where a-llm runs
+    llm_held: str  # the other one, held by somebody else throughout
+    big: str  # an nvlink a100 node (llm-big), where b-big and then w-big run
+    big_held: str  # the other one, held throughout
+    h100: str  # the h100 node
+
+    @staticmethod
+    def pick(nodes: list[NodeInfo]) -> Roles:
+        """A node of each role with all its GPUs free for the test; the held ones may
+        carry other jobs (their free GPUs are held for the test)."""
+        free = {n.name for n in nodes if n.usable and n.gpus_free() == n.gpus_total()}
+
+        def kind(name: str) -> str:
+            site = SITE[name]
+            return site.gpu_type + ("-big" if "llm-big" in site.partitions else "")
+
+        by_kind = {k: sorted(n for n in SITE if kind(n) == k) for k in ("a100", "a100-big")}
+        picked = {}
+        for k, names in by_kind.items():
+            # The one with all GPUs free is the test's; the other is held.
+            use = [n for n in names if n in free]
+            assert use, (
+                f"no {k} node has all its GPUs free ({names}); squeue shows what holds them: "
+                + str([(n.name, n.gpus_free()) for n in nodes])
+            )
+            picked[k] = (use[0], next(n for n in names if n != use[0]))
+        (h100,) = [n for n in SITE if SITE[n].gpu_type == "h100"]
+        assert h100 in free, f"{h100} (the h100 node) is not free: {nodes}"
+        return Roles(*picked["a100"], *picked["a100-big"], h100)
+
+
 @dataclass
 class Site:
     h: Harness
     prefix: str
+    resv: str
+    roles: Roles
 
 
 async def job_running(job: str) -> bool:
@@ -67,14 +117,13 @@ async def job_running(job: str) -> bool:
     return out.stdout.strip() == "RUNNING"
 
 
-async def hold_node(prefix: str, node: str, held: list[str]) -> str:
-    """Somebody else's job on all of ``node``'s GPUs, running (its id is added to ``held``
-    at once, for the clean-up); returns its id."""
-    site = SITE[node]
-    job = filler(prefix, f"gpu:{site.gpu_type}:{site.gpus}", f"--nodelist={node}")
-    held.append(job)
-    await eventually(lambda: job_running(job), f"{node} held")
-    return job
+async def hold_node(prefix: str, node: str, held: list[str], resv: str) -> list[str]:
+    """Somebody else's jobs on every free GPU of ``node``, running (their ids are added to
+    ``held``, for the clean-up); returns their ids."""
+    (info,) = [n for n in await CliBackend().list_nodes() if n.name == node]
+    jobs = await hold_free_gpus(prefix, [info], SITE[node].gpu_type, reservation=resv)
+    held.extend(jobs)
+    return jobs
 
 
 async def chat(h: Harness, name: str, tokens: int = 2) -> str:
@@ -105,28 +154,31 @@ async def on_node(h: Harness, name: str) -> str:
 async def site(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Site]:
     prefix = f"llmgwtest-{secrets.token_hex(3)}."
     held: list[str] = []
-    try:
-        await hold_node(prefix, "gpunode2", held)
-        await hold_node(prefix, "gpunode4", held)
-        # gpunode1 too, until a-llm has taken gpunode3 (Slurm fills gpunode3 first by
-        # its weight anyway; this makes it certain).
-        first = await hold_node(prefix, "gpunode1", held)
-        async with running(tmp_path_factory.mktemp("site"), prefix, MODELS) as h:
-            await chat(h, "a-llm")
-            assert await on_node(h, "a-llm") == "gpunode3"
-            subprocess.run(["scancel", first], check=True)
-            await chat(h, "b-big")
-            assert await on_node(h, "b-big") == "gpunode1"
-            yield Site(h, prefix)
-    finally:
-        subprocess.run(["scancel", *held], check=False)
+    with reservation(prefix) as resv:
+        try:
+            roles = Roles.pick(await CliBackend().list_nodes())
+            await hold_node(prefix, roles.llm_held, held, resv)
+            await hold_node(prefix, roles.big_held, held, resv)
+            # The big node too, until a-llm has taken its node (Slurm fills gpunode3-4
+            # first by their weight anyway; this makes it certain).
+            first = await hold_node(prefix, roles.big, held, resv)
+            tmp = tmp_path_factory.mktemp("site")
+            async with running(tmp, prefix, MODELS, reservation=resv) as h:
+                await chat(h, "a-llm")
+                assert await on_node(h, "a-llm") == roles.llm
+                subprocess.run(["scancel", *first], check=True)
+                await chat(h, "b-big")
+                assert await on_node(h, "b-big") == roles.big
+                yield Site(h, prefix, resv, roles)
+        finally:
+            subprocess.run(["scancel", *held], check=False)
 
 
 async def test_h100_model_waits_without_evicting_a100_replicas(site: Site) -> None:
     h = site.h
     held: list[str] = []
     try:
-        await hold_node(site.prefix, "gpunode5", held)
+        await hold_node(site.prefix, site.roles.h100, held, site.resv)
         waiting = asyncio.create_task(chat(h, "h-h100"))
 
         async def turned_down() -> str | None:
@@ -146,19 +198,19 @@ async def test_h100_model_waits_without_evicting_a100_replicas(site: Site) -> No
         subprocess.run(["scancel", *held], check=False)
     # The node comes free: the held request is served there, without an eviction.
     assert "hello" in await waiting
-    assert await on_node(h, "h-h100") == "gpunode5"
+    assert await on_node(h, "h-h100") == site.roles.h100
     assert not h.decisions("evict")
 
 
 async def test_a100_model_evicts_the_longest_idle_replica_that_makes_room(site: Site) -> None:
     h = site.h
     (b,) = ready(h, "b-big")
-    # a-llm is idle longer, but on gpunode3, outside llm-big; h-h100's node has no a100.
+    # a-llm is idle longer, but on an llm-only node, outside llm-big; h-h100's node has no a100.
     assert "hello" in await chat(h, "w-big")
     (evict,) = h.decisions("evict")
     assert (evict.model, evict.replica_id) == ("b-big", b.replica_id)
     assert "to make room for w-big" in evict.reason
-    assert await on_node(h, "w-big") == "gpunode1"
+    assert await on_node(h, "w-big") == site.roles.big
     assert ready(h, "a-llm") and ready(h, "h-h100")
 
 

@@ -33,6 +33,7 @@ from tests.slurm.harness import (
     Harness,
     fill_all_but_one_node,
     free_port,
+    reservation,
     running,
     tiny_model,
 )
@@ -147,13 +148,19 @@ def enable_tracing(h: Harness, endpoint: str) -> None:
 
 @contextlib.asynccontextmanager
 async def traced_daemon(
-    tmp_path: Path, prefix: str, models: list[dict[str, Any]], col: Collector
+    tmp_path: Path,
+    prefix: str,
+    models: list[dict[str, Any]],
+    col: Collector,
+    reservation: str | None = None,
 ) -> AsyncIterator[Harness]:
     """A daemon with tracing on, sending to ``col``; its spans flushed once it stopped."""
     provider = None
     try:
         configure = functools.partial(enable_tracing, endpoint=col.url)
-        async with running(tmp_path, prefix, models, configure=configure) as h:
+        async with running(
+            tmp_path, prefix, models, configure=configure, reservation=reservation
+        ) as h:
             assert h.d is not None and h.d.tracer_provider is not None
             provider = h.d.tracer_provider
             yield h
@@ -186,11 +193,13 @@ async def spans_arrive(h: Harness, col: Collector, names: set[str], what: str) -
     await eventually(complete, what)
 
 
-def job_environments(job_id: str) -> dict[str, dict[str, str]]:
+def job_environments(job_id: str, name: str) -> dict[str, dict[str, str]]:
     """The environment every process of a Slurm job started with, by pid and command line.
 
     The dev cluster is this machine: the batch shell's srun, the agent and the
-    engine are processes here, and /proc holds what each was started with.
+    engine are processes here, and /proc holds what each was started with. The
+    job's name is matched too: another cluster on the machine (Slurm 25.11's,
+    a colleague's) numbers its jobs from 1 as well.
     """
     found: dict[str, dict[str, str]] = {}
     for d in Path("/proc").iterdir():
@@ -202,16 +211,16 @@ def job_environments(job_id: str) -> dict[str, dict[str, str]]:
         except OSError:
             continue  # gone, or a kernel thread
         env = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
-        if env.get("SLURM_JOB_ID") == job_id:
+        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_JOB_NAME") == name:
             found[f"{d.name} {cmd.strip()}"] = env
     return found
 
 
-def agent_environment(job_id: str) -> dict[str, str]:
+def agent_environment(job_id: str, name: str) -> dict[str, str]:
     """The environment of the agent the job's srun started (not srun's own)."""
     (env,) = [
         e
-        for cmd, e in job_environments(job_id).items()
+        for cmd, e in job_environments(job_id, name).items()
         if "llmgw_slurm.agent.main" in cmd and not cmd.split()[1].endswith("srun")
     ]
     return env
@@ -242,7 +251,7 @@ async def test_one_trace_from_placement_to_the_agent_steps_in_the_job(
         command = subprocess.run(
             ["squeue", "-h", "-j", job[0], "-o", "%o"], capture_output=True, text=True
         ).stdout
-        agent_env = agent_environment(job[0])
+        agent_env = agent_environment(job[0], job[1])
 
     (start,) = col.named("replica.start")
     trace_id = start.trace_id
@@ -330,12 +339,20 @@ async def test_an_eviction_pass_is_one_trace_with_the_evict_span_and_the_placeme
         tiny_model("first", resources=whole_node),
         tiny_model("second", resources=whole_node),
     ]
-    # Room for one whole-node replica: "second" can only start if "first" (idle, on demand) goes.
-    node, fillers = await fill_all_but_one_node(prefix)
+    # Room for one whole-node replica: "second" can only start if "first" (idle, on demand)
+    # goes; in a reservation of the test's own (tests/slurm/harness.py says why).
+    with reservation(prefix) as resv:
+        await _evict_with_room_for_one(tmp_path, prefix, models, resv)
+
+
+async def _evict_with_room_for_one(
+    tmp_path: Path, prefix: str, models: list[dict[str, Any]], resv: str
+) -> None:
+    node, fillers = await fill_all_but_one_node(prefix, reservation=resv)
     try:
         async with (
             collector() as col,
-            traced_daemon(tmp_path, prefix + "d.", models, col) as h,
+            traced_daemon(tmp_path, prefix + "d.", models, col, reservation=resv) as h,
         ):
             await chat(h, "first")
             (first,) = h.rec.replicas.values()
@@ -430,7 +447,7 @@ async def test_with_tracing_and_the_store_off_no_span_is_made_and_no_job_has_a_t
             assert not h.rec.tracing.enabled
             await chat(h, "dark")
             (job,) = h.jobs()
-            envs = job_environments(job[0])
+            envs = job_environments(job[0], job[1])
             comment = subprocess.run(
                 ["squeue", "-h", "-j", job[0], "-o", "%k"], capture_output=True, text=True
             ).stdout
@@ -470,7 +487,7 @@ async def test_with_tracing_off_the_store_keeps_the_spans_and_none_reach_a_colle
             await eventually(agent_spans_in, "the agent's spans in the daemon's store")
             (start,) = store.starts()
             (job,) = h.jobs()
-            agent_env = agent_environment(job[0])
+            agent_env = agent_environment(job[0], job[1])
     assert agent_env["TRACEPARENT"].startswith(f"00-{start['trace_id']}-")
     (agent,) = [s for s in store.spans(start["trace_id"]) if s["name"] == "llmgw.agent"]
     assert agent["service"] == "llmgw-agent" and agent["parent_id"] == start["span_id"]
@@ -486,7 +503,7 @@ async def test_a_model_job_is_a_trace_and_a_replica_using_its_weights_links_to_i
     models = [tiny_model("weighted", weights={"source": str(src), "method": "copy"})]
     async with collector() as col, traced_daemon(tmp_path, prefix, models, col) as h:
         rc, out, err = await admin("fetch", "weighted", "--server", str(h.server_yaml), "--wait")
-        assert rc == 0 and "(fetched," in out, out + err
+        assert rc == 0 and out.strip().isdigit() and "(fetched," in err, out + err
         job = await eventually(lambda: ended_job(h, "fetch"), "the model job in status", 90)
         await chat(h, "weighted")
         await spans_arrive(

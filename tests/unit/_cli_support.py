@@ -32,6 +32,7 @@ MODELS_YAML = """\
 models:
   - name: tiny
     aliases: [test/tiny-chat]
+    description: The test engine (it echoes the prompt)
     engine:
       kind: command
       command: [python3, -m, llmgw_slurm.testing.engine, --port, "{port}"]

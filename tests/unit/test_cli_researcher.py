@@ -112,11 +112,11 @@ def test_models_table_states_and_endpoint(rd: RunningDaemon) -> None:
     code, out = llmgw("models", url=rd.url)
     assert code == 0, out
     lines = out.splitlines()
-    assert lines[0].split() == ["MODEL", "ALIASES", "STATE", "GPUS"]
+    assert lines[0].split() == ["MODEL", "ALIASES", "STATE", "REPLICAS", "GPUS", "DESCRIPTION"]
     tiny = next(ln for ln in lines if ln.startswith("tiny"))
-    assert "test/tiny-chat" in tiny and "ready 1" in tiny
+    assert "test/tiny-chat" in tiny and "ready 1" in tiny and " 1/1 " in tiny
     big = next(ln for ln in lines if ln.startswith("big-model"))
-    assert "queued (Resources)" in big and big.split()[-1] == "8"
+    assert "queued (Resources)" in big and big.split()[-2:] == ["8", "-"]
     assert f"Endpoint (OpenAI API): {rd.url}/v1" in out
     assert_fits_80(out)
 
@@ -126,7 +126,18 @@ def test_models_json_shape(rd: RunningDaemon) -> None:
     assert code == 0
     data = json.loads(out)
     assert [m["name"] for m in data] == ["tiny", "big-model"]
-    assert set(data[0]) == {"name", "aliases", "state", "note", "gpus", "replicas", "endpoint"}
+    assert set(data[0]) == {
+        "name",
+        "aliases",
+        "description",
+        "state",
+        "reason",
+        "ready_replicas",
+        "note",
+        "gpus",
+        "replicas",
+        "endpoint",
+    }
     assert data[0]["state"] == "cold" and data[0]["endpoint"] == rd.url + "/v1"
     assert data[0]["aliases"] == ["test/tiny-chat"]
 
@@ -134,15 +145,17 @@ def test_models_json_shape(rd: RunningDaemon) -> None:
 def test_up_unknown_model_lists_known(rd: RunningDaemon) -> None:
     code, out = llmgw("up", "nope", url=rd.url)
     assert code == 1
-    assert out.strip() == "Error: unknown model 'nope'; known: tiny, big-model"
+    assert out.strip() == "Error: unknown model 'nope' (known: tiny, big-model)"
 
 
-def test_up_ready_model_returns_at_once_and_marks_it_wanted(rd: RunningDaemon) -> None:
+def test_up_ready_model_returns_at_once_and_asks_for_nothing(rd: RunningDaemon) -> None:
     rd.add_replica("tiny", "0000aaaa", "ready")
-    code, out = llmgw("up", "test/tiny-chat", url=rd.url)
-    assert code == 0, out
-    assert "] ready" in out and f"tiny is ready: {rd.url}/v1" in out
-    assert rd.call(lambda: rd.rec.directory.wanted_at().get("tiny")) is not None
+    res = CliRunner().invoke(main, ["--url", rd.url, "up", "test/tiny-chat"])
+    assert res.exit_code == 0, res.output
+    assert "] ready" in res.stderr and res.stdout == f"tiny is ready: {rd.url}/v1 (model 'tiny')\n"
+    # Nothing waits for a ready model: a drain right after must not start it again
+    # "because a request is waiting" (the daemon's plan reads held_since).
+    assert rd.call(lambda: rd.rec.directory.held_since().get("tiny")) is None
 
 
 def test_up_timeout_says_it_goes_on(rd: RunningDaemon) -> None:
@@ -164,8 +177,8 @@ def test_ctrl_c_during_up_stops_waiting_and_leaves_the_start_going(rd: RunningDa
         text=True,
     )
     try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()  # the first progress line: it is waiting now
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # the first progress line: it is waiting now
         assert "queued (Priority)" in first, first
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
@@ -180,12 +193,13 @@ def test_ctrl_c_during_up_stops_waiting_and_leaves_the_start_going(rd: RunningDa
 
 
 def test_phase_words() -> None:
-    assert _phase({"state": "ready 2", "replicas": []}) == "ready"
+    assert _phase({"state": "ready", "ready_replicas": 2, "replicas": []}) == "ready"
     assert _phase({"state": "cold", "replicas": []}) == "requested"
     assert (
         _phase(
             {
-                "state": "queued (Resources)",
+                "state": "queued",
+                "reason": "Resources",
                 "replicas": [{"state": "pending", "reason": "Resources"}],
             }
         )
@@ -195,6 +209,9 @@ def test_phase_words() -> None:
     assert _phase(starting) == "fetching weights"
     starting["replicas"][0]["step"] = "readiness started"  # type: ignore[index]
     assert _phase(starting) == "loading the engine"
+    # Ready on the job's side, not yet reached by the gateway: not "job started" again.
+    starting["replicas"][0]["step"] = "ready"  # type: ignore[index]
+    assert _phase(starting) == "the engine is up; the gateway checks it"
     starting["replicas"][0]["step"] = "engine_launch failed"  # type: ignore[index]
     assert _phase(starting) == "launching the engine failed"
     assert _phase({"state": "failing", "note": "engine exited 1", "replicas": []}) == (
@@ -219,7 +236,7 @@ def test_chat_prompt_from_stdin(rd: RunningDaemon) -> None:
 
 def test_chat_unknown_model_and_empty_prompt(rd: RunningDaemon) -> None:
     code, out = llmgw("chat", "nope", "hi", url=rd.url)
-    assert code == 1 and "Error:" in out and "tiny" in out and "(HTTP 404)" in out
+    assert code == 1 and out == "Error: unknown model 'nope' (known: tiny, big-model)\n"
     code, out = llmgw("chat", "tiny", url=rd.url, input="  \n")
     assert code == 2 and "the prompt is empty" in out
 

@@ -189,7 +189,8 @@ def test_server_errors_are_all_reported_with_suggestions(tmp_path: Path) -> None
     assert server_errors(tmp_path, text) == [
         "F:2: slurm.backend: expected one of: cli, pyslurm, rest; got the string 'slurmrestd'",
         "F:3: slurm.partiton: unknown key 'partiton'; did you mean 'partition'? (valid keys: "
-        "account, backend, command_timeout, job_prefix, partition, poll_interval, qos, rest)",
+        "account, backend, command_timeout, job_prefix, partition, poll_interval, qos, "
+        "reservation, rest)",
         "F:4: slurm.job_prefix: 'my jobs' is not valid: expected 1-32 characters: letters, "
         "digits, '.', '_', '-'",
         "F:5: slurm.command_timeout: cannot read 'fast' as a duration; expected a duration "

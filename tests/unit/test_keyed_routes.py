@@ -77,6 +77,7 @@ def test_every_other_route_that_changes_state_is_keyed_or_behind_the_admin_token
         ("/v1/audio/transcriptions", "POST"),
         ("/v1/audio/translations", "POST"),
         ("/v1/batches", "POST"),
+        ("/v1/batches/{batch_id}", "DELETE"),
         ("/v1/batches/{batch_id}/cancel", "POST"),
         ("/v1/chat/completions", "POST"),
         ("/v1/completions", "POST"),

@@ -353,7 +353,7 @@ def test_cli_login_with_an_account_it_may_not_use(rd: RunningDaemon, xdg: Path) 
 
 
 def test_cli_sends_no_credential_to_a_server_that_is_not_proven(
-    xdg: Path, monkeypatch: pytest.MonkeyPatch
+    rd: RunningDaemon, xdg: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     made: list[object] = []
 
@@ -362,8 +362,13 @@ def test_cli_sends_no_credential_to_a_server_that_is_not_proven(
         return "MUNGE:x"
 
     monkeypatch.setattr(munge, "encode", spy)
+    # A gateway that offers login, whose port's owner cannot be checked against the
+    # daemon's daemon.json: its status is read (nothing secret), no credential is made.
+    monkeypatch.setenv("LLMGW_DAEMON_INFO", str(tmp_path / "elsewhere" / "daemon.json"))
+    code, out = llmgw("--url", rd.url, "login")
+    assert code == 1 and "refusing to send your munge credential" in out and not made
     code, out = llmgw("--url", "http://192.0.2.1:8000", "login")
-    assert code == 1 and "munge credential" in out and not made
+    assert code == 1 and "cannot reach the llmgw daemon" in out and not made
 
 
 def test_cli_revoke_needs_a_key_id(xdg: Path) -> None:

@@ -681,7 +681,8 @@ def test_admin_usage_by_user_account_key_and_model(tmp_path: Path) -> None:
     def usage(by: str) -> list[dict[str, object]]:
         res = CliRunner().invoke(admin, ["usage", "--by", by, "--json", "--server", str(server)])
         assert res.exit_code == 0, res.output
-        return [{k: r[k] for k in (by, "requests", "total_tokens")} for r in json.loads(res.output)]
+        rows = json.loads(res.output)["rows"]
+        return [{k: r[k] for k in (by, "requests", "total_tokens")} for r in rows]
 
     assert usage("user") == [
         {"user": "alice", "requests": 2, "total_tokens": 17},

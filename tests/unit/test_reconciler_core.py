@@ -263,7 +263,7 @@ async def test_a_pass_that_places_lists_the_nodes_afresh_before_submitting(
     # Placed with the fresh capacity: only n1 has a GPU left.
     assert a.placement == "n1"
     (d,) = [d for d in rec.decisions if d.action == "submit"]
-    assert d.reason.endswith("; n1")
+    assert d.reason.endswith("; room now on n1")
 
 
 async def evicting_world(tmp_path: Path, first: list[NodeInfo]) -> tuple[Reconciler, FakeSlurm]:
@@ -1003,3 +1003,22 @@ async def test_jobs_carry_the_gateways_certificate_and_never_its_key(tmp_path: P
     key_pem = ident.key_file.read_text()
     assert all(key_pem.strip() not in v for v in spec.env.values())
     assert key_pem.strip() not in spec.script
+
+
+async def test_the_decision_log_says_where_slurm_ran_the_job_not_the_plans_guess(
+    tmp_path: Path,
+) -> None:
+    """The submit decision tells where the plan saw room; a "running" decision tells where
+    Slurm started the job (issue 40: "job 31; gpunode1", then "serving at gpunode3")."""
+    rec, fake = make(tmp_path)
+    rec.want("m")
+    (a,) = await rec.pass_once()
+    (sub,) = [d for d in rec.decisions if d.action == "submit"]
+    assert sub.reason.endswith(f"; job {fake.next_id}; room now on {a.placement}")
+    assert a.placement == "n0"
+    listed = job(str(fake.next_id), "m", a.replica_id, JobState.RUNNING)
+    fake.jobs = [dataclasses.replace(listed, nodes=("n1",))]
+    await rec.pass_once()
+    await rec.pass_once()
+    (ran,) = [d for d in rec.decisions if d.action == "running"]
+    assert (ran.replica_id, ran.reason) == (a.replica_id, f"job {fake.next_id} on n1")

@@ -545,6 +545,29 @@ def test_replica_script_from_a_multi_node_model() -> None:
     assert "#SBATCH --signal=B:USR1@150\n" in text
 
 
+def test_the_servers_reservation_goes_on_every_kind_of_job() -> None:
+    """slurm.reservation: every job of the service runs in it (the Slurm tests isolate
+    their GPU counts this way), each component of a heterogeneous job too."""
+    slurm = SlurmConfig(partition="llm", reservation="llm-service")
+    for nodes in (1, 3):
+        text = replica_script(
+            _model(gpus=1, nodes=nodes),
+            job_name="llmgw.m.0123abcd",
+            python="python3",
+            agent_config=AGENT_CONFIG,
+            output="/tmp/o.out",
+            slurm=slurm,
+        )
+        assert text.count("#SBATCH --reservation=llm-service\n") == nodes
+    job = replace(JOB, reservation="llm-service")
+    assert "#SBATCH --reservation=llm-service\n" in render_batch(
+        ReplicaParams(job, Resources(gpus=1), AGENT_CONFIG)
+    )
+    assert "--reservation" not in render_batch(ReplicaParams(JOB, Resources(gpus=1), AGENT_CONFIG))
+    with pytest.raises(TemplateError, match="reservation"):
+        render_batch(ReplicaParams(replace(JOB, reservation="a b"), Resources(), AGENT_CONFIG))
+
+
 @pytest.mark.parametrize("hostile", HOSTILE)
 def test_hostile_values_in_a_batch_job_are_literal(hostile: str, tmp_path: Path) -> None:
     if "\n" in hostile:
