@@ -166,6 +166,9 @@ class BatchRecord:
     # The batch's shards: each a task of the batch's job array with its own
     # slice of the input and its own result files (1: one job, no array).
     shards: int = 1
+    # The cluster its job runs on ("": the one cluster of a server.yaml without
+    # clusters:); its job id means something only there.
+    cluster: str = ""
 
     def to_api(self) -> dict[str, Any]:
         stamps = {name: getattr(self, name) for name in _STAMPS.values()}
