@@ -215,9 +215,13 @@ def totals(rows: Sequence[AuditRow]) -> dict[str, float | int]:
 
 
 def to_csv(rows: Sequence[AuditRow]) -> str:
+    """The rows as CSV; a cluster column only where rows have clusters (a one-cluster
+    site's CSV keeps its columns)."""
     buf = io.StringIO()
     fields = list(AuditRow.__dataclass_fields__)
-    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    if not any(r.cluster for r in rows):
+        fields.remove("cluster")
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n", extrasaction="ignore")
     w.writeheader()
     for r in rows:
         w.writerow(asdict(r))

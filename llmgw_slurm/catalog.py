@@ -857,9 +857,9 @@ def _check_clusters(model: Model, item: YMap, path: str, known: Sequence[str], c
     """Record each name in the model's resources.clusters that server.yaml does not list."""
     res = item.get("resources")
     entry = res.value.get("clusters") if res is not None and isinstance(res.value, YMap) else None
-    where = (
-        _schema.join(entry.origin or _schema.join(path, "resources"), "clusters") if entry else ""
-    )
+    # Where the list was written: the model's own resources, or the defaults' (origin).
+    res_path = _schema.join(res.origin or path, "resources") if res is not None else path
+    where = _schema.join(entry.origin or res_path, "clusters") if entry else ""
     items = entry.value.items if entry is not None and isinstance(entry.value, YSeq) else ()
     for j, name in enumerate(model.resources.clusters):
         if name in known:

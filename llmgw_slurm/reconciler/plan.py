@@ -1028,10 +1028,50 @@ def _sites_for(st: _PlanState, m: Model, prefer: Sequence[str]) -> list[_Site]:
     return sorted(ok, key=lambda s: prefer.index(s.name) if s.name in prefer else len(prefer))
 
 
+def _could_run(site: _Site, m: Model) -> bool:
+    """Has ``site`` enough nodes that could ever take a replica of ``m``, all jobs gone
+    (its partitions, GPU type and count, CPUs, features)? What Slurm would refuse outright."""
+    res = m.resources
+    part = _partition(m, site.cfg)
+    parts = part.split(",") if part else ()
+    ok = 0
+    for n in site.nodes:
+        if parts and not any(p in n.partitions for p in parts):
+            continue
+        if n.gpus_total(res.gpu_type or "") < res.gpus or n.cpus_total < res.cpus:
+            continue
+        if res.constraint and n.features is not None and not satisfies(n.features, res.constraint):
+            continue
+        ok += 1
+    return ok >= res.nodes
+
+
+def _runnable(st: _PlanState, m: Model, sites: list[_Site]) -> list[_Site] | None:
+    """Of ``sites``, those that could ever run ``m`` (all of them when none could: Slurm
+    then says why); None when none could but a cluster that is not answering could, so
+    that nothing is queued where it can never start while that cluster is away."""
+    if not st.several:
+        return sites
+    could = [s for s in sites if _could_run(s, m)]
+    if could:
+        return could
+    away = [s for s in st.sites if not s.view.answering and m.resources.may_run_on(s.name)]
+    if any(_could_run(s, m) for s in away):
+        return None
+    return sites
+
+
 def _no_cluster(st: _PlanState, m: Model) -> str:
     """Why no cluster may take a replica of ``m`` now (none answers, or none is its)."""
     why = [
-        f"{s.name} {'not answering' if s.view.answering is False else 'not in its clusters'}"
+        f"{s.name} "
+        + (
+            "not answering"
+            if not s.view.answering
+            else "not in its clusters"
+            if not m.resources.may_run_on(s.name)
+            else "has no node that could take it"
+        )
         for s in st.sites
     ]
     return "no cluster to place it on: " + ", ".join(why)
@@ -1050,7 +1090,7 @@ def _submit(
     nowhere, on the first cluster where an eviction makes room (``_evict``), else
     queued where Slurm expects it to start first (``Action.candidates``)."""
     st.out.nodes_decide = True
-    sites = _sites_for(st, m, prefer)
+    sites = _runnable(st, m, _sites_for(st, m, prefer))
     if not sites:
         st.out.notes[m.name] = _no_cluster(st, m)
         return
