@@ -975,8 +975,10 @@ def _scale_down(st: _PlanState, mv: _ModelView) -> None:
         for r in mv.counted
         if r.state is ReplicaState.READY and r.in_flight == 0 and _acts_on(st, r)
     )
+    # Those this rule cancelled above no longer count toward max.
+    left = sum(1 for r in mv.counted if r.replica_id not in st.stopping)
     for r in sorted(idle, key=since):
-        if len(mv.counted) > m.scaling.max or now - since(r) >= m.scaling.idle_timeout:
+        if left > m.scaling.max or now - since(r) >= m.scaling.idle_timeout:
             idle_s = now - since(r)
             st.drain(r, f"scale down: idle {format_duration(idle_s)}", idle_seconds=idle_s)
             # One idle scale-down per model per pass: the next pass sees the result.

@@ -285,3 +285,16 @@ def test_earliest_start_skips_a_cluster_that_refuses_and_falls_back_to_the_first
     name, why = earliest_start(["a", "b"], {"a": "refuses (x)", "b": "cannot say"}, NOW)
     assert name == "a"
     assert why == "Slurm would start it on none (a refuses (x); b cannot say): a"
+
+
+def test_the_replaced_replica_cancelled_leaves_its_replacement_serving(tmp_path: Path) -> None:
+    # On demand, nobody waiting now (the replacement served them): the model wants none,
+    # but its one ready replica is within max once the stranded one goes, and not idle
+    # for idle_timeout: it stays.
+    ms = models_of(tmp_path, entry("m", "{min: 0, max: 1, idle_timeout: 10m}", A100))
+    back = [
+        rv("r1", "m", P, cluster="a", stranded=True),
+        rv("r2", "m", R, cluster="b", last_used=NOW - 1.0),
+    ]
+    res = run(ms, site(), back)
+    assert [(a.kind, a.replica_id) for a in res.actions] == [(ActionKind.CANCEL, "r1")]
