@@ -2,9 +2,11 @@
 :class:`Reconciler` that composes it with the other parts.
 
 Slurm is the source of truth for what runs: every pass starts from one
-``squeue`` of the service's jobs, and from the nodes of a ``sinfo`` at most
-``reconcile.nodes_max_age`` old, listed again before any placement or
-eviction (see ``PassLoop.pass_once``). What Slurm does not know is kept in
+``squeue`` of the service's jobs per cluster, and from the nodes of a ``sinfo``
+at most ``reconcile.nodes_max_age`` old, listed again before any placement or
+eviction (see ``PassLoop.pass_once``). A cluster that does not answer leaves
+its replicas as they were, and the pass goes on with the others
+(:mod:`.clusters`). What Slurm does not know is kept in
 memory, per replica, in the replica table (:mod:`.replicas`): what its agent
 reported (the engine's URL, its steps), what the router saw (requests in
 flight, last use), and the drain or stop the daemon asked for. After a daemon

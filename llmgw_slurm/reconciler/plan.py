@@ -46,6 +46,26 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    lacks, that together would (``_first_of_several``), at most one per pass,
    and never while an earlier eviction's job is still being killed. When none
    makes room, the note says why for each (``_none_makes_room``).
+
+Several clusters (``plan(clusters=...)``; without it, one cluster named "" of
+``nodes``): each ``ClusterView`` has its nodes, its default partition, and
+whether it answered this pass and whether it is down. Rule 1 and the
+scale-down act on no replica of a cluster that did not answer (a cancel would
+not reach it, and what is known of its job may be stale); a replica on a
+cluster that is down and does not serve (not ready, or its agent silent for
+``cluster_down_after``) does not count (``_PlanState.lost``,
+``PlanResult.lost_with_cluster``), so its model is placed elsewhere; once its
+cluster answers again such a stranded replica is the first the scale-down
+cancels. A replica whose model's resources.clusters no longer names its
+cluster is drained or cancelled (``_off_its_clusters``). Placement
+(``_submit``) takes the clusters that answer and the model may use, those the
+model already runs on first for a renewal, a scale-up to min or for load
+(``_runs_on``), then the site's order; the first where it fits now takes it;
+fitting nowhere, the first where an eviction makes room (eviction stays on
+its cluster, one per cluster per pass: ``_queue_or_evict``), else the
+submission names its candidates (those that could ever run it:
+``_runnable``) and the executor asks Slurm when each would start it
+(:func:`earliest_start`).
 """
 
 from __future__ import annotations

@@ -242,3 +242,27 @@ async def test_a_cancel_slurm_does_not_take_leaves_the_replica_as_it_was(tmp_pat
     (r,) = [r for r in rec.replicas.values() if r.job_id == "101"]
     assert r.stop_reason == "" and r.state() is ReplicaState.PENDING
     assert "error" in [d.action for d in rec.decisions]
+
+
+async def test_the_router_sees_every_ready_replica_wherever_it_runs_a_down_clusters_too(
+    tmp_path: Path,
+) -> None:
+    rec, a, b, now = make(tmp_path, [model("m", min=2, max=2)])
+    b.nodes = [node("n0", 0)]
+    for c, rid in ((a, "0a0a0a0a"), (b, "0b0b0b0b")):
+        j = job("7", "m", rid, JobState.RUNNING)
+        c.jobs = [dataclasses.replace(j, name=job_name(PREFIX, "m", rid, "a" if c is a else "b"))]
+    await rec.pass_once()
+    for rid in ("0a0a0a0a", "0b0b0b0b"):
+        r = rec.replicas[rid]
+        r.base_url, r.last_report = f"http://{rid}:1", now[0]  # as its agent reported
+    assert sorted(e.replica_id for e in rec.endpoints("m")) == ["0a0a0a0a", "0b0b0b0b"]
+    # a's controller goes away: its ready replica, whose agent still reports, serves on.
+    a.down = True
+    for _ in range(3):
+        now[0] += 60
+        rec.replicas["0a0a0a0a"].last_report = now[0]
+        await rec.pass_once()
+    assert rec.status()["clusters"][0]["health"] == "down"
+    assert sorted(e.replica_id for e in rec.endpoints("m")) == ["0a0a0a0a", "0b0b0b0b"]
+    assert not [d for d in rec.decisions if d.action in ("submit", "stranded")]
