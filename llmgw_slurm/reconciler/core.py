@@ -163,7 +163,7 @@ class PassLoop:
         result = self._plan(now, answering)
         refreshed = False
         if result.nodes_decide and not answering <= fresh:
-            result, refreshed = await self._plan_on_fresh_nodes(now, answering - fresh, pass_id)
+            result, refreshed = await self._plan_on_fresh_nodes(now, answering, fresh, pass_id)
         self._strand(result.lost_with_cluster, pass_id)
         self.notes = result.notes
         self.tracing.notes(result.notes)
@@ -256,18 +256,19 @@ class PassLoop:
                 self.failures.pop(r.model, None)
 
     async def _plan_on_fresh_nodes(
-        self, now: float, stale: set[str], pass_id: str
+        self, now: float, answering: set[str], fresh: set[str], pass_id: str
     ) -> tuple[planmod.PlanResult, bool]:
         """The plan again on nodes listed now; (the plan, whether the nodes were listed).
 
-        About to place or evict on an earlier pass's nodes: list the ``stale`` clusters'
-        nodes now and plan again (plan() is pure and cheap), so the decision follows
-        what is free now. sinfo runs after squeue here, not beside it: only passes that
-        would act pay for it (and every pass while a queued replica fits on the kept
-        listing and something could be evicted for it).
+        About to place or evict on an earlier pass's nodes: list the nodes of the
+        ``answering`` clusters not listed ``fresh`` with the jobs now, and plan again
+        (plan() is pure and cheap), so the decision follows what is free now. sinfo
+        runs after squeue here, not beside it: only passes that would act pay for it
+        (and every pass while a queued replica fits on the kept listing and something
+        could be evicted for it).
         """
         self.tracing.listing_nodes()
-        listed = [c for c in self.clusters if c.name in stale]
+        listed = [c for c in self.clusters if c.name in answering - fresh]
         got = await asyncio.gather(
             *(c.backend.list_nodes() for c in listed), return_exceptions=True
         )
@@ -284,7 +285,6 @@ class PassLoop:
             c.nodes, c.nodes_listed_at = nodes, self.table.clock()
         self._nodes_changed()
         self.tracing.nodes_listed(len(self.table.nodes))
-        answering = {c.name for c in self.clusters if c.unanswered_since is None}
         return self._plan(now, answering), True
 
     def _unanswered(self, c: Cluster, pass_id: str, exc: SlurmError) -> None:
