@@ -266,3 +266,30 @@ async def test_the_router_sees_every_ready_replica_wherever_it_runs_a_down_clust
     assert rec.status()["clusters"][0]["health"] == "down"
     assert sorted(e.replica_id for e in rec.endpoints("m")) == ["0a0a0a0a", "0b0b0b0b"]
     assert not [d for d in rec.decisions if d.action in ("submit", "stranded")]
+
+
+async def test_service_jobs_are_followed_per_cluster_though_their_ids_are_the_same(
+    tmp_path: Path,
+) -> None:
+    from click.testing import CliRunner
+
+    from llmgw_slurm.cli.admin import main
+    from llmgw_slurm.svcjobs import ServiceJobBuilder, service_job_name
+
+    rec, a, b, _ = make(tmp_path, [model("m")])
+    # llmgw-admin fetch --cluster b: the job is built with b's defaults, b's name known.
+    settings = rec.server.cluster_list[1]
+    spec = ServiceJobBuilder(rec.server, cluster=settings).fetch(rec.catalog.models[0])
+    assert "#SBATCH --partition=llm" in spec.script
+    assert rec.service_jobs.expect("7", spec.name, "m", 1.0, "b")
+    on_a = service_job_name(PREFIX, "install", "vllm", "0a1b2c3d")
+    a.jobs = [dataclasses.replace(job("7", "m", "0a1b2c3d", JobState.RUNNING), name=on_a)]
+    b.jobs = [dataclasses.replace(job("7", "m", "0a1b2c3d", JobState.PENDING), name=spec.name)]
+    await rec.pass_once()
+    got = sorted((j["cluster"], j["job_id"], j["kind"], j["state"]) for j in rec.status()["jobs"])
+    assert got == [("a", "7", "install", "RUNNING"), ("b", "7", "fetch", "PENDING")]
+    # A cluster server.yaml does not list is a usage error naming those it does.
+    out = CliRunner().invoke(
+        main, ["fetch", "m", "--cluster", "c", "--server", str(tmp_path / "server.yaml")]
+    )
+    assert out.exit_code == 2 and "no cluster 'c'; clusters: a, b" in out.output
