@@ -44,6 +44,7 @@ from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.router.login import LOGIN_KEY
 from llmgw_slurm.router.usage import UsageSummary, query_usage
 from llmgw_slurm.secrets import AdminToken
+from llmgw_slurm.slurm.types import NodeInfo
 from llmgw_slurm.status_page import render_page
 
 __all__ = [
@@ -72,25 +73,12 @@ def status_json(rec: Reconciler, visible: Callable[[str], bool] | None = None) -
     out["now"] = time.time()
     # The nodes are what the last sinfo said, up to reconcile.nodes_max_age ago:
     # readers must be able to tell a minute-old listing from a fresh one.
-    out["nodes_listed_at"] = listed_at = rec.nodes_listed_at
-    placed = _placed_since(out["models"], listed_at)
-    out["nodes"] = [
-        {
-            "name": n.name,
-            "state": n.state,
-            "reason": n.reason,
-            "usable": n.usable,
-            "cpus_free": n.cpus_total - n.cpus_alloc,
-            "cpus_total": n.cpus_total,
-            "partitions": sorted(n.partitions),
-            "gpus_free": max(0, n.gpus_free() - placed.get(n.name, 0)),
-            "gpus_free_listed": n.gpus_free(),
-            "gpus_placed_since_listing": placed.get(n.name, 0),
-            "gpus_total": n.gpus_total(),
-            "gpus": [dataclasses.asdict(g) for g in n.gpus],
-        }
-        for n in rec.nodes
-    ]
+    out["nodes_listed_at"] = rec.nodes_listed_at
+    out["nodes"] = []
+    for c in rec.clusters:
+        # Each cluster's own listing time: GPUs placed since are counted in per cluster.
+        placed = _placed_since(out["models"], c.nodes_listed_at, c.name)
+        out["nodes"] += [_node_json(c.name, n, placed) for n in c.nodes]
     if visible is not None:
         out["models"] = [m for m in out["models"] if visible(m["name"])]
         out["decisions"] = [
@@ -103,6 +91,22 @@ def auth_json(app: web.Application) -> dict[str, bool]:
     """What a client needs to know before it asks for a key: whether the gateway takes
     keys at all, and whether ``llmgw login`` may issue one (``llmgw login``, ``llmgw keys``)."""
     return {"keys": app[GATEWAY_KEY].keys is not None, "login": LOGIN_KEY in app}
+def _node_json(cluster: str, n: NodeInfo, placed: dict[str, int]) -> dict[str, Any]:
+    return {
+        "name": n.name,
+        "cluster": cluster,
+        "state": n.state,
+        "reason": n.reason,
+        "usable": n.usable,
+        "cpus_free": n.cpus_total - n.cpus_alloc,
+        "cpus_total": n.cpus_total,
+        "partitions": sorted(n.partitions),
+        "gpus_free": max(0, n.gpus_free() - placed.get(n.name, 0)),
+        "gpus_free_listed": n.gpus_free(),
+        "gpus_placed_since_listing": placed.get(n.name, 0),
+        "gpus_total": n.gpus_total(),
+        "gpus": [dataclasses.asdict(g) for g in n.gpus],
+    }
 
 
 def caller_may_see(app: web.Application, request: web.Request) -> Callable[[str], bool]:
@@ -110,8 +114,11 @@ def caller_may_see(app: web.Application, request: web.Request) -> Callable[[str]
     return app[GATEWAY_KEY].visible_to(request)
 
 
-def _placed_since(models: list[dict[str, Any]], listed_at: float | None) -> dict[str, int]:
-    """GPUs per node taken by the service's replicas that started after the nodes were listed.
+def _placed_since(
+    models: list[dict[str, Any]], listed_at: float | None, cluster: str = ""
+) -> dict[str, int]:
+    """GPUs per node of ``cluster`` taken by the service's replicas that started after
+    its nodes were listed.
 
     A kept listing (up to reconcile.nodes_max_age old) does not know them: a node
     shown as 3/4 free with two 1-GPU replicas started on it since is 1/4 free.
@@ -125,6 +132,8 @@ def _placed_since(models: list[dict[str, Any]], listed_at: float | None) -> dict
     for m in models:
         for r in m.get("replicas") or []:
             nodes, started = r.get("nodes") or [], r.get("started_at")
+            if r.get("cluster", "") != cluster:
+                continue
             if not nodes or not isinstance(started, int | float) or started <= listed_at:
                 continue
             per_node = int(r.get("gpus") or 0) // len(nodes)
@@ -421,9 +430,14 @@ class _AdminHandlers:
             return _error(400, "body is not JSON", "bad_request")
         if not isinstance(body, dict):
             return _error(400, "body must be an object", "bad_request")
-        job_id, name, target = (str(body.get(k) or "") for k in ("job_id", "name", "target"))
+        job_id, name, target, cluster = (
+            str(body.get(k) or "") for k in ("job_id", "name", "target", "cluster")
+        )
         rec = self.rec
-        if not rec.service_jobs.expect(job_id, name, target, rec.clock()):
+        if rec.clusters.get(cluster) is None:
+            names = ", ".join(c.name for c in rec.clusters if c.name) or "none"
+            return _error(400, f"no cluster {cluster!r}; clusters: {names}", "bad_request")
+        if not rec.service_jobs.expect(job_id, name, target, rec.clock(), cluster):
             return _error(
                 400,
                 f"job {job_id!r} named {name!r} is not a model job or engine install of "

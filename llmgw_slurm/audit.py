@@ -21,6 +21,9 @@ How each figure is counted:
   input (``sacct --duplicates``, which ``llmgw-admin audit`` asks for), a job
   preempted twice and then completed counts two preemptions, and the GPU
   hours of all three runs.
+
+With several clusters each record carries its cluster (``AccountingRecord.cluster``)
+and rows are per (period, model, cluster): job ids are per cluster.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class AuditRow:
     failed: int = 0
     timeout: int = 0
     preempted: int = 0
+    # The cluster ("" with one cluster); last, so a one-cluster CSV keeps its columns first.
+    cluster: str = ""
 
 
 def model_of(rec: AccountingRecord, prefix: str) -> str | None:
@@ -83,9 +88,10 @@ def model_of(rec: AccountingRecord, prefix: str) -> str | None:
     if m:
         return ("batch:" if _COMMENT_BATCH.search(rec.comment) else "") + m.group(1)
     # No comment (AccountingStoreFlags=job_comment is off): the name is
-    # "{prefix}{model}.{replica_id}".
+    # "{prefix}{model}.{replica_id}", "-{cluster}" after it with several clusters.
     rest = rec.name[len(prefix) :]
-    model, dot, rid = rest.rpartition(".")
+    model, dot, last = rest.rpartition(".")
+    rid = last.partition("-")[0]
     # A model name never starts with "_": the service's model jobs and engine
     # installs ("{prefix}_job.KIND...") are not any model's.
     if dot and MODEL_NAME_RE.fullmatch(model) and re.fullmatch(r"[0-9a-f]{8}", rid):
@@ -132,12 +138,12 @@ def aggregate(
     by: Period,
     now: datetime,
 ) -> list[AuditRow]:
-    """Rows per (period, model), sorted by period then model; see the module docstring."""
-    gpu_h: dict[tuple[str, str], float] = {}
-    jobs: dict[tuple[str, str], set[str]] = {}
-    # (period, model, job, end of the run) -> the states its components ended in.
-    ended: dict[tuple[str, str, str, datetime], set[JobState]] = {}
-    keys: set[tuple[str, str]] = set()
+    """Rows per (period, model, cluster), sorted in that order; see the module docstring."""
+    gpu_h: dict[tuple[str, str, str], float] = {}
+    jobs: dict[tuple[str, str, str], set[str]] = {}
+    # (period, model, cluster, job, end of the run) -> the states its components ended in.
+    ended: dict[tuple[str, str, str, str, datetime], set[JobState]] = {}
+    keys: set[tuple[str, str, str]] = set()
 
     def inside(t: datetime | None) -> bool:
         return t is not None and since <= t < until
@@ -153,25 +159,25 @@ def aggregate(
             while a < b:
                 p0 = period_start(a, by)
                 p1 = min(_next(p0, by), b)
-                k = (period_label(p0, by), model)
+                k = (period_label(p0, by), model, rec.cluster)
                 gpu_h[k] = gpu_h.get(k, 0.0) + rec.gpus * (p1 - a).total_seconds() / 3600.0
                 keys.add(k)
                 a = p1
         began = rec.start or rec.submit
         if inside(began):
             assert began is not None
-            k = (period_label(period_start(began, by), by), model)
+            k = (period_label(period_start(began, by), by), model, rec.cluster)
             jobs.setdefault(k, set()).add(base)
             keys.add(k)
         if rec.state.is_finished and inside(rec.end):
             assert rec.end is not None
             label = period_label(period_start(rec.end, by), by)
-            ended.setdefault((label, model, base, rec.end), set()).add(rec.state)
-            keys.add((label, model))
+            ended.setdefault((label, model, rec.cluster, base, rec.end), set()).add(rec.state)
+            keys.add((label, model, rec.cluster))
 
-    counts: dict[tuple[str, str], dict[str, int]] = {}
-    for (label, model, _, _), seen in ended.items():
-        c = counts.setdefault((label, model), {"failed": 0, "timeout": 0, "preempted": 0})
+    counts: dict[tuple[str, str, str], dict[str, int]] = {}
+    for (label, model, cluster, _, _), seen in ended.items():
+        c = counts.setdefault((label, model, cluster), {"failed": 0, "timeout": 0, "preempted": 0})
         # One run, one count, whichever component carries the state.
         if seen & FAILED_STATES:
             c["failed"] += 1
@@ -192,6 +198,7 @@ def aggregate(
                 failed=c.get("failed", 0),
                 timeout=c.get("timeout", 0),
                 preempted=c.get("preempted", 0),
+                cluster=k[2],
             )
         )
     return rows
@@ -208,9 +215,13 @@ def totals(rows: Sequence[AuditRow]) -> dict[str, float | int]:
 
 
 def to_csv(rows: Sequence[AuditRow]) -> str:
+    """The rows as CSV; a cluster column only where rows have clusters (a one-cluster
+    site's CSV keeps its columns)."""
     buf = io.StringIO()
     fields = list(AuditRow.__dataclass_fields__)
-    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    if not any(r.cluster for r in rows):
+        fields.remove("cluster")
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n", extrasaction="ignore")
     w.writeheader()
     for r in rows:
         w.writerow(asdict(r))

@@ -30,7 +30,7 @@ import json
 import math
 import re
 import string
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -50,6 +50,7 @@ from llmgw_slurm.yamlsrc import (
 )
 
 __all__ = [
+    "CLUSTER_NAME_RE",
     "ENDPOINTS",
     "MODEL_NAME_RE",
     "PLACEHOLDERS",
@@ -82,6 +83,10 @@ _ENV_HELP = "an environment variable name (letters, digits, '_', not starting wi
 _SLURM_NAME_RE = r"[A-Za-z0-9_.+-]{1,64}"
 _SLURM_NAME_HELP = "a Slurm name: letters, digits, '_', '.', '+', '-'"
 _PARTITION_RE = r"[A-Za-z0-9_.+-]{1,64}(,[A-Za-z0-9_.+-]{1,64})*"
+# A cluster's name in server.yaml's clusters: it ends its replicas' job names
+# (PREFIX MODEL.ID-NAME), so no '.' (model and replica id are read from the last '.').
+CLUSTER_NAME_RE = r"[a-z0-9][a-z0-9_-]{0,31}"
+_CLUSTER_HELP = "a cluster name from server.yaml's clusters (lowercase letters, digits, '_', '-')"
 # Constraint expressions: features joined by & | , with [ ] ( ) and *counts.
 _CONSTRAINT_RE = r"[A-Za-z0-9_.:&|,\[\]()*!-]{1,200}"
 _HF_RE = re.compile(
@@ -411,6 +416,22 @@ class Resources:
             pattern_help="a Slurm constraint: feature names joined by & | , with [] () *N",
         ),
     )
+    # Default (): any cluster of server.yaml's clusters: where it fits. Otherwise only
+    # these (their names in server.yaml), e.g. the ones whose file systems hold its
+    # weights; checked against server.yaml when the daemon loads the catalog.
+    clusters: tuple[str, ...] = field(
+        default=(), metadata=rule(pattern=CLUSTER_NAME_RE, pattern_help=_CLUSTER_HELP)
+    )
+
+    def _problems(self) -> list[tuple[str, str]]:
+        twice = sorted({c for c in self.clusters if self.clusters.count(c) > 1})
+        if twice:
+            return [("clusters", f"clusters names {', '.join(twice)} more than once")]
+        return []
+
+    def may_run_on(self, cluster: str) -> bool:
+        """May a replica run on ``cluster`` (a name in server.yaml's clusters)?"""
+        return not self.clusters or cluster in self.clusters
 
     @property
     def memory_mb(self) -> int | None:
@@ -767,7 +788,7 @@ def _merge(base: YMap, over: YMap, base_path: str) -> YMap:
     return YMap(tuple(entries), over.line)
 
 
-def _build_catalog(root: YNode, ctx: Ctx) -> Catalog | None:
+def _build_catalog(root: YNode, ctx: Ctx, clusters: Sequence[str] | None = None) -> Catalog | None:
     if not isinstance(root, YMap):
         ctx.add(
             f"expected a mapping with keys defaults, models; got {describe(root)}", root.line, ""
@@ -840,8 +861,26 @@ def _build_catalog(root: YNode, ctx: Ctx) -> Catalog | None:
         if isinstance(item, YMap) and not _unique(item, i, path, seen, ctx):
             continue
         if isinstance(model, Model):
+            if clusters is not None and isinstance(item, YMap):
+                _check_clusters(model, item, path, clusters, ctx)
             models.append(model)
     return Catalog(tuple(models), ctx.file)
+
+
+def _check_clusters(model: Model, item: YMap, path: str, known: Sequence[str], ctx: Ctx) -> None:
+    """Record each name in the model's resources.clusters that server.yaml does not list."""
+    res = item.get("resources")
+    entry = res.value.get("clusters") if res is not None and isinstance(res.value, YMap) else None
+    # Where the list was written: the model's own resources, or the defaults' (origin).
+    res_path = _schema.join(res.origin or path, "resources") if res is not None else path
+    where = _schema.join(entry.origin or res_path, "clusters") if entry else ""
+    items = entry.value.items if entry is not None and isinstance(entry.value, YSeq) else ()
+    for j, name in enumerate(model.resources.clusters):
+        if name in known:
+            continue
+        line = items[j].line if j < len(items) else (entry.key_line if entry else item.line)
+        valid = ", ".join(known) if any(known) else "none: server.yaml has no clusters: block"
+        ctx.add(f"no cluster {name!r} in server.yaml (clusters: {valid})", line, f"{where}[{j}]")
 
 
 def _text_of(node: YNode | None) -> str | None:
@@ -890,8 +929,14 @@ def _unique(
     return ok
 
 
-def parse_catalog(root: YNode | None, file: str | None = None) -> Catalog:
-    """Build a Catalog from a parsed tree; raises ConfigErrors with every problem."""
+def parse_catalog(
+    root: YNode | None, file: str | None = None, clusters: Sequence[str] | None = None
+) -> Catalog:
+    """Build a Catalog from a parsed tree; raises ConfigErrors with every problem.
+
+    ``clusters``: the names of server.yaml's clusters, which models' resources.clusters
+    must be among (None: not checked, as for a job's spec).
+    """
     ctx = Ctx(file)
     if root is None:
         raise ConfigErrors(
@@ -903,15 +948,19 @@ def parse_catalog(root: YNode | None, file: str | None = None) -> Catalog:
                 )
             ]
         )
-    catalog = _build_catalog(root, ctx)
+    catalog = _build_catalog(root, ctx, clusters)
     ctx.raise_if_errors()
     assert catalog is not None
     return catalog
 
 
-def load_catalog(path: str | Path) -> Catalog:
-    """Load ``models.yaml``; raises ConfigError(s) naming every problem with file:line:field."""
-    return parse_catalog(load_yaml(path), str(path))
+def load_catalog(path: str | Path, clusters: Sequence[str] | None = None) -> Catalog:
+    """Load ``models.yaml``; raises ConfigError(s) naming every problem with file:line:field.
+
+    ``clusters``: server.yaml's cluster names (``ServerConfig.cluster_names``), to check
+    the models' resources.clusters against; None does not check them.
+    """
+    return parse_catalog(load_yaml(path), str(path), clusters)
 
 
 SPEC_ENV = "LLMGW_REPLICA_SPEC"

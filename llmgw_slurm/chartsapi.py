@@ -30,6 +30,7 @@ from llmgw_slurm.audit import aggregate
 from llmgw_slurm.history import History
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
+from llmgw_slurm.slurm import accounting_of
 from llmgw_slurm.tracestore import TraceStore
 from llmgw_slurm.waterfall import waterfall
 
@@ -66,9 +67,8 @@ class Charts:
         now = datetime.now()
         since = now - timedelta(days=GPU_HOURS_DAYS)
         prefix = self.rec.server.slurm.job_prefix
-        recs = await self.rec.pass_loop.backend.accounting(
-            since, now, name_prefix=prefix, duplicates=True
-        )
+        backends = {c.name: c.backend for c in self.rec.clusters}
+        recs = await accounting_of(backends, since, now, name_prefix=prefix, duplicates=True)
         by_model: dict[str, float] = {}
         for row in aggregate(recs, prefix, since, now, "month", now):
             by_model[row.model] = by_model.get(row.model, 0.0) + row.gpu_hours

@@ -15,10 +15,11 @@ expanded, so a config works the same whatever folder the daemon starts in.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +27,7 @@ from urllib.parse import urlsplit
 
 from llmgw_slurm import _schema
 from llmgw_slurm._schema import Ctx, FrozenMap, Invalid, rule
-from llmgw_slurm.catalog import load_catalog
+from llmgw_slurm.catalog import CLUSTER_NAME_RE, load_catalog
 from llmgw_slurm.errors import ConfigError, ConfigErrors, TemplateError
 from llmgw_slurm.sbatch import check_job_path
 from llmgw_slurm.yamlsrc import YNode, YScalar, YSeq, describe
@@ -36,6 +37,7 @@ __all__ = [
     "AgentWeightsConfig",
     "ApptainerConfig",
     "BatchConfig",
+    "ClusterConfig",
     "ConnectionsConfig",
     "DrainConfig",
     "EngineRuntime",
@@ -190,6 +192,18 @@ class SlurmRestConfig:
             return [("jwt_key", "set token_file or jwt_key, not both")]
         return []
 
+    def options(self) -> dict[str, Any]:
+        """The rest backend's keyword arguments (besides its timeout)."""
+        return {
+            "url": self.url,
+            "version": self.version,
+            "token_file": self.token_file,
+            "jwt_key": self.jwt_key,
+            "user": self.user,
+            "token_lifespan": self.token_lifespan,
+            "ca_file": self.ca_file,
+        }
+
 
 @dataclass(frozen=True)
 class SlurmConfig:
@@ -256,17 +270,90 @@ class SlurmConfig:
         that turns this block into a backend's options."""
         opts: dict[str, Any] = {"timeout": self.command_timeout if timeout is None else timeout}
         if self.backend == "rest":
-            r = self.rest
-            opts.update(
-                url=r.url,
-                version=r.version,
-                token_file=r.token_file,
-                jwt_key=r.jwt_key,
-                user=r.user,
-                token_lifespan=r.token_lifespan,
-                ca_file=r.ca_file,
-            )
+            opts.update(self.rest.options())
         return opts
+
+
+_CLUSTER_NAME_HELP = (
+    "1-32 characters: lowercase letters, digits, '_', '-', starting with one of the first two"
+)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One Slurm cluster in ``clusters:``: how the daemon reaches it, and its job defaults.
+
+    Every field but ``name`` defaults to the ``slurm:`` block's value (filled in
+    when server.yaml is loaded), so a site lists only what differs per cluster.
+    """
+
+    # Required: the cluster's name to llmgw (job names end with -NAME; a model's
+    # resources.clusters, status and audit name it). Need not be Slurm's ClusterName.
+    name: str = field(metadata=rule(pattern=CLUSTER_NAME_RE, pattern_help=_CLUSTER_NAME_HELP))
+    # Default None: the daemon's own SLURM_CONF (or Slurm's default path). The cluster's
+    # slurm.conf as its clients use it (a copy on the login node, or a configless
+    # stub naming its controller): its commands run with SLURM_CONF set to it.
+    slurm_conf: Path | None = None
+    # Default None: no -M. Slurm's ClusterName of a cluster that shares slurmdbd with
+    # the one slurm_conf reaches (Slurm's multi-cluster mode): its commands run with
+    # -M NAME. Every command then goes through slurmdbd to find the controller, so a
+    # slurmdbd outage stops the daemon's view of this cluster: prefer slurm_conf.
+    multi_cluster: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+    # Default None: slurm.backend. Each cluster has a backend of its own.
+    backend: Literal["cli", "pyslurm", "rest"] | None = None
+    # Default None: slurm.rest. For backend rest: this cluster's slurmrestd and token.
+    rest: SlurmRestConfig | None = None
+    # Default None: the commands on PATH. The folder of this cluster's sbatch, squeue,
+    # ... (a cluster on another Slurm release needs its own).
+    bin_dir: Path | None = None
+    # Default None: slurm.partition. The partition (or comma list) for models that name none.
+    partition: str | None = field(
+        default=None,
+        metadata=rule(
+            pattern=r"[A-Za-z0-9_.+-]{1,64}(,[A-Za-z0-9_.+-]{1,64})*", pattern_help=_SLURM_NAME_HELP
+        ),
+    )
+    # Default None: slurm.account.
+    account: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+    # Default None: slurm.qos.
+    qos: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+    # Default None: slurm.reservation. Reservations are a cluster's own.
+    reservation: str | None = field(
+        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
+    )
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if self.backend == "rest" and (self.slurm_conf or self.multi_cluster or self.bin_dir):
+            given = [k for k in ("slurm_conf", "multi_cluster", "bin_dir") if getattr(self, k)]
+            key = given[0]
+            return [
+                (
+                    key,
+                    "the rest backend reaches its cluster through slurmrestd (rest.url), not "
+                    f"Slurm's commands: drop {key}, or use backend cli",
+                )
+            ]
+        if self.backend == "pyslurm" and (self.slurm_conf or self.multi_cluster):
+            key = "slurm_conf" if self.slurm_conf else "multi_cluster"
+            return [
+                (
+                    key,
+                    "the pyslurm backend reads the daemon's own SLURM_CONF (libslurm loads one "
+                    f"configuration per process) and has no -M: drop {key}, or use backend cli",
+                )
+            ]
+        return []
+
+    @property
+    def label(self) -> str:
+        """Its name, or "default" for the one cluster of a server.yaml without ``clusters:``."""
+        return self.name or "default"
 
 
 @dataclass(frozen=True)
@@ -389,6 +476,14 @@ class ReconcileConfig:
     # still needed, submitted again; not counted as a failed start. null waits forever.
     max_pending_time: float | None = field(
         default=3600.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+    )
+    # Default 2m: with several clusters, one whose controller has not answered for this
+    # long is down: its replicas that are not serving are replaced on the other
+    # clusters (and cancelled when it answers again, if still not needed). Slurm's own
+    # SlurmctldTimeout (120 s by default) is how long a backup controller takes over;
+    # shorter would replace replicas that a failover keeps.
+    cluster_down_after: float = field(
+        default=120.0, metadata=rule(gt=0, parse=_schema.parse_duration)
     )
     # Default: see RestartConfig.
     restart: RestartConfig = field(default_factory=RestartConfig)
@@ -640,6 +735,11 @@ class ServerConfig:
 
     # Default: see SlurmConfig.
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    # Default (): one cluster, the one Slurm's commands reach from the daemon's
+    # environment (SLURM_CONF), with the slurm: block's defaults. Otherwise every
+    # cluster replicas may run on, in the site's order of preference (the first one
+    # where a replica fits now takes it); see ClusterConfig and docs/operations.md.
+    clusters: tuple[ClusterConfig, ...] = ()
     # Default: see ListenConfig.
     listen: ListenConfig = field(default_factory=ListenConfig)
     # Default: see ConnectionsConfig.
@@ -704,8 +804,57 @@ class ServerConfig:
             return Path(self.admin_socket)
         return self.effective_runtime_dir(environ) / "admin.sock"
 
+    @property
+    def cluster_list(self) -> tuple[ClusterConfig, ...]:
+        """``clusters``, each with the slurm: block's defaults filled in; without a
+        ``clusters:`` block, the one cluster of today (name "")."""
+        given = self.clusters or (ClusterConfig(name=""),)
+        s = self.slurm
+        return tuple(
+            dataclasses.replace(
+                c,
+                backend=c.backend or s.backend,
+                rest=c.rest or s.rest,
+                partition=c.partition or s.partition,
+                account=c.account or s.account,
+                qos=c.qos or s.qos,
+                reservation=c.reservation or s.reservation,
+            )
+            for c in given
+        )
+
+    @property
+    def cluster_names(self) -> tuple[str, ...]:
+        """The names a model's resources.clusters may give (none without ``clusters:``)."""
+        return tuple(c.name for c in self.clusters)
+
+    def _cluster_problems(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        seen: dict[str, int] = {}
+        pyslurm = [
+            i for i, c in enumerate(self.clusters) if (c.backend or self.slurm.backend) == "pyslurm"
+        ]
+        for i, c in enumerate(self.clusters):
+            if c.name in seen:
+                out.append(
+                    (
+                        f"clusters[{i}]",
+                        f"cluster name {c.name!r} is already clusters[{seen[c.name]}]'s",
+                    )
+                )
+            seen.setdefault(c.name, i)
+        if len(pyslurm) > 1:
+            out.append(
+                (
+                    f"clusters[{pyslurm[1]}]",
+                    "only one cluster can use the pyslurm backend (libslurm loads one "
+                    "configuration per process); use backend cli for the others",
+                )
+            )
+        return out
+
     def _problems(self) -> list[tuple[str, str]]:
-        out = []
+        out = self._cluster_problems()
         if self.login.enabled and self.router.keys_file is None:
             out.append(
                 (
@@ -1013,8 +1162,13 @@ def check_files(
     An empty list means they all load. Each error names its file; the list
     is in the order models, server, agent.
     """
+    names: Sequence[str] | None = None
+    if server is not None and models is not None:
+        # The models' resources.clusters are checked against the server's clusters.
+        with contextlib.suppress(ConfigError):
+            names = load_server_config(server).cluster_names
     loaders: list[tuple[str | Path | None, Any]] = [
-        (models, load_catalog),
+        (models, lambda p: load_catalog(p, names)),
         (server, load_server_config),
         (agent, load_agent_config),
     ]

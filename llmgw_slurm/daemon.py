@@ -56,7 +56,7 @@ from llmgw_slurm.router.server import Runner as GatewayRunner
 from llmgw_slurm.router.usage import UsageStore
 from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import AdminToken, load_or_create_server_key, replica_secret
-from llmgw_slurm.slurm import make_backend
+from llmgw_slurm.slurm import make_backends
 from llmgw_slurm.tracestore import TraceStore
 from llmgw_slurm.tracing import setup_tracing
 
@@ -164,7 +164,7 @@ class Daemon:
             self.notifier.reloading()
         try:
             try:
-                catalog = load_catalog(self.server.models)
+                catalog = load_catalog(self.server.models, self.server.cluster_names)
             except LlmgwError as exc:
                 log.error("catalog reload refused, keeping the last good one:\n%s", exc)
                 self.reload_error = "last catalog reload refused (see the log)"
@@ -180,7 +180,8 @@ class Daemon:
 
 
 def build(server: ServerConfig, server_path: Path) -> Daemon:
-    catalog = load_catalog(server.models)
+    # The models' resources.clusters must name clusters of this server.yaml.
+    catalog = load_catalog(server.models, server.cluster_names)
     # Before anything makes a tracer: the global provider is set once per process.
     store = TraceStore(server.tracing.keep_spans) if server.tracing.keep_spans else None
     provider = setup_tracing(server.tracing, "llmgw-daemon", local=store)
@@ -191,7 +192,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         log.warning(
             "agent config %s: %s (assuming a 15 min readiness timeout)", server.agent_config, exc
         )
-    backend = make_backend(server.slurm.backend, **server.slurm.backend_options())
+    backends = make_backends(server.cluster_list, server.slurm.command_timeout)
     state = Path(server.state_dir).expanduser()
     # Before anything is written there: 0700 and its files 0600 whatever the
     # umask, or a clear refusal of a folder other users could write.
@@ -204,7 +205,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     rec = Reconciler(
         catalog,
         server,
-        backend,
+        backends,
         key,
         daemon_url,
         hold_timeout=server.router.hold_timeout,
@@ -239,7 +240,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         token,
         provider,
     )
-    install_batch_api(gateway, d.internal, server, backend, rec, key, daemon_url, usage)
+    install_batch_api(gateway, d.internal, server, backends, rec, key, daemon_url, usage)
     api.add_admin_routes(d.internal, rec, api.token_gate(token), d.reload)
     api.add_admin_routes(d.admin, rec, api.peer_gate(server.admin_group), d.reload)
     chartsapi.add_chart_routes(gateway, rec, store)

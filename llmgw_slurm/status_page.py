@@ -67,8 +67,9 @@ def _replica(r: Mapping[str, Any]) -> dict[str, str]:
         detail.append(f"{r['in_flight']} in flight")
     if r.get("idle_s") is not None:
         detail.append(f"idle {r['idle_s']}s")
+    on = f" on {r['cluster']}" if r.get("cluster") else ""
     return {
-        "what": f"replica {r.get('id')} · job {r.get('job_id')} · {r.get('state')}",
+        "what": f"replica {r.get('id')} · job {r.get('job_id')}{on} · {r.get('state')}",
         "detail": "; ".join(detail),
     }
 
@@ -99,9 +100,20 @@ def _decision(d: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _cluster(c: Mapping[str, Any]) -> dict[str, str]:
+    reps = c.get("replicas") or {}
+    return {
+        "name": _text(c.get("name")),
+        "health": _text(c.get("health_text") or c.get("health")),
+        "health_class": "ready" if c.get("health") == "up" else "error",
+        "gpus": f"{c.get('gpus_free')}/{c.get('gpus_total')}",
+        "replicas": ", ".join(f"{n} {k}" for k, n in sorted(reps.items())) or "none",
+    }
+
+
 def _node(n: Mapping[str, Any]) -> dict[str, str]:
     return {
-        "name": _text(n.get("name")),
+        "name": (f"{n['cluster']}:" if n.get("cluster") else "") + _text(n.get("name")),
         "state": _text(n.get("state")) + (f" ({n['reason']})" if n.get("reason") else ""),
         "partitions": ", ".join(str(p) for p in n.get("partitions") or []),
         "gpus": f"{n.get('gpus_free')}/{n.get('gpus_total')}",
@@ -134,6 +146,8 @@ def render_page(
             version=_text(status.get("version")),
             problem=_text(status.get("last_pass_error")),
             models=[_model(m) for m in status.get("models") or []],
+            # One cluster without a name: its health is the page's warning line.
+            clusters=[_cluster(c) for c in status.get("clusters") or [] if c.get("name")],
             decisions=[_decision(d) for d in reversed(decisions[-30:])],
             listed=_listed(status),
             nodes=[_node(n) for n in status.get("nodes") or []],

@@ -33,7 +33,7 @@ from typing import Any
 
 from llmgw_slurm import sbatch
 from llmgw_slurm.catalog import Model
-from llmgw_slurm.config import ServerConfig
+from llmgw_slurm.config import ClusterConfig, ServerConfig
 from llmgw_slurm.slurm.types import AccountingRecord, Job, JobSpec, JobState
 
 __all__ = [
@@ -105,9 +105,12 @@ class ServiceJobBuilder:
 
     server: ServerConfig
     python: str = sys.executable
+    # The cluster the job goes to (its partition, account, QOS); default the first.
+    cluster: ClusterConfig | None = None
 
     def _options(self, name: str, time: str | None) -> sbatch.JobOptions:
         cfg = self.server
+        where = self.cluster or cfg.cluster_list[0]
         log_dir = Path(cfg.state_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         return sbatch.JobOptions(
@@ -115,10 +118,10 @@ class ServiceJobBuilder:
             time=time,
             output=str(log_dir / "%x-%j.out"),
             python=self.python,
-            partition=cfg.slurm.partition,
-            account=cfg.slurm.account,
-            qos=cfg.slurm.qos,
-            reservation=cfg.slurm.reservation,
+            partition=where.partition,
+            account=where.account,
+            qos=where.qos,
+            reservation=where.reservation,
         )
 
     def fetch(
@@ -199,19 +202,24 @@ class ServiceJob:
     # Left the listing; the final state is still to be asked of accounting.
     unsettled: bool = False
     lookups: int = 0
+    # The cluster it runs on ("": the one cluster of a server.yaml without clusters:).
+    cluster: str = ""
 
 
 class ServiceJobs:
-    """The service's non-replica jobs, from the reconciler's listing of each pass."""
+    """The service's non-replica jobs, from the reconciler's listing of each pass.
+
+    Keyed by cluster and job id: two clusters number their jobs each from 1.
+    """
 
     def __init__(self, server: ServerConfig, *, keep_s: float = 3600.0, lookups: int = 3) -> None:
         self.server = server
         self.prefix = server.slurm.job_prefix
         self.keep_s = keep_s
         self.max_lookups = lookups
-        self.jobs: dict[str, ServiceJob] = {}
+        self.jobs: dict[tuple[str, str], ServiceJob] = {}
 
-    def expect(self, job_id: str, name: str, target: str, now: float) -> bool:
+    def expect(self, job_id: str, name: str, target: str, now: float, cluster: str = "") -> bool:
         """A job ``llmgw-admin`` just submitted; False when it is not a service job of ours.
 
         A short job can start and end between two passes and never be listed:
@@ -220,10 +228,10 @@ class ServiceJobs:
         ident = parse_service_job_name(self.prefix, name)
         if ident is None or not job_id.isdigit():
             return False
-        if job_id not in self.jobs:
+        if (cluster, job_id) not in self.jobs:
             kind, short, _ = ident
             shown = target if target and target.isprintable() and len(target) <= 1024 else short
-            self.jobs[job_id] = ServiceJob(
+            self.jobs[cluster, job_id] = ServiceJob(
                 kind=kind,
                 target=shown,
                 job_id=job_id,
@@ -233,22 +241,23 @@ class ServiceJobs:
                 submitted_at=now,
                 started_at=None,
                 seen_at=now,
+                cluster=cluster,
             )
         return True
 
-    def observe(self, jobs: Sequence[Job], now: float) -> None:
-        """Update from one ``squeue`` listing (the one the pass already made)."""
-        listed: set[str] = set()
+    def observe(self, jobs: Sequence[Job], now: float, cluster: str = "") -> None:
+        """Update from one cluster's ``squeue`` listing (the one the pass already made)."""
+        listed: set[tuple[str, str]] = set()
         for job in jobs:
             ident = parse_service_job_name(self.prefix, job.name)
             if ident is None:
                 continue
             kind, target, _ = ident
             m = _COMMENT_TARGET.search(job.comment)
-            listed.add(job.job_id)
-            sj = self.jobs.get(job.job_id)
+            listed.add((cluster, job.job_id))
+            sj = self.jobs.get((cluster, job.job_id))
             if sj is None:
-                sj = self.jobs[job.job_id] = ServiceJob(
+                sj = self.jobs[cluster, job.job_id] = ServiceJob(
                     kind=kind,
                     target=m.group(1) if m else target,
                     job_id=job.job_id,
@@ -258,6 +267,7 @@ class ServiceJobs:
                     submitted_at=job.submit_time.timestamp() if job.submit_time else None,
                     started_at=None,
                     seen_at=now,
+                    cluster=cluster,
                 )
             sj.state, sj.reason, sj.seen_at = job.state, job.reason, now
             sj.unsettled = False
@@ -270,25 +280,28 @@ class ServiceJobs:
             if job.state.is_finished:
                 self._ended(sj, now)
         for jid, sj in list(self.jobs.items()):
-            if jid in listed:
+            if jid in listed or sj.cluster != cluster:
                 continue
             if sj.ended_at is None and not sj.unsettled:
                 sj.unsettled = True
             elif sj.ended_at is not None and now - sj.ended_at > self.keep_s:
                 del self.jobs[jid]
 
-    def unsettled_since(self) -> float | None:
-        """The earliest submission among jobs that left the listing unsettled, or None."""
-        left = [sj for sj in self.jobs.values() if sj.unsettled]
+    def unsettled_since(self, cluster: str = "") -> float | None:
+        """The earliest submission among the cluster's jobs that left its listing
+        unsettled, or None."""
+        left = [sj for sj in self.jobs.values() if sj.unsettled and sj.cluster == cluster]
         if not left:
             return None
         return min((sj.submitted_at or sj.seen_at) for sj in left)
 
-    def settle(self, records: Sequence[AccountingRecord] | None, now: float) -> None:
-        """Final states from accounting (None: it could not be asked)."""
+    def settle(
+        self, records: Sequence[AccountingRecord] | None, now: float, cluster: str = ""
+    ) -> None:
+        """Final states from one cluster's accounting (None: it could not be asked)."""
         by_id = {r.job_id: r for r in records or ()}
         for sj in self.jobs.values():
-            if not sj.unsettled:
+            if not sj.unsettled or sj.cluster != cluster:
                 continue
             sj.lookups += 1
             rec = by_id.get(sj.job_id)
@@ -314,6 +327,7 @@ class ServiceJobs:
         for sj in sorted(self.jobs.values(), key=lambda j: (j.submitted_at or 0.0, j.job_id)):
             out.append(
                 {
+                    "cluster": sj.cluster,
                     "kind": sj.kind,
                     "target": sj.target,
                     "job_id": sj.job_id,

@@ -17,7 +17,7 @@ from llmgw_slurm.batch import results
 from llmgw_slurm.batch.model import BatchRecord
 from llmgw_slurm.batch.results import ERRORS, OUTPUT
 from llmgw_slurm.catalog import Model, TimeLimit
-from llmgw_slurm.config import ServerConfig
+from llmgw_slurm.config import ClusterConfig, ServerConfig
 from llmgw_slurm.secrets import batch_secret, engine_api_key
 from llmgw_slurm.slurm.types import JobSpec
 
@@ -63,11 +63,21 @@ class BatchJobs:
     gateway_cert: str
     python: str = sys.executable
 
-    def spec(self, batch: BatchRecord, model: Model, input_path: Path, work: Path) -> JobSpec:
+    def spec(
+        self,
+        batch: BatchRecord,
+        model: Model,
+        input_path: Path,
+        work: Path,
+        cluster: ClusterConfig | None = None,
+    ) -> JobSpec:
+        """The batch's job on ``cluster`` (default: the first of server.yaml's), whose
+        partition, account and QOS fill what the model leaves unset."""
         cfg = self.server
         name = batch_job_prefix(cfg) + batch.id
+        where = cluster or cfg.cluster_list[0]
         r = model.resources.with_slurm_defaults(
-            partition=cfg.slurm.partition, account=cfg.slurm.account, qos=cfg.slurm.qos
+            partition=where.partition, account=where.account, qos=where.qos
         )
         # The batch's partition and QOS win over the model's: batches go where the
         # site sends them (its preemptible partition), not where replicas run.
@@ -81,7 +91,7 @@ class BatchJobs:
             partition=r.partition,
             account=r.account,
             qos=r.qos,
-            reservation=cfg.slurm.reservation,
+            reservation=where.reservation,
         )
         lead = max(1, min(_SIGNAL_BEFORE_S, limit // 2))
         script = sbatch.render_batch(

@@ -171,6 +171,9 @@ class BatchRecord:
     # The tokens its creator's day and month budgets hold for it until it ends
     # (the most its requests may spend; 0: no quotas), held again after a restart.
     reserved: int = 0
+    # The cluster its job runs on ("": the one cluster of a server.yaml without
+    # clusters:); its job id means something only there.
+    cluster: str = ""
 
     def to_api(self) -> dict[str, Any]:
         stamps = {name: getattr(self, name) for name in _STAMPS.values()}

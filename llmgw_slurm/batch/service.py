@@ -35,7 +35,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -52,7 +52,7 @@ from llmgw_slurm.batch.model import (
     transition,
 )
 from llmgw_slurm.batch.store import BatchStore, new_batch_id
-from llmgw_slurm.catalog import Catalog
+from llmgw_slurm.catalog import Catalog, Model
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.durations import parse_duration
 from llmgw_slurm.errors import SlurmError
@@ -96,20 +96,31 @@ class BatchRefused(Exception):
 
 
 class BatchService:
+    """``backend``: the one cluster's, or each cluster's by name (server.yaml's
+    clusters). ``place``: for a batch's model, the clusters its job may go to, the
+    ones with room for it now first (the reconciler's ``clusters_for``); default:
+    every cluster in server.yaml's order."""
+
     def __init__(
         self,
         store: BatchStore,
         server: ServerConfig,
-        backend: SlurmBackend,
+        backend: SlurmBackend | Mapping[str, SlurmBackend],
         catalog: Callable[[], Catalog],
         jobs: BatchJobs,
         verifier: ReportVerifier,
         clock: Callable[[], float] = time.time,
         quota: QuotaBook | None = None,
+        place: Callable[[Model], Sequence[str]] | None = None,
     ) -> None:
         self.store = store
         self.server = server
-        self.backend = backend
+        self.backends: dict[str, SlurmBackend] = (
+            dict(backend)
+            if isinstance(backend, Mapping)
+            else {c.name: backend for c in server.cluster_list}
+        )
+        self.place = place or (lambda _m: list(self.backends))
         self._catalog = catalog
         self.jobs = jobs
         self.verifier = verifier
@@ -128,6 +139,28 @@ class BatchService:
         self._hold_again()
         # Where a failed poll is counted (the daemon's, for /metrics; set by setup).
         self.faults = Faults()
+
+    @property
+    def backend(self) -> SlurmBackend:
+        """The first cluster's backend (the only one, without ``clusters:``)."""
+        return next(iter(self.backends.values()))
+
+    @backend.setter
+    def backend(self, backend: SlurmBackend) -> None:
+        self.backends[next(iter(self.backends))] = backend
+
+    def _backend_of(self, batch: BatchRecord) -> SlurmBackend:
+        return self.backends.get(batch.cluster) or self.backend
+
+    def _cluster_for(self, batch: BatchRecord, model: Model) -> str:
+        """Where the batch's next job goes: the first cluster with room for it now,
+        with the batch's partition and QOS (batch.partition wins over the model's)."""
+        res = model.resources
+        as_run = replace(
+            model, resources=replace(res, partition=self.server.batch.partition or res.partition)
+        )
+        order = [c for c in self.place(as_run) if c in self.backends]
+        return order[0] if order else next(iter(self.backends))
 
     # ---- create and cancel ------------------------------------------------------------
 
@@ -312,12 +345,17 @@ class BatchService:
             return self._fail(batch, "model_not_found", f"model {batch.model!r} left the catalog")
         if batch.id in self._submitting:
             return batch
+        cluster = self._cluster_for(batch, model)
         spec = self.jobs.spec(
-            batch, model, self.store.data_path(batch.input_file_id), self.store.work_dir(batch.id)
+            batch,
+            model,
+            self.store.data_path(batch.input_file_id),
+            self.store.work_dir(batch.id),
+            self._settings(cluster),
         )
         self._submitting.add(batch.id)
         try:
-            job_id = await self.backend.submit(spec)
+            job_id = await self.backends[cluster].submit(spec)
         except SlurmError as err:
             # Kept in progress without a job: the next poll tries again.
             log.warning("batch %s: submitting its job failed: %s", batch.id, err)
@@ -327,19 +365,27 @@ class BatchService:
             return current
         finally:
             self._submitting.discard(batch.id)
-        log.info("batch %s: job %s submitted (%s)", batch.id, job_id, batch.model)
+        where = f" on {cluster}" if cluster else ""
+        log.info("batch %s: job %s%s submitted (%s)", batch.id, job_id, where, batch.model)
         current = self.store.get(batch.id) or batch
         current = replace(
-            current, job_id=job_id, jobs_submitted=current.jobs_submitted + 1, note="job queued"
+            current,
+            job_id=job_id,
+            cluster=cluster,
+            jobs_submitted=current.jobs_submitted + 1,
+            note=f"job queued{where}",
         )
         self.store.save(current)
         if current.status is BatchStatus.CANCELLING:
             await self._cancel_job(current)
         return current
 
+    def _settings(self, cluster: str) -> Any:
+        return next((c for c in self.server.cluster_list if c.name == cluster), None)
+
     async def _cancel_job(self, batch: BatchRecord) -> None:
         try:
-            await self.backend.cancel(batch.job_id)
+            await self._backend_of(batch).cancel(batch.job_id)
         except SlurmError as err:
             log.warning("batch %s: cancelling job %s failed: %s", batch.id, batch.job_id, err)
 
@@ -360,18 +406,13 @@ class BatchService:
         active = [b for b in self.store.unfinished() if b.status is not BatchStatus.VALIDATING]
         if not active:
             return
-        listed: dict[str, list[Job]] = {}
-        try:
-            # A sharded batch's array tasks all bear its name: a list per name.
-            for j in await self.backend.list_jobs(self.prefix):
-                listed.setdefault(j.name, []).append(j)
-        except SlurmError as err:
-            # Acting on no listing could finish batches whose jobs still run.
-            self.last_poll_error = str(err)
-            log.warning("batch poll: Slurm did not answer: %s", err)
+        listed, answered = await self._list_all()
+        if not answered:
             return
-        self.last_poll_error = ""
         for b in active:
+            if b.job_id and b.cluster not in answered:
+                # Its cluster did not answer: whether its job runs is not known now.
+                continue
             # Read again: an earlier batch's await may have let a cancel or a report in.
             batch = self.store.get(b.id)
             if batch is None or batch.status.is_final or b.id in self._submitting:
@@ -382,34 +423,48 @@ class BatchService:
                 continue
             await self._poll_one(batch, listed.get(self.prefix + batch.id, []))
 
-    async def _poll_one(self, batch: BatchRecord, jobs: list[Job]) -> None:
-        """``jobs``: those listed under the batch's name (a sharded batch's array
-        tasks, each listed on its own; the batch is running while any one is)."""
+    async def _list_all(self) -> tuple[dict[str, list[tuple[str, Job]]], set[str]]:
+        """Every cluster's batch jobs (one squeue each, at once), by job name with their
+        cluster, and the clusters that answered."""
+        names = list(self.backends)
+        got = await asyncio.gather(
+            *(self.backends[n].list_jobs(self.prefix) for n in names), return_exceptions=True
+        )
+        listed: dict[str, list[tuple[str, Job]]] = {}
+        answered: set[str] = set()
+        errors: list[str] = []
+        for name, jobs in zip(names, got, strict=True):
+            if isinstance(jobs, SlurmError):
+                # Acting on no listing could finish batches whose jobs still run.
+                errors.append(f"{name}: {jobs}" if name else str(jobs))
+                log.warning("batch poll: Slurm %s did not answer: %s", name, jobs)
+                continue
+            if isinstance(jobs, BaseException):
+                raise jobs
+            answered.add(name)
+            # A sharded batch's array tasks all bear its name: a list per name.
+            for j in jobs:
+                listed.setdefault(j.name, []).append((name, j))
+        self.last_poll_error = "; ".join(errors)
+        return listed, answered
+
+    async def _poll_one(self, batch: BatchRecord, listed: list[tuple[str, Job]]) -> None:
+        """``listed``: the jobs under the batch's name, with their cluster (a sharded
+        batch's array tasks, each listed on its own; the batch is running while any one
+        is)."""
         now = self.clock()
-        active = [j for j in jobs if j.state.is_active]
+        active = [(c, j) for c, j in listed if j.state.is_active]
         if active:
-            # An array task's own id is not the array's: the array's is what sbatch
-            # returned, what the record holds, and what scancel takes for all tasks.
-            ids = {j.array_job_id or j.job_id for j in active}
-            if batch.job_id not in ids:
-                # Submitted by a daemon that died before it recorded the id (or a
-                # record older than the job): adopted, never submitted twice.
-                job_id = max(ids, key=lambda i: (len(i), i))
-                log.info("batch %s: adopting job %s", batch.id, job_id)
-                batch = replace(
-                    batch,
-                    job_id=job_id,
-                    jobs_submitted=batch.jobs_submitted + (0 if batch.job_id else 1),
-                )
-                self.store.save(batch)
+            batch = self._adopt(batch, active)
+            active_jobs = [j for _, j in active]
             expired = now >= batch.expires_at and batch.status is BatchStatus.IN_PROGRESS
             if expired or batch.status is BatchStatus.CANCELLING:
                 # Again on every poll while the job is listed: a scancel that Slurm
                 # did not take is retried, and one more to a dying job is harmless.
                 await self._cancel_job(batch)
             else:
-                pending = [j for j in active if j.state is JobState.PENDING and j.reason]
-                if pending and len(pending) == len(active):
+                pending = [j for j in active_jobs if j.state is JobState.PENDING and j.reason]
+                if pending and len(pending) == len(active_jobs):
                     note = f"job {batch.job_id} pending ({pending[0].reason})"
                     self.store.save(replace(batch, note=note))
             return
@@ -417,6 +472,28 @@ class BatchService:
             await self._submit(batch)
             return
         await self._job_gone(batch, now)
+
+    def _adopt(self, batch: BatchRecord, active: list[tuple[str, Job]]) -> BatchRecord:
+        """The batch with the job listed for it, when its record names another (or none):
+        submitted by a daemon that died before it recorded the id, or a record older than
+        the job. Adopted, never submitted twice."""
+        # An array task's own id is not the array's: the array's is what sbatch
+        # returned, what the record holds, and what scancel takes for all tasks.
+        ids = {(c, j.array_job_id or j.job_id) for c, j in active}
+        if (batch.cluster, batch.job_id) in ids:
+            return batch
+        cluster, job_id = max(ids, key=lambda cj: (len(cj[1]), cj[1]))
+        log.info(
+            "batch %s: adopting job %s%s", batch.id, job_id, f" on {cluster}" if cluster else ""
+        )
+        batch = replace(
+            batch,
+            job_id=job_id,
+            cluster=cluster,
+            jobs_submitted=batch.jobs_submitted + (0 if batch.job_id else 1),
+        )
+        self.store.save(batch)
+        return batch
 
     async def _job_gone(self, batch: BatchRecord, now: float) -> None:
         work = self.store.work_dir(batch.id)

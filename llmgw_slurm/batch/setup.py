@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -24,19 +25,23 @@ def install(
     gateway: web.Application,
     internal: web.Application,
     server: ServerConfig,
-    backend: SlurmBackend,
+    backend: SlurmBackend | Mapping[str, SlurmBackend],
     rec: Any,
     server_key: bytes,
     daemon_url: str,
     usage: UsageStore | None,
 ) -> BatchService:
     """The Batch API on the daemon's apps. ``rec``: the reconciler (catalog, report
-    nonces, the gateway's certificate), taken as is so this package does not import it."""
+    nonces, the gateway's certificate, the clusters with room for a model), taken as
+    is so this package does not import it. ``backend``: one, or one per cluster."""
     store = BatchStore(server.batch_directory)
     jobs = BatchJobs(server, server_key, daemon_url, rec.engine_tls.identity.cert_pem)
     # The gateway's quota book: batches spend the same day and month budgets.
     quota = gateway[GATEWAY_KEY].quota
-    svc = BatchService(store, server, backend, lambda: rec.catalog, jobs, rec.verifier, quota=quota)
+    svc = BatchService(
+        store, server, backend, lambda: rec.catalog, jobs, rec.verifier,
+        quota=quota, place=rec.clusters_for,
+    )  # fmt: skip
     svc.faults = rec.faults
     if usage is not None:
 

@@ -31,7 +31,7 @@ from llmgw_slurm.cli.common import (
     unknown_model,
 )
 from llmgw_slurm.cli.settings import base_url
-from llmgw_slurm.config import HostPort, ServerConfig
+from llmgw_slurm.config import ClusterConfig, HostPort, ServerConfig
 from llmgw_slurm.durations import format_duration
 from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.slurm.cli import CliBackend
@@ -464,6 +464,7 @@ def status(
         click.echo(f"WARNING: the last pass could not ask Slurm: {st['last_pass_error']}")
     now = float(st.get("now") or time.time())
     models = st.get("models") or []
+    _print_clusters(st.get("clusters") or [])
     _print_models(models)
     _print_replicas(models)
     _print_service_jobs(st.get("jobs") or [])
@@ -509,6 +510,27 @@ def _proven(url: str, server: ServerConfig | None) -> ssl.SSLContext | None:
             f"{exc}. Not showing a status that may not be the daemon's."
         ) from None
     return None
+def _print_clusters(clusters: list[dict[str, Any]]) -> None:
+    """Each cluster's health, GPUs and replicas; nothing for one cluster without a name
+    (its health is the daemon's: the warning above)."""
+    if not any(c.get("name") for c in clusters):
+        return
+    click.echo()
+    click.echo(
+        table(
+            ("CLUSTER", "HEALTH", "GPUS FREE/TOTAL", "REPLICAS"),
+            [
+                (
+                    c.get("name"),
+                    c.get("health_text") or c.get("health"),
+                    f"{c.get('gpus_free')}/{c.get('gpus_total')}",
+                    ", ".join(f"{n} {k}" for k, n in sorted((c.get("replicas") or {}).items()))
+                    or "-",
+                )
+                for c in clusters
+            ],
+        )
+    )
 
 
 def _print_models(models: list[dict[str, Any]]) -> None:
@@ -539,6 +561,7 @@ def _print_replicas(models: list[dict[str, Any]]) -> None:
     if not reps:
         click.echo("no replicas")
         return
+    named = any(r.get("cluster") for _, r in reps)
     click.echo(
         table(
             ("REPLICA", "MODEL", "JOB", "STATE", "NODES", "STEP / REASON", "IDLE"),
@@ -546,7 +569,7 @@ def _print_replicas(models: list[dict[str, Any]]) -> None:
                 (
                     r.get("id"),
                     m.get("name"),
-                    r.get("job_id"),
+                    f"{r.get('job_id')}@{r.get('cluster')}" if named else r.get("job_id"),
                     r.get("state"),
                     ",".join(r.get("nodes") or []) or "-",
                     r.get("reason") if r.get("state") == "pending" else r.get("step") or "-",
@@ -573,7 +596,7 @@ def _print_nodes(nodes: list[dict[str, Any]], listed: object, now: float) -> Non
             ("NODE", "STATE", "PARTITIONS", "GPUS FREE/TOTAL"),
             [
                 (
-                    n.get("name"),
+                    f"{n.get('cluster')}:{n.get('name')}" if n.get("cluster") else n.get("name"),
                     n.get("state"),
                     ",".join(n.get("partitions") or []),
                     f"{n.get('gpus_free')}/{n.get('gpus_total')}",
@@ -887,7 +910,7 @@ def audit(
       llmgw-admin audit --by account --json | jq .totals
     """
     from llmgw_slurm import audit as auditmod
-    from llmgw_slurm.slurm import make_backend
+    from llmgw_slurm.slurm import make_backends
 
     if as_csv and as_json:
         raise click.UsageError("--csv and --json exclude each other")
@@ -899,12 +922,10 @@ def audit(
     if t0 >= t1:
         raise click.UsageError(f"--since ({t0:%Y-%m-%d %H:%M}) must be before --until")
     who = user or _service_user(server)
-    backend = make_backend(
-        server.slurm.backend,
-        **server.slurm.backend_options(timeout=max(server.slurm.command_timeout, 60)),
-    )
+    # Every cluster's accounting (each its own sacct, or its -M through a shared slurmdbd).
+    backends = make_backends(server.cluster_list, max(server.slurm.command_timeout, 60))
     prefix = server.slurm.job_prefix
-    recs = _accounting(backend, t0, t1, prefix)
+    recs = _accounting(backends, t0, t1, prefix)
     recs = [r for r in recs if r.user == who]
     if by in ("user", "account"):
         _owner_audit(server, recs, (t0, t1, now), by, who, as_csv, as_json, chart, no_color)
@@ -979,13 +1000,18 @@ def _owner_audit(
 
 
 def _accounting(
-    backend: SlurmBackend, t0: datetime, t1: datetime, prefix: str
+    backends: Mapping[str, SlurmBackend], t0: datetime, t1: datetime, prefix: str
 ) -> list[AccountingRecord]:
-    """sacct's records of jobs named PREFIX*, every user's; a clear error when slurmdbd is down."""
+    """sacct's records of jobs named PREFIX* on every cluster, every user's; a clear error
+    when a slurmdbd is down."""
+    from llmgw_slurm.slurm import accounting_of
+
     try:
         # All users, then only the service's: a name prefix alone can be copied by anyone.
         # Every run of a requeued job: a preempted run's GPU hours and its preemption.
-        return run(backend.accounting(t0, t1, name_prefix=prefix, all_users=True, duplicates=True))
+        return run(
+            accounting_of(backends, t0, t1, name_prefix=prefix, all_users=True, duplicates=True)
+        )
     except SlurmError as exc:
         detail = (exc.stderr.strip().splitlines() or [str(exc)])[-1]
         if _DBD_DOWN.search(exc.stderr or ""):
@@ -997,25 +1023,34 @@ def _accounting(
 
 
 def _print_audit(rows: Sequence[AuditRow], tot: Mapping[str, Any]) -> None:
-    click.echo(
-        table(
-            ("PERIOD", "MODEL", "JOBS", "GPU HOURS", "FAILED", "TIMEOUT", "PREEMPTED"),
-            [
-                (r.period, r.model, r.jobs, f"{r.gpu_hours:.2f}", r.failed, r.timeout, r.preempted)
-                for r in rows
-            ]
-            + [
-                (
-                    "total",
-                    "",
-                    tot["jobs"],
-                    f"{tot['gpu_hours']:.2f}",
-                    tot["failed"],
-                    tot["timeout"],
-                    tot["preempted"],
-                )
-            ],
+    # A CLUSTER column only where there are named clusters.
+    named = any(r.cluster for r in rows)
+    head = ("PERIOD", "MODEL", *(("CLUSTER",) if named else ()))
+    body = [
+        (
+            r.period,
+            r.model,
+            *((r.cluster,) if named else ()),
+            r.jobs,
+            f"{r.gpu_hours:.2f}",
+            r.failed,
+            r.timeout,
+            r.preempted,
         )
+        for r in rows
+    ]
+    total = (
+        "total",
+        "",
+        *(("",) if named else ()),
+        tot["jobs"],
+        f"{tot['gpu_hours']:.2f}",
+        tot["failed"],
+        tot["timeout"],
+        tot["preempted"],
+    )
+    click.echo(
+        table((*head, "JOBS", "GPU HOURS", "FAILED", "TIMEOUT", "PREEMPTED"), [*body, total])
     )
 
 
@@ -1287,35 +1322,66 @@ _time_option = click.option(
 )
 
 
-def _svc_backend(server: ServerConfig) -> Any:
-    from llmgw_slurm.slurm import make_backend
+def _cluster_of(server: ServerConfig, name: str | None) -> ClusterConfig:
+    """server.yaml's cluster ``name`` (default: the first); a usage error naming the others."""
+    clusters = server.cluster_list
+    if not name:
+        return clusters[0]
+    for c in clusters:
+        if c.name == name:
+            return c
+    names = ", ".join(c.name for c in clusters if c.name) or "none: server.yaml has no clusters:"
+    raise click.BadParameter(f"no cluster {name!r}; clusters: {names}", param_hint="'--cluster'")
 
-    return make_backend(
-        server.slurm.backend,
-        **server.slurm.backend_options(timeout=max(server.slurm.command_timeout, 30)),
-    )
+
+_cluster_option = click.option(
+    "--cluster",
+    "cluster_name",
+    metavar="NAME",
+    help="The cluster (server.yaml's clusters) to run the job on; default the first. Each "
+    "cluster has its own file systems: run it on each that needs it.",
+)
+
+
+def _svc_backend(server: ServerConfig, cluster: ClusterConfig | None = None) -> Any:
+    from llmgw_slurm.slurm import make_backends
+
+    where = cluster or server.cluster_list[0]
+    return make_backends([where], max(server.slurm.command_timeout, 30))[where.name]
 
 
 def _submit_service_job(
-    server: ServerConfig, spec: Any, wait: bool, poll: float, as_json: bool = False
+    server: ServerConfig,
+    spec: Any,
+    wait: bool,
+    poll: float,
+    as_json: bool = False,
+    cluster: ClusterConfig | None = None,
 ) -> None:
     """Submit; the job id alone on standard output (as sbatch --parsable), the rest on
     standard error."""
     from llmgw_slurm.svcjobs import job_log_path
 
-    backend = _svc_backend(server)
+    backend = _svc_backend(server, cluster)
     job_id: str = run(backend.submit(spec))
     log_path = job_log_path(server, spec.name, job_id)
+    on = f" on cluster {cluster.name}" if cluster is not None and cluster.name else ""
     if as_json:
-        print_json({"job_id": job_id, "name": spec.name, "log": str(log_path)})
+        out = {"job_id": job_id, "name": spec.name, "log": str(log_path)}
+        if cluster is not None and cluster.name:
+            out["cluster"] = cluster.name
+        print_json(out)
     else:
         click.echo(job_id)
-    click.echo(f"submitted job {job_id} ({spec.name}); log: {log_path}", err=True)
+    click.echo(f"submitted job {job_id}{on} ({spec.name}); log: {log_path}", err=True)
     # The daemon lists the job in its next pass anyway; told now, it also shows
     # one that ends before that pass. Not running is fine: the job runs regardless.
     target = next((w[7:] for w in spec.comment.split() if w.startswith("target=")), "")
     try:
-        _admin_call(server, "jobs", {"job_id": job_id, "name": spec.name, "target": target})
+        body = {"job_id": job_id, "name": spec.name, "target": target}
+        if cluster is not None and cluster.name:
+            body["cluster"] = cluster.name
+        _admin_call(server, "jobs", body)
     except click.ClickException as exc:
         click.echo(f"note: the daemon was not told ({exc.message})", err=True)
     if wait:
@@ -1392,6 +1458,7 @@ async def _follow(server: ServerConfig, backend: Any, name: str, job_id: str, po
 @_wait_option
 @click.option("--poll", default=2.0, show_default=True, help="Seconds between looks with --wait.")
 @_json_option
+@_cluster_option
 @friendly_errors
 def fetch(
     model: str,
@@ -1401,6 +1468,7 @@ def fetch(
     wait: bool,
     poll: float,
     as_json: bool,
+    cluster_name: str | None = None,
 ) -> None:
     """Fetch MODEL's weights in a Slurm job, ahead of use.
 
@@ -1418,10 +1486,12 @@ def fetch(
     from llmgw_slurm.svcjobs import ServiceJobBuilder
 
     server = _load_server(server_path)
+    cluster = _cluster_of(server, cluster_name)
     catalog = load_catalog(server.models)
     m = _resolve(catalog, model)
-    spec = ServiceJobBuilder(server).fetch(m, time=time_limit, allow_download=allow_download)
-    _submit_service_job(server, spec, wait, poll, as_json)
+    builder = ServiceJobBuilder(server, cluster=cluster)
+    spec = builder.fetch(m, time=time_limit, allow_download=allow_download)
+    _submit_service_job(server, spec, wait, poll, as_json, cluster)
 
 
 @main.command("install-engine")
@@ -1449,6 +1519,7 @@ def fetch(
 @_wait_option
 @click.option("--poll", default=2.0, show_default=True, help="Seconds between looks with --wait.")
 @_json_option
+@_cluster_option
 @friendly_errors
 def install_engine(
     kind: str,
@@ -1463,6 +1534,7 @@ def install_engine(
     wait: bool,
     poll: float,
     as_json: bool,
+    cluster_name: str | None = None,
 ) -> None:
     """Install an engine at TARGET in a Slurm job.
 
@@ -1485,7 +1557,8 @@ def install_engine(
     if kind == "apptainer" and not image_uri:
         raise click.UsageError("apptainer needs --image URI")
     server = _load_server(server_path)
-    spec = ServiceJobBuilder(server).install(
+    cluster = _cluster_of(server, cluster_name)
+    spec = ServiceJobBuilder(server, cluster=cluster).install(
         kind,
         target,
         packages=packages,
@@ -1495,7 +1568,7 @@ def install_engine(
         apptainer=apptainer_bin,
         time=time_limit,
     )
-    _submit_service_job(server, spec, wait, poll, as_json)
+    _submit_service_job(server, spec, wait, poll, as_json, cluster)
 
 
 @main.command("trace")

@@ -7,8 +7,8 @@ finish); a stop cancels their jobs at once.
 from __future__ import annotations
 
 from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.reconciler.clusters import ClusterSet
 from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
-from llmgw_slurm.slurm.types import SlurmBackend
 
 __all__ = ["AdminRequests"]
 
@@ -16,24 +16,30 @@ __all__ = ["AdminRequests"]
 class AdminRequests:
     """Finds the replicas an admin names; drains or stops them."""
 
-    def __init__(self, table: ReplicaTable, backend: SlurmBackend) -> None:
+    def __init__(self, table: ReplicaTable, clusters: ClusterSet) -> None:
         self.table = table
-        self.backend = backend
+        self.clusters = clusters
 
     def find_replicas(self, target: str = "", node: str = "") -> list[Replica]:
         """The replicas ``target`` names (a replica id, a model or an alias), or those on ``node``.
 
+        ``node`` may be ``CLUSTER:NODE``: two clusters may have nodes of one name, and
+        a bare name means that node on every cluster.
         Raises LookupError naming what exists when the target or node is unknown.
         A known model or node with no replica is an empty list, not an error.
         """
         if node:
-            known = sorted(
-                {n.name for n in self.table.nodes}
-                | {n for r in self.table.replicas.values() for n in r.nodes}
-            )
-            if node not in known:
+            cluster, _, name = node.rpartition(":")
+            if cluster and self.clusters.get(cluster) is None:
+                names = ", ".join(c.name for c in self.clusters if c.name) or "none"
+                raise LookupError(f"no cluster {cluster!r} (in {node!r}); clusters: {names}")
+            on = [r for r in self.table.replicas.values() if not cluster or r.cluster == cluster]
+            where = self.clusters.get(cluster)
+            pool = where.nodes if where is not None and cluster else self.table.nodes
+            known = sorted({n.name for n in pool} | {n for r in on for n in r.nodes})
+            if name not in known:
                 raise LookupError(f"no node {node!r}; nodes: {', '.join(known) or 'none seen yet'}")
-            return [r for r in self.table.replicas.values() if node in r.nodes]
+            return [r for r in on if name in r.nodes]
         if target in self.table.replicas:
             return [self.table.replicas[target]]
         model = self.table.catalog.resolve(target)
@@ -73,7 +79,7 @@ class AdminRequests:
                 continue
             url, r.stop_reason, r.base_url = r.base_url, why, ""
             try:
-                await self.backend.cancel(r.job_id)
+                await self.clusters.of_replica(r.cluster).backend.cancel(r.job_id)
             except SlurmError:
                 # Not stopping after all: the next pass must still see it as it was.
                 r.stop_reason, r.base_url = "", url

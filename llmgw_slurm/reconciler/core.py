@@ -2,9 +2,11 @@
 :class:`Reconciler` that composes it with the other parts.
 
 Slurm is the source of truth for what runs: every pass starts from one
-``squeue`` of the service's jobs, and from the nodes of a ``sinfo`` at most
-``reconcile.nodes_max_age`` old, listed again before any placement or
-eviction (see ``PassLoop.pass_once``). What Slurm does not know is kept in
+``squeue`` of the service's jobs per cluster, and from the nodes of a ``sinfo``
+at most ``reconcile.nodes_max_age`` old, listed again before any placement or
+eviction (see ``PassLoop.pass_once``). A cluster that does not answer leaves
+its replicas as they were, and the pass goes on with the others
+(:mod:`.clusters`). What Slurm does not know is kept in
 memory, per replica, in the replica table (:mod:`.replicas`): what its agent
 reported (the engine's URL, its steps), what the router saw (requests in
 flight, last use), and the drain or stop the daemon asked for. After a daemon
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 import uuid
@@ -34,23 +37,31 @@ from typing import Any
 
 from opentelemetry import trace
 
-from llmgw_slurm.catalog import Access, Catalog
+from llmgw_slurm.catalog import Access, Catalog, Model
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.errors import LlmgwError, SlurmError
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler import plan as planmod
 from llmgw_slurm.reconciler import status as statusmod
 from llmgw_slurm.reconciler.admin import AdminRequests
+from llmgw_slurm.reconciler.clusters import Cluster, ClusterSet
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.intake import ReportIntake
-from llmgw_slurm.reconciler.jobs import JobBuilder, new_replica_id, parse_job_name
+from llmgw_slurm.reconciler.jobs import JobBuilder, JobIdent, new_replica_id, parse_job_ident
 from llmgw_slurm.reconciler.plan import Action, ActionKind, Failures, PlanConfig, ReplicaState
 from llmgw_slurm.reconciler.probes import EngineProbe
 from llmgw_slurm.reconciler.replicas import Decision, Replica, ReplicaTable, view_of
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.reconciler.spans import ReconcileTracing
 from llmgw_slurm.router.directory import Endpoint, ModelInfo, ModelRouting
-from llmgw_slurm.slurm.types import AccountingRecord, Job, JobState, NodeInfo, SlurmBackend
+from llmgw_slurm.slurm.types import (
+    AccountingRecord,
+    Job,
+    JobState,
+    NodeInfo,
+    SlurmBackend,
+    StartEstimator,
+)
 from llmgw_slurm.svcjobs import ServiceJobs
 from llmgw_slurm.tls import PinnedContexts, load_or_create_identity
 
@@ -67,7 +78,7 @@ class PassLoop:
         self,
         table: ReplicaTable,
         server: ServerConfig,
-        backend: SlurmBackend,
+        clusters: ClusterSet,
         jobs: JobBuilder,
         plan_cfg: PlanConfig,
         intake: ReportIntake,
@@ -79,7 +90,7 @@ class PassLoop:
         # What a pass did not foresee is logged and counted here, never raised.
         self.faults = faults or Faults()
         self.server = server
-        self.backend = backend
+        self.clusters = clusters
         self.jobs = jobs
         self.plan_cfg = plan_cfg
         self.intake = intake
@@ -91,14 +102,40 @@ class PassLoop:
         self.prefix = server.slurm.job_prefix
         # Model jobs and engine installs (llmgw-admin fetch / install-engine), for status.
         self.service_jobs = ServiceJobs(server)
+        # Job names listed on a cluster they do not name (two clusters: entries reach
+        # one Slurm?): warned about once each, never adopted.
+        self._misplaced: set[str] = set()
         self.failures: dict[str, Failures] = {}
         self.notes: dict[str, str] = {}
         # Job name -> (model, replica id), or None when not a replica's: a job keeps its
         # name, and parsing 2,000 names per pass cost 3 ms.
-        self._idents: dict[str, tuple[str, str] | None] = {}
+        self._idents: dict[str, JobIdent | None] = {}
         self.passes = 0
-        self.last_pass_error = ""
         self._consecutive_errors = 0
+        # Why the last pass itself failed (a bug, EMFILE; ROUND_FAILED first), "" after
+        # one that ran: shown before any cluster's own error.
+        self._failed_pass = ""
+
+    @property
+    def backend(self) -> SlurmBackend:
+        """The first cluster's backend (the only one, without ``clusters:``)."""
+        return self.clusters.first.backend
+
+    @backend.setter
+    def backend(self, backend: SlurmBackend) -> None:
+        self.clusters.first.backend = backend
+
+    @property
+    def last_pass_error(self) -> str:
+        """Why the clusters that do not answer do not ("" when all do); one cluster's
+        error alone, as it was before clusters had names; first, why the last pass
+        itself failed, if it did."""
+        if self._failed_pass:
+            return self._failed_pass
+        failing = [c for c in self.clusters if c.unanswered_since is not None]
+        if not self.clusters.named:
+            return failing[0].last_error if failing else ""
+        return "; ".join(f"{c.name}: {c.last_error}" for c in failing)
 
     async def run(self, stop: asyncio.Event, on_pass: Callable[[], None] | None = None) -> None:
         """Pass after pass until ``stop`` is set; a want() or a report wakes it early.
@@ -139,7 +176,9 @@ class PassLoop:
         except Exception as err:
             self.faults.record("pass", err)
             self._consecutive_errors += 1
-            self.last_pass_error = f"{ROUND_FAILED}{type(err).__name__}: {err}"[:300]
+            self._failed_pass = f"{ROUND_FAILED}{type(err).__name__}: {err}"[:300]
+        else:
+            self._failed_pass = ""
 
     async def pass_once(self) -> list[Action]:
         pass_id = uuid.uuid4().hex[:8]
@@ -147,20 +186,23 @@ class PassLoop:
         listing = await self._list(pass_id)
         if listing is None:
             return []
-        jobs, with_nodes, now = listing
+        jobs, fresh, now = listing
         await self._reap(self._observe(jobs, now, pass_id), now, pass_id)
         self._forgive(now)
         self._scrape_waiting()
-        result = self._plan(now)
+        answering = set(jobs)
+        result = self._plan(now, answering)
         refreshed = False
-        if result.nodes_decide and not with_nodes:
-            result, refreshed = await self._plan_on_fresh_nodes(now, pass_id)
+        if result.nodes_decide and not answering <= fresh:
+            result, refreshed = await self._plan_on_fresh_nodes(now, answering, fresh, pass_id)
+        self._strand(result.lost_with_cluster, pass_id)
         self.notes = result.notes
         self.tracing.notes(result.notes)
+        with_nodes = bool(fresh) and answering <= fresh
         with self.tracing.pass_span(
             pass_id,
             result.actions,
-            jobs=len(jobs),
+            jobs=sum(len(js) for js in jobs.values()),
             nodes=len(self.table.nodes),
             nodes_listed="with the jobs" if with_nodes else "before acting" if refreshed else "",
         ):
@@ -169,37 +211,64 @@ class PassLoop:
                     await self._execute(action, pass_id)
         return result.actions
 
-    async def _list(self, pass_id: str) -> tuple[list[Job], bool, float] | None:
-        """The service's jobs, whether the nodes were listed beside them, and the pass's
-        time (when they were listed); None when Slurm did not answer.
+    async def _list(self, pass_id: str) -> tuple[dict[str, list[Job]], set[str], float] | None:
+        """Each cluster's jobs (one listing each, the clusters at once), the clusters
+        whose nodes were listed beside them, and the pass's time (when they were
+        listed); None when no cluster answered.
 
-        The nodes are listed with the jobs only when the last listing is too old;
-        otherwise the pass plans with it and lists them again only if the plan
-        says the nodes decide an action (_plan_on_fresh_nodes). A pass that changes
-        nothing then costs one squeue: on a quiet cluster sinfo was half of a
-        pass's cost.
+        A cluster whose last listings failed is asked again only after its backoff
+        (Cluster.due). Its nodes are listed with its jobs only when its last listing
+        is too old; otherwise the pass plans with it and lists them again only if the
+        plan says the nodes decide an action (_plan_on_fresh_nodes). A pass that
+        changes nothing then costs one squeue per cluster: on a quiet cluster sinfo
+        was half of a pass's cost.
         """
-        listed_at = self.table.nodes_listed_at
-        age = self.table.clock() - listed_at if listed_at is not None else None
+        asked_at = self.table.clock()
+        # One cluster: the pass's own backoff (run()) is its backoff.
+        due = [c for c in self.clusters if len(self.clusters) == 1 or c.due(asked_at)]
+        got = await asyncio.gather(*(self._list_one(c, asked_at, pass_id) for c in due))
+        now = self.table.clock()
+        jobs: dict[str, list[Job]] = {}
+        fresh: set[str] = set()
+        for c, out in zip(due, got, strict=True):
+            if out is None:
+                continue
+            c.answered(now)
+            jobs[c.name], nodes = out
+            if nodes is not None:
+                c.nodes, c.nodes_listed_at = nodes, now
+                fresh.add(c.name)
+        if not jobs:
+            self._consecutive_errors += bool(due)
+            return None
+        self.tracing.observed(nodes_listed=bool(fresh))
+        self._consecutive_errors = 0
+        self.passes += 1
+        self._nodes_changed()
+        return jobs, fresh, now
+
+    async def _list_one(
+        self, c: Cluster, asked_at: float, pass_id: str
+    ) -> tuple[list[Job], list[NodeInfo] | None] | None:
+        """One cluster's jobs, and its nodes when its listing of them is too old; None
+        (its failure recorded) when it did not answer."""
+        age = asked_at - c.nodes_listed_at if c.nodes_listed_at is not None else None
         with_nodes = age is None or not 0 <= age < self.server.reconcile.nodes_max_age
         try:
             if with_nodes:
                 jobs, nodes = await asyncio.gather(
-                    self.backend.list_jobs(self.prefix), self.backend.list_nodes()
+                    c.backend.list_jobs(self.prefix), c.backend.list_nodes()
                 )
-            else:
-                jobs, nodes = await self.backend.list_jobs(self.prefix), self.table.nodes
+                return jobs, nodes
+            return await c.backend.list_jobs(self.prefix), None
         except SlurmError as exc:
-            self._unanswered(pass_id, exc)
+            self._unanswered(c, pass_id, exc)
             return None
-        self.tracing.observed(nodes_listed=with_nodes)
-        self._consecutive_errors = 0
-        self.last_pass_error = ""
-        self.passes += 1
-        now = self.table.clock()
-        if with_nodes:
-            self.table.nodes, self.table.nodes_listed_at = nodes, now
-        return jobs, with_nodes, now
+
+    def _nodes_changed(self) -> None:
+        """The table's view of the nodes (status, admin, report checks): every cluster's."""
+        self.table.nodes = self.clusters.all_nodes()
+        self.table.nodes_listed_at = self.clusters.oldest_listing()
 
     def _forgive(self, now: float) -> None:
         """Clear a model's failed starts once one of its replicas served its minimum lifetime.
@@ -218,34 +287,51 @@ class PassLoop:
                 self.failures.pop(r.model, None)
 
     async def _plan_on_fresh_nodes(
-        self, now: float, pass_id: str
+        self, now: float, answering: set[str], fresh: set[str], pass_id: str
     ) -> tuple[planmod.PlanResult, bool]:
         """The plan again on nodes listed now; (the plan, whether the nodes were listed).
 
-        About to place or evict on an earlier pass's nodes: list them now and plan
-        again (plan() is pure and cheap), so the decision follows what is free now.
-        sinfo runs after squeue here, not beside it: only passes that would act pay
-        for it (and every pass while a queued replica fits on the kept listing and
-        something could be evicted for it).
+        About to place or evict on an earlier pass's nodes: list the nodes of the
+        ``answering`` clusters not listed ``fresh`` with the jobs now, and plan again
+        (plan() is pure and cheap), so the decision follows what is free now. sinfo
+        runs after squeue here, not beside it: only passes that would act pay for it
+        (and every pass while a queued replica fits on the kept listing and something
+        could be evicted for it).
         """
         self.tracing.listing_nodes()
-        try:
-            nodes = await self.backend.list_nodes()
-        except SlurmError as exc:
-            # The jobs are applied (and what they showed is traced), but acting on
-            # nodes that may be wrong is what this listing prevents: nothing is done
-            # this pass; the next one that would act tries again.
-            self._unanswered(pass_id, exc)
-            return planmod.PlanResult(notes=self.notes), False
-        self.table.nodes, self.table.nodes_listed_at = nodes, self.table.clock()
-        self.tracing.nodes_listed(len(nodes))
-        return self._plan(now), True
+        listed = [c for c in self.clusters if c.name in answering - fresh]
+        got = await asyncio.gather(
+            *(c.backend.list_nodes() for c in listed), return_exceptions=True
+        )
+        for c, nodes in zip(listed, got, strict=True):
+            if isinstance(nodes, SlurmError):
+                # The jobs are applied (and what they showed is traced), but acting on
+                # nodes that may be wrong is what this listing prevents: nothing is done
+                # this pass; the next one that would act tries again.
+                self._unanswered(c, pass_id, nodes)
+                self._consecutive_errors += 1
+                return planmod.PlanResult(notes=self.notes), False
+            if isinstance(nodes, BaseException):
+                raise nodes
+            c.nodes, c.nodes_listed_at = nodes, self.table.clock()
+        self._nodes_changed()
+        self.tracing.nodes_listed(len(self.table.nodes))
+        return self._plan(now, answering), True
 
-    def _unanswered(self, pass_id: str, exc: SlurmError) -> None:
-        self._consecutive_errors += 1
-        self.last_pass_error = str(exc)
+    def _unanswered(self, c: Cluster, pass_id: str, exc: SlurmError) -> None:
+        c.failed(self.table.clock(), str(exc), self.server.reconcile.interval)
         # Status may be stale; acting on a stale view could cancel what is running.
-        log.warning("pass %s: Slurm did not answer, nothing done: %s", pass_id, exc)
+        where = f" {c.name}" if c.name else ""
+        log.warning("pass %s: Slurm%s did not answer, nothing done there: %s", pass_id, where, exc)
+
+    def _strand(self, lost: Sequence[str], pass_id: str) -> None:
+        """Mark the replicas the plan no longer counts because their cluster is down."""
+        for rid in lost:
+            r = self.table.replicas.get(rid)
+            if r is not None and not r.stranded:
+                r.stranded = True
+                why = f"cluster {r.cluster} down: {self.clusters.of_replica(r.cluster).last_error}"
+                self.table.record("stranded", r.model, rid, why, pass_id)
 
     def _scrape_waiting(self) -> None:
         """Start reading the engines' queues of the models that scale on them; the
@@ -263,7 +349,7 @@ class PassLoop:
 
                 self.intake.probe.scrape_waiting(r.replica_id, r.base_url, r.engine_cert, done)
 
-    def _plan(self, now: float) -> planmod.PlanResult:
+    def _plan(self, now: float, answering: set[str]) -> planmod.PlanResult:
         views = [view_of(r) for r in self.table.replicas.values()]
         wanted = self.wanted()
         return planmod.plan(
@@ -276,48 +362,76 @@ class PassLoop:
             now,
             new_replica_id,
             held_since=self.held_since(),
+            clusters=self.clusters.views(answering, now, self.server.reconcile.cluster_down_after),
         )
 
-    def _observe(self, jobs: Sequence[Job], now: float, pass_id: str) -> list[Replica]:
-        """Apply one squeue listing to the table; returns the replicas whose jobs are gone.
+    def _observe(
+        self, listing: Mapping[str, Sequence[Job]], now: float, pass_id: str
+    ) -> list[Replica]:
+        """Apply each answering cluster's listing to the table; returns the replicas whose
+        jobs are gone.
 
         A job of the service's that the table does not know is adopted (a daemon
-        restarted, or a submission raced the listing); a replica the listing no
-        longer shows (or shows finished) leaves the table.
+        restarted, or a submission raced the listing); a replica its cluster's listing
+        no longer shows (or shows finished) leaves the table. A cluster that did not
+        answer leaves its replicas as they were.
         """
-        self.service_jobs.observe(jobs, now)
         seen: set[str] = set()
-        if len(self._idents) > 2 * len(jobs) + 64:
+        if len(self._idents) > 2 * sum(len(js) for js in listing.values()) + 64:
             # Names of jobs long gone: keep the memo the size of the queue.
             self._idents.clear()
-        for job in jobs:
-            ident = self._ident(job.name)
-            if ident is None:
-                continue
-            model, rid = ident
-            r = self.table.replicas.get(rid)
-            if r is None:
-                if job.state.is_finished:
-                    continue
-                r = self._adopt(job, model, rid, now, pass_id)
-            seen.add(rid)
-            if r.listed is job:
-                # The very job applied last pass (the row cache returns the same object
-                # for an unchanged row), and no listed field assigned since: applying it
-                # again would change nothing.
-                self.tracing.job_seen(rid, job)
-            else:
-                self._apply_listing(r, job, now, pass_id)
-            if self.intake.early:
-                self.intake.join_early(r, model, rid, pass_id)
-        return self._unlisted(seen, pass_id)
+        for cluster, jobs in listing.items():
+            self.service_jobs.observe(jobs, now, cluster)
+            for job in jobs:
+                rid = self._observe_job(cluster, job, now, pass_id)
+                if rid:
+                    seen.add(rid)
+        return self._unlisted(seen, set(listing), pass_id)
 
-    def _ident(self, name: str) -> tuple[str, str] | None:
-        """(model, replica id) of a job name, None when not a replica's."""
+    def _observe_job(self, cluster: str, job: Job, now: float, pass_id: str) -> str:
+        """Apply one listed job to its replica (adopted if new); its replica id, or ""."""
+        ident = self._ident(job.name)
+        if ident is None:
+            return ""
+        model, rid, named = ident
+        r = self.table.replicas.get(rid)
+        if (named and cluster and named != cluster) or (r is not None and r.cluster != cluster):
+            self._misplaced_job(cluster, job)
+            return ""
+        if r is None:
+            if job.state.is_finished:
+                return ""
+            r = self._adopt(job, model, rid, cluster, now, pass_id)
+        if r.listed is job:
+            # The very job applied last pass (the row cache returns the same object
+            # for an unchanged row), and no listed field assigned since: applying it
+            # again would change nothing.
+            self.tracing.job_seen(rid, job)
+        else:
+            self._apply_listing(r, job, now, pass_id)
+        if self.intake.early:
+            self.intake.join_early(r, model, rid, pass_id)
+        return rid
+
+    def _misplaced_job(self, cluster: str, job: Job) -> None:
+        """A replica's job listed on a cluster other than the one it was submitted to:
+        two clusters: entries that reach one Slurm. Never adopted twice; said once."""
+        if job.name not in self._misplaced:
+            self._misplaced.add(job.name)
+            log.warning(
+                "job %s (%s) is listed on cluster %s but named for another: do two entries "
+                "of clusters: reach the same Slurm? Left alone.",
+                job.job_id,
+                job.name,
+                cluster,
+            )
+
+    def _ident(self, name: str) -> JobIdent | None:
+        """(model, replica id, cluster) of a job name, None when not a replica's."""
         try:
             return self._idents[name]
         except KeyError:
-            ident = self._idents[name] = parse_job_name(self.prefix, name)
+            ident = self._idents[name] = parse_job_ident(self.prefix, name)
             return ident
 
     def _placed(self, r: Replica, job: Job, pass_id: str) -> None:
@@ -328,18 +442,23 @@ class PassLoop:
             "running", r.model, r.replica_id, f"job {job.job_id} on {','.join(job.nodes)}", pass_id
         )
 
-    def _adopt(self, job: Job, model: str, rid: str, now: float, pass_id: str) -> Replica:
+    def _adopt(
+        self, job: Job, model: str, rid: str, cluster: str, now: float, pass_id: str
+    ) -> Replica:
         r = Replica(
             replica_id=rid,
             model=model,
             job_id=job.job_id,
             submitted_at=job.submit_time.timestamp() if job.submit_time else now,
+            cluster=cluster,
             adopted=True,
             adopted_at=now,
         )
         self.table.replicas[rid] = r
         self.tracing.adopt(rid, model, job)
         where = f" on {','.join(job.nodes)}" if job.nodes else ""
+        if cluster:
+            where += f" of cluster {cluster}" if job.nodes else f" on cluster {cluster}"
         reason = f"job {job.job_id} {job.state.value}{where}"
         self.table.record("adopt", model, rid, reason, pass_id)
         return r
@@ -383,14 +502,15 @@ class PassLoop:
         r.step = ""
         r.requeued = True
 
-    def _unlisted(self, seen: set[str], pass_id: str) -> list[Replica]:
-        """Drop the replicas whose job is no longer listed (or listed as finished).
+    def _unlisted(self, seen: set[str], listed: set[str], pass_id: str) -> list[Replica]:
+        """Drop the replicas whose job is no longer listed (or listed as finished) by
+        their cluster, among the ``listed`` clusters (those that answered).
 
         Returns those the daemon did not stop, for _reap to find out why they ended.
         """
         gone = []
         for rid, r in list(self.table.replicas.items()):
-            if rid in seen and not r.job_state.is_finished:
+            if r.cluster not in listed or (rid in seen and not r.job_state.is_finished):
                 continue
             del self.table.replicas[rid]
             if r.stop_reason:
@@ -403,32 +523,18 @@ class PassLoop:
         """Record why replicas ended that the daemon did not stop, and count failed starts.
 
         squeue keeps a finished job (with its final state) for MinJobAge; one that
-        has already left it is looked up in accounting, in one call for all of them,
-        and only in a pass that has such a job.
+        has already left it is looked up in accounting, in one call per cluster for
+        all of them, and only in a pass that has such a job there.
         """
-        final: dict[str, str] = {}
+        final: dict[tuple[str, str], str] = {}
         vanished = [r for r in gone if not r.job_state.is_finished]
-        # Service jobs that left the listing are settled by the same one call.
-        svc_since = self.service_jobs.unsettled_since()
-        if vanished or svc_since is not None:
-            starts = [r.submitted_at for r in vanished] + ([svc_since] if svc_since else [])
-            since = datetime.fromtimestamp(min(starts) - 60)
-            records: list[AccountingRecord] | None = None
-            try:
-                records = await self.backend.accounting(since, name_prefix=self.prefix)
-            except SlurmError as exc:
-                log.warning("pass %s: accounting unreachable, causes unknown: %s", pass_id, exc)
-            for rec in records or ():
-                final[rec.job_id] = rec.state.value + (
-                    f" exit {rec.exit_code}" if rec.exit_code not in ("", "0:0") else ""
-                )
-            if svc_since is not None:
-                self.service_jobs.settle(records, now)
+        for c in self.clusters:
+            final.update(await self._final_states(c, vanished, now, pass_id))
         for r in gone:
             if r.job_state.is_finished:
                 cause = f"job {r.job_id} ended: {r.job_state.value}"
-            elif r.job_id in final:
-                cause = f"job {r.job_id} ended: {final[r.job_id]}"
+            elif (r.cluster, r.job_id) in final:
+                cause = f"job {r.job_id} ended: {final[r.cluster, r.job_id]}"
             else:
                 cause = f"job {r.job_id} left the queue (last seen {r.job_state.value})"
             if r.agent_failed:
@@ -440,6 +546,31 @@ class PassLoop:
                 self.fail(r.model, cause)
             self.table.record("reap", r.model, r.replica_id, cause, pass_id)
 
+    async def _final_states(
+        self, c: Cluster, vanished: Sequence[Replica], now: float, pass_id: str
+    ) -> dict[tuple[str, str], str]:
+        """The final states on cluster ``c`` of the replicas that left its queue, by
+        (cluster, job id): job ids are per cluster. Service jobs that left its listing
+        are settled by the same one call."""
+        mine = [r for r in vanished if r.cluster == c.name]
+        svc_since = self.service_jobs.unsettled_since(c.name)
+        if not mine and svc_since is None:
+            return {}
+        starts = [r.submitted_at for r in mine] + ([svc_since] if svc_since else [])
+        since = datetime.fromtimestamp(min(starts) - 60)
+        records: list[AccountingRecord] | None = None
+        try:
+            records = await c.backend.accounting(since, name_prefix=self.prefix)
+        except SlurmError as exc:
+            log.warning("pass %s: accounting unreachable, causes unknown: %s", pass_id, exc)
+        if svc_since is not None:
+            self.service_jobs.settle(records, now, c.name)
+        return {
+            (c.name, rec.job_id): rec.state.value
+            + (f" exit {rec.exit_code}" if rec.exit_code not in ("", "0:0") else "")
+            for rec in records or ()
+        }
+
     def fail(self, model: str, cause: str) -> None:
         prev = self.failures.get(model)
         f = self.failures[model] = Failures(
@@ -449,26 +580,9 @@ class PassLoop:
         self.tracing.failure(model, f, backoff, self.plan_cfg.give_up_after)
 
     async def _execute(self, a: Action, pass_id: str) -> None:
-        models = self.table.models()
         try:
             if a.kind is ActionKind.SUBMIT:
-                m = models[a.model]
-                env, traceparent = self.tracing.open_start(a.replica_id, a.model)
-                spec = self.jobs.spec(m, a.replica_id, env, traceparent=traceparent)
-                job_id = await self.backend.submit(spec)
-                self.tracing.submitted(a.replica_id, job_id)
-                self.table.replicas[a.replica_id] = Replica(
-                    replica_id=a.replica_id,
-                    model=a.model,
-                    job_id=job_id,
-                    submitted_at=self.table.clock(),
-                    gpus_per_node=m.resources.gpus,
-                    node_count=m.resources.nodes,
-                    replaces=a.replaces,
-                )
-                self.table.record(
-                    "submit", a.model, a.replica_id, _submit_reason(a, job_id), pass_id
-                )
+                await self._submit(a, pass_id)
             elif a.kind is ActionKind.DRAIN:
                 r = self.table.replicas.get(a.replica_id)
                 if r is not None and r.draining_since is None:
@@ -476,19 +590,81 @@ class PassLoop:
                     r.drain_reason = a.reason
                     self.table.record("drain", a.model, a.replica_id, a.reason, pass_id)
             elif a.kind in (ActionKind.CANCEL, ActionKind.EVICT):
-                r = self.table.replicas.get(a.replica_id)
-                if r is None or r.stop_reason:
-                    return
-                r.stop_reason = a.reason
-                r.base_url = ""
-                if a.failure:
-                    self.fail(a.model, a.reason)
-                await self.backend.cancel(a.job_id)
-                self.table.record(a.kind.value, a.model, a.replica_id, a.reason, pass_id)
+                await self._stop(a, pass_id)
         except (LlmgwError, OSError) as exc:
             if a.kind is ActionKind.SUBMIT:
                 self.fail(a.model, f"submit failed: {exc}")
             self.table.record("error", a.model, a.replica_id, f"{a.kind.value}: {exc}", pass_id)
+
+    async def _submit(self, a: Action, pass_id: str) -> None:
+        m = self.table.models()[a.model]
+        cluster, chosen = await self._where(a, m)
+        c = self.clusters.of_replica(cluster)
+        env, traceparent = self.tracing.open_start(a.replica_id, a.model)
+        spec = self.jobs.spec(m, a.replica_id, env, traceparent=traceparent, cluster=c.settings)
+        job_id = await c.backend.submit(spec)
+        self.tracing.submitted(a.replica_id, job_id, cluster=c.name)
+        self.table.replicas[a.replica_id] = Replica(
+            replica_id=a.replica_id,
+            model=a.model,
+            job_id=job_id,
+            submitted_at=self.table.clock(),
+            cluster=c.name,
+            gpus_per_node=m.resources.gpus,
+            node_count=m.resources.nodes,
+            replaces=a.replaces,
+        )
+        self.table.record(
+            "submit", a.model, a.replica_id, _submit_reason(a, job_id, c.name, chosen), pass_id
+        )
+
+    async def _where(self, a: Action, m: Model) -> tuple[str, str]:
+        """The cluster a SUBMIT goes to, and why when Slurm chose it: the plan's cluster,
+        or, for a replica that fits on none now, the candidate where ``sbatch
+        --test-only`` says it would start first (asked of all of them at once; a
+        cluster that cannot say counts as never).
+
+        Asked of Slurm here rather than planned: the estimate is Slurm's scheduler's
+        (priorities, reservations, backfill), which no node listing shows, and it
+        costs one call per candidate, only for a replica that would queue anyway.
+        """
+        if a.cluster or not a.candidates:
+            return a.cluster, ""
+        candidates = [self.clusters.of_replica(n) for n in a.candidates]
+        got = await asyncio.gather(*(self._will_start(c, m, a.replica_id) for c in candidates))
+        starts = dict(zip(a.candidates, got, strict=True))
+        return planmod.earliest_start(a.candidates, starts, self.table.clock())
+
+    async def _will_start(self, c: Cluster, m: Model, rid: str) -> float | str:
+        if not isinstance(c.backend, StartEstimator):
+            return "cannot say (its backend has no will-run query)"
+        try:
+            spec = self.jobs.spec(m, rid, cluster=c.settings)
+            return (await c.backend.will_start(spec)).timestamp()
+        except (LlmgwError, OSError) as exc:
+            return f"refuses ({_first_line(exc)})"
+
+    async def _stop(self, a: Action, pass_id: str) -> None:
+        """Cancel (or evict) a replica's job on its cluster. A cancel that Slurm did not
+        take leaves the replica as it was, for the next pass to decide again."""
+        r = self.table.replicas.get(a.replica_id)
+        if r is None or r.stop_reason:
+            return
+        url, r.stop_reason, r.base_url = r.base_url, a.reason, ""
+        try:
+            await self.clusters.of_replica(r.cluster).backend.cancel(a.job_id)
+        except SlurmError:
+            r.stop_reason, r.base_url = "", url
+            raise
+        if a.failure:
+            self.fail(a.model, a.reason)
+        self.table.record(a.kind.value, a.model, a.replica_id, a.reason, pass_id)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = (getattr(exc, "stderr", "") or str(exc)).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return (lines[-1] if lines else str(exc))[:200]
 
 
 class Reconciler:
@@ -498,13 +674,16 @@ class Reconciler:
     over it; the verifier and the intake of agents' reports, with the engine
     probe; the pass loop; admin requests and status. Its methods are the ones
     the daemon, the API and the router call.
+
+    ``backend``: the one cluster's backend, or each cluster's by its name in
+    server.yaml's clusters (``daemon.cluster_backends``).
     """
 
     def __init__(
         self,
         catalog: Catalog,
         server: ServerConfig,
-        backend: SlurmBackend,
+        backend: SlurmBackend | Mapping[str, SlurmBackend],
         server_key: bytes,
         daemon_url: str,
         *,
@@ -528,7 +707,12 @@ class Reconciler:
             backoff_max=rc.restart.max_backoff,
             give_up_after=rc.restart.give_up_after_failures,
             default_partition=server.slurm.partition,
+            cluster_down_after=rc.cluster_down_after,
         )
+        backends = backend if isinstance(backend, Mapping) else {"": backend}
+        if not isinstance(backend, Mapping) and server.clusters:
+            backends = {c.name: backend for c in server.clusters}
+        self.clusters = ClusterSet.of(server.cluster_list, backends)
         # Spans of passes and replica starts; no-ops (and no TRACEPARENT for jobs) when off.
         # On with an exporter, or with the daemon's trace store (whose tracer the
         # daemon passes); a reconciler given no tracer with tracing off makes none.
@@ -551,7 +735,7 @@ class Reconciler:
         self.pass_loop = PassLoop(
             self.table,
             server,
-            backend,
+            self.clusters,
             JobBuilder(server, server_key, daemon_url, self.engine_tls.identity.cert_pem),
             plan_cfg,
             self.intake,
@@ -559,7 +743,7 @@ class Reconciler:
             self.directory.held_since,
             self.faults,
         )
-        self.admin = AdminRequests(self.table, backend)
+        self.admin = AdminRequests(self.table, self.clusters)
 
     # ---- what the parts share ------------------------------------------------------
 
@@ -581,7 +765,8 @@ class Reconciler:
 
     @backend.setter
     def backend(self, backend: SlurmBackend) -> None:
-        self.pass_loop.backend = self.admin.backend = backend
+        """Replace the first cluster's backend (the only one, without ``clusters:``)."""
+        self.pass_loop.backend = backend
 
     @property
     def replicas(self) -> dict[str, Replica]:
@@ -631,6 +816,22 @@ class Reconciler:
     @property
     def last_pass_error(self) -> str:
         return self.pass_loop.last_pass_error
+
+    def clusters_for(self, model: Model) -> list[str]:
+        """The clusters a job of ``model`` may go to, in order: those that answer, among
+        its resources.clusters, where it fits now on their last node listing first (then
+        in server.yaml's order). For batch jobs, which queue like any job."""
+        ok = [
+            c
+            for c in self.clusters
+            if c.unanswered_since is None and model.resources.may_run_on(c.name)
+        ]
+
+        def room(c: Cluster) -> bool:
+            cfg = dataclasses.replace(self.plan_cfg, default_partition=c.settings.partition)
+            return planmod.fits(model, c.nodes, cfg, {})[0]
+
+        return [c.name for c in sorted(ok, key=lambda c: not room(c))]
 
     def set_catalog(self, catalog: Catalog) -> None:
         """Swap in a reloaded catalog; the next pass acts on it."""
@@ -728,6 +929,8 @@ class Reconciler:
             passes=self.pass_loop.passes,
             last_pass_error=self.pass_loop.last_pass_error,
             service_jobs=self.pass_loop.service_jobs,
+            clusters=self.clusters,
+            down_after=self.server.reconcile.cluster_down_after,
         )
 
 
@@ -742,9 +945,13 @@ def _gpus_in(tres_per_node: str) -> int:
 __all__ = ["Decision", "PassLoop", "Reconciler", "Replica"]
 
 
-def _submit_reason(a: Action, job_id: str) -> str:
-    """The submit decision's reason: why, the job, and where the plan saw room, told as
-    the plan's view: Slurm picks the node (the ``running`` decision says which)."""
+def _submit_reason(a: Action, job_id: str, cluster: str = "", chosen: str = "") -> str:
+    """The submit decision's reason: why, the job (and its cluster), where the plan saw
+    room, told as the plan's view: Slurm picks the node (the ``running`` decision says
+    which); and, for a cluster Slurm's estimate chose, why that one (``chosen``)."""
+    job = f"job {job_id} on {cluster}" if cluster else f"job {job_id}"
     if not a.placement or a.placement.startswith("no room now: "):
-        return f"{a.reason}; job {job_id}; {a.placement}".rstrip("; ")
-    return f"{a.reason}; job {job_id}; room now on {a.placement}"
+        placement = a.placement
+    else:
+        placement = f"room now on {a.placement}"
+    return "; ".join(p for p in (a.reason, job, placement, chosen) if p)

@@ -46,6 +46,26 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    lacks, that together would (``_first_of_several``), at most one per pass,
    and never while an earlier eviction's job is still being killed. When none
    makes room, the note says why for each (``_none_makes_room``).
+
+Several clusters (``plan(clusters=...)``; without it, one cluster named "" of
+``nodes``): each ``ClusterView`` has its nodes, its default partition, and
+whether it answered this pass and whether it is down. Rule 1 and the
+scale-down act on no replica of a cluster that did not answer (a cancel would
+not reach it, and what is known of its job may be stale); a replica on a
+cluster that is down and does not serve (not ready, or its agent silent for
+``cluster_down_after``) does not count (``_PlanState.lost``,
+``PlanResult.lost_with_cluster``), so its model is placed elsewhere; once its
+cluster answers again such a stranded replica is the first the scale-down
+cancels. A replica whose model's resources.clusters no longer names its
+cluster is drained or cancelled (``_off_its_clusters``). Placement
+(``_submit``) takes the clusters that answer and the model may use, those the
+model already runs on first for a renewal, a scale-up to min or for load
+(``_runs_on``), then the site's order; the first where it fits now takes it;
+fitting nowhere, the first where an eviction makes room (eviction stays on
+its cluster, one per cluster per pass: ``_queue_or_evict``), else the
+submission names its candidates (those that could ever run it:
+``_runnable``) and the executor asks Slurm when each would start it
+(:func:`earliest_start`).
 """
 
 from __future__ import annotations
@@ -63,11 +83,13 @@ from llmgw_slurm.slurm.types import NodeInfo
 __all__ = [
     "Action",
     "ActionKind",
+    "ClusterView",
     "Failures",
     "PlanConfig",
     "PlanResult",
     "ReplicaState",
     "ReplicaView",
+    "earliest_start",
     "evictable",
     "fits",
     "plan",
@@ -121,6 +143,32 @@ class ReplicaView:
     # the time limit): the job ends by itself, and a preempted one comes back, so the
     # daemon must not cancel it.
     self_draining: bool = False
+    # The cluster its job runs on (a ClusterView's name; "" for the one cluster of a
+    # server.yaml without clusters:).
+    cluster: str = ""
+    # When its agent last reported (None: not since the daemon started).
+    last_report: float | None = None
+    # Lost with its cluster once (PlanResult.lost_with_cluster) and not ready since:
+    # once that cluster answers again, the first to go if the model has one too many.
+    stranded: bool = False
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """One cluster as this pass sees it (a server.yaml without clusters: has one, name "")."""
+
+    name: str
+    nodes: Sequence[NodeInfo]
+    # The partition of its jobs whose model names none (clusters[].partition, else
+    # slurm.partition); None: Slurm's default.
+    partition: str | None = None
+    # Its controller answered this pass: replicas may be placed there, and its
+    # replicas acted on (a stale view could cancel what runs).
+    answering: bool = True
+    # It has not answered for cluster_down_after: its replicas that do not serve (not
+    # ready, or ready with an agent silent as long) no longer count, and are replaced
+    # on another cluster.
+    down: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,6 +195,9 @@ class PlanConfig:
     backoff_max: float = 1800.0
     give_up_after: int = 5
     default_partition: str | None = None
+    # How long a replica on a cluster that is down may be silent and still count as
+    # serving (reconcile.cluster_down_after).
+    cluster_down_after: float = 120.0
 
 
 class ActionKind(enum.Enum):
@@ -167,6 +218,11 @@ class Action:
     failure: bool = False  # CANCEL that counts as a failed start
     placement: str = ""  # SUBMIT: where it fits, or why it does not
     attrs: Mapping[str, object] = field(default_factory=dict)
+    # The cluster it acts on; for a SUBMIT, "" while Slurm is to choose among ``candidates``.
+    cluster: str = ""
+    # SUBMIT that fits on no cluster now: the clusters it may queue on, in order; the
+    # executor asks each when it would start (earliest_start) and submits there.
+    candidates: tuple[str, ...] = ()
 
 
 @dataclass
@@ -182,6 +238,9 @@ class PlanResult:
     # listing is older than the pass, lists the nodes again and plans anew, so that a
     # stale listing never drives an action. Notes alone do not set it.
     nodes_decide: bool = False
+    # Replicas that no longer count because their cluster is down (ClusterView.down):
+    # the reconciler marks them stranded (ReplicaView.stranded).
+    lost_with_cluster: list[str] = field(default_factory=list)
 
     def of(self, kind: ActionKind) -> list[Action]:
         return [a for a in self.actions if a.kind is kind]
@@ -426,6 +485,7 @@ def plan(
     now: float,
     new_id: Callable[[], str],
     held_since: Mapping[str, float] | None = None,
+    clusters: Sequence[ClusterView] | None = None,
 ) -> PlanResult:
     """What to do now: the rules of the module docstring, applied in its order.
 
@@ -433,8 +493,13 @@ def plan(
     (default: ``wanted_at``); the longest waiting model goes first. A model asked for
     within its window but not in it (its requests were served by a replica since)
     waits for nothing: it is not started again for them.
+
+    ``clusters``: the clusters to place on, in the site's order (server.yaml's
+    clusters); ``nodes`` is then not read. None: one cluster (name "") whose nodes
+    are ``nodes`` and whose default partition is ``cfg.default_partition``.
     """
-    st = _PlanState(models, replicas, nodes, wanted_at, failures, cfg, now, new_id)
+    sites = _sites(clusters, cfg) if clusters is not None else []
+    st = _PlanState(models, replicas, nodes, wanted_at, failures, cfg, now, new_id, sites)
     st.held_since = held_since if held_since is not None else wanted_at
     for r in replicas:
         _replica_rules(st, r)
@@ -457,12 +522,51 @@ def plan(
 
 
 @dataclass
+class _Site:
+    """One cluster within a plan: its nodes, the plan's rules with its default
+    partition, the GPUs per node promised to this plan's submissions there
+    (``taken``), and whether this plan evicts there already (one eviction per
+    cluster per pass) or an earlier pass's eviction is still being killed."""
+
+    view: ClusterView
+    cfg: PlanConfig
+    taken: dict[str, int] = field(default_factory=dict)
+    evicted: bool = False
+    eviction_in_progress: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.view.name
+
+    @property
+    def nodes(self) -> Sequence[NodeInfo]:
+        return self.view.nodes
+
+    def label(self, several: bool) -> str:
+        """ "CLUSTER: " before a note about it, where there are several."""
+        return f"{self.name}: " if several else ""
+
+
+def _sites(views: Sequence[ClusterView], cfg: PlanConfig) -> list[_Site]:
+    return [
+        _Site(
+            v,
+            cfg
+            if v.partition == cfg.default_partition
+            else replace(cfg, default_partition=v.partition),
+        )
+        for v in views
+    ]
+
+
+@dataclass
 class _PlanState:
     """One plan's inputs, the actions and notes so far, and what the rules share.
 
     ``stopping`` holds every replica an action of this plan already stops (one
-    action per replica); ``taken`` the GPUs per node promised to this plan's
-    submissions; ``evicted`` whether this plan evicts already (one per pass).
+    action per replica); ``sites`` the clusters, each with the GPUs promised to
+    this plan's submissions there and whether it evicts there already (default:
+    one cluster, name "", of ``nodes``).
     """
 
     models: Mapping[str, Model]
@@ -473,16 +577,13 @@ class _PlanState:
     cfg: PlanConfig
     now: float
     new_id: Callable[[], str]
+    sites: list[_Site] = field(default_factory=list)
     out: PlanResult = field(default_factory=PlanResult)
     stopping: set[str] = field(default_factory=set)
-    taken: dict[str, int] = field(default_factory=dict)
     # The replicas that count (pending, starting, ready) and no rule stops, by model:
     # set by start_models() once the per-replica rules are done.
     live: list[ReplicaView] = field(default_factory=list)
     by_model: dict[str, list[ReplicaView]] = field(default_factory=dict)
-    evicted: bool = False
-    # An earlier pass's eviction whose job is still being killed: its GPUs are not free yet.
-    eviction_in_progress: bool = False
     # Per model, when its oldest held request began waiting (plan()'s held_since).
     held_since: Mapping[str, float] = field(default_factory=dict)
     # Per model whose start found no eviction that makes room: each candidate turned
@@ -492,16 +593,46 @@ class _PlanState:
     # so that each model does not scan every action of the pass.
     failed_now: dict[str, list[Action]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not self.sites:
+            self.sites = _sites([ClusterView("", self.nodes, self.cfg.default_partition)], self.cfg)
+
+    @property
+    def several(self) -> bool:
+        """More than one cluster: notes name the cluster they are about."""
+        return len(self.sites) > 1
+
+    def site(self, name: str) -> _Site | None:
+        return next((s for s in self.sites if s.name == name), None)
+
     def start_models(self) -> None:
         self.live = [
-            r for r in self.replicas if r.state.counts and r.replica_id not in self.stopping
+            r
+            for r in self.replicas
+            if r.state.counts and r.replica_id not in self.stopping and not self.lost(r)
         ]
         for r in self.live:
             self.by_model.setdefault(r.model, []).append(r)
-        self.eviction_in_progress = any(
-            r.state is ReplicaState.STOPPING and r.stop_reason.startswith("evicted")
-            for r in self.replicas
-        )
+        for site in self.sites:
+            site.eviction_in_progress = any(
+                r.state is ReplicaState.STOPPING
+                and r.stop_reason.startswith("evicted")
+                and r.cluster == site.name
+                for r in self.replicas
+            )
+
+    def lost(self, r: ReplicaView) -> bool:
+        """Does ``r`` no longer count because its cluster is down? Not when it serves:
+        ready, with its agent heard from within cluster_down_after (its engine answers
+        the gateway whatever its controller does). Recorded in the result."""
+        site = self.site(r.cluster)
+        if site is None or not site.view.down or not r.state.counts:
+            return False
+        heard = r.last_report is not None and self.now - r.last_report < self.cfg.cluster_down_after
+        if r.state is ReplicaState.READY and heard:
+            return False
+        self.out.lost_with_cluster.append(r.replica_id)
+        return True
 
     def wanted(self, m: Model) -> bool:
         """A request asked for ``m`` within its window."""
@@ -553,8 +684,13 @@ class _PlanState:
 
 
 def _replica_rules(st: _PlanState, r: ReplicaView) -> None:
-    """Rule 1: the first of ``_REPLICA_RULES`` that applies acts on ``r`` (one action each)."""
-    if r.state is ReplicaState.STOPPING:
+    """Rule 1: the first of ``_REPLICA_RULES`` that applies acts on ``r`` (one action each).
+
+    None acts on a replica whose cluster did not answer this pass: what the daemon
+    knows of its job may be stale, and a cancel would not reach it anyway.
+    """
+    site = st.site(r.cluster)
+    if r.state is ReplicaState.STOPPING or site is None or not site.view.answering:
         return
     m = st.models.get(r.model)
     for rule in _REPLICA_RULES:
@@ -569,6 +705,18 @@ def _removed_from_catalog(st: _PlanState, r: ReplicaView, m: Model | None) -> bo
         st.drain(r, "model removed from the catalog")
     else:
         st.cancel(r, "model removed from the catalog")
+    return True
+
+
+def _off_its_clusters(st: _PlanState, r: ReplicaView, m: Model | None) -> bool:
+    """Its model's resources.clusters no longer names the replica's cluster."""
+    if m is None or m.resources.may_run_on(r.cluster) or r.state is ReplicaState.DRAINING:
+        return False
+    why = f"cluster {r.cluster} no longer in the model's clusters"
+    if r.state is ReplicaState.READY:
+        st.drain(r, why)
+    else:
+        st.cancel(r, why)
     return True
 
 
@@ -627,6 +775,7 @@ def _drain_done(st: _PlanState, r: ReplicaView, m: Model | None) -> bool:
 # In the order they are tried: each returns whether it applied to the replica.
 _REPLICA_RULES: tuple[Callable[[_PlanState, ReplicaView, Model | None], bool], ...] = (
     _removed_from_catalog,
+    _off_its_clusters,
     _start_failed,
     _start_timed_out,
     _pending_too_long,
@@ -721,7 +870,7 @@ def _renew(st: _PlanState, mv: _ModelView) -> None:
         left = r.ends_at - st.now
         if left < st.cfg.renewal_margin and len(mv.counted) <= m.scaling.max:
             reason = f"renewal: {r.replica_id} has {format_duration(max(0.0, left))} left"
-            _submit(st, m, reason, "renewal", replaces=r.replica_id)
+            _submit(st, m, reason, "renewal", replaces=r.replica_id, prefer=(r.cluster,))
     for r in mv.ready:
         if r.replaces and any(
             o.replica_id == r.replaces and o.state is ReplicaState.READY for o in mv.mine
@@ -764,8 +913,29 @@ def _scale_up(st: _PlanState, mv: _ModelView) -> None:
         why = f"{waiting} waiting in the engines, target {m.scaling.target_waiting} per replica"
     else:
         why = f"{mv.in_flight} in flight, target {m.scaling.target_inflight} per replica"
+    purpose = _purpose(mv)
+    # A held start has no replica to stay near; the others prefer the clusters the
+    # model runs on (see _runs_on).
+    prefer = () if purpose == "held" else _runs_on(mv)
     for _ in range(mv.desired - len(mv.counted)):
-        _submit(st, m, f"scale up to {mv.desired}: {why}", _purpose(mv))
+        _submit(st, m, f"scale up to {mv.desired}: {why}", purpose, prefer=prefer)
+
+
+def _runs_on(mv: _ModelView) -> tuple[str, ...]:
+    """The clusters the model's replicas run on, the one with most of them first.
+
+    A scale-up to min or for load (and a renewal, on its replica's cluster) goes
+    there first when it fits there now: the weights are already in that cluster's
+    cache and file systems (a cold cluster loads them anew, minutes for a large
+    model), and the same GPU type serves the same load per replica, which the
+    scaling target assumes. Spread over clusters it would survive one cluster's
+    failure better; a model that needs that lists the clusters, min per cluster,
+    as models of their own.
+    """
+    counts: dict[str, int] = {}
+    for r in mv.mine:
+        counts[r.cluster] = counts.get(r.cluster, 0) + 1
+    return tuple(sorted(counts, key=lambda c: -counts[c]))
 
 
 def _purpose(mv: _ModelView, r: ReplicaView | None = None) -> EvictFor:
@@ -779,6 +949,12 @@ def _purpose(mv: _ModelView, r: ReplicaView | None = None) -> EvictFor:
     return "min" if mine < mv.model.scaling.min else "load"
 
 
+def _acts_on(st: _PlanState, r: ReplicaView) -> bool:
+    """May this plan act on ``r``: its cluster answered this pass."""
+    site = st.site(r.cluster)
+    return site is not None and site.view.answering
+
+
 def _scale_down(st: _PlanState, mv: _ModelView) -> None:
     """Rule 2d: above the desired count, pending ones nobody waits for go first (newest
     first), then one idle ready replica a pass (idle past ``idle_timeout``, or above max)."""
@@ -786,7 +962,21 @@ def _scale_down(st: _PlanState, mv: _ModelView) -> None:
     surplus = len(mv.counted) - mv.desired
     if surplus <= 0:
         return
-    pending = (r for r in mv.counted if r.state is ReplicaState.PENDING)
+    # A replica its cluster's failure had replaced goes first, pending or starting: its
+    # cluster answers again, and the model has its replacement (never both).
+    stranded = [
+        r
+        for r in mv.counted
+        if r.stranded and r.state is not ReplicaState.READY and _acts_on(st, r)
+    ]
+    for r in stranded[:surplus]:
+        st.cancel(r, f"scale down: replaced while cluster {r.cluster} did not answer")
+        surplus -= 1
+    pending = (
+        r
+        for r in mv.counted
+        if r.state is ReplicaState.PENDING and r.replica_id not in st.stopping and _acts_on(st, r)
+    )
     for r in sorted(pending, key=lambda r: r.submitted_at, reverse=True):
         if surplus == 0:
             return
@@ -800,9 +990,15 @@ def _scale_down(st: _PlanState, mv: _ModelView) -> None:
             return r.last_used
         return r.ready_at if r.ready_at is not None else now
 
-    idle = (r for r in mv.counted if r.state is ReplicaState.READY and r.in_flight == 0)
+    idle = (
+        r
+        for r in mv.counted
+        if r.state is ReplicaState.READY and r.in_flight == 0 and _acts_on(st, r)
+    )
+    # Those this rule cancelled above no longer count toward max.
+    left = sum(1 for r in mv.counted if r.replica_id not in st.stopping)
     for r in sorted(idle, key=since):
-        if len(mv.counted) > m.scaling.max or now - since(r) >= m.scaling.idle_timeout:
+        if left > m.scaling.max or now - since(r) >= m.scaling.idle_timeout:
             idle_s = now - since(r)
             st.drain(r, f"scale down: idle {format_duration(idle_s)}", idle_seconds=idle_s)
             # One idle scale-down per model per pass: the next pass sees the result.
@@ -810,9 +1006,11 @@ def _scale_down(st: _PlanState, mv: _ModelView) -> None:
 
 
 def _queued(st: _PlanState, mv: _ModelView) -> None:
-    """Rule 2e: a pending replica Slurm cannot start says why, and may evict (rule 3)."""
+    """Rule 2e: a pending replica Slurm cannot start says why, and may evict (rule 3)
+    on its own cluster."""
     m = mv.model
     for r in mv.mine:
+        site = st.site(r.cluster)
         # A job cancelled above is going away: stopping another replica to
         # make room for it would only throw that one away too.
         if (
@@ -820,19 +1018,22 @@ def _queued(st: _PlanState, mv: _ModelView) -> None:
             or r.replica_id in st.stopping
             or r.reason not in ("Resources", "Priority")
             or m.name in st.out.notes
+            or site is None
+            or not site.view.answering
         ):
             continue
-        ok, where = fits(m, st.nodes, st.cfg, st.taken)
+        ok, where = fits(m, site.nodes, site.cfg, site.taken)
         purpose = _purpose(mv, r)
+        at = site.label(st.several)
         if not ok:
-            note = _evict(st, m, where, purpose)
-            st.out.notes[m.name] = f"queued ({r.reason}): {where}; {note}"
+            note, _ = _evict(st, site, m, where, purpose)
+            st.out.notes[m.name] = f"queued ({at}{r.reason}): {where}; {note}"
             continue
-        st.out.notes[m.name] = f"queued ({r.reason})"
+        st.out.notes[m.name] = f"queued ({at}{r.reason})"
         if (
             purpose in m.scaling.evict_for
-            and not (st.evicted or st.eviction_in_progress)
-            and _eviction_candidates(st, m)
+            and not (site.evicted or site.eviction_in_progress)
+            and _eviction_candidates(st, site, m)
         ):
             # On nodes that say it does not fit, this would evict: only a fresh
             # listing may decide that it fits.
@@ -842,41 +1043,157 @@ def _queued(st: _PlanState, mv: _ModelView) -> None:
 # ---- 3. placement ---------------------------------------------------------------------
 
 
-def _submit(st: _PlanState, m: Model, reason: str, purpose: EvictFor, replaces: str = "") -> None:
-    """A new replica of ``m``: placed on free GPUs this plan has not promised yet, or,
-    fitting nowhere, submitted all the same (Slurm queues it) and making room (``_evict``)."""
-    st.out.nodes_decide = True
-    ok, where = fits(m, st.nodes, st.cfg, st.taken)
-    attrs: dict[str, object] = {}
-    if ok:
-        for n in where.split(","):
-            st.taken[n] = st.taken.get(n, 0) + m.resources.gpus
-        placement = where
-    else:
-        note = _evict(st, m, where, purpose)
-        placement = f"no room now: {where}; {note}"
-        st.out.notes[m.name] = f"no room: {where}; {note}"
-        if m.name in st.turned_down:
-            attrs["evict.turned_down"] = st.turned_down[m.name]
-    st.out.actions.append(
-        Action(
-            ActionKind.SUBMIT,
-            m.name,
-            reason,
-            replica_id=st.new_id(),
-            replaces=replaces,
-            placement=placement,
-            attrs=attrs,
+def _sites_for(st: _PlanState, m: Model, prefer: Sequence[str]) -> list[_Site]:
+    """The clusters a replica of ``m`` may go to now, in order: answering, among its
+    resources.clusters, those in ``prefer`` first (in its order), then the site's order."""
+    ok = [s for s in st.sites if s.view.answering and m.resources.may_run_on(s.name)]
+    return sorted(ok, key=lambda s: prefer.index(s.name) if s.name in prefer else len(prefer))
+
+
+def _could_run(site: _Site, m: Model) -> bool:
+    """Has ``site`` enough nodes that could ever take a replica of ``m``, all jobs gone
+    (its partitions, GPU type and count, CPUs, features)? What Slurm would refuse outright."""
+    res = m.resources
+    part = _partition(m, site.cfg)
+    parts = part.split(",") if part else ()
+    ok = 0
+    for n in site.nodes:
+        if parts and not any(p in n.partitions for p in parts):
+            continue
+        if n.gpus_total(res.gpu_type or "") < res.gpus or n.cpus_total < res.cpus:
+            continue
+        if res.constraint and n.features is not None and not satisfies(n.features, res.constraint):
+            continue
+        ok += 1
+    return ok >= res.nodes
+
+
+def _runnable(st: _PlanState, m: Model, sites: list[_Site]) -> list[_Site] | None:
+    """Of ``sites``, those that could ever run ``m`` (all of them when none could: Slurm
+    then says why); None when none could but a cluster that is not answering could, so
+    that nothing is queued where it can never start while that cluster is away."""
+    if not st.several:
+        return sites
+    could = [s for s in sites if _could_run(s, m)]
+    if could:
+        return could
+    away = [s for s in st.sites if not s.view.answering and m.resources.may_run_on(s.name)]
+    if any(_could_run(s, m) for s in away):
+        return None
+    return sites
+
+
+def _no_cluster(st: _PlanState, m: Model) -> str:
+    """Why no cluster may take a replica of ``m`` now (none answers, or none is its)."""
+    why = [
+        f"{s.name} "
+        + (
+            "not answering"
+            if not s.view.answering
+            else "not in its clusters"
+            if not m.resources.may_run_on(s.name)
+            else "has no node that could take it"
         )
-    )
+        for s in st.sites
+    ]
+    return "no cluster to place it on: " + ", ".join(why)
 
 
-def _eviction_candidates(st: _PlanState, m: Model) -> list[ReplicaView]:
-    """What could be stopped to make room for ``m``, best first (see :func:`evictable`)."""
+def _submit(
+    st: _PlanState,
+    m: Model,
+    reason: str,
+    purpose: EvictFor,
+    replaces: str = "",
+    prefer: Sequence[str] = (),
+) -> None:
+    """A new replica of ``m``: placed where it fits now, on the first cluster (rule
+    order: ``_sites_for``) with free GPUs this plan has not promised yet; fitting
+    nowhere, on the first cluster where an eviction makes room (``_evict``), else
+    queued where Slurm expects it to start first (``Action.candidates``)."""
+    st.out.nodes_decide = True
+    sites = _runnable(st, m, _sites_for(st, m, prefer))
+    if not sites:
+        st.out.notes[m.name] = _no_cluster(st, m)
+        return
+    action = Action(ActionKind.SUBMIT, m.name, reason, replica_id=st.new_id(), replaces=replaces)
+    whys: list[str] = []
+    for site in sites:
+        ok, where = fits(m, site.nodes, site.cfg, site.taken)
+        if ok:
+            for n in where.split(","):
+                site.taken[n] = site.taken.get(n, 0) + m.resources.gpus
+            st.out.actions.append(
+                replace(action, cluster=site.name, placement=site.label(st.several) + where)
+            )
+            return
+        whys.append(site.label(st.several) + where)
+    st.out.actions.append(_queue_or_evict(st, sites, m, purpose, action, "; ".join(whys)))
+
+
+def _queue_or_evict(
+    st: _PlanState, sites: list[_Site], m: Model, purpose: EvictFor, action: Action, why: str
+) -> Action:
+    """A submission that fits on no cluster now: on the first where an eviction makes
+    room for it, else queued where Slurm says it would start first (or on the one
+    cluster there is)."""
+    notes: list[str] = []
+    for site in sites:
+        note, evicted = _evict(st, site, m, why, purpose)
+        if evicted:
+            action = replace(action, cluster=site.name)
+            notes = [site.label(st.several) + note]
+            break
+        if note not in notes:
+            notes.append(note)
+    else:
+        if len(sites) == 1:
+            action = replace(action, cluster=sites[0].name)
+        else:
+            action = replace(action, candidates=tuple(s.name for s in sites))
+    note = "; ".join(notes)
+    attrs: dict[str, object] = {}
+    if m.name in st.turned_down:
+        attrs["evict.turned_down"] = st.turned_down[m.name]
+    st.out.notes[m.name] = f"no room: {why}; {note}"
+    return replace(action, placement=f"no room now: {why}; {note}", attrs=attrs)
+
+
+def earliest_start(
+    candidates: Sequence[str], starts: Mapping[str, float | str], now: float
+) -> tuple[str, str]:
+    """The cluster where Slurm expects a replica that fits nowhere now to start first,
+    and why, in a decision's words.
+
+    ``starts``: per candidate, when its Slurm would start the job (Unix time, from
+    ``sbatch --test-only``), or why it would not (its refusal: no such partition or
+    GPU type, or no answer). Ties go to the earlier candidate (the site's order); a
+    start already past counts as now. When every candidate refuses, the first is
+    chosen all the same: its sbatch then says why, as a failed start.
+    """
+    said: list[str] = []
+    best: tuple[float, int, str] | None = None
+    for i, name in enumerate(candidates):
+        got = starts.get(name, "not asked")
+        if isinstance(got, str):
+            said.append(f"{name} {got}")
+            continue
+        wait = max(0.0, got - now)
+        said.append(f"{name} in {format_duration(wait)}")
+        if best is None or (wait, i) < best[:2]:
+            best = (wait, i, name)
+    if best is None:
+        return candidates[0], f"Slurm would start it on none ({'; '.join(said)}): {candidates[0]}"
+    return best[2], f"Slurm expects it soonest on {best[2]} ({'; '.join(said)})"
+
+
+def _eviction_candidates(st: _PlanState, site: _Site, m: Model) -> list[ReplicaView]:
+    """What could be stopped on ``site`` to make room for ``m``, best first (see
+    :func:`evictable`): eviction stays on the cluster whose room it makes."""
     return [
         c
         for c in evictable(m.name, st.live, st.models, st.cfg, st.now)
-        if c.replica_id not in st.stopping
+        if c.replica_id not in st.stopping and c.cluster == site.name
     ]
 
 
@@ -888,35 +1205,36 @@ _PURPOSE_WORDS: Mapping[str, str] = {
 }
 
 
-def _evict(st: _PlanState, m: Model, why: str, purpose: EvictFor) -> str:
-    """Stop the best candidate for ``m`` (which fits nowhere: ``why``); the note to show.
+def _evict(st: _PlanState, site: _Site, m: Model, why: str, purpose: EvictFor) -> tuple[str, bool]:
+    """Stop the best candidate on ``site`` for ``m`` (which fits nowhere: ``why``);
+    the note to show, and whether it evicted.
 
     Only for a start its ``scaling.evict_for`` names (by default one that a held
     request waits for), only a candidate whose stop makes ``m`` fit (the longest
-    idle of those), at most one eviction per pass, and none while an earlier
-    one's job is still being killed.
+    idle of those), at most one eviction per cluster per pass, and none while an
+    earlier one's job there is still being killed.
     """
     if purpose not in m.scaling.evict_for:
         allowed = ", ".join(m.scaling.evict_for) or "[]"
-        return f"{_PURPOSE_WORDS[purpose]} queues in Slurm (scaling.evict_for: {allowed})"
-    if st.evicted or st.eviction_in_progress:
-        return "waiting for an evicted replica to give its GPUs back"
-    candidates = _eviction_candidates(st, m)
+        return f"{_PURPOSE_WORDS[purpose]} queues in Slurm (scaling.evict_for: {allowed})", False
+    if site.evicted or site.eviction_in_progress:
+        return "waiting for an evicted replica to give its GPUs back", False
+    candidates = _eviction_candidates(st, site, m)
     if not candidates:
-        return _nothing_to_evict(st, m)
-    tried = ((c, _room_made_by(st, m, c)) for c in candidates)
+        return _nothing_to_evict(st, site, m), False
+    tried = ((c, _room_made_by(st, site, m, c)) for c in candidates)
     best, where = next(((c, w) for c, w in tried if w), (None, ""))
     needed = 1
     if best is None:
-        best, where, needed = _first_of_several(st, m, candidates)
+        best, where, needed = _first_of_several(st, site, m, candidates)
     if best is None:
-        return _none_makes_room(st, m, candidates)
-    st.evicted = True
+        return _none_makes_room(st, site, m, candidates), False
+    site.evicted = True
     st.out.nodes_decide = True
     # The room is promised to m: a later model of this pass must not count the
     # free nodes m fits on beside the evicted one (m would then wait for two).
     for n in where.split(","):
-        st.taken[n] = st.taken.get(n, 0) + m.resources.gpus
+        site.taken[n] = site.taken.get(n, 0) + m.resources.gpus
     idle = _idle(best, st.now)
     attrs = {
         "for": m.name,
@@ -931,7 +1249,8 @@ def _evict(st: _PlanState, m: Model, why: str, purpose: EvictFor) -> str:
     reason = f"evicted, idle {format_duration(idle)}, to make room for {m.name}"
     st.stop(ActionKind.EVICT, best, reason, attrs=attrs)
     more = f"; 1 of {needed} evictions that make room" if needed > 1 else ""
-    return f"evicting {best.model} replica {best.replica_id} (idle {format_duration(idle)}{more})"
+    note = f"evicting {best.model} replica {best.replica_id} (idle {format_duration(idle)}{more})"
+    return note, True
 
 
 def _freed_by(st: _PlanState, c: ReplicaView) -> dict[str, _Freed]:
@@ -942,21 +1261,21 @@ def _freed_by(st: _PlanState, c: ReplicaView) -> dict[str, _Freed]:
     return {n: _Freed(c.gpus_per_node, gpu_type, cpus, mem) for n in c.node_names}
 
 
-def _room_made_by(st: _PlanState, m: Model, c: ReplicaView) -> str:
-    """Where ``m`` would fit once ``c``'s job is gone (the same listing, every other job
-    counted), "" if nowhere."""
+def _room_made_by(st: _PlanState, site: _Site, m: Model, c: ReplicaView) -> str:
+    """Where ``m`` would fit on ``site`` once ``c``'s job is gone (the same listing, every
+    other job counted), "" if nowhere."""
     if not c.node_names:
         return ""  # where it runs is unknown: what it frees is too
-    pool: Sequence[NodeInfo] = st.nodes
+    pool: Sequence[NodeInfo] = site.nodes
     if m.resources.nodes == 1:
         # Only its own nodes change: the others said no already.
-        pool = [n for n in st.nodes if n.name in c.node_names]
-    ok, where = fits(m, pool, st.cfg, st.taken, _freed_by(st, c))
+        pool = [n for n in site.nodes if n.name in c.node_names]
+    ok, where = fits(m, pool, site.cfg, site.taken, _freed_by(st, c))
     return where if ok else ""
 
 
 def _first_of_several(
-    st: _PlanState, m: Model, candidates: list[ReplicaView]
+    st: _PlanState, site: _Site, m: Model, candidates: list[ReplicaView]
 ) -> tuple[ReplicaView | None, str, int]:
     """For a multi-node ``m`` that no single eviction makes fit: the first of the evictions
     that together would, the nodes ``m`` would then take, and how many evictions that is.
@@ -969,15 +1288,15 @@ def _first_of_several(
     are not enough.
     """
     res = m.resources
-    part = _partition(m, st.cfg)
+    part = _partition(m, site.cfg)
     parts = part.split(",") if part else ()
 
     def ok(n: NodeInfo, fr: _Freed | None) -> bool:
         in_part = not parts or any(p in n.partitions for p in parts)
-        return in_part and not _refusal(n, m, st.taken.get(n.name, 0), fr)
+        return in_part and not _refusal(n, m, site.taken.get(n.name, 0), fr)
 
-    free = [n.name for n in st.nodes if ok(n, None)][: res.nodes]
-    by_name = {n.name: n for n in st.nodes}
+    free = [n.name for n in site.nodes if ok(n, None)][: res.nodes]
+    by_name = {n.name: n for n in site.nodes}
     useful: list[tuple[ReplicaView, str]] = []
     for c in candidates:
         if len(c.node_names) != 1:
@@ -994,21 +1313,22 @@ def _first_of_several(
     return useful[0][0], ",".join([*free, useful[0][1]]), needed
 
 
-def _none_makes_room(st: _PlanState, m: Model, candidates: list[ReplicaView]) -> str:
+def _none_makes_room(st: _PlanState, site: _Site, m: Model, candidates: list[ReplicaView]) -> str:
     """Idle replicas could be stopped, but none makes ``m`` fit: each, on each of its
     nodes, and why that node would still be turned down; and the nearest one."""
-    by_name = {n.name: n for n in st.nodes}
+    by_name = {n.name: n for n in site.nodes}
     down: list[str] = []
     nearest, best_free = candidates[0], -1
     for c in candidates:
         fr = _freed_by(st, c)
         for name in c.node_names or ("(nodes unknown)",):
             n = by_name.get(name)
-            why, free = _turned_down(st, m, n, fr.get(name))
+            why, free = _turned_down(site, m, n, fr.get(name))
             down.append(f"{c.model} {c.replica_id} on {name}: {why}")
             if free > best_free:
                 nearest, best_free = c, free
-    st.turned_down[m.name] = tuple(down)
+    # Each cluster's refusals, once (a model may be placed twice in a pass).
+    st.turned_down[m.name] = tuple(dict.fromkeys((*st.turned_down.get(m.name, ()), *down)))
     more = "; ..." if len(down) > 4 else ""
     return (
         f"{len(candidates)} idle replica(s) could be stopped, none makes room "
@@ -1016,23 +1336,21 @@ def _none_makes_room(st: _PlanState, m: Model, candidates: list[ReplicaView]) ->
     )
 
 
-def _turned_down(
-    st: _PlanState, m: Model, n: NodeInfo | None, fr: _Freed | None
-) -> tuple[str, int]:
+def _turned_down(site: _Site, m: Model, n: NodeInfo | None, fr: _Freed | None) -> tuple[str, int]:
     """Why node ``n`` could not take ``m`` even with ``fr`` freed, and the GPUs of
     ``m``'s type it would have free (-1: it could never take ``m``)."""
     res = m.resources
     if n is None:
         return "not in the node listing", -1
-    part = _partition(m, st.cfg)
+    part = _partition(m, site.cfg)
     if part and not any(p in n.partitions for p in part.split(",")):
         return f"partition {','.join(n.partitions) or '(none)'}, needs {part}", -1
     gpu_type = res.gpu_type or ""
     if gpu_type and not n.gpus_total(gpu_type):
         have = ",".join(sorted({g.type or "(untyped)" for g in n.gpus})) or "none"
         return f"gpu type {have}, needs {gpu_type}", -1
-    why = _refusal(n, m, st.taken.get(n.name, 0), fr)
-    free = _free_gpus(n, gpu_type, st.taken.get(n.name, 0), fr)
+    why = _refusal(n, m, site.taken.get(n.name, 0), fr)
+    free = _free_gpus(n, gpu_type, site.taken.get(n.name, 0), fr)
     if why == "state":
         return f"state {n.state}", -1
     if why == "features":
@@ -1049,13 +1367,16 @@ def _turned_down(
     return f"fits once stopped, but {res.nodes} such node(s) needed", free
 
 
-def _nothing_to_evict(st: _PlanState, m: Model) -> str:
+def _nothing_to_evict(st: _PlanState, site: _Site, m: Model) -> str:
     # Say what keeps each ready replica of another model: "nothing idle" alone
     # leaves an admin guessing which rule held.
     kept = [
         f"{r.model} {r.replica_id}: {why_kept(r, st.models, st.cfg, st.now)}"
         for r in st.live
-        if r.model != m.name and r.state is ReplicaState.READY and r.replica_id not in st.stopping
+        if r.model != m.name
+        and r.state is ReplicaState.READY
+        and r.replica_id not in st.stopping
+        and r.cluster == site.name
     ]
     if not kept:
         return (

@@ -38,6 +38,9 @@ class Replica:
     model: str
     job_id: str
     submitted_at: float
+    # The cluster its job was submitted to ("": the one cluster of a server.yaml
+    # without clusters:); its job id means something only there.
+    cluster: str = ""
     job_state: JobState = JobState.PENDING
     reason: str = ""
     nodes: tuple[str, ...] = ()
@@ -76,6 +79,9 @@ class Replica:
     # Seen back in the queue after running, and not yet seen running again: the
     # previous run's agent may live on (a node whose slurmd died) and still report.
     requeued: bool = False
+    # Its cluster went down while it did not serve, and the plan replaced it
+    # (plan.PlanResult.lost_with_cluster): if its cluster answers again, it goes first.
+    stranded: bool = False
     # The listing's job last applied to the fields in _LISTED, while none of them has
     # been assigned since (then the next listing of that same job changes nothing).
     listed: Job | None = field(default=None, repr=False, compare=False)
@@ -172,6 +178,10 @@ def build_view(r: Replica) -> ReplicaView:
         agent_failed=r.agent_failed,
         replaces=r.replaces,
         stop_reason=r.stop_reason,
+        cluster=r.cluster,
+        last_report=r.last_report,
+        # Once it serves, it is a replica like any other.
+        stranded=r.stranded and r.ready_at is None,
     )
 
 

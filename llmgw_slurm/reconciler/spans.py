@@ -343,13 +343,16 @@ class ReconcileTracing:
         ctx = trace.set_span_in_context(span)
         return inject_env(ctx), traceparent_of(span.get_span_context())
 
-    def submitted(self, rid: str, job_id: str) -> None:
+    def submitted(self, rid: str, job_id: str, cluster: str = "") -> None:
+        """The job of a replica's start: its id and the cluster it went to ("": the
+        one cluster of a server.yaml without clusters:)."""
         if not self.enabled:
             return
-        trace.get_current_span().set_attribute("llmgw.job_id", job_id)
+        attrs = {"llmgw.job_id": job_id, **({"llmgw.cluster": cluster} if cluster else {})}
+        trace.get_current_span().set_attributes(attrs)
         st = self._starts.get(rid)
         if st is not None:
-            st.span.set_attribute("llmgw.job_id", job_id)
+            st.span.set_attributes(attrs)
 
     def adopt(self, rid: str, model: str, job: Job) -> None:
         """Continue (or honestly restart) the start of a replica found at adoption."""

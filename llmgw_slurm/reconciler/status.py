@@ -10,11 +10,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmgw_slurm.catalog import Model
+from llmgw_slurm.reconciler.clusters import ClusterSet
 from llmgw_slurm.reconciler.plan import Failures, ReplicaState
 from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
 from llmgw_slurm.svcjobs import ServiceJobs
 
-__all__ = ["MODEL_STATES", "model_state", "replica_status", "state_text", "status"]
+__all__ = [
+    "MODEL_STATES",
+    "clusters_status",
+    "model_state",
+    "replica_status",
+    "state_text",
+    "status",
+]
 
 
 def status(
@@ -26,8 +34,11 @@ def status(
     passes: int,
     last_pass_error: str,
     service_jobs: ServiceJobs,
+    clusters: ClusterSet | None = None,
+    down_after: float = 120.0,
 ) -> dict[str, Any]:
-    """The models, their replicas, the last decisions and the service's jobs, for the API."""
+    """The models, their replicas, the last decisions, the service's jobs and the
+    clusters' health, for the API."""
     now = table.clock()
     models = []
     for m in table.catalog.models:
@@ -67,7 +78,39 @@ def status(
             for d in list(table.decisions)[-50:]
         ],
         "jobs": service_jobs.status(now),
+        "clusters": clusters_status(clusters, table, now, down_after) if clusters else [],
     }
+
+
+def clusters_status(
+    clusters: ClusterSet, table: ReplicaTable, now: float, down_after: float
+) -> list[dict[str, Any]]:
+    """Each cluster: its health (up, not answering, down; since when and why), its
+    GPUs as last listed, and its replicas by state."""
+    out = []
+    for c in clusters:
+        free, total = c.gpus()
+        states: dict[str, int] = {}
+        for r in table.replicas.values():
+            if r.cluster == c.name:
+                states[r.state().value] = states.get(r.state().value, 0) + 1
+        out.append(
+            {
+                "name": c.name,
+                "label": c.label,
+                "health": c.health(now, down_after).value,
+                "health_text": c.health_text(now, down_after),
+                "error": c.last_error,
+                "unanswered_since": c.unanswered_since,
+                "answered_at": c.answered_at,
+                "nodes_listed_at": c.nodes_listed_at,
+                "nodes": len(c.nodes),
+                "gpus_free": free,
+                "gpus_total": total,
+                "replicas": states,
+            }
+        )
+    return out
 
 
 # Every word model_state answers with (the status page colours by it).
@@ -104,6 +147,7 @@ def state_text(state: str, reps: list[Replica], reason: str) -> str:
 def replica_status(r: Replica, now: float) -> dict[str, Any]:
     return {
         "id": r.replica_id,
+        "cluster": r.cluster,
         "job_id": r.job_id,
         "state": r.state().value,
         "reason": r.reason,

@@ -1,6 +1,11 @@
 """The one place that talks to Slurm. Everything else uses :class:`SlurmBackend`."""
 
-from typing import Any
+import asyncio
+import dataclasses
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from os import PathLike
+from typing import Any, Protocol
 
 from llmgw_slurm.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm.types import (
@@ -12,6 +17,7 @@ from llmgw_slurm.slurm.types import (
     JobState,
     NodeInfo,
     SlurmBackend,
+    StartEstimator,
 )
 
 BACKENDS = ("cli", "pyslurm", "rest")
@@ -52,9 +58,75 @@ def make_backend(kind: str, **opts: Any) -> SlurmBackend:
     return backend
 
 
+class ClusterSettings(Protocol):
+    """How to reach one cluster (server.yaml's ``clusters[]``, ``config.ClusterConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def backend(self) -> str | None: ...
+    @property
+    def slurm_conf(self) -> PathLike[str] | None: ...
+    @property
+    def multi_cluster(self) -> str | None: ...
+    @property
+    def bin_dir(self) -> PathLike[str] | None: ...
+    @property
+    def rest(self) -> Any: ...  # config.SlurmRestConfig (with backend rest): its options()
+
+
+def make_backends(clusters: Sequence[ClusterSettings], timeout: float) -> dict[str, SlurmBackend]:
+    """One backend per cluster, by its name: each its own instance, reaching its
+    cluster through its slurm.conf (SLURM_CONF), its -M name, its commands' folder."""
+    out: dict[str, SlurmBackend] = {}
+    for c in clusters:
+        opts: dict[str, Any] = {"timeout": timeout}
+        if c.backend == "rest":
+            # slurmrestd reaches the cluster; its commands' settings do not apply.
+            opts.update(c.rest.options())
+        elif c.slurm_conf is not None:
+            opts["slurm_conf"] = str(c.slurm_conf)
+        if c.multi_cluster:
+            opts["cluster"] = c.multi_cluster
+        if c.bin_dir is not None:
+            opts["bin_dir"] = str(c.bin_dir)
+        try:
+            out[c.name] = make_backend(c.backend or "cli", **opts)
+        except ConfigError as exc:
+            where = f"cluster {c.name}: " if c.name else ""
+            raise ConfigError(f"{where}{exc}", field="clusters" if c.name else "slurm") from exc
+    return out
+
+
+async def accounting_of(
+    backends: Mapping[str, SlurmBackend],
+    start: datetime,
+    end: datetime | None = None,
+    **options: Any,
+) -> list[AccountingRecord]:
+    """Every cluster's accounting records (one ``sacct`` each, at once), each with its
+    cluster's name (``AccountingRecord.cluster``). ``options``: as ``accounting``'s.
+    Raises the first cluster's SlurmError, its cluster named, when one fails: an
+    audit that leaves a cluster out must not look whole."""
+    names = list(backends)
+    got = await asyncio.gather(
+        *(backends[n].accounting(start, end, **options) for n in names), return_exceptions=True
+    )
+    out: list[AccountingRecord] = []
+    for name, recs in zip(names, got, strict=True):
+        if isinstance(recs, SlurmError) and name:
+            recs.message = f"cluster {name}: {recs.message}"
+            raise recs
+        if isinstance(recs, BaseException):
+            raise recs
+        out += [dataclasses.replace(r, cluster=name) for r in recs] if name else recs
+    return out
+
+
 __all__ = [
     "BACKENDS",
     "AccountingRecord",
+    "ClusterSettings",
     "GpuCount",
     "Job",
     "JobComponent",
@@ -65,5 +137,8 @@ __all__ = [
     "SlurmError",
     "SlurmParseError",
     "SlurmUnavailable",
+    "StartEstimator",
+    "accounting_of",
     "make_backend",
+    "make_backends",
 ]

@@ -9,6 +9,11 @@ Works on every Slurm from 22.05 on. Costs to keep in mind:
   and our parser (median of 7, dev cluster): not used.
 - Each call forks a process (tens of milliseconds); the reconciler makes two per
   pass (squeue, sinfo) however many replicas it runs.
+
+One backend reaches one cluster: the one its commands find through
+``slurm_conf`` (as SLURM_CONF; default the process's own), or, with
+``cluster``, the cluster of that name in Slurm's multi-cluster mode (``-M``,
+found through slurmdbd). A daemon with several clusters has a backend each.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from llmgw_slurm.slurm.types import AccountingRecord, Associations, Job, JobSpec
 from llmgw_slurm.subprocs import communicate
 
 log = logging.getLogger(__name__)
+
+# What sbatch --test-only prints (on stderr) when the job could be scheduled.
+_WILL_START = re.compile(r"Job \d+ to start at (\S+)")
 
 # What scancel and scontrol say about a job that has already ended or never was;
 # for an idempotent executor that is success, not failure.
@@ -101,11 +109,18 @@ class CliBackend:
         timeout: float = 30.0,
         bin_dir: str | None = None,
         env: Mapping[str, str] | None = None,
+        slurm_conf: str | None = None,
+        cluster: str | None = None,
     ) -> None:
         self.user = user or getpass.getuser()
         self.timeout = timeout
         self._bin_dir = bin_dir
         self._env = dict(env) if env is not None else None
+        # The cluster's slurm.conf, given to every command as SLURM_CONF; None: the
+        # environment's.
+        self.slurm_conf = slurm_conf
+        # Slurm's ClusterName in multi-cluster mode: every command gets -M with it.
+        self.cluster = cluster
         self.call_counts: collections.Counter[str] = collections.Counter()
         self._squeue_cache: dict[str, parse.SqueueCache] = {}
 
@@ -131,8 +146,33 @@ class CliBackend:
         unset_env: Sequence[str] = (),
         timeout: float | None = None,
     ) -> str:
-        argv = [self._exe(args[0]), *args[1:]]
+        out, _ = await self._run_both(
+            args, stdin=stdin, extra_env=extra_env, unset_env=unset_env, timeout=timeout
+        )
+        return out
+
+    def _argv(self, args: Sequence[str]) -> list[str]:
+        """The command line: the cluster's -M right after the command (sacctmgr has none)."""
+        argv = [self._exe(args[0])]
+        if self.cluster and args[0] != "sacctmgr":
+            argv.append(f"--clusters={self.cluster}")
+        return [*argv, *args[1:]]
+
+    async def _run_both(
+        self,
+        args: Sequence[str],
+        *,
+        stdin: str | None = None,
+        extra_env: Mapping[str, str] | None = None,
+        unset_env: Sequence[str] = (),
+        timeout: float | None = None,
+    ) -> tuple[str, str]:
+        """Run a command; its stdout and stderr. Raises SlurmError on a non-zero exit."""
+        argv = self._argv(args)
         env = command_env(self._env if self._env is not None else os.environ)
+        if self.slurm_conf:
+            # After command_env, and before the job's own: the cluster is the backend's.
+            env["SLURM_CONF"] = self.slurm_conf
         for name in unset_env:
             env.pop(name, None)
         if extra_env:
@@ -178,7 +218,7 @@ class CliBackend:
         stderr = err.decode(errors="replace")
         if proc.returncode != 0:
             raise SlurmError("failed", command=argv, returncode=proc.returncode, stderr=stderr)
-        return stdout
+        return stdout, stderr
 
     async def submit(self, spec: JobSpec) -> str:
         args = ["sbatch", "--parsable", f"--job-name={spec.name}"]
@@ -193,6 +233,23 @@ class CliBackend:
         except SlurmError as exc:
             exc.command = args
             raise
+
+    async def will_start(self, spec: JobSpec) -> datetime:
+        """When Slurm expects ``spec`` to start here (``sbatch --test-only``: nothing is
+        submitted). Raises SlurmError when the cluster could never run it (no such
+        partition, GPU type or node configuration) or does not answer."""
+        args = ["sbatch", "--test-only", f"--job-name={spec.name}"]
+        _, err = await self._run_both(
+            args, stdin=spec.script, extra_env=spec.env, unset_env=spec.unset_env
+        )
+        m = _WILL_START.search(err)
+        if m is None:
+            raise SlurmError(f"no start time in {err.strip()[:200]!r}", command=args)
+        try:
+            # SLURM_TIME_FORMAT=standard (command_env): local time, ISO 8601.
+            return datetime.fromisoformat(m.group(1))
+        except ValueError:
+            raise SlurmError(f"cannot read the start time {m.group(1)!r}", command=args) from None
 
     async def list_jobs(self, name_prefix: str = "") -> list[Job]:
         out = await self._run(

@@ -684,6 +684,10 @@ class PyslurmBackend:
         jid = _job_number(job_id, "pyslurm.Job.requeue")
         await self._call("pyslurm.Job.requeue", lambda: m.Job(jid).requeue())
 
+    async def will_start(self, spec: JobSpec) -> datetime:
+        """pyslurm offers no will-run query: ``sbatch --test-only``, as the CLI backend."""
+        return await self._cli.will_start(spec)
+
     async def accounting(
         self,
         start: datetime,

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -309,6 +309,9 @@ class AccountingRecord:
     alloc_tres: str
     gpus: int
     restarts: int = 0
+    # The cluster it ran on, by its name in server.yaml's clusters ("" with one
+    # cluster). Set by whoever asked which cluster, not by the backend.
+    cluster: str = ""
 
     @property
     def gpu_hours(self) -> float:
@@ -376,6 +379,15 @@ class SlurmBackend(Protocol):
         """Let go of what the backend holds open (connections), at the daemon's stop."""
 
 
+@runtime_checkable
+class StartEstimator(Protocol):
+    """A backend that can say when Slurm would start a job, without submitting it."""
+
+    async def will_start(self, spec: JobSpec) -> datetime:
+        """Slurm's expected start (``sbatch --test-only``). Raises SlurmError when the
+        cluster could never run the job or does not answer."""
+
+
 __all__: Sequence[str] = (
     "AccountingRecord",
     "Associations",
@@ -386,4 +398,5 @@ __all__: Sequence[str] = (
     "JobState",
     "NodeInfo",
     "SlurmBackend",
+    "StartEstimator",
 )

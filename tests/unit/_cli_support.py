@@ -154,12 +154,16 @@ def run_daemon(
     d = daemon.build(server, path)
     backend = StrictBackend()
     d.reconciler.backend = backend  # type: ignore[assignment]
-    d.reconciler.table.nodes = [
+    # The one cluster's listing, as a pass leaves it: listed a while ago and kept
+    # (reconcile.nodes_max_age).
+    cluster = d.reconciler.clusters.first
+    cluster.nodes = [
         NodeInfo("gpunode1", "mixed", ("llm",), 8, 2, 64000, (GpuCount("a100", 4, 1),)),
         NodeInfo("gpunode2", "idle", ("llm",), 8, 0, 64000, (GpuCount("a100", 4, 0),)),
     ]
-    # As a pass leaves them: listed a while ago and kept (reconcile.nodes_max_age).
-    d.reconciler.table.nodes_listed_at = time.time() - 125
+    cluster.nodes_listed_at = time.time() - 125
+    d.reconciler.table.nodes = cluster.nodes
+    d.reconciler.table.nodes_listed_at = cluster.nodes_listed_at
     ready = threading.Event()
     holder: list[_Started] = []
     stop_box: list[asyncio.Event] = []

@@ -25,7 +25,7 @@ from llmgw_slurm.batch.model import (
 from llmgw_slurm.batch.service import MAX_JOBS, BatchRefused, BatchService
 from llmgw_slurm.batch.store import BatchStore, clean_filename
 from llmgw_slurm.catalog import parse_catalog
-from llmgw_slurm.config import BatchConfig, QuotaConfig, ServerConfig, SlurmConfig
+from llmgw_slurm.config import BatchConfig, ClusterConfig, QuotaConfig, ServerConfig, SlurmConfig
 from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.router.keys import KeyRecord
@@ -861,3 +861,64 @@ def test_each_lines_maximum_is_summed_as_online_requests_reckon_theirs() -> None
     asks = [Ask(2, 7), Ask(2, 4096, own=False)]
     got = check_input([line("a", body=body), line("b")], CHAT, KNOWN.get, 10, lambda _: asks.pop(0))
     assert isinstance(got, Checked) and got.ask == Ask(4, 4103, own=False)
+
+
+# ---- several clusters ----------------------------------------------------------------------
+
+
+def two_clusters(tmp_path: Path, room: list[str]) -> tuple[BatchService, Backend, Backend]:
+    """A service over clusters a and b; ``room``: where the reconciler says the batch's
+    model fits now (its ``clusters_for``), in order."""
+    catalog_file = tmp_path / "models.yaml"
+    catalog_file.write_text(MODELS)
+    catalog = parse_catalog(load_yaml(catalog_file), str(catalog_file))
+    server = ServerConfig(
+        slurm=SlurmConfig(partition="llm", job_prefix="llmgw."),
+        clusters=(ClusterConfig(name="a"), ClusterConfig(name="b", partition="llm-b")),
+        state_dir=tmp_path / "state",
+        agent_config=tmp_path / "agent.yaml",
+    )
+    a, b = Backend(), Backend()
+    jobs = BatchJobs(server, b"k" * 32, "http://login:8001", "CERT", python="/usr/bin/python3")
+    s = BatchService(
+        BatchStore(server.batch_directory),
+        server,
+        {"a": a, "b": b},  # type: ignore[dict-item]
+        lambda: catalog,
+        jobs,
+        ReportVerifier(b"k" * 32),
+        Clock(),
+        place=lambda _m: room,
+    )
+    return s, a, b
+
+
+async def test_a_batch_job_goes_to_the_cluster_with_room_and_is_followed_there(
+    tmp_path: Path,
+) -> None:
+    s, a, b = two_clusters(tmp_path, ["b", "a"])
+    batch = await create(s, upload(s, "alice", line("a")))
+    assert (batch.job_id, batch.cluster) == ("101", "b")
+    assert a.submitted == [] and "#SBATCH --partition=service" in b.submitted[0].script
+    # Job ids are per cluster: a's job 101 is not the batch's.
+    a.run(replace(b.submitted[0], name="llmgw._batch.other"), "101")
+    b.run(b.submitted[0], "101")
+    await s.poll()
+    await s.cancel("alice", batch.id)
+    assert (a.cancelled, b.cancelled) == ([], ["101"])
+
+
+async def test_a_batch_whose_cluster_does_not_answer_is_left_as_it_is(tmp_path: Path) -> None:
+    s, a, b = two_clusters(tmp_path, ["b"])
+    batch = await create(s, upload(s, "alice", line("a")))
+    b.run(b.submitted[0], "101")
+
+    async def down(name_prefix: str = "") -> list[Job]:
+        raise SlurmError("squeue: timed out")
+
+    b.list_jobs = down  # type: ignore[method-assign]
+    await s.poll()  # a answers and lists nothing: the batch's job is not gone for that
+    got = s.store.batch("alice", batch.id)
+    assert got is not None and got.status is BatchStatus.IN_PROGRESS and got.job_id == "101"
+    assert len(b.submitted) == 1 and a.submitted == []
+    assert s.last_poll_error.startswith("b: ") and "timed out" in s.last_poll_error

@@ -417,7 +417,7 @@ def test_unknown_key_suggests_the_closest_and_lists_valid_keys(tmp_path: Path) -
     errs = errors_of(tmp_path, one_model("    resources:\n      gpu: 2\n"))
     assert errs == [
         "F:6: models[0].resources.gpu: unknown key 'gpu'; did you mean 'gpus'? (valid keys: "
-        "account, constraint, cpus, gpu_type, gpus, memory, nodes, partition, qos, time_limit)"
+        "account, clusters, constraint, cpus, gpu_type, gpus, memory, nodes, partition, qos, time_limit)"
     ]
     errs = errors_of(tmp_path, one_model("    scaling: {hold_timout: 5m}\n"))
     assert errs == [

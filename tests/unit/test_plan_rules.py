@@ -12,7 +12,7 @@ from pathlib import Path
 
 from test_plan import CFG, NOW, P, R, S, X, entry, ids, models_of, node, rv  # type: ignore[import-not-found]
 
-from llmgw_slurm.catalog import Model
+from llmgw_slurm.catalog import EvictFor, Model
 from llmgw_slurm.reconciler.plan import (
     ActionKind,
     Failures,
@@ -38,6 +38,12 @@ def state(
     st = _PlanState(models, replicas, nodes, {}, failures or {}, CFG, NOW, ids())
     st.start_models()
     return st
+
+
+def evict(st: _PlanState, m: Model, why: str, purpose: EvictFor) -> str:
+    """_evict on the plan's one cluster; its note."""
+    note, _ = _evict(st, st.sites[0], m, why, purpose)
+    return note
 
 
 def test_replica_rules_act_once_per_replica_the_first_rule_winning(tmp_path: Path) -> None:
@@ -120,13 +126,13 @@ def test_evict_stops_one_replica_a_plan(tmp_path: Path) -> None:
     ]
     nodes = [node("n1", gpus=4, used=4), node("n2", gpus=4, used=4)]
     st = state(ms, reps, nodes)
-    note = _evict(st, ms["big"], "needs 4 gpus", "held")
+    note = evict(st, ms["big"], "needs 4 gpus", "held")
     (ev,) = st.out.actions
     assert (ev.kind, ev.replica_id, ev.attrs["for"]) == (ActionKind.EVICT, "a", "big")
     assert note == "evicting x replica a (idle 1h00m)" and st.out.nodes_decide
     # A second model short of room in the same plan waits for the GPUs to come back.
     assert (
-        _evict(st, ms["big"], "", "held") == "waiting for an evicted replica to give its GPUs back"
+        evict(st, ms["big"], "", "held") == "waiting for an evicted replica to give its GPUs back"
     )
     assert len(st.out.actions) == 1
 
@@ -138,9 +144,9 @@ def test_evict_waits_while_an_earlier_eviction_is_being_killed(tmp_path: Path) -
         rv("z", "x", X, stop_reason="evicted, idle 1h00m, to make room for big"),
     ]
     st = state(ms, reps)
-    assert st.eviction_in_progress
+    assert st.sites[0].eviction_in_progress
     assert (
-        _evict(st, ms["big"], "", "held") == "waiting for an evicted replica to give its GPUs back"
+        evict(st, ms["big"], "", "held") == "waiting for an evicted replica to give its GPUs back"
     )
     assert st.out.actions == []
 
@@ -148,8 +154,8 @@ def test_evict_waits_while_an_earlier_eviction_is_being_killed(tmp_path: Path) -
 def test_evict_with_nothing_to_stop_says_what_keeps_each_replica(tmp_path: Path) -> None:
     ms = models_of(tmp_path, entry("big", resources="{gpus: 4}") + entry("x", "{min: 1}"))
     st = state(ms, [rv("a", "x", R)])
-    assert _evict(st, ms["big"], "", "held") == "nothing idle enough to stop (x a: min 1)"
-    assert st.out.actions == [] and not st.evicted
+    assert evict(st, ms["big"], "", "held") == "nothing idle enough to stop (x a: min 1)"
+    assert st.out.actions == [] and not st.sites[0].evicted
 
 
 def test_evict_only_for_the_starts_the_model_allows(tmp_path: Path) -> None:
@@ -159,9 +165,9 @@ def test_evict_only_for_the_starts_the_model_allows(tmp_path: Path) -> None:
     )
     reps = [rv("a", "x", R, last_used=NOW - 3_600.0, node_names=("n1",), gpus_per_node=4)]
     st = state(ms, reps, [node("n1", gpus=4, used=4)])
-    assert _evict(st, ms["big"], "", "load") == (
+    assert evict(st, ms["big"], "", "load") == (
         "a load scale-up queues in Slurm (scaling.evict_for: held, min)"
     )
-    assert _evict(st, ms["big"], "", "renewal").startswith("a renewal queues in Slurm")
+    assert evict(st, ms["big"], "", "renewal").startswith("a renewal queues in Slurm")
     assert st.out.actions == []
-    assert _evict(st, ms["big"], "", "min") == "evicting x replica a (idle 1h00m)"
+    assert evict(st, ms["big"], "", "min") == "evicting x replica a (idle 1h00m)"

@@ -57,6 +57,8 @@ OTHER: dict[str, Any] = {
     "adopted": True,
     "adopted_at": 13.0,
     "requeued": True,
+    "cluster": "b",
+    "stranded": True,
 }
 BOOKKEEPING = {"listed", "view"}
 
