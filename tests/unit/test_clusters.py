@@ -99,7 +99,7 @@ def test_cluster_mistakes_are_reported_with_file_and_line(tmp_path: Path) -> Non
         "SLURM_CONF (libslurm loads one configuration per process) and has no -M: drop "
         "slurm_conf, or use backend cli",
         "s.yaml:9: clusters[4].nmae: unknown key 'nmae'; did you mean 'name'? (valid keys: "
-        "account, backend, bin_dir, multi_cluster, name, partition, qos, slurm_conf)",
+        "account, backend, bin_dir, multi_cluster, name, partition, qos, reservation, rest, slurm_conf)",
         "s.yaml:9: clusters[4].name: missing required key 'name'",
     ]
     path = write(

@@ -122,7 +122,7 @@ async def test_each_cluster_is_listed_once_a_pass_and_a_model_goes_where_its_gpu
     (r,) = rec.replicas.values()
     assert (r.cluster, r.job_id) == ("b", spec.name and "101")
     (d,) = [d for d in rec.decisions if d.action == "submit"]
-    assert "job 101 on b; b: n0" in d.reason
+    assert "job 101 on b; room now on b: n0" in d.reason
 
 
 async def test_adoption_after_a_restart_by_cluster_with_the_same_job_ids(tmp_path: Path) -> None:
