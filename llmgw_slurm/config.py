@@ -48,6 +48,7 @@ __all__ = [
     "RestartConfig",
     "RouterConfig",
     "ServerConfig",
+    "SiteScaling",
     "SlurmConfig",
     "TlsConfig",
     "TracingConfig",
@@ -282,6 +283,29 @@ class ReconcileConfig:
     )
     # Default: see RestartConfig.
     restart: RestartConfig = field(default_factory=RestartConfig)
+
+
+@dataclass(frozen=True)
+class SiteScaling:
+    """``scaling:``: how on-demand models share GPUs that are all taken (the fair-share
+    rule, reconciler/plan.py's rule 4); a model's ``scaling.max_wait`` overrides the wait."""
+
+    # Default true: a model whose held requests have waited max_wait may have a
+    # replica of another on-demand model that has held its GPUs past its slice
+    # drained for it (in-flight requests finish). false: a busy on-demand model
+    # keeps its GPUs for as long as it stays busy, and the others' requests
+    # wait for it to go idle.
+    fair_share: bool = True
+    # Default 2m: how long a model's oldest held request waits before fair share
+    # may drain another model for it. Under router.hold_timeout (5m), so that
+    # the drain and a start fit in the hold: the held request is answered, not
+    # turned away with a 503.
+    max_wait: float = field(default=120.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 10m: a turn on the GPUs; a replica is never drained for fair share
+    # before it has served this long (nor before reconcile.min_lifetime). Each
+    # turn costs the next model a start: longer slices spend less GPU time
+    # loading and make a model that waits behind a busy one wait longer.
+    min_slice: float = field(default=600.0, metadata=rule(gt=0, parse=_schema.parse_duration))
 
 
 @dataclass(frozen=True)
@@ -529,6 +553,8 @@ class ServerConfig:
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
     # Default: see RouterConfig.
     router: RouterConfig = field(default_factory=RouterConfig)
+    # Default: fair share on, see SiteScaling.
+    scaling: SiteScaling = field(default_factory=SiteScaling)
     # Default: tracing off, see TracingConfig.
     tracing: TracingConfig = field(default_factory=TracingConfig)
     # Default: see BatchConfig.

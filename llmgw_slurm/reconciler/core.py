@@ -496,6 +496,9 @@ class Reconciler:
             backoff_max=rc.restart.max_backoff,
             give_up_after=rc.restart.give_up_after_failures,
             default_partition=server.slurm.partition,
+            fair_share=server.scaling.fair_share,
+            max_wait=server.scaling.max_wait,
+            min_slice=server.scaling.min_slice,
         )
         # Spans of passes and replica starts; no-ops (and no TRACEPARENT for jobs) when off.
         # On with an exporter, or with the daemon's trace store (whose tracer the
