@@ -528,6 +528,20 @@ class BatchConfig:
     # Default 16: the most shards (array tasks) one batch is split into; past it
     # the shards hold more than shard_lines each.
     max_shards: int = field(default=16, metadata=rule(ge=1, le=1000))
+    # Default true: a batch whose model has ready replicas with room rides them
+    # first, below online requests (docs/batch.md), and only what would not finish
+    # in its completion window goes to a Slurm job. A replica that is up has paid
+    # for its model's load; a batch job pays it again. false: every batch is a job.
+    warm: bool = True
+    # Default 0.5: the share of each replica's concurrency (its model's
+    # scaling.target_inflight) that batch requests may take, fewer as its online
+    # requests rise (batch and online together within target_inflight). Higher
+    # finishes a batch sooner, and costs online requests more of the engine.
+    warm_share: float = field(default=0.5, metadata=rule(gt=0, le=1))
+    # Default 1h: a riding batch goes to a Slurm job once, at its pace over the
+    # last minute, it would end later than this before its deadline (the job's
+    # queue wait and start need the time).
+    warm_margin: float = field(default=3600.0, metadata=rule(ge=0, parse=_schema.parse_duration))
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,13 @@ class BatchRecord:
     # The batch's shards: each a task of the batch's job array with its own
     # slice of the input and its own result files (1: one job, no array).
     shards: int = 1
+    # What rides on warm replicas answered (all its rides together): its tokens
+    # count beside a later job's own, and (a sharded batch) its answers beside the
+    # shards'.
+    warm_completed: int = 0
+    warm_failed: int = 0
+    warm_prompt_tokens: int = 0
+    warm_completion_tokens: int = 0
 
     def to_api(self) -> dict[str, Any]:
         stamps = {name: getattr(self, name) for name in _STAMPS.values()}

@@ -13,6 +13,9 @@ from llmgw_slurm.batch.routes import add_batch_routes, add_internal_routes
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.batch.store import BatchStore
 from llmgw_slurm.config import ServerConfig
+from llmgw_slurm.router.batchseam import BatchSeam
+from llmgw_slurm.router.gateway import GATEWAY_KEY
+from llmgw_slurm.router.upstream import UpstreamPool
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 from llmgw_slurm.slurm.types import SlurmBackend
 
@@ -34,6 +37,7 @@ def install(
     store = BatchStore(server.batch_directory)
     jobs = BatchJobs(server, server_key, daemon_url, rec.engine_tls.identity.cert_pem)
     svc = BatchService(store, server, backend, lambda: rec.catalog, jobs, rec.verifier)
+    svc.seam = seam(gateway, server, rec)
     if usage is not None:
 
         def record(batch: BatchRecord) -> None:
@@ -59,3 +63,21 @@ def install(
     add_batch_routes(gateway, svc)
     add_internal_routes(internal, svc)
     return svc
+
+
+def seam(gateway: web.Application, server: ServerConfig, rec: Any) -> BatchSeam:
+    """The gateway's batch seam: the replicas the directory lists, each one's online
+    requests as the gateway counts them, its model's target_inflight as its capacity."""
+    online = gateway[GATEWAY_KEY].in_flight
+
+    def capacity(model: str) -> int:
+        m = rec.catalog.get(model)
+        return m.scaling.target_inflight if m is not None else 1
+
+    return BatchSeam(
+        rec,
+        lambda model, replica_id: online.get((model, replica_id), 0),
+        capacity,
+        server.batch.warm_share,
+        UpstreamPool(server.router.connect_timeout, server.router.read_timeout),
+    )
