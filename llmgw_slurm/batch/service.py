@@ -118,6 +118,8 @@ class BatchService:
         # The gateway's batch seam (warm rides); None: every batch runs as a job.
         self.seam: BatchSeam | None = None
         self._rides: dict[str, _Riding] = {}
+        # Set when a ride ends: the loop polls at once.
+        self._wake = asyncio.Event()
 
     # ---- create and cancel ------------------------------------------------------------
 
@@ -255,6 +257,7 @@ class BatchService:
         )
         self.store.work_dir(batch.id).mkdir(parents=True, exist_ok=True)
         task = asyncio.create_task(ride.run(), name=f"warm ride {batch.id}")
+        task.add_done_callback(lambda _: self._wake.set())
         self._rides[batch.id] = _Riding(ride, task, batch)
         log.info("batch %s: riding warm replicas of %s", batch.id, batch.model)
         batch = replace(batch, note=f"riding warm replicas of {batch.model}")
@@ -315,6 +318,17 @@ class BatchService:
             f"at {pace:.1f} requests/s on warm replicas, {left} left would end "
             f"{now + eta - deadline:.0f} s past the deadline less batch.warm_margin"
         )
+
+    async def _pause(self, stop: asyncio.Event, interval: float) -> None:
+        """Until the next poll: ``interval``, or less when a ride ends (its batch is
+        then finished, or handed to a job, at once rather than a poll later)."""
+        self._wake.clear()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+        try:
+            await asyncio.wait(waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def _stop_rides(self) -> None:
         """The daemon stops: rides end (their answers written stay; the next daemon
@@ -588,12 +602,11 @@ class BatchService:
                 except Exception:
                     # One bad batch must not stop every other batch's progress.
                     log.exception("batch poll failed")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), interval)
+                await self._pause(stop, interval)
         finally:
             await self._stop_rides()
             if self.seam is not None:
-                self.seam.close()
+                await self.seam.close()
 
 
 def _with_warm(batch: BatchRecord, counts: dict[str, int], *, answers: bool) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from llmgw_slurm.batch.jobs import BatchJobs
@@ -15,7 +16,6 @@ from llmgw_slurm.batch.store import BatchStore
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.router.batchseam import BatchSeam
 from llmgw_slurm.router.gateway import GATEWAY_KEY
-from llmgw_slurm.router.upstream import UpstreamPool
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 from llmgw_slurm.slurm.types import SlurmBackend
 
@@ -79,5 +79,7 @@ def seam(gateway: web.Application, server: ServerConfig, rec: Any) -> BatchSeam:
         lambda model, replica_id: online.get((model, replica_id), 0),
         capacity,
         server.batch.warm_share,
-        UpstreamPool(server.router.connect_timeout, server.router.read_timeout),
+        aiohttp.ClientTimeout(
+            sock_connect=server.router.connect_timeout, sock_read=server.router.read_timeout
+        ),
     )

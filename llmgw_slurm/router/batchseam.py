@@ -16,8 +16,9 @@ request in flight): riding a replica never keeps it up, scales its model up,
 or keeps it from being evicted or drained; a draining replica takes none.
 
 What the seam needs of the gateway is one number: the online requests in
-flight on a replica (``online(model, replica_id)``). It sends on a pool of its
-own, so that the gateway's request path can change under it.
+flight on a replica (``online(model, replica_id)``). It sends with an aiohttp
+client of its own (made on first use, in the running loop), not the gateway's
+request path, so that that path can change under it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from dataclasses import dataclass
 import aiohttp
 
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
-from llmgw_slurm.router.upstream import UpstreamBroken, UpstreamPool, UpstreamUnreachable
 
 __all__ = ["BatchSeam", "BatchUnreached", "SeamAnswer", "Ticket"]
 
@@ -69,15 +69,16 @@ class BatchSeam:
         online: Callable[[str, str], int],
         capacity: Callable[[str], int],
         share: float,
-        pool: UpstreamPool,
+        timeout: aiohttp.ClientTimeout,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory = directory
         self.online = online
         self.capacity = capacity
         self.share = share
-        self.pool = pool
+        self.timeout = timeout
         self.clock = clock
+        self._session: aiohttp.ClientSession | None = None
         self._batch: dict[tuple[str, str], int] = {}
         self._unreachable: dict[tuple[str, str, int], float] = {}
 
@@ -141,9 +142,20 @@ class BatchSeam:
             "Content-Type": "application/json",
             "Accept-Encoding": "identity",
         }
+        if self._session is None or self._session.closed:
+            # Connections kept per engine; no limit: the engines' queues are where
+            # requests wait, and the slots bound how many a ride sends.
+            self._session = aiohttp.ClientSession(
+                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0)
+            )
+        url = ep.base_url.rstrip("/") + path
         try:
-            answer = await self.pool.post(ep.base_url, ep.ssl, path, headers, body)
-        except (UpstreamUnreachable, UpstreamBroken, aiohttp.ClientError, OSError) as e:
+            async with self._session.post(
+                url, data=body, headers=headers, ssl=ep.ssl if ep.ssl is not None else True
+            ) as resp:
+                status, request_id = resp.status, resp.headers.get("X-Request-Id", "")
+                data = await resp.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
             now = self.clock()
             if len(self._unreachable) > 256:
                 # Replicas come and go: forget those passed over long ago.
@@ -154,9 +166,9 @@ class BatchSeam:
             raise BatchUnreached(f"replica {ep.replica_id}: {e}") from e
         finally:
             self._release(t)
-        return SeamAnswer(
-            answer.status, answer.body, answer.headers.get("X-Request-Id", ""), ep.replica_id
-        )
+        return SeamAnswer(status, data, request_id, ep.replica_id)
 
-    def close(self) -> None:
-        self.pool.close()
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
+import aiohttp
 import pytest
 from test_batch import (  # type: ignore[import-not-found]
     CHAT,
@@ -39,7 +40,6 @@ from llmgw_slurm.config import load_server_config
 from llmgw_slurm.errors import ConfigErrors
 from llmgw_slurm.router.batchseam import UNREACHABLE_S, BatchSeam, BatchUnreached
 from llmgw_slurm.router.directory import Endpoint, ModelInfo, StaticDirectory
-from llmgw_slurm.router.upstream import UpstreamPool
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from tests.ports import free_port
 from tests.unit._router_support import serve
@@ -81,6 +81,17 @@ def directory(*urls: str) -> StaticDirectory:
     return d
 
 
+_OPEN: list[BatchSeam] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_seams() -> AsyncIterator[None]:
+    """Every seam a test made has its client closed after it."""
+    yield
+    while _OPEN:
+        await _OPEN.pop().close()
+
+
 def seam_over(
     d: StaticDirectory,
     online: dict[tuple[str, str], int] | None = None,
@@ -90,14 +101,16 @@ def seam_over(
 ) -> BatchSeam:
     counts = online if online is not None else {}
     kw = {"clock": clock} if clock is not None else {}
-    return BatchSeam(
+    seam = BatchSeam(
         d,
         lambda m, r: counts.get((m, r), 0),
         lambda m: capacity,
         share,
-        UpstreamPool(5.0, 30.0),
+        aiohttp.ClientTimeout(sock_connect=5.0, sock_read=30.0),
         **kw,
     )
+    _OPEN.append(seam)
+    return seam
 
 
 def chat_body() -> bytes:
@@ -147,7 +160,7 @@ async def test_forward_sends_the_replicas_own_key_and_frees_its_slot() -> None:
         assert bad is not None
         got = await seam.forward(bad, CHAT, b"{not json")
         assert got.status == 400
-        seam.close()
+        await seam.close()
 
 
 async def test_an_unreachable_replica_is_passed_over_for_a_while() -> None:
@@ -286,6 +299,28 @@ async def test_a_batch_rides_a_warm_replica_with_room_and_no_job_is_submitted(sv
     assert sorted(ids_in(s.store.data_path(done.output_file_id))) == sorted(
         f"q{i}" for i in range(12)
     )
+
+
+async def test_a_batch_whose_ride_ends_finishes_at_once_not_a_poll_later(svc: Svc) -> None:
+    s, _, _ = svc
+    # A poll a minute: the batch completes long before the next one would come.
+    s.server = replace(s.server, batch=replace(s.server.batch, poll_interval=60.0))
+    stop = asyncio.Event()
+    loop = asyncio.create_task(s.run(stop))
+    try:
+        async with engines(1) as urls:
+            s.seam = seam_over(directory(*urls))
+            await asyncio.sleep(0)  # the loop's first poll: nothing to do, then its pause
+            b = await create(s, upload(s, "alice", b"".join(line(f"q{i}") for i in range(5))))
+            await asyncio.wait_for(_completed(s, b.id), 30)
+    finally:
+        stop.set()
+        await loop
+
+
+async def _completed(s: BatchService, bid: str) -> None:
+    while status_of(s, bid) is not BatchStatus.COMPLETED:
+        await asyncio.sleep(0.05)
 
 
 async def test_without_a_replica_with_room_or_with_warm_off_a_batch_is_a_job(svc: Svc) -> None:
