@@ -68,7 +68,7 @@ def install(
 def seam(gateway: web.Application, server: ServerConfig, rec: Any) -> BatchSeam:
     """The gateway's batch seam: the replicas the directory lists, each one's online
     requests as the gateway counts them, its model's target_inflight as its capacity."""
-    online = gateway[GATEWAY_KEY].in_flight
+    gw = gateway[GATEWAY_KEY]
 
     def capacity(model: str) -> int:
         m = rec.catalog.get(model)
@@ -76,7 +76,9 @@ def seam(gateway: web.Application, server: ServerConfig, rec: Any) -> BatchSeam:
 
     return BatchSeam(
         rec,
-        lambda model, replica_id: online.get((model, replica_id), 0),
+        # Read through the gateway each time: its count is the one part of it the
+        # seam depends on, whatever holds it.
+        lambda model, replica_id: gw.in_flight.get((model, replica_id), 0),
         capacity,
         server.batch.warm_share,
         aiohttp.ClientTimeout(
