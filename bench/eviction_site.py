@@ -1,26 +1,40 @@
-"""Eviction on a synthetic site: the old policy and this one on the same day of requests.
+"""Eviction on a synthetic site, and fair share at peak hours: old policies and this one
+on the same traces.
 
-A site of 64 nodes (three GPU types, nodes of 2, 4 and 8 GPUs, four service
-partitions), most of its GPUs held by other users' jobs, and 40 on-demand
+**The day.** A site of 64 nodes (three GPU types, nodes of 2, 4 and 8 GPUs, four
+service partitions), most of its GPUs held by other users' jobs, and 40 on-demand
 models (1 to 8 GPUs, some of one GPU type or partition, two on two nodes),
 asked for over 24 simulated hours (a seeded trace, busier by day). The real
-``plan()`` runs every 15 simulated seconds with a fake clock against a fake
-Slurm that places pending jobs as Slurm would (in submission order, the first
+``plan()`` runs every 15 simulated seconds with a fake clock against a fake Slurm
+that places pending jobs as Slurm would (in submission order, the first
 nodes of the job's partition with its GPU type and enough free GPUs and CPUs,
 later jobs passing one that does not fit, except on nodes it will fit on once
 the jobs being killed there are gone), starts a replica's engine a load
 time after its job starts, and frees a cancelled job's GPUs 20 s after the
 cancel. A request for a model with no ready replica is held (its client
 retries for up to an hour); a ready replica's last use is its last request.
+Reported, new against main before issue 15 (a60312a): evictions that did not
+lead to a placement (the model they were made for did not start on a node they
+freed within 30 minutes), evictions per hour, a cold request's wait until its
+model serves (p50, p95; a request that gave up after an hour counts as an hour),
+and idle GPU-hours (GPUs of ready replicas unused for 5 minutes or more).
+
+**The peak hours** (issue 37). The service's own partition of 4 GPUs (two nodes
+of 2 ``a100``) and 7 on-demand 1-GPU models, over two busy hours of four seeded
+evenings: users open sessions (3 popular models 5 to 8 an hour, 4 others 1 to 2;
+20 minutes on average), and in a session send a request (3 to 20 s on the engine),
+read the answer (10 to 60 s) and send the next; a request that finds no ready
+replica is held until one serves. Requests take time here, so a replica serving
+them is in use: eviction never takes it, and a drained one finishes them. The
+same plan every 10 s; an engine loads in 80 s. Reported, this checkout's
+defaults against main before fair share (52f920d), and with shorter turns: per
+model, the p95 of a cold request's wait until its model serves (the goal: none
+over ``max_wait`` plus a start); evictions and fair-share drains per hour; and
+the GPU-hours spent loading engines per evening, the cost of fairness.
 
 Each policy runs in its own process, ``llmgw_slurm`` imported from its
-checkout: the old one from a ``git worktree`` of main before issue 15
-(a60312a, made here if missing), the new one from this checkout. Reported, new
-against old: evictions that did not lead to a placement (the model they were
-made for did not start on a node they freed within 30 minutes), evictions per
-hour, a cold request's wait until its model serves (p50, p95; a request that
-gave up after an hour counts as an hour), and idle GPU-hours (GPUs of ready
-replicas unused for 5 minutes or more).
+checkout (``git worktree``s, made if missing: /tmp/old-policy for the day, and
+bench.common's for the peak).
 
     python3 bench/eviction_site.py [--old /tmp/old-policy] [--seed 15]
 """
@@ -29,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import inspect
 import json
 import math
@@ -44,6 +59,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD_COMMIT = "a60312a"
+# The peak hour's reference: main before fair share (issue 37).
+PEAK_OLD_COMMIT = "52f920d8e0c206b6a1c9d2faee4f472f503209ce"
 HOURS = 24.0
 TICK = 15.0  # the pass interval, simulated seconds
 KILL_DELAY = 20.0  # a cancelled job holds its GPUs this long (the agent drains, Slurm ends it)
@@ -146,8 +163,10 @@ class SimJob:
     ready: float | None = None
     last_used: float | None = None
     draining_since: float | None = None
+    drain_reason: str = ""
     stop_reason: str = ""
     stop_at: float | None = None
+    in_flight: int = 0  # the peak hour's requests being served (the day's take no time)
 
 
 @dataclass
@@ -291,7 +310,8 @@ def views(sim: Sim, pm: Any, has_node_names: bool) -> list[Any]:
                 ready_at=j.ready,
                 last_used=j.last_used,
                 draining_since=j.draining_since,
-                drain_reason="idle" if j.draining_since is not None else "",
+                drain_reason=j.drain_reason,
+                in_flight=j.in_flight,
                 replaces=j.replaces,
                 stop_reason=j.stop_reason,
                 **kw,
@@ -332,7 +352,7 @@ def execute(sim: Sim, res: Any, pm: Any, now: float) -> None:
             continue
         j = sim.jobs[a.replica_id]
         if a.kind is pm.ActionKind.DRAIN:
-            j.draining_since = now
+            j.draining_since, j.drain_reason = now, a.reason
             continue
         j.stop_reason, j.stop_at = a.reason, now + KILL_DELAY
         if j.started is None:
@@ -416,6 +436,230 @@ def figures(sim: Sim, requests: int) -> dict[str, float]:
     }
 
 
+# ---------------------------------------------------------------- the peak hour
+
+PEAK_HOURS = 2.0  # sessions begin within this (an evening's two busiest hours)
+PEAK_END = 3.5 * 3600  # the simulation runs until every session is over, or this
+PEAK_TICK = 10.0
+PEAK_LOAD_S = 80.0  # a 1-GPU model's start, as on the day (60 + 20 per GPU)
+# Sessions per hour of each model (7 on-demand models on 4 GPUs): three popular ones
+# whose overlapping sessions keep them busy throughout, and four asked for now and then.
+PEAK_RATES = (8.0, 6.0, 5.0, 2.0, 2.0, 1.5, 1.0)
+PEAK_SEEDS = (37, 38, 39, 40)
+# The trade-off beside the defaults: shorter turns (min_slice, and min_lifetime, which
+# bounds a turn from below too), down to max_wait.
+SHORTER_TURNS = {
+    "5m turns": {"min_slice": 300.0, "min_lifetime": 300.0},
+    "2m turns": {"min_slice": 120.0, "min_lifetime": 120.0},
+}
+# What the shorter turns are shown by.
+TRADE_OFF = ("worst_model_p95_wait_s", "cold_wait_p95_s", "drains_per_hour")
+
+
+def peak_nodes() -> list[NodeSpec]:
+    """The service's own small partition: two nodes of 2 a100."""
+    return [NodeSpec(f"svc-{i}", "a100", 2, 32, ("svc",), 0, 0) for i in range(2)]
+
+
+def peak_catalog() -> str:
+    lines = ["models:"]
+    for i in range(len(PEAK_RATES)):
+        lines.append(
+            f"  - name: p{i}\n    engine: {{kind: vllm}}\n    weights: {{source: /m/p{i}}}\n"
+            "    resources: {gpus: 1, cpus: 4, partition: svc}\n"
+            "    scaling: {min: 0, max: 1, idle_timeout: 30m}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Session:
+    """A user at work with one model: a request, its answer, a pause, the next request."""
+
+    model: str
+    end: float  # no request after this
+    rng: random.Random
+
+    def service(self) -> float:
+        return self.rng.uniform(3.0, 20.0)
+
+    def pause(self) -> float:
+        return self.rng.uniform(10.0, 60.0)
+
+
+@dataclass
+class Req:
+    session: Session
+    arrived: float
+    service: float
+
+
+def peak_sessions(rng: random.Random) -> list[tuple[float, Session]]:
+    out = []
+    for i, rate in enumerate(PEAK_RATES):
+        t = rng.expovariate(rate / 3600.0)
+        while t < PEAK_HOURS * 3600:
+            length = min(60.0, max(3.0, rng.expovariate(1 / 20.0))) * 60.0
+            out.append((t, Session(f"p{i}", t + length, random.Random(rng.random()))))
+            t += rng.expovariate(rate / 3600.0)
+    out.sort(key=lambda x: x[0])
+    return out
+
+
+@dataclass
+class PeakSim(Sim):
+    """The day's fake Slurm, with requests that take time: a replica serving one is in
+    use (eviction does not take it), a drained one finishes them before its cancel."""
+
+    events: list[tuple[float, int, str, Any]] = field(default_factory=list)  # a heap
+    waiting: dict[str, list[Req]] = field(default_factory=dict)
+    model_waits: dict[str, list[float]] = field(default_factory=dict)
+    drains: list[tuple[float, str, str]] = field(default_factory=list)
+    load_gpu_s: float = 0.0
+    cut: int = 0
+    seq: int = 0
+    hours: float = 0.0
+    unserved: int = 0
+
+    def push(self, t: float, kind: str, what: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, what))
+
+    def advance(self, now: float) -> None:
+        """Arrivals and answers up to ``now``, in time order."""
+        while self.events and self.events[0][0] <= now:
+            t, _, kind, what = heapq.heappop(self.events)
+            if kind == "arrive":
+                self.arrive(t, what)
+            elif kind == "done":
+                rid, req = what
+                j = self.jobs.get(rid)
+                if j is None or j.in_flight == 0:
+                    self.next_of(req.session, t)  # its job was cut: the user asks again
+                    continue
+                j.in_flight -= 1
+                j.last_used = t
+                self.next_of(req.session, t)
+
+    def next_of(self, s: Session, t: float) -> None:
+        nxt = t + s.pause()
+        if nxt < s.end:
+            self.push(nxt, "arrive", Req(s, nxt, s.service()))
+
+    def arrive(self, t: float, req: Req) -> None:
+        ready = [
+            j
+            for j in self.jobs.values()
+            if j.model == req.session.model
+            and j.ready is not None
+            and j.draining_since is None
+            and not j.stop_reason
+        ]
+        if ready:
+            self.serve(min(ready, key=lambda j: j.in_flight), req, t)
+        else:
+            self.waiting.setdefault(req.session.model, []).append(req)
+
+    def serve(self, j: SimJob, req: Req, t: float) -> None:
+        j.in_flight += 1
+        j.last_used = t
+        self.push(t + req.service, "done", (j.rid, req))
+
+    def _served(self, model: str, now: float) -> None:
+        j = next(j for j in self.jobs.values() if j.model == model and j.ready == now)
+        assert j.started is not None
+        self.load_gpu_s += j.gpus * j.nodes * (now - j.started)
+        for req in self.waiting.pop(model, []):
+            self.model_waits.setdefault(model, []).append(now - req.arrived)
+            self.serve(j, req, now)
+
+    def stopped(self, j: SimJob, now: float) -> None:
+        """A job cancelled: the load it had not finished, and requests a cancel cut."""
+        if j.started is not None and j.ready is None:
+            self.load_gpu_s += j.gpus * j.nodes * (now - j.started)
+        if j.in_flight:
+            self.cut += j.in_flight
+            j.in_flight = 0
+
+
+def run_peak(seed: int, settings: Mapping[str, float]) -> PeakSim:
+    """One evening's peak with the ``llmgw_slurm`` this process imports: its default
+    settings, with ``settings`` (PlanConfig's fields) over them."""
+    from llmgw_slurm import catalog as cat
+    from llmgw_slurm.reconciler import plan as pm
+    from llmgw_slurm.slurm import types
+
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "models.yaml"
+        path.write_text(peak_catalog())
+        models = {m.name: m for m in cat.load_catalog(path)}
+    cfg = pm.PlanConfig(default_partition="svc", **settings)
+    sim = PeakSim(peak_nodes(), models, lambda j: PEAK_LOAD_S)
+    for t, s in peak_sessions(rng):
+        sim.push(t, "arrive", Req(s, t, s.service()))
+    ids = iter(range(1, 10**9))
+    now = 0.0
+    while now < PEAK_END and (sim.events or sim.waiting or now < PEAK_HOURS * 3600):
+        sim.advance(now)
+        for j in sim.jobs.values():
+            if j.stop_at is not None and j.stop_at <= now:
+                sim.stopped(j, now)
+        sim.schedule(now, cfg)
+        wanted = {m: now for m in sim.waiting}
+        held = {m: min(r.arrived for r in rs) for m, rs in sim.waiting.items()}
+        res = pm.plan(
+            models,
+            views(sim, pm, True),
+            listing(sim, types),
+            wanted,
+            {},
+            cfg,
+            now,
+            lambda: f"{next(ids):08x}",
+            held_since=held,
+        )
+        execute(sim, res, pm, now)
+        for a in res.actions:
+            if a.kind is pm.ActionKind.DRAIN and a.reason.startswith("fair share"):
+                sim.drains.append((now, str(a.attrs["for"]), a.model))
+        now += PEAK_TICK
+    for model, reqs in sim.waiting.items():
+        # Still held when the run ends: counted as waiting until then.
+        sim.model_waits.setdefault(model, []).extend(now - r.arrived for r in reqs)
+    sim.hours = now / 3600.0
+    sim.unserved = sum(len(reqs) for reqs in sim.waiting.values())
+    return sim
+
+
+def run_peaks(settings: Mapping[str, float]) -> dict[str, Any]:
+    """Every evening of PEAK_SEEDS, the waits of each model pooled over them."""
+    sims = [run_peak(seed, settings) for seed in PEAK_SEEDS]
+    waits: dict[str, list[float]] = {}
+    for sim in sims:
+        for model, w in sim.model_waits.items():
+            waits.setdefault(model, []).extend(w)
+    hours = sum(sim.hours for sim in sims)
+    per_model = {m: _pct(w, 0.95) for m, w in sorted(waits.items())}
+    every = [x for w in waits.values() for x in w]
+    return {
+        "evenings": len(sims),
+        "cold_requests": len(every),
+        "unserved": sum(sim.unserved for sim in sims),
+        "worst_model_p95_wait_s": max(per_model.values(), default=0.0),
+        "worst_wait_s": max(every, default=0.0),
+        "cold_wait_p50_s": _pct(every, 0.50),
+        "cold_wait_p95_s": _pct(every, 0.95),
+        "evictions_per_hour": sum(len(sim.evictions) for sim in sims) / hours,
+        "drains_per_hour": sum(len(sim.drains) for sim in sims) / hours,
+        "loading_gpu_hours_per_evening": sum(sim.load_gpu_s for sim in sims) / 3600.0 / len(sims),
+        "requests_cut": sum(sim.cut for sim in sims),
+        "p95_wait_s": per_model,
+        "max_wait_s": {m: max(w) for m, w in sorted(waits.items())},
+        "settings": dict(settings),
+    }
+
+
 # ---------------------------------------------------------------- the two processes
 
 
@@ -429,15 +673,64 @@ def old_checkout(path: Path) -> Path:
     return path
 
 
-def in_process(root: Path, seed: int, verbose: bool) -> dict[str, float]:
-    """run_policy in a child whose ``llmgw_slurm`` is the one under ``root``."""
+def in_process(
+    root: Path, trace: str, seed: int, verbose: bool, settings: Mapping[str, float] | None = None
+) -> dict[str, Any]:
+    """run_policy (``trace`` day, one seed) or run_peaks (peak, PEAK_SEEDS, ``settings``)
+    in a child whose ``llmgw_slurm`` is the one under ``root``."""
     env = {**os.environ, "PYTHONPATH": str(root)}
-    argv = [sys.executable, __file__, "--child", "--seed", str(seed), "--root", str(root)]
+    argv = [sys.executable, __file__, "--child", trace, "--seed", str(seed), "--root", str(root)]
+    argv += ["--settings", json.dumps(dict(settings or {}))]
     if verbose:
         argv.append("--verbose")
-        print(f"--- {root}", file=sys.stderr)
+        print(f"--- {trace}: {root}", file=sys.stderr)
     out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
     return dict(json.loads(out.splitlines()[-1]))
+
+
+DAY_UNITS = {
+    "evictions_without_placement": "evictions",
+    "evictions_per_hour": "1/h",
+    "cold_wait_p50_s": "s",
+    "cold_wait_p95_s": "s",
+    "idle_gpu_hours": "GPU-h",
+    "evictions": "evictions",
+    "gave_up": "requests",
+    "cold_requests": "requests",
+    "replica_starts": "starts",
+}
+PEAK_UNITS = {
+    "worst_model_p95_wait_s": "s",
+    "worst_wait_s": "s",
+    "cold_wait_p50_s": "s",
+    "cold_wait_p95_s": "s",
+    "unserved": "requests",
+    "evictions_per_hour": "1/h",
+    "drains_per_hour": "1/h",
+    "loading_gpu_hours_per_evening": "GPU-h",
+    "requests_cut": "requests",
+    "cold_requests": "requests",
+}
+
+
+def peak_results(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The peak hours: main before fair share, this checkout's defaults, shorter turns."""
+    from bench.common import result, worktree
+
+    old = in_process(worktree(PEAK_OLD_COMMIT), "peak", 0, args.verbose)
+    new = in_process(ROOT, "peak", 0, args.verbose)
+    ref = f"no fair share ({PEAK_OLD_COMMIT[:7]})"
+    out = [result(f"peak: {k}", new[k], u, ref, old[k]) for k, u in PEAK_UNITS.items()]
+    out += [
+        result(f"peak: p95 wait {m}", v, "s", ref, old["p95_wait_s"].get(m, 0.0))
+        for m, v in new["p95_wait_s"].items()
+    ]
+    figures = {"old": old, "new": new}
+    for label, settings in SHORTER_TURNS.items():
+        got = figures[label] = in_process(ROOT, "peak", 0, args.verbose, settings)
+        keys = (*TRADE_OFF, "loading_gpu_hours_per_evening")
+        out += [result(f"peak, {label}: {k}", got[k], PEAK_UNITS[k], ref, old[k]) for k in keys]
+    return out, figures
 
 
 def main() -> None:
@@ -445,8 +738,9 @@ def main() -> None:
     ap.add_argument("--old", type=Path, default=Path("/tmp/old-policy"))
     ap.add_argument("--seed", type=int, default=15)
     ap.add_argument("--verbose", action="store_true", help="name each miss and give-up")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("day", "peak"), help=argparse.SUPPRESS)
     ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         global VERBOSE
@@ -457,29 +751,32 @@ def main() -> None:
         got = Path(llmgw_slurm.__file__).resolve().parents[1]
         if args.root is not None and got != args.root.resolve():
             sys.exit(f"imported llmgw_slurm from {got}, not {args.root}")
-        print(json.dumps(run_policy(args.seed)))
+        if args.child == "day":
+            print(json.dumps(run_policy(args.seed)))
+        else:
+            print(json.dumps(run_peaks(json.loads(args.settings))))
         return
     sys.path.insert(0, str(ROOT))
     from bench.common import print_table, result, write
 
-    old = in_process(old_checkout(args.old), args.seed, args.verbose)
-    new = in_process(ROOT, args.seed, args.verbose)
+    old = in_process(old_checkout(args.old), "day", args.seed, args.verbose)
+    new = in_process(ROOT, "day", args.seed, args.verbose)
     ref = f"old policy ({OLD_COMMIT})"
-    units = {
-        "evictions_without_placement": "evictions",
-        "evictions_per_hour": "1/h",
-        "cold_wait_p50_s": "s",
-        "cold_wait_p95_s": "s",
-        "idle_gpu_hours": "GPU-h",
-        "evictions": "evictions",
-        "gave_up": "requests",
-        "cold_requests": "requests",
-        "replica_starts": "starts",
-    }
-    results = [result(f"site: {k}", new[k], u, ref, old[k]) for k, u in units.items()]
+    results = [result(f"site: {k}", new[k], u, ref, old[k]) for k, u in DAY_UNITS.items()]
+    peak, figures = peak_results(args)
+    results += peak
     print_table(results)
-    print(f"\n{int(new['requests'])} requests over {HOURS:g} h, seed {args.seed}")
-    print(f"written {write('eviction_site', results, vars(args))}")
+    print(f"\nday: {int(new['requests'])} requests over {HOURS:g} h, seed {args.seed}")
+    default = figures["new"]
+    goal = 120.0 + PEAK_LOAD_S
+    met = "met" if default["worst_model_p95_wait_s"] <= goal else "NOT met"
+    print(
+        f"peak: {len(PEAK_RATES)} models on 4 GPUs, sessions over {PEAK_HOURS:g} h, evenings "
+        f"(seeds) {','.join(map(str, PEAK_SEEDS))}; goal, every model's p95 <= max_wait + "
+        f"a start = {goal:g} s: {met} with the defaults"
+    )
+    settings = {**vars(args), "peak_seeds": list(PEAK_SEEDS), "peak": figures}
+    print(f"written {write('eviction_site', results, settings)}")
 
 
 if __name__ == "__main__":

@@ -496,6 +496,13 @@ class Scaling:
     hold_timeout: float | None = field(
         default=None, metadata=rule(gt=0, parse=_schema.parse_duration)
     )
+    # Default None: the server's scaling.max_wait (2m). How long this model's oldest
+    # held request waits before a replica of another on-demand model that has
+    # held its GPUs past its slice may be drained for it (server.yaml's
+    # scaling.fair_share). Longer for a model whose users can wait (a batch-like
+    # model), shorter for an interactive one; a start of this model that may not
+    # evict (evict_for without held) drains nothing either.
+    max_wait: float | None = field(default=None, metadata=rule(gt=0, parse=_schema.parse_duration))
     # Default [held]: which starts of this model may evict an idle replica of
     # another model when it fits nowhere. `held`: an on-demand start a held
     # request waits for; `min`: a scale-up to min; `renewal`: a replacement

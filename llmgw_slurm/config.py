@@ -51,6 +51,7 @@ __all__ = [
     "RestartConfig",
     "RouterConfig",
     "ServerConfig",
+    "SiteScaling",
     "SlurmConfig",
     "SlurmRestConfig",
     "TlsConfig",
@@ -490,6 +491,29 @@ class ReconcileConfig:
 
 
 @dataclass(frozen=True)
+class SiteScaling:
+    """``scaling:``: how on-demand models share GPUs that are all taken (the fair-share
+    rule, reconciler/plan.py's rule 4); a model's ``scaling.max_wait`` overrides the wait."""
+
+    # Default true: a model whose held requests have waited max_wait may have a
+    # replica of another on-demand model that has held its GPUs past its slice
+    # drained for it (in-flight requests finish). false: a busy on-demand model
+    # keeps its GPUs for as long as it stays busy, and the others' requests
+    # wait for it to go idle.
+    fair_share: bool = True
+    # Default 2m: how long a model's oldest held request waits before fair share
+    # may drain another model for it. Under router.hold_timeout (5m), so that
+    # the drain and a start fit in the hold: the held request is answered, not
+    # turned away with a 503.
+    max_wait: float = field(default=120.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 10m: a turn on the GPUs; a replica is never drained for fair share
+    # before it has served this long (nor before reconcile.min_lifetime). Each
+    # turn costs the next model a start: longer slices spend less GPU time
+    # loading and make a model that waits behind a busy one wait longer.
+    min_slice: float = field(default=600.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """The OpenAI-compatible front end (the gateway takes this very object)."""
 
@@ -727,6 +751,20 @@ class BatchConfig:
     # Default 16: the most shards (array tasks) one batch is split into; past it
     # the shards hold more than shard_lines each.
     max_shards: int = field(default=16, metadata=rule(ge=1, le=1000))
+    # Default true: a batch whose model has ready replicas with room rides them
+    # first, below online requests (docs/batch.md), and only what would not finish
+    # in its completion window goes to a Slurm job. A replica that is up has paid
+    # for its model's load; a batch job pays it again. false: every batch is a job.
+    warm: bool = True
+    # Default 0.5: the share of each replica's concurrency (its model's
+    # scaling.target_inflight) that batch requests may take, fewer as its online
+    # requests rise (batch and online together within target_inflight). Higher
+    # finishes a batch sooner, and costs online requests more of the engine.
+    warm_share: float = field(default=0.5, metadata=rule(gt=0, le=1))
+    # Default 1h: a riding batch goes to a Slurm job once, at its pace over the
+    # last minute, it would end later than this before its deadline (the job's
+    # queue wait and start need the time).
+    warm_margin: float = field(default=3600.0, metadata=rule(ge=0, parse=_schema.parse_duration))
 
 
 @dataclass(frozen=True)
@@ -759,6 +797,8 @@ class ServerConfig:
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
     # Default: see RouterConfig.
     router: RouterConfig = field(default_factory=RouterConfig)
+    # Default: fair share on, see SiteScaling.
+    scaling: SiteScaling = field(default_factory=SiteScaling)
     # Default: tracing off, see TracingConfig.
     tracing: TracingConfig = field(default_factory=TracingConfig)
     # Default: see BatchConfig.

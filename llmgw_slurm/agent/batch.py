@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import ssl
 import tempfile
 import time
@@ -73,6 +72,10 @@ class BatchJob:
     stop: int | None = None
     # Its array task's index, sent with its reports (the daemon sums the shards').
     shard: int | None = None
+    # A shard's: the batch's own result files, where a ride on warm replicas wrote
+    # the answers it had before the array ran (skipped, not counted: the daemon
+    # adds them to the shards' sum).
+    shared: tuple[Path, Path] | None = None
 
 
 def batch_job_from_env(env: Mapping[str, str]) -> tuple[JobContext, BatchJob]:
@@ -147,7 +150,13 @@ def _shard(batch: BatchJob, env: Mapping[str, str]) -> BatchJob:
     output, errors = results.shard_paths(batch.output, batch.errors, task)
     output.parent.mkdir(mode=0o700, exist_ok=True)
     return replace(
-        batch, output=output, errors=errors, first=task * size, stop=(task + 1) * size, shard=task
+        batch,
+        output=output,
+        errors=errors,
+        first=task * size,
+        stop=(task + 1) * size,
+        shard=task,
+        shared=(batch.output, batch.errors),
     )
 
 
@@ -158,6 +167,17 @@ def done_before(batch: BatchJob) -> tuple[set[str], set[str]]:
         results.repair(path)
     answered = results.custom_ids(batch.output)
     return answered, results.custom_ids(batch.errors) - answered
+
+
+def skipped(batch: BatchJob) -> set[str]:
+    """The ``custom_id``s this job skips: answered or failed before, in its own files
+    or (a shard's) the batch's."""
+    answered, failed = done_before(batch)
+    if batch.shared is not None:
+        for path in batch.shared:
+            results.repair(path)
+            answered = answered | results.custom_ids(path)
+    return answered | failed
 
 
 def todo(batch: BatchJob, done: set[str]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -215,7 +235,7 @@ class BatchRun:
         b = self.batch
         answered, failed = done_before(b)
         self.completed, self.failed = len(answered), len(failed)
-        done = answered | failed
+        done = skipped(b)
         log.info("batch: %d answered before, resuming", len(done))
         slots = asyncio.Semaphore(b.concurrency)
         out = os.open(b.output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -259,13 +279,7 @@ class BatchRun:
             answer: Any = json.loads(text)
         except ValueError:
             answer = {"error": {"message": text[:2000]}}
-        line = {
-            "id": "batch_req_" + secrets.token_hex(12),
-            "custom_id": cid,
-            "response": {"status_code": status, "request_id": request_id, "body": answer},
-            "error": None,
-        }
-        data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
+        data = results.answer_line(cid, status, request_id, answer)
         # One write per line on an O_APPEND file: a kill leaves whole lines and at
         # most one partial last line, which results.repair cuts.
         os.write(out if 200 <= status < 300 else err, data)
@@ -289,7 +303,7 @@ def _write_todo(batch: BatchJob, dest: Path, served: str) -> tuple[dict[str, int
     answered, failed = done_before(batch)
     n = 0
     with dest.open("w") as f:
-        for cid, body in todo(batch, answered | failed):
+        for cid, body in todo(batch, skipped(batch)):
             line = {"custom_id": cid, "method": "POST", "url": batch.endpoint}
             f.write(json.dumps({**line, "body": {**body, "model": served}}) + "\n")
             n += 1
@@ -298,8 +312,7 @@ def _write_todo(batch: BatchJob, dest: Path, served: str) -> tuple[dict[str, int
 
 def _append_run(batch: BatchJob, produced: Path, counts: dict[str, int]) -> dict[str, int]:
     """run_batch's answers appended to the batch's files, each custom_id once."""
-    answered, failed = done_before(batch)
-    seen = answered | failed
+    seen = skipped(batch)
     out = dict(counts, prompt_tokens=0, completion_tokens=0)
     with (
         produced.open("rb") as src,
@@ -348,7 +361,7 @@ class BatchAgent(Agent):
     def _left(self) -> dict[str, int] | None:
         """The counts so far when nothing of this job's lines is left to do, else None."""
         answered, failed = done_before(self.batch)
-        if next(todo(self.batch, answered | failed), None) is not None:
+        if next(todo(self.batch, skipped(self.batch)), None) is not None:
             return None
         return {"completed": len(answered), "failed": len(failed)}
 

@@ -174,6 +174,13 @@ class BatchRecord:
     # The cluster its job runs on ("": the one cluster of a server.yaml without
     # clusters:); its job id means something only there.
     cluster: str = ""
+    # What rides on warm replicas answered (all its rides together): its tokens
+    # count beside a later job's own, and (a sharded batch) its answers beside the
+    # shards'.
+    warm_completed: int = 0
+    warm_failed: int = 0
+    warm_prompt_tokens: int = 0
+    warm_completion_tokens: int = 0
 
     def to_api(self) -> dict[str, Any]:
         stamps = {name: getattr(self, name) for name in _STAMPS.values()}

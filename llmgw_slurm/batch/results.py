@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
     "ERRORS",
     "OUTPUT",
+    "answer_line",
     "custom_ids",
     "merge_shards",
     "repair",
@@ -80,6 +82,18 @@ def custom_ids(path: Path) -> set[str]:
     return out
 
 
+def answer_line(custom_id: str, status: int, request_id: str, body: object) -> bytes:
+    """One answer as a result file's line (OpenAI's output shape), newline included;
+    it goes to ``OUTPUT`` for a 2xx ``status``, to ``ERRORS`` otherwise."""
+    line = {
+        "id": "batch_req_" + secrets.token_hex(12),
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
+    return (json.dumps(line, separators=(",", ":")) + "\n").encode()
+
+
 def shard_size(total: int, shards: int) -> int:
     """Lines per shard: shard K takes input lines [K*size, (K+1)*size)."""
     return max(1, -(-total // max(1, shards)))
@@ -94,12 +108,15 @@ def shard_paths(output: Path, errors: Path, task: int) -> tuple[Path, Path]:
 def merge_shards(work: Path, shards: int) -> None:
     """The shards' result files as the batch's ``OUTPUT`` and ``ERRORS``, rebuilt whole.
 
-    Run only while no task of the array runs. Each ``custom_id`` once: an answer
-    in an output file wins over a failure of the same id. Rebuilt from the shards
-    on every call, so a call after a resubmitted array's tasks added more is right too.
+    Run only while no task of the array runs and no warm ride writes. Each
+    ``custom_id`` once: an answer in an output file wins over a failure of the
+    same id. Rebuilt from the batch's own pair (what a ride on warm replicas
+    wrote, and an earlier merge) and the shards on every call, so a call after a
+    resubmitted array's tasks added more is right too.
     """
     seen: set[str] = set()
-    pairs = [shard_paths(work / OUTPUT, work / ERRORS, k) for k in range(shards)]
+    pairs = [(work / OUTPUT, work / ERRORS)]
+    pairs += [shard_paths(work / OUTPUT, work / ERRORS, k) for k in range(shards)]
     for index in (0, 1):
         target = work / (OUTPUT, ERRORS)[index]
         tmp = target.with_name(target.name + ".merging")

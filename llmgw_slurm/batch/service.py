@@ -7,8 +7,14 @@ the result files hold, never from remembered events. So a restarted daemon
 
 Per unfinished batch, in order:
 
-1. in progress without a job (submission failed, or a job ended short of
-   the end): submit one, at most ``MAX_JOBS`` per batch;
+0. riding warm replicas (warm.py, ``batch.warm``): its progress recorded; a
+   cancel or the deadline stops the ride; so does a pace at which the rest
+   would end past ``expires_at - batch.warm_margin``. Once the ride has
+   stopped (its requests in flight answered), it is treated as a job gone
+   (rule 3): what is left goes to a job;
+1. in progress without a job (a new batch, a submission that failed, a daemon
+   restarted during a ride): ride the model's ready replicas when they have
+   room, else submit a job, at most ``MAX_JOBS`` per batch;
 2. past its ``expires_at``: cancel its job; once the job is gone it ends
    ``expired``, the requests not done written to the error file as
    ``batch_expired`` (OpenAI's semantics);
@@ -33,10 +39,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -52,12 +59,14 @@ from llmgw_slurm.batch.model import (
     transition,
 )
 from llmgw_slurm.batch.store import BatchStore, new_batch_id
+from llmgw_slurm.batch.warm import WarmRide
 from llmgw_slurm.catalog import Catalog, Model
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.durations import parse_duration
 from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler.reports import ReportVerifier
+from llmgw_slurm.router.batchseam import BatchSeam
 from llmgw_slurm.router.quota import Ask, QuotaBook, Refusal, Reservation, ask_of
 from llmgw_slurm.secrets import batch_secret
 from llmgw_slurm.slurm.types import Job, JobState, SlurmBackend
@@ -93,6 +102,15 @@ class BatchRefused(Exception):
         self.status = status
         self.code = code
         self.param = param
+
+
+@dataclass
+class _Riding:
+    """A batch's ride on warm replicas, and its record's counts when it began."""
+
+    ride: WarmRide
+    task: asyncio.Task[None]
+    base: BatchRecord
 
 
 class BatchService:
@@ -139,6 +157,11 @@ class BatchService:
         self._hold_again()
         # Where a failed poll is counted (the daemon's, for /metrics; set by setup).
         self.faults = Faults()
+        # The gateway's batch seam (warm rides); None: every batch runs as a job.
+        self.seam: BatchSeam | None = None
+        self._rides: dict[str, _Riding] = {}
+        # Set when a ride ends: the loop polls at once.
+        self._wake = asyncio.Event()
 
     @property
     def backend(self) -> SlurmBackend:
@@ -251,7 +274,7 @@ class BatchService:
             reserved=checked.ask.tokens if batch.id in self._holds else 0,
         )
         self.store.save(batch)
-        return await self._submit(batch)
+        return await self._start(batch)
 
     def _reserve(self, batch: BatchRecord, checked: Checked) -> BatchError | None:
         """Hold what the batch may spend on its creator's budgets; or the error
@@ -331,9 +354,109 @@ class BatchService:
             )
         batch = transition(batch, BatchStatus.CANCELLING, self.clock())
         self.store.save(batch)
+        riding = self._rides.get(batch.id)
+        if riding is not None:
+            riding.ride.stop()  # the next poll finishes it once its requests are answered
         if batch.job_id:
             await self._cancel_job(batch)
         return batch
+
+    # ---- warm rides -------------------------------------------------------------------
+
+    async def _start(self, batch: BatchRecord) -> BatchRecord:
+        """Ride the model's warm replicas when they have room, else submit a job."""
+        seam = self.seam
+        if not (self.server.batch.warm and seam is not None and seam.free(batch.model) > 0):
+            return await self._submit(batch)
+        ride = WarmRide(
+            batch, self.store.data_path(batch.input_file_id), self.store.work_dir(batch.id), seam
+        )
+        self.store.work_dir(batch.id).mkdir(parents=True, exist_ok=True)
+        task = asyncio.create_task(ride.run(), name=f"warm ride {batch.id}")
+        task.add_done_callback(lambda _: self._wake.set())
+        self._rides[batch.id] = _Riding(ride, task, batch)
+        log.info("batch %s: riding warm replicas of %s", batch.id, batch.model)
+        batch = replace(batch, note=f"riding warm replicas of {batch.model}")
+        self.store.save(batch)
+        return batch
+
+    def _ride_progress(self, batch: BatchRecord, r: _Riding) -> BatchRecord:
+        """The record with the ride's answers and tokens so far, saved."""
+        ride, base = r.ride, r.base
+        batch = replace(
+            batch,
+            completed=ride.completed_before + ride.completed,
+            failed=ride.failed_before + ride.failed,
+            prompt_tokens=base.prompt_tokens + ride.prompt_tokens,
+            completion_tokens=base.completion_tokens + ride.completion_tokens,
+            warm_completed=base.warm_completed + ride.completed,
+            warm_failed=base.warm_failed + ride.failed,
+            warm_prompt_tokens=base.warm_prompt_tokens + ride.prompt_tokens,
+            warm_completion_tokens=base.warm_completion_tokens + ride.completion_tokens,
+        )
+        self.store.save(batch)
+        return batch
+
+    async def _steer(self, batch: BatchRecord, now: float) -> None:
+        """Rule 0: a riding batch's progress; stop it for a cancel, its deadline or a
+        pace too slow for it; once stopped, what is left is a job's (rule 3)."""
+        r = self._rides[batch.id]
+        batch = self._ride_progress(batch, r)
+        if r.task.done():
+            del self._rides[batch.id]
+            if not r.task.cancelled() and r.task.exception() is not None:
+                log.error("batch %s: warm ride failed", batch.id, exc_info=r.task.exception())
+            await self._job_gone(batch, now)
+            return
+        if batch.status is BatchStatus.CANCELLING or now >= batch.expires_at:
+            r.ride.stop()
+            return
+        why = self._too_slow(batch, r.ride, now)
+        if why and not r.ride.stopping.is_set():
+            log.info("batch %s: %s; the rest goes to a job", batch.id, why)
+            self.store.save(replace(batch, note=f"{why}; handing the rest to a job"))
+            r.ride.stop()
+
+    def _too_slow(self, batch: BatchRecord, ride: WarmRide, now: float) -> str:
+        """Why the ride would not finish in time ("" when it would, or when it is too
+        early to tell)."""
+        pace = ride.pace()
+        if pace is None:
+            return ""
+        left = batch.total - batch.completed - batch.failed
+        eta = left / pace if pace > 0 else math.inf
+        deadline = batch.expires_at - self.server.batch.warm_margin
+        if now + eta <= deadline:
+            return ""
+        if pace == 0:
+            return "no warm replica answered in the last minute"
+        return (
+            f"at {pace:.1f} requests/s on warm replicas, {left} left would end "
+            f"{now + eta - deadline:.0f} s past the deadline less batch.warm_margin"
+        )
+
+    async def _pause(self, stop: asyncio.Event, interval: float) -> None:
+        """Until the next poll: ``interval``, or less when a ride ends (its batch is
+        then finished, or handed to a job, at once rather than a poll later)."""
+        self._wake.clear()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+        try:
+            await asyncio.wait(waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _stop_rides(self) -> None:
+        """The daemon stops: rides end (their answers written stay; the next daemon
+        resumes them), those in flight given a few seconds."""
+        for r in self._rides.values():
+            r.ride.stop()
+        tasks = [r.task for r in self._rides.values()]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=5.0)
+            for t in late:
+                t.cancel()
+        self._rides.clear()
 
     # ---- jobs -------------------------------------------------------------------------
 
@@ -403,7 +526,18 @@ class BatchService:
 
     async def poll(self) -> None:
         """One look at every unfinished batch (one squeue for all their jobs)."""
-        active = [b for b in self.store.unfinished() if b.status is not BatchStatus.VALIDATING]
+        # Rides first: they need no listing, and a cancel or a deadline must stop
+        # them while Slurm does not answer too.
+        steered = set(self._rides)
+        for bid in steered:
+            batch = self.store.get(bid)
+            if batch is not None:
+                await self._steer(batch, self.clock())
+        active = [
+            b
+            for b in self.store.unfinished()
+            if b.status is not BatchStatus.VALIDATING and b.id not in steered
+        ]
         if not active:
             return
         listed, answered = await self._list_all()
@@ -469,7 +603,7 @@ class BatchService:
                     self.store.save(replace(batch, note=note))
             return
         if batch.status is BatchStatus.IN_PROGRESS and not batch.job_id and now < batch.expires_at:
-            await self._submit(batch)
+            await self._start(batch)
             return
         await self._job_gone(batch, now)
 
@@ -515,9 +649,9 @@ class BatchService:
         elif batch.jobs_submitted < MAX_JOBS:
             # Timed out or lost its node: the next job skips what is done.
             log.info(
-                "batch %s: job %s ended at %d/%d, resubmitting",
+                "batch %s: %s ended at %d/%d, submitting a job",
                 batch.id,
-                batch.job_id,
+                f"job {batch.job_id}" if batch.job_id else "its warm ride",
                 done + failed,
                 batch.total,
             )
@@ -611,23 +745,44 @@ class BatchService:
                 out[key] = value
         shard = counts.get("shard")
         if batch.shards <= 1 or not isinstance(shard, int) or not 0 <= shard < batch.shards:
-            return out
+            return _with_warm(batch, out, answers=False)
         mine = self._shard_counts.setdefault(batch.id, {})
         mine[shard] = out
-        return {key: sum(c.get(key, 0) for c in mine.values()) for key in _COUNTS}
+        summed = {key: sum(c.get(key, 0) for c in mine.values()) for key in _COUNTS}
+        return _with_warm(batch, summed, answers=True)
 
     # ---- the loop ---------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
         interval = self.server.batch.poll_interval
-        while not stop.is_set():
-            try:
-                await self.poll()
-            except Exception as err:
-                # One bad batch must not stop every other batch's progress.
-                self.faults.record("batch_poll", err)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
+        try:
+            while not stop.is_set():
+                try:
+                    await self.poll()
+                except Exception as err:
+                    # One bad batch must not stop every other batch's progress.
+                    self.faults.record("batch_poll", err)
+                await self._pause(stop, interval)
+        finally:
+            await self._stop_rides()
+            if self.seam is not None:
+                await self.seam.close()
+
+
+def _with_warm(batch: BatchRecord, counts: dict[str, int], *, answers: bool) -> dict[str, int]:
+    """A job's reported counts with what warm rides did: their tokens always (a job
+    reports its own run's), their answers for a sharded batch (a shard counts its
+    own files; one job counts the batch's, which hold the rides' answers already)."""
+    out = dict(counts)
+    for key, warm in (
+        ("prompt_tokens", batch.warm_prompt_tokens),
+        ("completion_tokens", batch.warm_completion_tokens),
+        ("completed", batch.warm_completed if answers else 0),
+        ("failed", batch.warm_failed if answers else 0),
+    ):
+        if key in out:
+            out[key] += warm
+    return out
 
 
 def _read_counts(out: Path, err: Path) -> tuple[int, int]:

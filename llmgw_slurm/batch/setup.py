@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from llmgw_slurm.batch.jobs import BatchJobs
@@ -14,6 +15,7 @@ from llmgw_slurm.batch.routes import add_batch_routes, add_internal_routes
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.batch.store import BatchStore
 from llmgw_slurm.config import ServerConfig
+from llmgw_slurm.router.batchseam import BatchSeam
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.usage import UsageRecord, UsageStore
 from llmgw_slurm.slurm.types import SlurmBackend
@@ -43,6 +45,7 @@ def install(
         quota=quota, place=rec.clusters_for,
     )  # fmt: skip
     svc.faults = rec.faults
+    svc.seam = seam(gateway, server, rec)
     if usage is not None:
 
         def record(batch: BatchRecord) -> None:
@@ -70,3 +73,25 @@ def install(
     add_batch_routes(gateway, svc)
     add_internal_routes(internal, svc, rec.faults)
     return svc
+
+
+def seam(gateway: web.Application, server: ServerConfig, rec: Any) -> BatchSeam:
+    """The gateway's batch seam: the replicas the directory lists, each one's online
+    requests as the gateway counts them, its model's target_inflight as its capacity."""
+    gw = gateway[GATEWAY_KEY]
+
+    def capacity(model: str) -> int:
+        m = rec.catalog.get(model)
+        return m.scaling.target_inflight if m is not None else 1
+
+    return BatchSeam(
+        rec,
+        # Read through the gateway each time: its count is the one part of it the
+        # seam depends on, whatever holds it.
+        lambda model, replica_id: gw.in_flight.get((model, replica_id), 0),
+        capacity,
+        server.batch.warm_share,
+        aiohttp.ClientTimeout(
+            sock_connect=server.router.connect_timeout, sock_read=server.router.read_timeout
+        ),
+    )

@@ -708,6 +708,9 @@ class Reconciler:
             give_up_after=rc.restart.give_up_after_failures,
             default_partition=server.slurm.partition,
             cluster_down_after=rc.cluster_down_after,
+            fair_share=server.scaling.fair_share,
+            max_wait=server.scaling.max_wait,
+            min_slice=server.scaling.min_slice,
         )
         backends = backend if isinstance(backend, Mapping) else {"": backend}
         if not isinstance(backend, Mapping) and server.clusters:

@@ -46,6 +46,17 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    lacks, that together would (``_first_of_several``), at most one per pass,
    and never while an earlier eviction's job is still being killed. When none
    makes room, the note says why for each (``_none_makes_room``).
+4. Fair share (``_fair_share``), only when rule 3 finds nothing to evict for a
+   start a held request waits for: once the model's oldest held request has
+   waited ``max_wait`` (server.yaml's ``scaling.max_wait``, or the model's), a
+   ready single-node replica of another on-demand model that has had its turn
+   (served ``min_slice``, and ``min_lifetime``) and whose stop makes the model
+   fit is drained for it (its requests in flight finish): the one furthest
+   beyond its share (:func:`fair_share_candidates`). One stop a pass on each cluster,
+   counting rule 3's; none while an eviction's job is being killed, and none for a model
+   while a replica drained for it is still giving its GPUs back.
+   The slice is the hold-down: two models that fit one at a time alternate,
+   each turn at least ``min_slice`` long, instead of paying a start each pass.
 
 Several clusters (``plan(clusters=...)``; without it, one cluster named "" of
 ``nodes``): each ``ClusterView`` has its nodes, its default partition, and
@@ -91,6 +102,7 @@ __all__ = [
     "ReplicaView",
     "earliest_start",
     "evictable",
+    "fair_share_candidates",
     "fits",
     "plan",
     "satisfies",
@@ -198,6 +210,10 @@ class PlanConfig:
     # How long a replica on a cluster that is down may be silent and still count as
     # serving (reconcile.cluster_down_after).
     cluster_down_after: float = 120.0
+    # Rule 4, fair share (server.yaml's scaling: block).
+    fair_share: bool = True
+    max_wait: float = 120.0
+    min_slice: float = 600.0
 
 
 class ActionKind(enum.Enum):
@@ -518,6 +534,7 @@ def plan(
             _scale_up(st, mv)
         _scale_down(st, mv)
         _queued(st, mv)
+    _fair_share_notes(st)
     return st.out
 
 
@@ -533,6 +550,8 @@ class _Site:
     taken: dict[str, int] = field(default_factory=dict)
     evicted: bool = False
     eviction_in_progress: bool = False
+    # What the note of a model this pass stops nothing for here says gives GPUs back.
+    making_room: str = "an evicted replica"
 
     @property
     def name(self) -> str:
@@ -589,6 +608,11 @@ class _PlanState:
     # Per model whose start found no eviction that makes room: each candidate turned
     # down ("MODEL ID on NODE: why"), for the placement span.
     turned_down: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The models an earlier pass's fair-share drain makes room for, while that replica
+    # drains or its job ends (rule 4): they wait for its GPUs, and stop nothing else.
+    room_coming: set[str] = field(default_factory=set)
+    # Per model a fair-share drain was made for: "MODEL ID" of the replica drained.
+    drained_for: dict[str, str] = field(default_factory=dict)
     # Per model, this plan's actions that end a failed start (what rule 2b counts),
     # so that each model does not scan every action of the pass.
     failed_now: dict[str, list[Action]] = field(default_factory=dict)
@@ -613,13 +637,13 @@ class _PlanState:
         ]
         for r in self.live:
             self.by_model.setdefault(r.model, []).append(r)
-        for site in self.sites:
-            site.eviction_in_progress = any(
-                r.state is ReplicaState.STOPPING
-                and r.stop_reason.startswith("evicted")
-                and r.cluster == site.name
-                for r in self.replicas
-            )
+        for r in self.replicas:
+            site = self.site(r.cluster)
+            if r.state is ReplicaState.STOPPING and r.stop_reason.startswith("evicted"):
+                if site is not None:
+                    site.eviction_in_progress = True
+            elif made_for := _drained_for(r):
+                self.room_coming.add(made_for)
 
     def lost(self, r: ReplicaView) -> bool:
         """Does ``r`` no longer count because its cluster is down? Not when it serves:
@@ -1032,8 +1056,8 @@ def _queued(st: _PlanState, mv: _ModelView) -> None:
         st.out.notes[m.name] = f"queued ({at}{r.reason})"
         if (
             purpose in m.scaling.evict_for
-            and not (site.evicted or site.eviction_in_progress)
-            and _eviction_candidates(st, site, m)
+            and not (site.evicted or site.eviction_in_progress or m.name in st.room_coming)
+            and (_eviction_candidates(st, site, m) or _fair_share_due(st, site, m, purpose))
         ):
             # On nodes that say it does not fit, this would evict: only a fresh
             # listing may decide that it fits.
@@ -1155,6 +1179,8 @@ def _queue_or_evict(
     attrs: dict[str, object] = {}
     if m.name in st.turned_down:
         attrs["evict.turned_down"] = st.turned_down[m.name]
+    if m.name in st.drained_for:
+        attrs["fair_share.drained"] = st.drained_for[m.name]
     st.out.notes[m.name] = f"no room: {why}; {note}"
     return replace(action, placement=f"no room now: {why}; {note}", attrs=attrs)
 
@@ -1218,17 +1244,21 @@ def _evict(st: _PlanState, site: _Site, m: Model, why: str, purpose: EvictFor) -
         allowed = ", ".join(m.scaling.evict_for) or "[]"
         return f"{_PURPOSE_WORDS[purpose]} queues in Slurm (scaling.evict_for: {allowed})", False
     if site.evicted or site.eviction_in_progress:
-        return "waiting for an evicted replica to give its GPUs back", False
+        return f"waiting for {site.making_room} to give its GPUs back", False
+    if m.name in st.room_coming:
+        return f"waiting for {_FAIR_SHARE_DRAIN} to give its GPUs back", False
     candidates = _eviction_candidates(st, site, m)
     if not candidates:
-        return _nothing_to_evict(st, site, m), False
+        return _and_fair_share(st, site, m, why, purpose, _nothing_to_evict(st, site, m))
     tried = ((c, _room_made_by(st, site, m, c)) for c in candidates)
     best, where = next(((c, w) for c, w in tried if w), (None, ""))
     needed = 1
     if best is None:
         best, where, needed = _first_of_several(st, site, m, candidates)
     if best is None:
-        return _none_makes_room(st, site, m, candidates), False
+        return _and_fair_share(
+            st, site, m, why, purpose, _none_makes_room(st, site, m, candidates)
+        )
     site.evicted = True
     st.out.nodes_decide = True
     # The room is promised to m: a later model of this pass must not count the
@@ -1385,3 +1415,234 @@ def _nothing_to_evict(st: _PlanState, site: _Site, m: Model) -> str:
         )
     more = "; ..." if len(kept) > 4 else ""
     return f"nothing idle enough to stop ({'; '.join(kept[:4])}{more})"
+
+
+# ---- 4. fair share --------------------------------------------------------------------
+
+# A fair-share drain's reason begins with this: later passes know it by it (its GPUs
+# are promised to the model it was made for until its job is gone).
+FAIR_SHARE = "fair share"
+_FAIR_SHARE_DRAIN = "a replica drained for fair share"
+_MAKING_ROOM = f"{FAIR_SHARE}: making room for "
+
+
+def _drained_for(r: ReplicaView) -> str:
+    """The model a fair-share drain of ``r`` makes room for, while it drains or its job
+    ends; "" if it is not one."""
+    if r.state not in (ReplicaState.DRAINING, ReplicaState.STOPPING):
+        return ""
+    if not r.drain_reason.startswith(_MAKING_ROOM):
+        return ""
+    return r.drain_reason[len(_MAKING_ROOM) :].split(" ", 1)[0]
+
+
+def _turn(cfg: PlanConfig) -> float:
+    """The shortest turn on the GPUs: no replica is drained for fair share sooner."""
+    return max(cfg.min_slice, cfg.min_lifetime)
+
+
+def _sharers(
+    wanted_by: str,
+    waiting_since: float,
+    replicas: Sequence[ReplicaView],
+    models: Mapping[str, Model],
+) -> list[ReplicaView]:
+    """Ready single-node replicas of the other on-demand models that are in use while
+    ``wanted_by`` waits (serving now, or used since ``waiting_since``), whatever their turn.
+
+    One not used since is idle as far as the waiting model is concerned: rule 3
+    stops it once the eviction grace is over, which keeps the grace's promise to a
+    user who paused (and after a daemon restart, a replica nobody has reported a
+    use of is not taken to be in use).
+    """
+    out = []
+    for r in replicas:
+        if r.model == wanted_by or r.state is not ReplicaState.READY or r.ready_at is None:
+            continue
+        used = r.in_flight > 0 or (r.last_used is not None and r.last_used >= waiting_since)
+        m = models.get(r.model)
+        if used and m is not None and m.scaling.on_demand and r.nodes == 1:
+            out.append(r)
+    return out
+
+
+def _beyond_share(r: ReplicaView, cfg: PlanConfig, now: float) -> float:
+    """GPU-seconds ``r`` has held its GPUs beyond its share (a turn), negative within it."""
+    assert r.ready_at is not None
+    return max(r.gpus_per_node, 1) * (now - r.ready_at - _turn(cfg))
+
+
+def fair_share_candidates(
+    wanted_by: str,
+    waiting_since: float,
+    replicas: Sequence[ReplicaView],
+    models: Mapping[str, Model],
+    cfg: PlanConfig,
+    now: float,
+) -> list[ReplicaView]:
+    """Replicas that may be drained for ``wanted_by``, waiting since ``waiting_since``
+    (rule 4), furthest beyond their share first.
+
+    The share is an equal turn: each replica of an on-demand model may serve for
+    ``min_slice`` (never less than ``min_lifetime``) from becoming ready; past it,
+    it holds ``GPUs x (time ready - turn)`` GPU-seconds beyond its share, and the
+    replica furthest beyond goes first. Equal turns, not a share weighted by
+    demand: a model with one waiting user must not wait for ever behind one with
+    fifty, which a demand-weighted share allows. Not GPU-time over a window either:
+    the plan reads the state now, and a history would be lost with the daemon;
+    and Slurm's own fair-share figures are per account, while every replica runs
+    under the service's. Only replicas in use while the model waits
+    (:func:`_sharers`), single-node, of models with ``min: 0`` (``min >= 1`` is a
+    promise).
+    """
+    out = [
+        r
+        for r in _sharers(wanted_by, waiting_since, replicas, models)
+        if _beyond_share(r, cfg, now) >= 0
+    ]
+    out.sort(key=lambda r: _beyond_share(r, cfg, now), reverse=True)
+    return out
+
+
+def _max_wait(st: _PlanState, m: Model) -> float:
+    return m.scaling.max_wait if m.scaling.max_wait is not None else st.cfg.max_wait
+
+
+def _fair_share_due(st: _PlanState, site: _Site, m: Model, purpose: EvictFor) -> bool:
+    """May rule 4 drain for ``m`` on ``site`` now (the listing aside)?"""
+    since = st.held_since.get(m.name)
+    if not st.cfg.fair_share or purpose != "held" or since is None:
+        return False
+    if st.now - since < _max_wait(st, m):
+        return False
+    return any(
+        r.replica_id not in st.stopping and r.cluster == site.name
+        for r in fair_share_candidates(m.name, since, st.live, st.models, st.cfg, st.now)
+    )
+
+
+def _and_fair_share(
+    st: _PlanState, site: _Site, m: Model, why: str, purpose: EvictFor, note: str
+) -> tuple[str, bool]:
+    """Rule 3's ``note`` (it evicts nothing for ``m`` on ``site``), what rule 4 does
+    instead, and whether that drains a replica there (its room then goes to ``m``)."""
+    more, drained = _fair_share(st, site, m, why, purpose)
+    return (f"{note}; {more}" if more else note), drained
+
+
+def _fair_share(
+    st: _PlanState, site: _Site, m: Model, why: str, purpose: EvictFor
+) -> tuple[str, bool]:
+    """Rule 4: drain on ``site``, for ``m`` (which fits nowhere: ``why``), the replica
+    furthest beyond its share whose stop makes ``m`` fit, once ``m``'s oldest held
+    request has waited ``max_wait``; the note to add ("" when no replica in use would
+    make room) and whether it drained one."""
+    since = st.held_since.get(m.name)
+    if not st.cfg.fair_share or purpose != "held" or since is None:
+        return "", False
+    sharers = _sharers(m.name, since, st.live, st.models)
+    helps = [
+        (r, w)
+        for r in sharers
+        if r.replica_id not in st.stopping
+        and r.cluster == site.name
+        and (w := _room_made_by(st, site, m, r))
+    ]
+    if not helps:
+        return "", False
+    waited, limit = st.now - since, _max_wait(st, m)
+    due = [(r, w) for r, w in helps if _beyond_share(r, st.cfg, st.now) >= 0]
+    if not due or waited < limit:
+        return _fair_share_later(st, m, helps, waited, limit), False
+    best, where = max(due, key=lambda t: _beyond_share(t[0], st.cfg, st.now))
+    return _drain_for(st, site, m, best, (where, why), (waited, limit), len(due)), True
+
+
+def _fair_share_later(
+    st: _PlanState, m: Model, helps: list[tuple[ReplicaView, str]], waited: float, limit: float
+) -> str:
+    """When rule 4 could drain for ``m``: the soonest of ``helps``, and what it waits for."""
+
+    def turn_left(r: ReplicaView) -> float:
+        return max(0.0, -_beyond_share(r, st.cfg, st.now) / max(r.gpus_per_node, 1))
+
+    r = min(helps, key=lambda t: turn_left(t[0]))[0]
+    wait_left = max(0.0, limit - waited)
+    if turn_left(r) > wait_left:
+        why = f"when its {format_duration(_turn(st.cfg))} turn ends"
+    else:
+        why = f"if {m.name} still waits then (max_wait {format_duration(limit)})"
+    return (
+        f"{FAIR_SHARE}: {r.model} {r.replica_id} may be drained for {m.name} in "
+        f"{format_duration(max(turn_left(r), wait_left))}, {why}"
+    )
+
+
+def _drain_for(
+    st: _PlanState,
+    site: _Site,
+    m: Model,
+    r: ReplicaView,
+    room: tuple[str, str],
+    wait: tuple[float, float],
+    candidates: int,
+) -> str:
+    """Drain ``r`` on ``site`` for ``m`` (rule 4), its room (``where`` ``m`` then fits,
+    and ``why`` it fits nowhere now) promised to ``m``; ``wait``: how long ``m``'s
+    oldest held request waited, and its max_wait. The note to add."""
+    assert r.ready_at is not None
+    (where, why), (waited, limit) = room, wait
+    site.evicted = True
+    site.making_room = _FAIR_SHARE_DRAIN
+    st.out.nodes_decide = True
+    for n in where.split(","):
+        site.taken[n] = site.taken.get(n, 0) + m.resources.gpus
+    held, turn = st.now - r.ready_at, _turn(st.cfg)
+    gpus = r.gpus_per_node * r.nodes
+    reason = (
+        f"{_MAKING_ROOM}{m.name} (waiting {format_duration(waited)}, max_wait "
+        f"{format_duration(limit)}); held {gpus} GPU(s) {format_duration(held)}, past its "
+        f"{format_duration(turn)} turn"
+    )
+    st.drain(
+        r,
+        reason,
+        **{
+            "for": m.name,
+            "waited_seconds": waited,
+            "max_wait_seconds": limit,
+            "held_seconds": held,
+            "turn_seconds": turn,
+            "gpus": gpus,
+            "in_flight": r.in_flight,
+            "candidates": candidates,
+            "nodes": ",".join(r.node_names),
+            "fits_on": where,
+            "why": why,
+        },
+    )
+    st.drained_for[m.name] = f"{r.model} {r.replica_id}"
+    return (
+        f"{FAIR_SHARE}: draining {r.model} {r.replica_id} (serving {format_duration(held)}, "
+        f"past its {format_duration(turn)} turn; {r.in_flight} request(s) in flight finish first)"
+    )
+
+
+def _fair_share_notes(st: _PlanState) -> None:
+    """A model whose replica drains for fair share says so in its note, and for whom."""
+    draining = [
+        (r.model, r.replica_id, r.drain_reason)
+        for r in st.replicas
+        if r.state is ReplicaState.DRAINING
+        and r.drain_reason.startswith(FAIR_SHARE)
+        and r.replica_id not in st.stopping
+    ]
+    draining += [
+        (a.model, a.replica_id, a.reason)
+        for a in st.out.actions
+        if a.kind is ActionKind.DRAIN and a.reason.startswith(FAIR_SHARE)
+    ]
+    for model, rid, reason in draining:
+        note = f"{rid} draining: {reason}"
+        have = st.out.notes.get(model)
+        st.out.notes[model] = f"{have}; {note}" if have else note

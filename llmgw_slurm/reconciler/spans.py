@@ -66,6 +66,7 @@ _DECISIONS: tuple[tuple[str, str], ...] = (
     ("drain timed out", "drain_timeout"),
     ("model removed", "removed"),
     ("evicted", "evict"),
+    ("fair share", "fair_share"),
 )
 
 

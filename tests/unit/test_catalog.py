@@ -423,8 +423,8 @@ def test_unknown_key_suggests_the_closest_and_lists_valid_keys(tmp_path: Path) -
     assert errs == [
         "F:5: models[0].scaling.hold_timout: unknown key 'hold_timout'; did you mean "
         "'hold_timeout'? (valid "
-        "keys: evict_for, hold_timeout, idle_timeout, max, min, scale_on, target_inflight, "
-        "target_waiting)"
+        "keys: evict_for, hold_timeout, idle_timeout, max, max_wait, min, scale_on, "
+        "target_inflight, target_waiting)"
     ]
     errs = errors_of(tmp_path, one_model("    zzz: 1\n"))
     assert errs == [

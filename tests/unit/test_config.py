@@ -201,7 +201,7 @@ def test_server_errors_are_all_reported_with_suggestions(tmp_path: Path) -> None
         "F:10: router.retry_once: expected true or false, got the string 'yes'",
         "F:11: gatway: unknown key 'gatway' (valid keys: admin_group, admin_socket, "
         "agent_config, batch, clusters, connections, listen, login, models, quotas, reconcile, "
-        "router, runtime_dir, slurm, state_dir, templates_dir, tls, tracing)",
+        "router, runtime_dir, scaling, slurm, state_dir, templates_dir, tls, tracing)",
     ]
     text = "reconcile: {restart: {initial_backoff: 1h, max_backoff: 10m}}\n"
     assert server_errors(tmp_path, text) == [
@@ -212,6 +212,28 @@ def test_server_errors_are_all_reported_with_suggestions(tmp_path: Path) -> None
     assert server_errors(tmp_path, text) == [
         "F:1: router.max_held_total: max_held_total (1024) is less than max_held (2000), "
         "the cap of one model"
+    ]
+
+
+def test_fair_share_is_on_by_default_and_each_setting_is_read_and_checked(tmp_path: Path) -> None:
+    cfg = load_server_config(write(tmp_path, "state_dir: /tmp/x\n"))
+    assert (cfg.scaling.fair_share, cfg.scaling.max_wait, cfg.scaling.min_slice) == (
+        True,
+        120.0,
+        600.0,
+    )
+    text = "scaling: {fair_share: false, max_wait: 5m, min_slice: 1h}\n"
+    cfg = load_server_config(write(tmp_path, text))
+    assert (cfg.scaling.fair_share, cfg.scaling.max_wait, cfg.scaling.min_slice) == (
+        False,
+        300.0,
+        3600.0,
+    )
+    assert server_errors(tmp_path, "scaling: {max_wait: 0, min_slice: soon, fair: 1}\n") == [
+        "F:1: scaling.fair: unknown key 'fair' (valid keys: fair_share, max_wait, min_slice)",
+        "F:1: scaling.max_wait: must be more than 0; got 0",
+        "F:1: scaling.min_slice: cannot read 'soon' as a duration; expected a duration like "
+        "30s, 15m, 4h, 1d, 2w, 1h30m, 4:00:00, or a number of seconds",
     ]
 
 
@@ -229,14 +251,13 @@ def test_empty_and_non_mapping_server_files(tmp_path: Path) -> None:
         load_server_config(p)
     assert str(info.value) == (
         f"{p}: file is empty; a server config is a mapping with keys: slurm, clusters, listen, "
-        "connections, state_dir, models, agent_config, templates_dir, reconcile, router, tracing, batch, "
-        "tls, runtime_dir, admin_socket, admin_group, login, quotas"
+        "connections, state_dir, models, agent_config, templates_dir, reconcile, router, scaling, "
+        "tracing, batch, tls, runtime_dir, admin_socket, admin_group, login, quotas"
     )
     assert server_errors(tmp_path, "- a\n") == [
         "F:1: expected a mapping with keys slurm, clusters, listen, connections, state_dir, models, "
-        "agent_config, "
-        "templates_dir, reconcile, router, tracing, batch, tls, runtime_dir, admin_socket, "
-        "admin_group, login, quotas; got a list"
+        "agent_config, templates_dir, reconcile, router, scaling, tracing, batch, tls, runtime_dir, "
+        "admin_socket, admin_group, login, quotas; got a list"
     ]
 
 

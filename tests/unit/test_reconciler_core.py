@@ -135,8 +135,10 @@ def make(
     reconcile: dict[str, Any] | None = None,
     scalings: dict[str, dict[str, Any]] | None = None,
     router: dict[str, Any] | None = None,
+    site_scaling: dict[str, Any] | None = None,
 ) -> tuple[Reconciler, FakeSlurm]:
-    """A reconciler over a fake Slurm; ``scalings`` gives some models their own scaling."""
+    """A reconciler over a fake Slurm; ``scalings`` gives some models their own scaling,
+    ``site_scaling`` is server.yaml's ``scaling:``."""
     models = {
         "models": [
             {
@@ -161,6 +163,7 @@ def make(
                 "state_dir": str(tmp_path / "state"),
                 "reconcile": {"min_lifetime": "10m", **(reconcile or {})},
                 "router": router or {},
+                "scaling": site_scaling or {},
             }
         )
     )
@@ -694,11 +697,13 @@ class FakeCluster(FakeSlurm):
         ]
 
 
-def on_demand_world(tmp_path: Path, nodes: int = 1) -> tuple[Reconciler, FakeCluster, Clock]:
+def on_demand_world(
+    tmp_path: Path, nodes: int = 1, *, fair_share: bool = True
+) -> tuple[Reconciler, FakeCluster, Clock]:
     """On-demand models a, b and c, each replica a whole 4-GPU node.
 
     Eviction grace 5 min, minimum lifetime 10 min; an idle timeout of a day, so
-    that only an eviction stops a replica here.
+    that only an eviction (or a fair-share drain) stops a replica here.
     """
     rec, _ = make(
         tmp_path,
@@ -706,7 +711,9 @@ def on_demand_world(tmp_path: Path, nodes: int = 1) -> tuple[Reconciler, FakeClu
         names=("a", "b", "c"),
         gpus=4,
         reconcile={"eviction_grace": "5m", "min_lifetime": "10m"},
+        site_scaling={"fair_share": fair_share},
     )
+    assert rec.plan_cfg.fair_share is fair_share
     assert (rec.plan_cfg.eviction_grace, rec.plan_cfg.min_lifetime) == (5 * MIN, 10 * MIN)
     clock = Clock()
     rec.clock = clock
@@ -853,8 +860,9 @@ async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
     tmp_path: Path,
 ) -> None:
     # A daemon just restarted: a and c, on-demand, each run on a whole node (their jobs
-    # started 5 min before), and a request for b arrives.
-    rec, fake, clock = on_demand_world(tmp_path, nodes=2)
+    # started 5 min before), and a request for b arrives. Eviction alone (rule 3): with
+    # fair share, a is drained for b once it serves while b waits (the next test).
+    rec, fake, clock = on_demand_world(tmp_path, nodes=2, fair_share=False)
     t0 = clock.t
     a, c = "0a0a0a0a", "0c0c0c0c"
     a_job, c_job = fake.running("a", a, 5 * MIN), fake.running("c", c, 5 * MIN)
@@ -920,6 +928,73 @@ async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
         assert b.nodes == ("n0",)
         # c was never reported used: still not a candidate, whatever the clock says.
         assert rec.replicas[c].last_used is None and c_job not in fake.cancelled
+    await rec.close()
+
+
+async def test_after_a_restart_a_replica_in_use_while_a_model_waits_is_drained_for_it(
+    tmp_path: Path,
+) -> None:
+    # The same restart with fair share (server.yaml's scaling, on by default): b waits
+    # behind a and c, whose last use is unknown. Once a serves somebody while b has
+    # waited past max_wait (2m) and a has had its turn (10m from its adoption), a is
+    # drained for b; c, whose use nobody has reported, is not.
+    rec, fake, clock = on_demand_world(tmp_path, nodes=2)
+    t0 = clock.t
+    a, c = "0a0a0a0a", "0c0c0c0c"
+    a_job, c_job = fake.running("a", a, 5 * MIN), fake.running("c", c, 5 * MIN)
+
+    async def pass_at(t: float, *wanted: str) -> list[tuple[str, str]]:
+        clock.t = t0 + t
+        for m in wanted:
+            rec.want(m)
+        return [(x.kind.value, x.model) for x in await rec.pass_once()]
+
+    async with contextlib.AsyncExitStack() as stack:
+        assert await pass_at(0, "b") == [("submit", "b")]
+        clock.t = t0 + 10
+        for rid in (a, c):
+            await agent_reports(rec, stack, rid, event="heartbeat")
+        for t in (1 * MIN, 11 * MIN, 50 * MIN):
+            assert await pass_at(t, "b") == []
+        # a serves a request that is still in flight at the next passes. b's client
+        # asked last at 11 min: its request of 50 min is a new wait (the hold window
+        # is 5 min), which reaches max_wait at 52 min.
+        clock.t = t0 + 51 * MIN
+        (ep,) = rec.endpoints("a")
+        rec.request_started("a", ep.replica_id)
+        assert await pass_at(51 * MIN + 10, "b") == []
+        assert rec.notes["b"].endswith(
+            f"; fair share: a {a} may be drained for b in 50s, "
+            "if b still waits then (max_wait 2m00s)"
+        )
+        assert await pass_at(52 * MIN, "b") == [("drain", "a")]
+        (drain,) = [d for d in rec.decisions if d.action == "drain"]
+        assert (drain.model, drain.replica_id) == ("a", a)
+        assert drain.reason == (
+            "fair share: making room for b (waiting 2m00s, max_wait 2m00s); "
+            "held 4 GPU(s) 51m50s, past its 10m00s turn"
+        )
+        assert rec.notes["b"].endswith(
+            f"; fair share: draining a {a} (serving 51m50s, past its 10m00s turn; "
+            "1 request(s) in flight finish first)"
+        )
+        assert rec.notes["a"] == f"{a} draining: {drain.reason}"
+        # Drained, not killed: while its request is in flight, a is not cancelled,
+        # and nothing else is stopped for b.
+        assert await pass_at(52 * MIN + 10, "b") == []
+        assert fake.cancelled == []
+        assert rec.notes["b"].endswith(
+            "; waiting for a replica drained for fair share to give its GPUs back"
+        )
+        rec.request_finished("a", ep.replica_id)
+        assert await pass_at(52 * MIN + 20, "b") == [("cancel", "a")]
+        assert rec.decisions[-1].reason == f"drained ({drain.reason})"
+        assert fake.cancelled == [a_job]
+        assert await pass_at(52 * MIN + 30, "b") == []
+        assert await pass_at(52 * MIN + 40, "b") == []
+        (b,) = [r for r in rec.replicas.values() if r.model == "b"]
+        assert b.nodes == ("n0",)
+        assert c_job not in fake.cancelled
     await rec.close()
 
 
