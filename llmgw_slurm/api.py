@@ -66,6 +66,8 @@ def status_json(rec: Reconciler, visible: Callable[[str], bool] | None = None) -
     GPUs still count on the nodes: a GPU taken is taken.
     """
     out = rec.status()
+    if rec.cluster is not None:
+        out["cluster"] = rec.cluster()
     out["version"] = __version__
     out["now"] = time.time()
     # The nodes are what the last sinfo said, up to reconcile.nodes_max_age ago:

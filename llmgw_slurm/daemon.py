@@ -21,7 +21,7 @@ import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
@@ -45,6 +45,9 @@ from llmgw_slurm.secrets import REPORT_SCHEME, AdminToken, load_or_create_server
 from llmgw_slurm.slurm import make_backend
 from llmgw_slurm.tracestore import TraceStore
 from llmgw_slurm.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from llmgw_slurm.db.setup import Shared
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +153,8 @@ class Daemon:
     # Returns a burst's freed heap to the kernel after a pass; None in tests
     # that build a Daemon by hand.
     heap: HeapTrimmer | None = None
+    # Several daemons on one database (server.yaml's database:); None: this one alone.
+    shared: Shared | None = None
 
     def reload(self) -> str | None:
         """Re-read the catalog; a bad one is refused (its errors returned), the last good kept.
@@ -196,6 +201,9 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     # Before anything is written there: 0700 and its files 0600 whatever the
     # umask, or a clear refusal of a folder other users could write.
     private.private_dir(state)
+    shared = _shared(server)
+    # With a database, the key (and the gateway's identity) are the ones every
+    # daemon shares, taken into the state directory by _shared.
     key = load_or_create_server_key(state / "server.key")
     daemon_url = server.listen.advertised_daemon_url(socket.getfqdn())
     # The provider's own tracer, not the global one: only the first global
@@ -210,7 +218,11 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         hold_timeout=server.router.hold_timeout,
         agent_ready_timeout=agent_timeout,
         tracer=tracer,
+        fence=shared.lease if shared is not None else None,
     )
+    if shared is not None:
+        shared.attach(rec)
+        rec.cluster = shared.status
     keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
     usage = UsageStore(state / "usage.sqlite3")
     quota = quota_book(server, usage.path) if keys is not None else None
@@ -244,7 +256,19 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     traceapi.add_trace_route(d.admin, rec, store, api.peer_gate(server.admin_group))
     d.trace_store = store
     d.heap = HeapTrimmer(gateway[GATEWAY_KEY].metrics.registry, glibc_heap())
+    d.shared = shared
     return d
+
+
+def _shared(server: ServerConfig) -> Shared | None:
+    """The daemon's share of the database (checked now: a daemon that cannot use it
+    does not start); None without a database: block."""
+    if server.database is None:
+        return None
+    # Imported here: psycopg is needed only with a database.
+    from llmgw_slurm.db.setup import prepare
+
+    return prepare(server, server.listen.gateway.port, server.slurm.command_timeout)
 
 
 @dataclass
@@ -358,6 +382,19 @@ def _bound_port(runner: web.AppRunner) -> int | None:
     return None
 
 
+async def _start_shared(
+    d: Daemon, listeners: Listeners, stop: asyncio.Event
+) -> asyncio.Task[None] | None:
+    """Say this daemon is here, then hold or wait for the lease and follow the others."""
+    if d.shared is None:
+        return None
+    scheme = "https" if d.server.tls.enabled else "http"
+    port = _bound_port(listeners.runners[0]) or d.server.listen.gateway.port
+    gateway_url = f"{scheme}://{socket.getfqdn()}:{port}"
+    await d.shared.start(gateway_url, d.reconciler.jobs.daemon_url)
+    return asyncio.create_task(d.shared.run(stop), name="llmgw-shared")
+
+
 def status_line(d: Daemon) -> str:
     """One line for ``systemctl status``: models, ready replicas, what is wrong."""
     rec = d.reconciler
@@ -429,6 +466,7 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
             d.notifier.status(status_line(d))
 
     listeners: Listeners | None = None
+    shared_task: asyncio.Task[None] | None = None
     try:
         listeners = await open_listeners(d)
         log.info(
@@ -441,11 +479,17 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
             listeners.admin_socket,
             len(d.catalog.models),
         )
+        shared_task = await _start_shared(d, listeners, stop)
         await d.reconciler.run(stop, on_pass=after_pass)
     finally:
         d.notifier.stopping()
         for sig in handled:
             loop.remove_signal_handler(sig)
+        if shared_task is not None:
+            stop.set()
+            await shared_task
+        if d.shared is not None:
+            await d.shared.close()
         await d.reconciler.close()
         if listeners is not None:
             await listeners.close()

@@ -1196,8 +1196,10 @@ def trace_cmd(target: str, as_json: bool, no_color: bool, server_path: Path) -> 
 
 
 # quota and usage: in their own modules.
+from llmgw_slurm.cli.admin_db import db_group  # noqa: E402
 from llmgw_slurm.cli.admin_quota import quota_group  # noqa: E402
 from llmgw_slurm.cli.admin_usage import usage_command  # noqa: E402
 
+main.add_command(db_group(_server_option, _load_server))
 main.add_command(quota_group(_server_option, _load_server))
 main.add_command(usage_command(_server_option, _load_server))

@@ -41,6 +41,7 @@ from llmgw_slurm.reconciler import plan as planmod
 from llmgw_slurm.reconciler import status as statusmod
 from llmgw_slurm.reconciler.admin import AdminRequests
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
+from llmgw_slurm.reconciler.fence import Fence, Unfenced
 from llmgw_slurm.reconciler.intake import ReportIntake
 from llmgw_slurm.reconciler.jobs import JobBuilder, new_replica_id, parse_job_name
 from llmgw_slurm.reconciler.plan import Action, ActionKind, Failures, PlanConfig, ReplicaState
@@ -69,8 +70,11 @@ class PassLoop:
         intake: ReportIntake,
         wanted: Callable[[], Mapping[str, float]],
         held_since: Callable[[], Mapping[str, float]] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.table = table
+        # Who may act on Slurm (several daemons on one database: the lease's holder).
+        self.fence: Fence = fence or Unfenced()
         self.server = server
         self.backend = backend
         self.jobs = jobs
@@ -101,7 +105,10 @@ class PassLoop:
         """
         interval = self.server.reconcile.interval
         while not stop.is_set():
-            await self.pass_once()
+            if self.fence.acting():
+                await self.pass_once()
+            # Not leading (another daemon holds the lease): no squeue, no plan; the
+            # directory follows the leader's table through the database.
             if on_pass is not None:
                 on_pass()
             # Back off when Slurm does not answer: a storm of commands at a slurmctld
@@ -132,19 +139,55 @@ class PassLoop:
         refreshed = False
         if result.nodes_decide and not with_nodes:
             result, refreshed = await self._plan_on_fresh_nodes(now, pass_id)
+        actions = await self._unfenced(result.actions, jobs, pass_id)
         self.notes = result.notes
         self.tracing.notes(result.notes)
         with self.tracing.pass_span(
             pass_id,
-            result.actions,
+            actions,
             jobs=len(jobs),
             nodes=len(self.table.nodes),
             nodes_listed="with the jobs" if with_nodes else "before acting" if refreshed else "",
         ):
-            for action in result.actions:
+            for action in actions:
                 with self.tracing.action(action, self.failures):
                     await self._execute(action, pass_id)
-        return result.actions
+        return actions
+
+    async def _unfenced(
+        self, actions: Sequence[Action], jobs: Sequence[Job], pass_id: str
+    ) -> list[Action]:
+        """The plan's actions less the submissions an earlier leader may have made already.
+
+        A new leader's first passes: a replica whose sbatch an earlier leader began
+        and never said it finished may be on its way to slurmctld, not yet listed;
+        its model gets no new replica until the job is listed (then adopted) or the
+        action's deadline passes.
+        """
+        if not any(a.kind is ActionKind.SUBMIT for a in actions):
+            return list(actions)
+        try:
+            open_ = await self.fence.open_submits({j.name for j in jobs})
+        except (LlmgwError, OSError, TimeoutError) as exc:
+            log.warning(
+                "pass %s: earlier leaders' actions unknown, no submission: %s", pass_id, exc
+            )
+            return [a for a in actions if a.kind is not ActionKind.SUBMIT]
+        waiting = {o.model: o for o in open_}
+        out = []
+        for a in actions:
+            o = waiting.get(a.model) if a.kind is ActionKind.SUBMIT else None
+            if o is None:
+                out.append(a)
+            else:
+                self.table.record(
+                    "wait-previous-leader",
+                    a.model,
+                    o.replica_id,
+                    f"an earlier leader's submission of {o.target} is not listed yet",
+                    pass_id,
+                )
+        return out
 
     async def _list(self, pass_id: str) -> tuple[list[Job], bool, float] | None:
         """The service's jobs, whether the nodes were listed beside them, and the pass's
@@ -413,30 +456,9 @@ class PassLoop:
         self.tracing.failure(model, f, backoff, self.plan_cfg.give_up_after)
 
     async def _execute(self, a: Action, pass_id: str) -> None:
-        models = self.table.models()
         try:
             if a.kind is ActionKind.SUBMIT:
-                m = models[a.model]
-                env, traceparent = self.tracing.open_start(a.replica_id, a.model)
-                spec = self.jobs.spec(m, a.replica_id, env, traceparent=traceparent)
-                job_id = await self.backend.submit(spec)
-                self.tracing.submitted(a.replica_id, job_id)
-                self.table.replicas[a.replica_id] = Replica(
-                    replica_id=a.replica_id,
-                    model=a.model,
-                    job_id=job_id,
-                    submitted_at=self.table.clock(),
-                    gpus_per_node=m.resources.gpus,
-                    node_count=m.resources.nodes,
-                    replaces=a.replaces,
-                )
-                self.table.record(
-                    "submit",
-                    a.model,
-                    a.replica_id,
-                    f"{a.reason}; job {job_id}; {a.placement}",
-                    pass_id,
-                )
+                await self._submit(a, pass_id)
             elif a.kind is ActionKind.DRAIN:
                 r = self.table.replicas.get(a.replica_id)
                 if r is not None and r.draining_since is None:
@@ -444,19 +466,63 @@ class PassLoop:
                     r.drain_reason = a.reason
                     self.table.record("drain", a.model, a.replica_id, a.reason, pass_id)
             elif a.kind in (ActionKind.CANCEL, ActionKind.EVICT):
-                r = self.table.replicas.get(a.replica_id)
-                if r is None or r.stop_reason:
-                    return
-                r.stop_reason = a.reason
-                r.base_url = ""
-                if a.failure:
-                    self.fail(a.model, a.reason)
-                await self.backend.cancel(a.job_id)
-                self.table.record(a.kind.value, a.model, a.replica_id, a.reason, pass_id)
+                await self._cancel(a, pass_id)
         except (LlmgwError, OSError) as exc:
             if a.kind is ActionKind.SUBMIT:
                 self.fail(a.model, f"submit failed: {exc}")
             self.table.record("error", a.model, a.replica_id, f"{a.kind.value}: {exc}", pass_id)
+
+    async def _submit(self, a: Action, pass_id: str) -> None:
+        m = self.table.models()[a.model]
+        ticket = await self.fence.begin(
+            "submit", a.model, a.replica_id, self.jobs.name(m, a.replica_id)
+        )
+        if ticket is None:
+            self.table.record("fenced", a.model, a.replica_id, "submit: not the leader", pass_id)
+            return
+        env, traceparent = self.tracing.open_start(a.replica_id, a.model)
+        spec = self.jobs.spec(
+            m, a.replica_id, env, traceparent=traceparent, lease_epoch=ticket.epoch
+        )
+        try:
+            job_id = await self.backend.submit(spec)
+        except BaseException as exc:
+            await self.fence.end(ticket, f"failed: {exc}")
+            raise
+        await self.fence.end(ticket, f"job {job_id}")
+        self.tracing.submitted(a.replica_id, job_id)
+        self.table.replicas[a.replica_id] = Replica(
+            replica_id=a.replica_id,
+            model=a.model,
+            job_id=job_id,
+            submitted_at=self.table.clock(),
+            gpus_per_node=m.resources.gpus,
+            node_count=m.resources.nodes,
+            replaces=a.replaces,
+        )
+        self.table.record(
+            "submit", a.model, a.replica_id, f"{a.reason}; job {job_id}; {a.placement}", pass_id
+        )
+
+    async def _cancel(self, a: Action, pass_id: str) -> None:
+        r = self.table.replicas.get(a.replica_id)
+        if r is None or r.stop_reason:
+            return
+        ticket = await self.fence.begin(a.kind.value, a.model, a.replica_id, a.job_id)
+        if ticket is None:
+            self.table.record(
+                "fenced", a.model, a.replica_id, f"{a.kind.value}: not the leader", pass_id
+            )
+            return
+        r.stop_reason = a.reason
+        r.base_url = ""
+        if a.failure:
+            self.fail(a.model, a.reason)
+        try:
+            await self.backend.cancel(a.job_id)
+        finally:
+            await self.fence.end(ticket, "cancelled")
+        self.table.record(a.kind.value, a.model, a.replica_id, a.reason, pass_id)
 
 
 class Reconciler:
@@ -480,6 +546,7 @@ class Reconciler:
         hold_timeout: float | None = None,
         agent_ready_timeout: float = 900.0,
         tracer: trace.Tracer | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.server = server
         self.server_key = server_key
@@ -523,8 +590,12 @@ class Reconciler:
             self.intake,
             self.directory.wanted_at,
             self.directory.held_since,
+            fence,
         )
         self.admin = AdminRequests(self.table, backend)
+        # The daemons sharing a database, the leader and its lease (for status);
+        # None with one daemon alone.
+        self.cluster: Callable[[], dict[str, Any]] | None = None
 
     # ---- what the parts share ------------------------------------------------------
 

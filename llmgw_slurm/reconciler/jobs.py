@@ -61,6 +61,10 @@ class JobBuilder:
     gateway_cert: str
     python: str = sys.executable
 
+    def name(self, model: Model, replica_id: str) -> str:
+        """The job name of ``model``'s replica ``replica_id`` (how adoption finds it)."""
+        return job_name(self.server.slurm.job_prefix, model.name, replica_id)
+
     def spec(
         self,
         model: Model,
@@ -68,12 +72,15 @@ class JobBuilder:
         extra_env: Mapping[str, str] | None = None,
         *,
         traceparent: str = "",
+        lease_epoch: int | None = None,
     ) -> JobSpec:
         """The replica's job. ``extra_env`` carries TRACEPARENT/TRACESTATE when tracing is
         on; ``traceparent`` (the start span's, not a secret) goes into the comment so
-        that a restarted daemon can continue the start's trace."""
+        that a restarted daemon can continue the start's trace. ``lease_epoch``: the
+        epoch of the reconciler's lease it is submitted under (several daemons on one
+        database), in the comment too, so that sacct shows which leader submitted it."""
         cfg = self.server
-        name = job_name(cfg.slurm.job_prefix, model.name, replica_id)
+        name = self.name(model, replica_id)
         log_dir = Path(cfg.state_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         # Warn the agent ahead of the limit by the drain timeout plus a margin, so
@@ -105,6 +112,8 @@ class JobBuilder:
         comment = f"llmgw model={model.name} replica={replica_id} gpus={gpus}"
         if traceparent:
             comment += f" trace={traceparent}"
+        if lease_epoch is not None:
+            comment += f" epoch={lease_epoch}"
         # The trace context is the start span's or none: never the daemon's own
         # (a daemon started from a traced shell or CI job has TRACEPARENT too).
         return JobSpec(

@@ -1,0 +1,150 @@
+"""Several daemons on one database, wired into a daemon (``daemon.build`` calls these).
+
+:func:`prepare` runs before the reconciler is made: it checks the database
+(reachable, PostgreSQL 15 or later, the schema this code knows) and takes
+the shared secrets into the state directory, and it makes the lease that
+fences the reconciler. :meth:`Shared.attach` joins the reconciler's table to
+the shared directory once it exists. :meth:`Shared.run` holds the lease,
+listens and syncs, on the daemon's event loop, until the daemon stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from llmgw_slurm.config import DatabaseConfig, ServerConfig
+from llmgw_slurm.db.connect import Conninfo, connect, daemon_name, database_error, make_conninfo
+from llmgw_slurm.db.hub import Hub
+from llmgw_slurm.db.lease import Lease
+from llmgw_slurm.db.replicas import DemandPart, ReplicaSync
+from llmgw_slurm.db.schema import check_schema
+from llmgw_slurm.db.secrets import share_secrets
+from llmgw_slurm.errors import DatabaseError
+from llmgw_slurm.reconciler.core import Reconciler
+
+__all__ = ["Shared", "check_database", "prepare"]
+
+log = logging.getLogger(__name__)
+
+# The oldest PostgreSQL this code is tested on (server_version_num).
+_MIN_SERVER = 150000
+
+
+def check_database(info: Conninfo) -> tuple[int, int]:
+    """(the server's version number, the schema version), or a DatabaseError that says
+    what is wrong: unreachable, too old, or a schema this code cannot use."""
+    with contextlib.closing(connect(info)) as conn:
+        try:
+            server = conn.info.server_version
+            if server < _MIN_SERVER:
+                raise DatabaseError(
+                    f"database ({info.where}): PostgreSQL {server // 10000} is too old; "
+                    "llmgw-slurm needs 15 or later"
+                )
+            return server, check_schema(conn)
+        except psycopg.Error as exc:
+            raise database_error(info, exc, "reading the schema") from None
+
+
+@dataclass
+class Shared:
+    """A daemon's share of the database: the lease, the notifications, the directory."""
+
+    cfg: DatabaseConfig
+    info: Conninfo
+    name: str
+    lease: Lease
+    hub: Hub
+    replicas: ReplicaSync | None = None
+    started_at: float = field(default_factory=time.time)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def attach(self, rec: Reconciler) -> None:
+        """Share ``rec``'s replica table; a leader's first pass at once on taking the lease."""
+        self.replicas = ReplicaSync(self.hub, rec.table, rec.directory, self.lease.acting)
+        self.hub.add(self.replicas, "decisions")
+        self.hub.add(DemandPart(self.replicas))
+        # Taking the lease wakes the passes (adoption from one squeue, at once).
+        self.lease.on_change = lambda leading: rec.table.wake.set()
+
+    async def start(self, gateway_url: str, internal_url: str) -> None:
+        await self.hub.start(gateway_url, internal_url)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """The lease, the notifications and the directory's sync, until ``stop``."""
+        parts = [self.lease.run(stop), self.hub.run(stop)]
+        if self.replicas is not None:
+            parts.append(self.replicas.run(stop))
+        self._tasks = [asyncio.create_task(p) for p in parts]
+        try:
+            await asyncio.gather(*self._tasks)
+        finally:
+            for t in self._tasks:
+                t.cancel()
+
+    async def close(self) -> None:
+        if self.replicas is not None:
+            # What the last moments changed (a drain, a decision) before leaving.
+            with contextlib.suppress(DatabaseError, Exception):
+                await self.replicas.push()
+        await self.lease.release()
+        await self.hub.close()
+
+    def healthy(self) -> bool:
+        """Whether this daemon has reached the database lately (for /healthz)."""
+        return self.hub.healthy(max(5.0, 3 * self.cfg.lease_duration))
+
+    def status(self) -> dict[str, Any]:
+        """The daemons, the leader, its epoch and since when (for status and the page)."""
+        now = time.monotonic()
+        st = self.lease.state
+        contact = self.hub.last_contact
+        lease_contact = self.lease.last_contact
+        last = max((c for c in (contact, lease_contact) if c is not None), default=None)
+        return {
+            "this": self.name,
+            "leading": self.lease.acting(),
+            "leader": st.holder.split("#", 1)[0] if st.holder else "",
+            "leader_holder": st.holder,
+            "epoch": st.epoch,
+            "leader_since": st.since,
+            "lease_expires": st.expires,
+            "last_contact_s": None if last is None else round(now - last, 3),
+            "last_error": self.hub.last_error or self.lease.last_error,
+            "daemons": [dataclasses.asdict(d) for d in self.hub.daemons],
+        }
+
+
+def prepare(server: ServerConfig, gateway_port: int, command_timeout: float) -> Shared:
+    """Check the database and take the shared secrets; raise DatabaseError (or
+    ConfigError) with what to fix when the daemon cannot use it."""
+    cfg = server.database
+    assert cfg is not None, "prepare() is for a daemon with a database: block"
+    name = daemon_name(cfg, gateway_port)
+    info = make_conninfo(cfg, name)
+    server_version, schema = check_database(info)
+    with contextlib.closing(connect(info)) as conn:
+        try:
+            share_secrets(conn, Path(server.state_dir))
+        except psycopg.Error as exc:
+            raise database_error(info, exc, "reading the shared secrets") from None
+    log.info(
+        "database (%s): PostgreSQL %d, schema %d; this daemon is %s",
+        info.where,
+        server_version // 10000,
+        schema,
+        name,
+    )
+    # A successor waits this long for an action a dead leader began: the Slurm
+    # command's own timeout, and a margin for slurmctld to take what it was sent.
+    lease = Lease(info, name, cfg, action_timeout=command_timeout + 10.0)
+    return Shared(cfg, info, name, lease, Hub(info, name, cfg))
