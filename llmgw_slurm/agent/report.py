@@ -24,12 +24,19 @@ import aiohttp
 
 from llmgw_slurm.secrets import sign_report
 
-__all__ = ["EVENTS", "DaemonClient", "ReportAnswer"]
+__all__ = ["EVENTS", "DaemonClient", "ReportAnswer", "daemon_urls"]
 
 log = logging.getLogger(__name__)
 
 EVENTS = ("step", "ready", "heartbeat", "draining", "failed", "stopped", "progress")
 STATUSES = ("started", "done", "failed")
+
+
+def daemon_urls(text: str) -> list[str]:
+    """``LLMGW_DAEMON_URL``'s URLs: one, or several separated by commas (several daemons
+    sharing a database: any of them takes a report, so an agent whose daemon has gone
+    reports to the next)."""
+    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,9 @@ class DaemonClient:
     ) -> None:
         self._session = session
         # kind: "replicas", or "batches" for a Batch API job (its id in replica_id).
-        self.url = f"{daemon_url.rstrip('/')}/internal/v1/{kind}/{replica_id}/report"
+        self.urls = [f"{u}/internal/v1/{kind}/{replica_id}/report" for u in daemon_urls(daemon_url)]
+        # The one that took the last report: tried first.
+        self._at = 0
         self.replica_id = replica_id
         self._secret = secret
         self.node = node
@@ -93,8 +102,22 @@ class DaemonClient:
             body["counts"] = counts
         return body
 
+    @property
+    def url(self) -> str:
+        return self.urls[self._at % len(self.urls)]
+
     async def send_once(self, body: dict[str, Any]) -> ReportAnswer | None:
-        """One attempt; None when the daemon did not take it."""
+        """One attempt at each daemon in turn, from the last that answered, until one
+        answers; None when none took it."""
+        for _ in self.urls:
+            answered, answer = await self._send_to(self.url, body)
+            if answered:
+                return answer
+            self._at = (self._at + 1) % len(self.urls)
+        return None
+
+    async def _send_to(self, url: str, body: dict[str, Any]) -> tuple[bool, ReportAnswer | None]:
+        """(whether the daemon at ``url`` answered at all, the answer when it took it)."""
         # Signed per attempt: a retry is a new report to the daemon, which refuses
         # one it has seen (a replay), and the time in it must be recent.
         raw = json.dumps(body, separators=(",", ":")).encode()
@@ -104,11 +127,11 @@ class DaemonClient:
         }
         try:
             async with self._session.post(
-                self.url, data=raw, headers=headers, timeout=self._timeout
+                url, data=raw, headers=headers, timeout=self._timeout
             ) as resp:
                 if resp.status == 200:
                     data = await resp.json(content_type=None)
-                    return ReportAnswer(
+                    return True, ReportAnswer(
                         ok=bool(data.get("ok", True)), drain=bool(data.get("drain", False))
                     )
                 text = (await resp.text())[:200]
@@ -122,9 +145,12 @@ class DaemonClient:
                     log.error("report %s: daemon does not know this replica (404)", body["event"])
                 else:
                     log.warning("report %s: HTTP %s %s", body["event"], resp.status, text)
+                return True, None
         except (aiohttp.ClientError, TimeoutError, ValueError) as err:
-            log.warning("report %s: daemon unreachable (%s)", body["event"], type(err).__name__)
-        return None
+            log.warning(
+                "report %s: daemon unreachable (%s at %s)", body["event"], type(err).__name__, url
+            )
+        return False, None
 
     async def report(
         self,

@@ -13,7 +13,7 @@ from llmgw_slurm.batch.routes import add_batch_routes, add_internal_routes
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.batch.store import BatchStore
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.router.usage import UsageRecord, UsageStore
+from llmgw_slurm.router.usage import UsageRecord, UsageSink
 from llmgw_slurm.slurm.types import SlurmBackend
 
 __all__ = ["install"]
@@ -27,7 +27,7 @@ def install(
     rec: Any,
     server_key: bytes,
     daemon_url: str,
-    usage: UsageStore | None,
+    usage: UsageSink | None,
 ) -> BatchService:
     """The Batch API on the daemon's apps. ``rec``: the reconciler (catalog, report
     nonces, the gateway's certificate), taken as is so this package does not import it."""

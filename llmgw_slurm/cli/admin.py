@@ -754,13 +754,14 @@ def _owner_audit(
 ) -> None:
     from llmgw_slurm.cli import charts
     from llmgw_slurm.cli.admin_audit_owner import owner_audit
+    from llmgw_slurm.cli.stores import usage_queries
 
     if as_csv:
         raise click.UsageError("--csv is for --by day|week|month; use --json with --by " + by)
     owner_audit(
         recs,
         prefix=server.slurm.job_prefix,
-        usage_db=Path(server.state_dir) / "usage.sqlite3",
+        usage=usage_queries(server),
         window=window,
         kind=by,
         header={
@@ -821,7 +822,7 @@ def _print_audit(rows: Sequence[AuditRow], tot: Mapping[str, Any]) -> None:
 
 @main.group()
 def keys() -> None:
-    """Gateway API keys (router.keys_file in server.yaml)."""
+    """Gateway API keys (router.keys_file in server.yaml, or the shared database)."""
 
 
 _keys_file_option = click.option(
@@ -829,6 +830,22 @@ _keys_file_option = click.option(
     type=click.Path(dir_okay=False, path_type=Path),
     help="The key file (default: router.keys_file of --server).",
 )
+
+
+def _key_store(server_path: Path, keys_file: Path | None) -> Any:
+    """The keys: the file given, else the shared database (database: in server.yaml),
+    else router.keys_file."""
+    from llmgw_slurm.router.keys import KeyFile
+
+    if keys_file is not None:
+        return KeyFile(keys_file)
+    server = _load_server(server_path)
+    if server.database is not None:
+        from llmgw_slurm.db.connect import make_conninfo
+        from llmgw_slurm.db.keys import PgKeyStore
+
+        return PgKeyStore(make_conninfo(server.database, "llmgw-admin"))
+    return KeyFile(_keys_file(server_path, keys_file))
 
 
 def _keys_file(server_path: Path, keys_file: Path | None) -> Path:
@@ -866,10 +883,7 @@ def keys_add(
     user: str, project: str, server_path: Path, keys_file: Path | None, as_json: bool
 ) -> None:
     """Make a key for USER. The key is shown once; only its hash is stored."""
-    from llmgw_slurm.router.keys import add_key
-
-    path = _keys_file(server_path, keys_file)
-    new = add_key(path, user, project)
+    new = _key_store(server_path, keys_file).add(user, project)
     if as_json:
         print_json(dataclasses.asdict(new.record) | {"key": new.key})
         return
@@ -889,9 +903,7 @@ def keys_add(
 @friendly_errors
 def keys_list(server_path: Path, keys_file: Path | None, as_json: bool) -> None:
     """Every key (never the key itself): id, user, project, created, revoked."""
-    from llmgw_slurm.router.keys import list_keys
-
-    recs = list_keys(_keys_file(server_path, keys_file))
+    recs = _key_store(server_path, keys_file).list()
     if as_json:
         print_json([dataclasses.asdict(r) | {"active": r.active} for r in recs])
         return
@@ -917,9 +929,7 @@ def keys_list(server_path: Path, keys_file: Path | None, as_json: bool) -> None:
 @friendly_errors
 def keys_revoke(key_id: str, server_path: Path, keys_file: Path | None) -> None:
     """Revoke a key by its id; the gateway refuses it from the next request on."""
-    from llmgw_slurm.router.keys import revoke_key
-
-    rec = revoke_key(_keys_file(server_path, keys_file), key_id)
+    rec = _key_store(server_path, keys_file).revoke(key_id)
     click.echo(f"key {rec.key_id} of {rec.user} revoked")
 
 

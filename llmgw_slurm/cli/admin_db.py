@@ -31,7 +31,7 @@ def _database(server: ServerConfig) -> Any:
     if server.database is None:
         raise click.ClickException(
             "server.yaml has no database: block: this daemon keeps its state in its state "
-            "directory (docs/operations.md, \"Two login nodes\", says how to share it)"
+            'directory (docs/operations.md, "Two login nodes", says how to share it)'
         )
     return make_conninfo(server.database, "llmgw-admin")
 

@@ -15,8 +15,9 @@ from typing import Any
 import click
 
 from llmgw_slurm.cli.common import friendly_errors, parse_when, print_json, table
+from llmgw_slurm.cli.stores import usage_queries
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.router.usage import USAGE_GROUPS, usage_by
+from llmgw_slurm.router.usage import USAGE_GROUPS
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -37,8 +38,7 @@ def usage_command(
     def usage(by: str, since: str, as_json: bool, server_path: Path) -> None:
         """Requests and tokens through the gateway, by user, account, key or model."""
         t0 = parse_when(since, time.time())
-        db = Path(load_server(server_path).state_dir) / "usage.sqlite3"
-        rows = usage_by(db, by, t0)
+        rows = usage_queries(load_server(server_path)).by(by, t0)
         if as_json:
             print_json(rows)
             return

@@ -101,6 +101,8 @@ class Hub:
         self.last_contact: float | None = None  # monotonic
         self.last_error = ""
         self.listening = False
+        # Called after each read of the daemons' table.
+        self.on_daemons: Callable[[list[DaemonRow]], None] | None = None
         self._kick: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -206,6 +208,8 @@ class Hub:
                 await self.pull(topic)
         with contextlib.suppress(DatabaseError):
             self.daemons = await self.run_sql(_daemons)
+            if self.on_daemons is not None:
+                self.on_daemons(self.daemons)
 
     async def _resync(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -23,7 +23,7 @@ import psycopg
 
 from llmgw_slurm.config import DatabaseConfig, ServerConfig
 from llmgw_slurm.db.connect import Conninfo, connect, daemon_name, database_error, make_conninfo
-from llmgw_slurm.db.hub import Hub
+from llmgw_slurm.db.hub import DaemonRow, Hub
 from llmgw_slurm.db.lease import Lease
 from llmgw_slurm.db.replicas import DemandPart, ReplicaSync
 from llmgw_slurm.db.schema import check_schema
@@ -75,6 +75,21 @@ class Shared:
         self.hub.add(DemandPart(self.replicas))
         # Taking the lease wakes the passes (adoption from one squeue, at once).
         self.lease.on_change = lambda leading: rec.table.wake.set()
+        own = rec.jobs.daemon_url
+
+        def advertise(daemons: list[DaemonRow]) -> None:
+            # A job reports to this daemon first, then to the others alive now: the
+            # daemon that started it may be gone for good (failover) while it runs.
+            others = [
+                d.internal_url
+                for d in daemons
+                if d.name != self.name and d.stopped_at is None and d.internal_url != own
+            ]
+            urls = ",".join(dict.fromkeys([own, *others]))
+            if rec.jobs.daemon_url != urls:
+                rec.pass_loop.jobs = dataclasses.replace(rec.jobs, daemon_url=urls)
+
+        self.hub.on_daemons = advertise
 
     async def start(self, gateway_url: str, internal_url: str) -> None:
         await self.hub.start(gateway_url, internal_url)

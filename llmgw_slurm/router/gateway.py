@@ -61,7 +61,7 @@ from llmgw_slurm.router.upstream import (
     UpstreamPool,
     UpstreamUnreachable,
 )
-from llmgw_slurm.router.usage import UsageRecord, UsageStore
+from llmgw_slurm.router.usage import UsageRecord, UsageSink
 
 __all__ = ["GATEWAY_KEY", "Client", "Deliver", "Gateway", "LanePlan", "create_app", "request_key"]
 
@@ -336,7 +336,7 @@ class Gateway:
         config: RouterConfig,
         *,
         keys: KeyRing | None,
-        usage: UsageStore | None,
+        usage: UsageSink | None,
         registry: CollectorRegistry,
         quota: QuotaBook | None = None,
         tracer: trace.Tracer | None = None,
@@ -1582,7 +1582,7 @@ def create_app(
     config: RouterConfig | None = None,
     *,
     keys: KeyRing | None = None,
-    usage: UsageStore | None = None,
+    usage: UsageSink | None = None,
     registry: CollectorRegistry | None = None,
     quota: QuotaBook | None = None,
     tracer: trace.Tracer | None = None,

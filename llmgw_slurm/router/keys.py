@@ -30,10 +30,10 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -42,8 +42,10 @@ from llmgw_slurm.fsutil import atomic_write, locked
 
 __all__ = [
     "REQUEST_KEY",
+    "KeyFile",
     "KeyRecord",
     "KeyRing",
+    "KeyStore",
     "NewKey",
     "TooManyKeys",
     "add_key",
@@ -168,26 +170,26 @@ def add_key(path: Path, user: str, project: str = "", *, limit: int | None = Non
 
     ``limit``: refuse (TooManyKeys) when ``user`` already has this many active keys.
     """
-    for what, value in (("user", user), ("project", project)):
-        if value or what == "user":
-            check_name(what, value)
+    check_names(user, project)
     with _locked(path):
         records = _load(path)
         if limit is not None:
-            held = sum(1 for r in records.values() if r.user == user and r.active)
-            if held >= limit:
-                raise TooManyKeys(
-                    f"user {user} has {held} active keys, the most one user may; "
-                    "revoke one first (llmgw keys revoke ID)"
-                )
-        key_id = secrets.token_hex(4)
-        while key_id in records:
-            key_id = secrets.token_hex(4)
-        key = f"llmgw-{key_id}-{secrets.token_urlsafe(32)}"
-        rec = KeyRecord(key_id, user, project, _hash(key), time.time())
-        records[key_id] = rec
+            check_limit(
+                user, sum(1 for r in records.values() if r.user == user and r.active), limit
+            )
+        new = new_key(user, project, records)
+        records[new.record.key_id] = new.record
         _write(path, records)
-    return NewKey(rec, key)
+    return new
+
+
+def check_limit(user: str, held: int, limit: int) -> None:
+    """TooManyKeys when ``user`` holds ``limit`` active keys already."""
+    if held >= limit:
+        raise TooManyKeys(
+            f"user {user} has {held} active keys, the most one user may; "
+            "revoke one first (llmgw keys revoke ID)"
+        )
 
 
 def list_keys(path: Path) -> list[KeyRecord]:
@@ -228,12 +230,63 @@ def revoke_own_key(path: Path, key_id: str, user: str) -> KeyRecord | None:
     return rec
 
 
-class KeyRing:
-    """The gateway's view of the key file, reread when the file changes."""
+class KeyStore(Protocol):
+    """Where keys are kept: :class:`KeyFile` (the keys file) or the shared database
+    (llmgw_slurm.db.keys). The same rules either way: ids unique, a user's active keys
+    capped by ``limit``, revocation by id, a user's own revocation as the same None for
+    another user's key as for an unknown one."""
 
-    def __init__(self, path: Path) -> None:
+    def add(self, user: str, project: str = "", *, limit: int | None = None) -> NewKey: ...
+
+    def list(self) -> list[KeyRecord]: ...
+
+    def revoke(self, key_id: str) -> KeyRecord: ...
+
+    def revoke_own(self, key_id: str, user: str) -> KeyRecord | None: ...
+
+
+@dataclass(frozen=True)
+class KeyFile:
+    """:class:`KeyStore` on the keys file (router.keys_file)."""
+
+    path: Path
+
+    def add(self, user: str, project: str = "", *, limit: int | None = None) -> NewKey:
+        return add_key(self.path, user, project, limit=limit)
+
+    def list(self) -> list[KeyRecord]:
+        return list_keys(self.path)
+
+    def revoke(self, key_id: str) -> KeyRecord:
+        return revoke_key(self.path, key_id)
+
+    def revoke_own(self, key_id: str, user: str) -> KeyRecord | None:
+        return revoke_own_key(self.path, key_id, user)
+
+
+def check_names(user: str, project: str) -> None:
+    for what, value in (("user", user), ("project", project)):
+        if value or what == "user":
+            check_name(what, value)
+
+
+def new_key(user: str, project: str, taken: Container[str]) -> NewKey:
+    """A fresh key for ``user`` whose id is not in ``taken``, and its record."""
+    check_names(user, project)
+    key_id = secrets.token_hex(4)
+    while key_id in taken:
+        key_id = secrets.token_hex(4)
+    key = f"llmgw-{key_id}-{secrets.token_urlsafe(32)}"
+    return NewKey(KeyRecord(key_id, user, project, _hash(key), time.time()), key)
+
+
+class KeyRing:
+    """The gateway's view of the keys: the key file, reread when it changes; or, with
+    ``path`` None, the records the shared database's copy gives it (:meth:`update`)."""
+
+    def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._fspath = os.fspath(path)
+        self._fspath = os.fspath(path) if path is not None else ""
         self._stamp: tuple[int, int] | None = None
         self._records: dict[str, KeyRecord] = {}
         # The keys checked since the file last changed, by a hash keyed with a
@@ -246,7 +299,18 @@ class KeyRing:
         self._checked: dict[bytes, KeyRecord] = {}
         self._reload()
 
+    def update(self, records: dict[str, KeyRecord]) -> None:
+        """Take ``records`` as the keys (the shared database's copy); checks kept of
+        keys since changed are dropped, so a revocation holds from the next request."""
+        self._records, self._checked = records, {}
+
+    @property
+    def records(self) -> dict[str, KeyRecord]:
+        return self._records
+
     def _reload(self) -> None:
+        if self.path is None:
+            return
         try:
             # os.stat on the path's string: pathlib's stat costs several times
             # the call itself on a cold CPU, and this runs once a request.
