@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
 from llmgw_slurm.router.quota import quota_book
-from llmgw_slurm.router.usage import UsageStore
+from llmgw_slurm.router.usage import UsageSink, UsageStore
 from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import REPORT_SCHEME, AdminToken, load_or_create_server_key
 from llmgw_slurm.slurm import make_backend
@@ -98,7 +99,7 @@ def internal_app(rec: Reconciler) -> web.Application:
     return app
 
 
-def add_status_routes(app: web.Application, rec: Reconciler) -> None:
+def add_status_routes(app: web.Application, rec: Reconciler, shared: Shared | None = None) -> None:
     async def status(request: web.Request) -> web.Response:
         return web.json_response(api.status_json(rec, api.caller_may_see(app, request)))
 
@@ -123,12 +124,35 @@ def add_status_routes(app: web.Application, rec: Reconciler) -> None:
         rec.want(canonical)
         return web.json_response({"ok": True, "model": canonical})
 
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "passes": rec.passes})
+    async def health(request: web.Request) -> web.Response:
+        return health_answer(rec, shared, strict=request.query.get("strict") == "1")
 
     app.router.add_get("/api/v1/status", status)
     app.router.add_post("/api/v1/models/{model}/up", want)
     app.router.add_get("/healthz", health)
+
+
+def health_answer(rec: Reconciler, shared: Shared | None, *, strict: bool) -> web.Response:
+    """``/healthz``: 200 while this daemon serves. With a database: whether it reaches
+    it, whether it leads; ``?strict=1`` answers 503 while it is out of touch with the
+    database (a load balancer that would rather send everything to another daemon
+    then; with the database down for all, every daemon is out of touch)."""
+    body: dict[str, Any] = {"ok": True, "passes": rec.passes}
+    if shared is None:
+        return web.json_response(body)
+    st = shared.status()
+    ok = shared.healthy()
+    body.update(
+        database="ok" if ok else f"out of touch ({st['last_contact_s']}s; {st['last_error']})",
+        daemon=st["this"],
+        leading=st["leading"],
+        leader=st["leader"],
+        epoch=st["epoch"],
+    )
+    if strict and not ok:
+        body["ok"] = False
+        return web.json_response(body, status=503)
+    return web.json_response(body)
 
 
 @dataclass
@@ -223,17 +247,18 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     if shared is not None:
         shared.attach(rec)
         rec.cluster = shared.status
-    keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
-    usage = UsageStore(state / "usage.sqlite3")
-    quota = quota_book(server, usage.path) if keys is not None else None
+    keys, usage = _keys_and_usage(server, state, shared)
+    quota = quota_book(server, state / "usage.sqlite3") if keys is not None else None
     gateway = create_app(rec, server.router, keys=keys, usage=usage, quota=quota, tracer=tracer)
     gateway[RECONCILER_KEY] = rec
-    add_status_routes(gateway, rec)
+    add_status_routes(gateway, rec, shared)
     api.add_cli_routes(gateway, rec)
     if keys is not None and server.login.enabled:
-        add_login_routes(
-            gateway, login_settings(server), keys.lookup, sacctmgr_associations(server)
-        )
+        settings = login_settings(server)
+        if shared is not None:
+            learned = shared.keys.learn if shared.keys is not None else None
+            settings = dataclasses.replace(settings, store=shared.key_store(), learned=learned)
+        add_login_routes(gateway, settings, keys.lookup, sacctmgr_associations(server))
     token = AdminToken(state / "admin.token")
     token.ensure()
     d = Daemon(
@@ -247,7 +272,12 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         token,
         provider,
     )
-    install_batch_api(gateway, d.internal, server, backend, rec, key, daemon_url, usage)
+    batches = shared.batch_store(server.batch_directory) if shared is not None else None
+    svc = install_batch_api(
+        gateway, d.internal, server, backend, rec, key, daemon_url, usage, batches
+    )
+    if shared is not None:
+        svc.fence = shared.lease
     api.add_admin_routes(d.internal, rec, api.token_gate(token), d.reload)
     api.add_admin_routes(d.admin, rec, api.peer_gate(server.admin_group), d.reload)
     chartsapi.add_chart_routes(gateway, rec, store)
@@ -258,6 +288,18 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     d.heap = HeapTrimmer(gateway[GATEWAY_KEY].metrics.registry, glibc_heap())
     d.shared = shared
     return d
+
+
+def _keys_and_usage(
+    server: ServerConfig, state: Path, shared: Shared | None
+) -> tuple[KeyRing | None, UsageSink]:
+    """The gateway's keys (None: keys off) and usage: the state directory's, or the
+    shared database's with a database: block (router.keys_file then only turns keys on)."""
+    keys_on = server.router.keys_file is not None
+    if shared is not None:
+        return (shared.key_ring() if keys_on else None), shared.usage_store(state)
+    keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
+    return keys, UsageStore(state / "usage.sqlite3")
 
 
 def _shared(server: ServerConfig) -> Shared | None:

@@ -46,6 +46,7 @@ from llmgw_slurm.catalog import Catalog
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.durations import parse_duration
 from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.reconciler.fence import Fence, Unfenced
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.secrets import batch_secret
 from llmgw_slurm.slurm.types import Job, JobState, SlurmBackend
@@ -97,6 +98,9 @@ class BatchService:
         self._shard_counts: dict[str, dict[int, dict[str, int]]] = {}
         # Called with each batch once it ends (its tokens go to the usage store).
         self.on_usage: Callable[[BatchRecord], None] | None = None
+        # Who may submit and cancel batch jobs (several daemons on one database: the
+        # reconciler's lease holder, whose poll submits what another daemon created).
+        self.fence: Fence = Unfenced()
 
     # ---- create and cancel ------------------------------------------------------------
 
@@ -181,6 +185,9 @@ class BatchService:
             shards=shards_for(self.server, checked.total),
         )
         self.store.save(batch)
+        if not self.fence.acting():
+            # Another daemon leads: its next poll submits the job (rule 1).
+            return batch
         return await self._submit(batch)
 
     def _check_active(self, owner: str) -> None:
@@ -215,7 +222,8 @@ class BatchService:
             )
         batch = transition(batch, BatchStatus.CANCELLING, self.clock())
         self.store.save(batch)
-        if batch.job_id:
+        if batch.job_id and self.fence.acting():
+            # Otherwise the leader's next poll cancels it (rule 2's cancel, every poll).
             await self._cancel_job(batch)
         return batch
 
@@ -232,10 +240,14 @@ class BatchService:
         spec = self.jobs.spec(
             batch, model, self.store.data_path(batch.input_file_id), self.store.work_dir(batch.id)
         )
+        ticket = await self.fence.begin("batch-submit", batch.model, batch.id, spec.name)
+        if ticket is None:
+            return batch
         self._submitting.add(batch.id)
         try:
             job_id = await self.backend.submit(spec)
         except SlurmError as err:
+            await self.fence.end(ticket, f"failed: {err}")
             # Kept in progress without a job: the next poll tries again.
             log.warning("batch %s: submitting its job failed: %s", batch.id, err)
             current = self.store.get(batch.id) or batch
@@ -244,6 +256,7 @@ class BatchService:
             return current
         finally:
             self._submitting.discard(batch.id)
+        await self.fence.end(ticket, f"job {job_id}")
         log.info("batch %s: job %s submitted (%s)", batch.id, job_id, batch.model)
         current = self.store.get(batch.id) or batch
         current = replace(
@@ -255,10 +268,15 @@ class BatchService:
         return current
 
     async def _cancel_job(self, batch: BatchRecord) -> None:
+        ticket = await self.fence.begin("batch-cancel", batch.model, batch.id, batch.job_id)
+        if ticket is None:
+            return
         try:
             await self.backend.cancel(batch.job_id)
         except SlurmError as err:
             log.warning("batch %s: cancelling job %s failed: %s", batch.id, batch.job_id, err)
+        finally:
+            await self.fence.end(ticket, "cancelled")
 
     def _fail(self, batch: BatchRecord, code: str, message: str) -> BatchRecord:
         now = self.clock()
@@ -287,10 +305,15 @@ class BatchService:
             log.warning("batch poll: Slurm did not answer: %s", err)
             return
         self.last_poll_error = ""
+        # A new leader: batches whose sbatch an earlier leader began and never said it
+        # finished wait until their job is listed (then adopted) or the action's deadline.
+        waiting = {o.replica_id for o in await self.fence.open_submits(set(listed))}
         for b in active:
             # Read again: an earlier batch's await may have let a cancel or a report in.
             batch = self.store.get(b.id)
             if batch is None or batch.status.is_final or b.id in self._submitting:
+                continue
+            if b.id in waiting:
                 continue
             if batch.job_id != b.job_id:
                 # Its job was submitted while the listing was taken: the listing
@@ -462,7 +485,8 @@ class BatchService:
         interval = self.server.batch.poll_interval
         while not stop.is_set():
             try:
-                await self.poll()
+                if self.fence.acting():
+                    await self.poll()
             except Exception:
                 # One bad batch must not stop every other batch's progress.
                 log.exception("batch poll failed")

@@ -28,10 +28,12 @@ def install(
     server_key: bytes,
     daemon_url: str,
     usage: UsageSink | None,
+    store: BatchStore | None = None,
 ) -> BatchService:
     """The Batch API on the daemon's apps. ``rec``: the reconciler (catalog, report
-    nonces, the gateway's certificate), taken as is so this package does not import it."""
-    store = BatchStore(server.batch_directory)
+    nonces, the gateway's certificate), taken as is so this package does not import it.
+    ``store``: where the records are kept (default: files in batch.directory)."""
+    store = store if store is not None else BatchStore(server.batch_directory)
     jobs = BatchJobs(server, server_key, daemon_url, rec.engine_tls.identity.cert_pem)
     svc = BatchService(store, server, backend, lambda: rec.catalog, jobs, rec.verifier)
     if usage is not None:

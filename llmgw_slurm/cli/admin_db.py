@@ -75,32 +75,8 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
         out = _status(_database(load_server(server_path)))
         if as_json:
             print_json(out)
-            return
-        now = out["now"]
-        lease = out["lease"]
-        click.echo(f"schema version {out['schema']}")
-        live = lease["expires"] is not None and lease["expires"] > now
-        click.echo(
-            f"leader: {lease['holder'] or 'none'}"
-            + (
-                f", epoch {lease['epoch']}, since {_ago(lease['since'], now)}"
-                if lease["holder"]
-                else ""
-            )
-            + ("" if live or not lease["holder"] else " (lease expired)")
-        )
-        rows = [
-            (
-                d["name"],
-                d["host"],
-                str(d["pid"]),
-                d["version"],
-                _ago(d["last_seen"], now),
-                "stopped" if d["stopped_at"] else "",
-            )
-            for d in out["daemons"]
-        ]
-        click.echo(table(("daemon", "host", "pid", "version", "last contact", ""), rows))
+        else:
+            _print_status(out)
 
     @db.command("import")
     @click.argument("state_dir", type=click.Path(file_okay=False, path_type=Path))
@@ -134,6 +110,30 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
             click.echo(f"{what}: {n}")
 
     return db
+
+
+def _print_status(out: dict[str, Any]) -> None:
+    now = out["now"]
+    lease = out["lease"]
+    click.echo(f"schema version {out['schema']}")
+    live = lease["expires"] is not None and lease["expires"] > now
+    who = lease["holder"] or "none"
+    if lease["holder"]:
+        who += f", epoch {lease['epoch']}, since {_ago(lease['since'], now)}"
+        who += "" if live else " (lease expired)"
+    click.echo(f"leader: {who}")
+    rows = [
+        (
+            d["name"],
+            d["host"],
+            str(d["pid"]),
+            d["version"],
+            _ago(d["last_seen"], now),
+            "stopped" if d["stopped_at"] else "",
+        )
+        for d in out["daemons"]
+    ]
+    click.echo(table(("daemon", "host", "pid", "version", "last contact", ""), rows))
 
 
 def _status(info: Any) -> dict[str, Any]:

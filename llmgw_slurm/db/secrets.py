@@ -58,6 +58,9 @@ def offer_secrets(conn: psycopg.Connection[Any], state_dir: Path) -> None:
 def share_secrets(conn: psycopg.Connection[Any], state_dir: Path) -> None:
     """Make ``state_dir`` hold the database's secrets (offering its own if the database
     has none); DatabaseError when its own differ."""
+    # Made by this start (a new login node, or two daemons' first start at once): the
+    # database's copy wins, silently; only one a daemon ran with is worth refusing for.
+    existed = {name: (state_dir / name).exists() for name in SHARED_FILES}
     if not _stored(conn):
         offer_secrets(conn, state_dir)
     stored = _stored(conn)
@@ -71,7 +74,7 @@ def share_secrets(conn: psycopg.Connection[Any], state_dir: Path) -> None:
     for name in SHARED_FILES:
         path = state_dir / name
         mine = _read(path)
-        if mine is None:
+        if mine is None or not existed[name]:
             atomic_write(path, stored[name], mode=0o600)
         elif mine.strip() != stored[name].strip():
             raise DatabaseError(

@@ -22,14 +22,18 @@ from typing import Any
 import psycopg
 
 from llmgw_slurm.config import DatabaseConfig, ServerConfig
+from llmgw_slurm.db.batches import BatchesPart, PgBatchStore
 from llmgw_slurm.db.connect import Conninfo, connect, daemon_name, database_error, make_conninfo
 from llmgw_slurm.db.hub import DaemonRow, Hub
+from llmgw_slurm.db.keys import KeysPart, PgKeyStore
 from llmgw_slurm.db.lease import Lease
 from llmgw_slurm.db.replicas import DemandPart, ReplicaSync
 from llmgw_slurm.db.schema import check_schema
 from llmgw_slurm.db.secrets import share_secrets
+from llmgw_slurm.db.usage import PgUsageStore
 from llmgw_slurm.errors import DatabaseError
 from llmgw_slurm.reconciler.core import Reconciler
+from llmgw_slurm.router.keys import KeyRing
 
 __all__ = ["Shared", "check_database", "prepare"]
 
@@ -65,11 +69,15 @@ class Shared:
     lease: Lease
     hub: Hub
     replicas: ReplicaSync | None = None
+    keys: KeysPart | None = None
+    rec: Reconciler | None = None
+    batches: PgBatchStore | None = None
     started_at: float = field(default_factory=time.time)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def attach(self, rec: Reconciler) -> None:
         """Share ``rec``'s replica table; a leader's first pass at once on taking the lease."""
+        self.rec = rec
         self.replicas = ReplicaSync(self.hub, rec.table, rec.directory, self.lease.acting)
         self.hub.add(self.replicas, "decisions")
         self.hub.add(DemandPart(self.replicas))
@@ -99,6 +107,8 @@ class Shared:
         parts = [self.lease.run(stop), self.hub.run(stop)]
         if self.replicas is not None:
             parts.append(self.replicas.run(stop))
+        if self.batches is not None:
+            parts.append(self.batches.run(stop))
         self._tasks = [asyncio.create_task(p) for p in parts]
         try:
             await asyncio.gather(*self._tasks)
@@ -113,6 +123,27 @@ class Shared:
                 await self.replicas.push()
         await self.lease.release()
         await self.hub.close()
+
+    # ---- the stores, on the database ---------------------------------------------------
+
+    def key_ring(self) -> KeyRing:
+        """The gateway's keys: the database's, kept in memory and in step."""
+        ring = KeyRing(None)
+        self.keys = KeysPart(self.hub, ring)
+        self.hub.add(self.keys)
+        return ring
+
+    def key_store(self) -> PgKeyStore:
+        # Not this daemon's own name: its hub must hear its own store's changes too.
+        return PgKeyStore(self.info, f"{self.name}/store")
+
+    def usage_store(self, state_dir: Path) -> PgUsageStore:
+        return PgUsageStore(self.hub, state_dir)
+
+    def batch_store(self, root: Path) -> PgBatchStore:
+        self.batches = PgBatchStore(root, self.hub)
+        self.hub.add(BatchesPart(self.hub, self.batches))
+        return self.batches
 
     def healthy(self) -> bool:
         """Whether this daemon has reached the database lately (for /healthz)."""
@@ -132,6 +163,12 @@ class Shared:
             "leader_holder": st.holder,
             "epoch": st.epoch,
             "leader_since": st.since,
+            # When this daemon's first pass under the current epoch began (it leads).
+            "first_pass_at": (
+                self.rec.pass_loop.first_pass_at.get(st.epoch) if self.rec is not None else None
+            ),
+            "lease_taken": self.lease.taken,
+            "fenced": self.lease.fenced,
             "lease_expires": st.expires,
             "last_contact_s": None if last is None else round(now - last, 3),
             "last_error": self.hub.last_error or self.lease.last_error,

@@ -34,7 +34,7 @@ from llmgw_slurm.db.connect import Conninfo, connect
 from llmgw_slurm.db.hub import DB_ERRORS, Hub
 from llmgw_slurm.router.usage import USAGE_GROUPS, UsageRecord, UsageSummary
 
-__all__ = ["PgUsage", "PgUsageStore", "period_keys"]
+__all__ = ["PgUsage", "PgUsageStore", "period_keys", "spend_of"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _row(origin: str, seq: int, r: UsageRecord) -> Row:
     )
 
 
-def _spend(rows: Iterable[tuple[float, str, str, int]]) -> Counter[tuple[str, str, str]]:
+def spend_of(rows: Iterable[tuple[float, str, str, int]]) -> Counter[tuple[str, str, str]]:
     """Tokens per (kind, name, period) of the records written."""
     out: Counter[tuple[str, str, str]] = Counter()
     for ts, user, project, total in rows:
@@ -101,7 +101,7 @@ async def write_rows(conn: psycopg.AsyncConnection[Any], rows: Sequence[Row], hu
                 written.extend(await cur.fetchall())
                 if not cur.nextset():  # the next record's RETURNING (sync: already read)
                     break
-        spend = _spend(written)
+        spend = spend_of(written)
         if spend:
             await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SPEND_LOCK,))
             async with conn.cursor() as cur:

@@ -94,6 +94,9 @@ class PassLoop:
         # name, and parsing 2,000 names per pass cost 3 ms.
         self._idents: dict[str, tuple[str, str] | None] = {}
         self.passes = 0
+        # Under each lease epoch this daemon held, when its first pass began (Unix
+        # time): a failover's end, for status and bench/ha.py.
+        self.first_pass_at: dict[int, float] = {}
         self.last_pass_error = ""
         self._consecutive_errors = 0
 
@@ -106,6 +109,9 @@ class PassLoop:
         interval = self.server.reconcile.interval
         while not stop.is_set():
             if self.fence.acting():
+                epoch = self.fence.epoch
+                if epoch is not None and epoch not in self.first_pass_at:
+                    self.first_pass_at[epoch] = time.time()
                 await self.pass_once()
             # Not leading (another daemon holds the lease): no squeue, no plan; the
             # directory follows the leader's table through the database.

@@ -199,7 +199,7 @@ def test_server_errors_are_all_reported_with_suggestions(tmp_path: Path) -> None
         "bytes, or with a unit: 512K, 16M, 16MiB, 1G",
         "F:10: router.retry_once: expected true or false, got the string 'yes'",
         "F:11: gatway: unknown key 'gatway' (valid keys: admin_group, admin_socket, "
-        "agent_config, batch, listen, login, models, quotas, reconcile, router, runtime_dir, "
+        "agent_config, batch, database, listen, login, models, quotas, reconcile, router, runtime_dir, "
         "slurm, state_dir, templates_dir, tls, tracing)",
     ]
     text = "reconcile: {restart: {initial_backoff: 1h, max_backoff: 10m}}\n"
