@@ -39,7 +39,7 @@ from llmgw_slurm.router import create_app, fastlane
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
-from llmgw_slurm.router.quota import quota_book
+from llmgw_slurm.router.quota import QuotaBook, quota_book
 from llmgw_slurm.router.usage import UsageSink, UsageStore
 from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import REPORT_SCHEME, AdminToken, load_or_create_server_key
@@ -248,7 +248,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         shared.attach(rec)
         rec.cluster = shared.status
     keys, usage = _keys_and_usage(server, state, shared)
-    quota = quota_book(server, state / "usage.sqlite3") if keys is not None else None
+    quota = _quota(server, usage, shared) if keys is not None else None
     gateway = create_app(rec, server.router, keys=keys, usage=usage, quota=quota, tracer=tracer)
     gateway[RECONCILER_KEY] = rec
     add_status_routes(gateway, rec, shared)
@@ -300,6 +300,16 @@ def _keys_and_usage(
         return (shared.key_ring() if keys_on else None), shared.usage_store(state)
     keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
     return keys, UsageStore(state / "usage.sqlite3")
+
+
+def _quota(server: ServerConfig, usage: UsageSink, shared: Shared | None) -> QuotaBook:
+    """The quota book: on its own, or counting the other gateways' spend and holds."""
+    if shared is None:
+        return quota_book(server, usage.queries)
+    budgets, others = shared.quota_parts(usage)
+    book = quota_book(server, usage.queries, budgets=budgets, others=others)
+    others.book = book
+    return book
 
 
 def _shared(server: ServerConfig) -> Shared | None:

@@ -57,9 +57,10 @@ def quota_group(
         """
         if tokens_per_day is None and tokens_per_month is None:
             raise click.UsageError("give --tokens-per-day, --tokens-per-month or both")
-        path = budgets_path(load_server(server_path))
-        set_account_budget(path, account, AccountBudget(tokens_per_day, tokens_per_month))
-        click.echo(f"account {account}: {_describe(tokens_per_day, tokens_per_month)} ({path})")
+        where = _set(
+            load_server(server_path), account, AccountBudget(tokens_per_day, tokens_per_month)
+        )
+        click.echo(f"account {account}: {_describe(tokens_per_day, tokens_per_month)} ({where})")
 
     @quota.command("unset")
     @click.argument("account", callback=_account)
@@ -67,9 +68,8 @@ def quota_group(
     @friendly_errors
     def quota_unset(account: str, server_path: Path) -> None:
         """Remove ACCOUNT's own budgets: server.yaml's apply to it again."""
-        path = budgets_path(load_server(server_path))
-        set_account_budget(path, account, AccountBudget())
-        click.echo(f"account {account}: the budgets of server.yaml apply ({path})")
+        where = _set(load_server(server_path), account, AccountBudget())
+        click.echo(f"account {account}: the budgets of server.yaml apply ({where})")
 
     @quota.command("list")
     @server_option
@@ -78,7 +78,7 @@ def quota_group(
     def quota_list(server_path: Path, as_json: bool) -> None:
         """The server's quotas and every account's own budgets."""
         server = load_server(server_path)
-        budgets = AccountBudgets(budgets_path(server)).budgets
+        budgets = _budgets(server)
         q = server.quotas
         if as_json:
             print_json(
@@ -105,6 +105,28 @@ def quota_group(
             click.echo(table(("ACCOUNT", "TOKENS/DAY", "TOKENS/MONTH"), acc_rows))
 
     return quota
+
+
+def _set(server: ServerConfig, account: str, budget: AccountBudget) -> str:
+    """Set ``account``'s budgets where the daemons read them; where that is."""
+    if server.database is not None:
+        from llmgw_slurm.db.connect import make_conninfo
+        from llmgw_slurm.db.quota import set_budget
+
+        set_budget(make_conninfo(server.database, "llmgw-admin"), account, budget)
+        return "the shared database"
+    path = budgets_path(server)
+    set_account_budget(path, account, budget)
+    return str(path)
+
+
+def _budgets(server: ServerConfig) -> dict[str, AccountBudget]:
+    if server.database is not None:
+        from llmgw_slurm.db.connect import make_conninfo
+        from llmgw_slurm.db.quota import budgets_of
+
+        return budgets_of(make_conninfo(server.database, "llmgw-admin"))
+    return AccountBudgets(budgets_path(server)).budgets
 
 
 def _describe(day: int | None, month: int | None) -> str:

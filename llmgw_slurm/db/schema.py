@@ -91,6 +91,16 @@ CREATE TABLE llmgw_spend (
 );
 CREATE INDEX llmgw_spend_seq ON llmgw_spend (seq);
 
+-- Tokens each gateway's requests in flight hold per user and account (their
+-- reservations): the other gateways count them against the same budgets.
+CREATE TABLE llmgw_holds (
+    daemon text NOT NULL,
+    kind text NOT NULL,
+    name text NOT NULL,
+    tokens bigint NOT NULL,
+    PRIMARY KEY (daemon, kind, name)
+);
+
 -- Accounts' own budgets (llmgw-admin quota).
 CREATE TABLE llmgw_budgets (
     account text PRIMARY KEY,

@@ -27,6 +27,7 @@ from llmgw_slurm.db.connect import Conninfo, connect, daemon_name, database_erro
 from llmgw_slurm.db.hub import DaemonRow, Hub
 from llmgw_slurm.db.keys import KeysPart, PgKeyStore
 from llmgw_slurm.db.lease import Lease
+from llmgw_slurm.db.quota import SharedBudgets, SharedQuota
 from llmgw_slurm.db.replicas import DemandPart, ReplicaSync
 from llmgw_slurm.db.schema import check_schema
 from llmgw_slurm.db.secrets import share_secrets
@@ -72,6 +73,7 @@ class Shared:
     keys: KeysPart | None = None
     rec: Reconciler | None = None
     batches: PgBatchStore | None = None
+    quota: SharedQuota | None = None
     started_at: float = field(default_factory=time.time)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -109,6 +111,8 @@ class Shared:
             parts.append(self.replicas.run(stop))
         if self.batches is not None:
             parts.append(self.batches.run(stop))
+        if self.quota is not None:
+            parts.append(self.quota.run(stop))
         self._tasks = [asyncio.create_task(p) for p in parts]
         try:
             await asyncio.gather(*self._tasks)
@@ -144,6 +148,17 @@ class Shared:
         self.batches = PgBatchStore(root, self.hub)
         self.hub.add(BatchesPart(self.hub, self.batches))
         return self.batches
+
+    def quota_parts(self, usage: Any) -> tuple[SharedBudgets, SharedQuota]:
+        """The accounts' budgets and the other gateways' spend and holds, for the book;
+        ``usage`` (this daemon's PgUsageStore) tells what it wrote itself."""
+        budgets = SharedBudgets(self.hub)
+        self.quota = SharedQuota(self.hub)
+        self.hub.add(budgets)
+        self.hub.add(self.quota, "holds")
+        if isinstance(usage, PgUsageStore):
+            usage.on_spend = self.quota.wrote
+        return budgets, self.quota
 
     def healthy(self) -> bool:
         """Whether this daemon has reached the database lately (for /healthz)."""

@@ -24,7 +24,7 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +83,11 @@ def spend_of(rows: Iterable[tuple[float, str, str, int]]) -> Counter[tuple[str, 
     return out
 
 
-async def write_rows(conn: psycopg.AsyncConnection[Any], rows: Sequence[Row], hub: Hub) -> int:
-    """Insert ``rows`` (those not written before) and their spend; the number inserted."""
+async def write_rows(
+    conn: psycopg.AsyncConnection[Any], rows: Sequence[Row], hub: Hub
+) -> tuple[int, Counter[tuple[str, str, str]]]:
+    """Insert ``rows`` (those not written before) and their spend; (the number inserted,
+    the spend they added)."""
     async with conn.transaction():
         async with conn.cursor() as cur:
             await cur.executemany(
@@ -113,7 +116,7 @@ async def write_rows(conn: psycopg.AsyncConnection[Any], rows: Sequence[Row], hu
                     [(k, n, p, t) for (k, n, p), t in sorted(spend.items())],
                 )
             await hub.notify(conn, "spend")
-    return len(written)
+    return len(written), spend
 
 
 class PgUsageStore:
@@ -133,6 +136,9 @@ class PgUsageStore:
         self.written = 0
         self.spooled = 0
         self.queries = PgUsage(hub.info)
+        # Told what this run's records added to llmgw_spend (the quota book counted
+        # them already, as it spent them).
+        self.on_spend: Callable[[Mapping[tuple[str, str, str], int]], None] | None = None
 
     def record(self, rec: UsageRecord) -> None:
         self._pending.append(rec)
@@ -158,11 +164,13 @@ class PgUsageStore:
             await self._replay()
 
     async def _write(self, rows: Sequence[Row]) -> int:
-        async def work(conn: psycopg.AsyncConnection[Any]) -> int:
+        async def work(conn: psycopg.AsyncConnection[Any]) -> tuple[int, Any]:
             return await write_rows(conn, rows, self.hub)
 
-        n: int = await self.hub.run_sql(work)
-        return n
+        n, spend = await self.hub.run_sql(work)
+        if self.on_spend is not None and rows and rows[0][0] == self.origin:
+            self.on_spend(spend)
+        return int(n)
 
     async def _replay(self) -> None:
         lines = await asyncio.to_thread(_read_spool, self.spool)
