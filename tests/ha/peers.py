@@ -115,7 +115,7 @@ class Peer:
     def get(self, path: str, timeout: float = 5.0) -> dict[str, Any] | None:
         """GET a JSON answer from this peer's gateway; None when it does not answer."""
         try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:  # noqa: S310
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
                 data: dict[str, Any] = json.loads(r.read())
                 return data
         except (urllib.error.URLError, OSError, ValueError):

@@ -45,7 +45,9 @@ def _prefix() -> str:
 async def ready_on(p: Peer, model: str, timeout: float = 120.0) -> None:
     async def probe() -> bool:
         st = await p.status()
-        reps = [r for m in (st or {}).get("models", []) if m["name"] == model for r in m["replicas"]]
+        reps = [
+            r for m in (st or {}).get("models", []) if m["name"] == model for r in m["replicas"]
+        ]
         return any(r["state"] == "ready" for r in reps)
 
     await eventually(probe, f"a ready replica of {model} on {p.name}", timeout)
@@ -55,7 +57,9 @@ class Load:
     """Requests one after another from ``n`` clients through one gateway, until stopped."""
 
     def __init__(self, url: str, key: str, model: str, n: int = 4) -> None:
-        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+        self.client = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key=key, max_retries=0, timeout=30
+        )
         self.model = model
         self.n = n
         self.ok = 0
@@ -134,10 +138,10 @@ async def test_started_at_the_same_instant_ten_times(pgdb: PgDatabase, tmp_path:
             peers.start()
             leader = await peers.leader()
 
-            async def agreed() -> bool:
+            async def agreed(name: str = leader.name) -> bool:
                 # Both name the same one leader (a daemon just started reads it soon).
                 views = [await p.cluster() for p in peers.peers]
-                return all(v and v["leader"] == leader.name for v in views)
+                return all(v and v["leader"] == name for v in views)
 
             await eventually(agreed, f"both daemons to name {leader.name} in round {round_}")
 

@@ -76,7 +76,9 @@ def test_a_newer_schema_is_refused_and_left_alone(pgdb: PgDatabase, tmp_path: Pa
         )
         with pytest.raises(SchemaError, match=f"version {LATEST + 1}, newer"):
             check_schema(conn)
-    result = CliRunner().invoke(admin, ["db", "migrate", "--server", str(_server_yaml(tmp_path, pgdb))])
+    result = CliRunner().invoke(
+        admin, ["db", "migrate", "--server", str(_server_yaml(tmp_path, pgdb))]
+    )
     assert result.exit_code == 1
     assert f"version {LATEST + 1}, newer than this llmgw-slurm knows ({LATEST})" in result.output
     assert "Traceback" not in result.output

@@ -63,9 +63,7 @@ async def test_keys_and_a_day_budget_hold_across_both_gateways(
     pgdb: PgDatabase, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     prefix = "ha" + secrets.token_hex(3) + "."
-    peers = Peers.make(
-        tmp_path, prefix, pgdb, [SLOW], quotas={"user_tokens_per_day": BUDGET}
-    )
+    peers = Peers.make(tmp_path, prefix, pgdb, [SLOW], quotas={"user_tokens_per_day": BUDGET})
     try:
         peers.start()
         await peers.leader()
