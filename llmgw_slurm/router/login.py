@@ -176,7 +176,6 @@ class LoginRoutes:
         self.lookup = lookup
         self.associations = associations
         self.limit = RateLimit(settings.attempts_per_minute)
-        self.store: KeyStore = settings.store or KeyFile(settings.keys_file)
 
     async def login(self, request: web.Request) -> web.Response:
         host = request.remote or "?"
@@ -247,6 +246,10 @@ class LoginRoutes:
             self._learned(new.record)
             return new
         return _error(503, "the daemon cannot store keys now; try again", "keys_unavailable")
+
+    @property
+    def store(self) -> KeyStore:
+        return self.settings.store or KeyFile(self.settings.keys_file)
 
     def _learned(self, rec: KeyRecord) -> None:
         if self.settings.learned is not None:
