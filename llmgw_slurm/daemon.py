@@ -251,14 +251,12 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     quota = _quota(server, usage, shared) if keys is not None else None
     gateway = create_app(rec, server.router, keys=keys, usage=usage, quota=quota, tracer=tracer)
     gateway[RECONCILER_KEY] = rec
+    if shared is not None:
+        gateway[GATEWAY_KEY].responses = shared.response_homes()
     add_status_routes(gateway, rec, shared)
     api.add_cli_routes(gateway, rec)
     if keys is not None and server.login.enabled:
-        settings = login_settings(server)
-        if shared is not None:
-            learned = shared.keys.learn if shared.keys is not None else None
-            settings = dataclasses.replace(settings, store=shared.key_store(), learned=learned)
-        add_login_routes(gateway, settings, keys.lookup, sacctmgr_associations(server))
+        _add_login(gateway, server, keys, shared)
     token = AdminToken(state / "admin.token")
     token.ensure()
     d = Daemon(
@@ -288,6 +286,17 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     d.heap = HeapTrimmer(gateway[GATEWAY_KEY].metrics.registry, glibc_heap())
     d.shared = shared
     return d
+
+
+def _add_login(
+    gateway: web.Application, server: ServerConfig, keys: KeyRing, shared: Shared | None
+) -> None:
+    settings = login_settings(server)
+    if shared is not None:
+        # Keys made and revoked in the database; known here at once, elsewhere soon.
+        learned = shared.keys.learn if shared.keys is not None else None
+        settings = dataclasses.replace(settings, store=shared.key_store(), learned=learned)
+    add_login_routes(gateway, settings, keys.lookup, sacctmgr_associations(server))
 
 
 def _keys_and_usage(

@@ -133,6 +133,7 @@ CREATE TABLE llmgw_responses (
     epoch integer NOT NULL,
     owner text NOT NULL,
     counted boolean NOT NULL,
+    gone boolean NOT NULL DEFAULT false,
     created double precision NOT NULL,
     seq bigint NOT NULL DEFAULT nextval('llmgw_change_seq')
 );

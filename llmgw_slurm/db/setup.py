@@ -29,6 +29,7 @@ from llmgw_slurm.db.keys import KeysPart, PgKeyStore
 from llmgw_slurm.db.lease import Lease
 from llmgw_slurm.db.quota import SharedBudgets, SharedQuota
 from llmgw_slurm.db.replicas import DemandPart, ReplicaSync
+from llmgw_slurm.db.responses import SharedResponseHomes
 from llmgw_slurm.db.schema import check_schema
 from llmgw_slurm.db.secrets import share_secrets
 from llmgw_slurm.db.usage import PgUsageStore
@@ -74,6 +75,7 @@ class Shared:
     rec: Reconciler | None = None
     batches: PgBatchStore | None = None
     quota: SharedQuota | None = None
+    responses: SharedResponseHomes | None = None
     started_at: float = field(default_factory=time.time)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -113,6 +115,8 @@ class Shared:
             parts.append(self.batches.run(stop))
         if self.quota is not None:
             parts.append(self.quota.run(stop))
+        if self.responses is not None:
+            parts.append(self.responses.run(stop))
         self._tasks = [asyncio.create_task(p) for p in parts]
         try:
             await asyncio.gather(*self._tasks)
@@ -159,6 +163,12 @@ class Shared:
         if isinstance(usage, PgUsageStore):
             usage.on_spend = self.quota.wrote
         return budgets, self.quota
+
+    def response_homes(self) -> SharedResponseHomes:
+        """Where stored responses live, shared by the gateways."""
+        self.responses = SharedResponseHomes(self.hub)
+        self.hub.add(self.responses)
+        return self.responses
 
     def healthy(self) -> bool:
         """Whether this daemon has reached the database lately (for /healthz)."""
