@@ -89,7 +89,8 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
     @click.option(
         "--batch-dir",
         type=click.Path(file_okay=False, path_type=Path),
-        help="The old batch.directory (default: STATE_DIR/batch).",
+        help="The old batch.directory (default: batch.directory of server.yaml, else "
+        "STATE_DIR/batch).",
     )
     @friendly_errors
     def db_import(
@@ -105,7 +106,8 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
         info = _database(server)
         keys = keys_file or server.router.keys_file
         with contextlib.closing(connect(info)) as conn:
-            counts = import_state(conn, state_dir, keys, batch_dir or state_dir / "batch")
+            folder = batch_dir or server.batch.directory or state_dir / "batch"
+            counts = import_state(conn, state_dir, keys, folder)
         for what, n in counts.items():
             click.echo(f"{what}: {n}")
 

@@ -39,7 +39,7 @@ class Peer:
     name: str
     folder: Path
     prefix: str
-    db: dict[str, Any]
+    db: dict[str, Any] | None
     gateway_port: int = field(default_factory=free_port)
     internal_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -78,7 +78,7 @@ class Peer:
                 "restart": {"initial_backoff": "2s", "max_backoff": "20s"},
             },
             "router": {"hold_timeout": "90s", "keys_file": str(shared / "keys.json")},
-            "database": self.db,
+            **({"database": self.db} if self.db is not None else {}),
             **self.extra,
         }
         self.server_yaml.write_text(yaml.safe_dump(server, sort_keys=False))
