@@ -285,6 +285,8 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     d.trace_store = store
     d.heap = HeapTrimmer(gateway[GATEWAY_KEY].metrics.registry, glibc_heap())
     d.shared = shared
+    if shared is not None:
+        shared.register_metrics(gateway[GATEWAY_KEY].metrics.registry)
     return d
 
 

@@ -392,12 +392,46 @@ def status(
     if st.get("last_pass_error"):
         click.echo(f"WARNING: the last pass could not ask Slurm: {st['last_pass_error']}")
     now = float(st.get("now") or time.time())
+    if st.get("cluster"):
+        _print_cluster(st["cluster"], now)
     models = st.get("models") or []
     _print_models(models)
     _print_replicas(models)
     _print_service_jobs(st.get("jobs") or [])
     _print_nodes(st.get("nodes") or [], st.get("nodes_listed_at"), now)
     _print_decisions((st.get("decisions") or [])[-decisions:] if decisions > 0 else [], now)
+
+
+def _print_cluster(c: dict[str, Any], now: float) -> None:
+    """Several daemons on one database: who leads (epoch, since when), every daemon's
+    last contact with the database."""
+    since = c.get("leader_since")
+    ago = f", since {_age(now - since)} ago" if isinstance(since, int | float) else ""
+    leader = c.get("leader") or "none"
+    click.echo(f"leader: {leader} (epoch {c.get('epoch')}{ago}); this daemon: {c.get('this')}")
+    if c.get("last_error"):
+        click.echo(f"WARNING: the database: {c['last_error']}")
+    rows = []
+    for d in c.get("daemons") or []:
+        seen = d.get("last_seen")
+        state = "stopped" if d.get("stopped_at") else ("leads" if d["name"] == leader else "")
+        rows.append(
+            (
+                d["name"],
+                d.get("host", ""),
+                d.get("gateway_url", ""),
+                _age(now - seen) + " ago" if isinstance(seen, int | float) else "-",
+                state,
+            )
+        )
+    if rows:
+        click.echo(table(("DAEMON", "HOST", "GATEWAY", "DATABASE CONTACT", ""), rows))
+    click.echo()
+
+
+def _age(seconds: float) -> str:
+    s = max(0.0, seconds)
+    return f"{s:.1f}s" if s < 60 else f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
 def _print_models(models: list[dict[str, Any]]) -> None:

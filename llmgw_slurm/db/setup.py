@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from prometheus_client import CollectorRegistry
 
 from llmgw_slurm.config import DatabaseConfig, ServerConfig
 from llmgw_slurm.db.batches import BatchesPart, PgBatchStore
@@ -27,6 +28,7 @@ from llmgw_slurm.db.connect import Conninfo, connect, daemon_name, database_erro
 from llmgw_slurm.db.hub import DaemonRow, Hub
 from llmgw_slurm.db.keys import KeysPart, PgKeyStore
 from llmgw_slurm.db.lease import Lease
+from llmgw_slurm.db.metrics import SharedCollector
 from llmgw_slurm.db.quota import SharedBudgets, SharedQuota
 from llmgw_slurm.db.replicas import DemandPart, ReplicaSync
 from llmgw_slurm.db.responses import SharedResponseHomes
@@ -76,6 +78,7 @@ class Shared:
     batches: PgBatchStore | None = None
     quota: SharedQuota | None = None
     responses: SharedResponseHomes | None = None
+    usage: PgUsageStore | None = None
     started_at: float = field(default_factory=time.time)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -146,7 +149,8 @@ class Shared:
         return PgKeyStore(self.info, f"{self.name}/store")
 
     def usage_store(self, state_dir: Path) -> PgUsageStore:
-        return PgUsageStore(self.hub, state_dir)
+        self.usage = PgUsageStore(self.hub, state_dir)
+        return self.usage
 
     def batch_store(self, root: Path) -> PgBatchStore:
         self.batches = PgBatchStore(root, self.hub)
@@ -169,6 +173,10 @@ class Shared:
         self.responses = SharedResponseHomes(self.hub)
         self.hub.add(self.responses)
         return self.responses
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """The leader and lease figures on the gateway's /metrics."""
+        registry.register(SharedCollector(self))
 
     def healthy(self) -> bool:
         """Whether this daemon has reached the database lately (for /healthz)."""

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import secrets
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from click.testing import CliRunner
 
+from llmgw_slurm.cli.admin import main as admin
 from llmgw_slurm.db.keys import PgKeyStore
 from tests.ha.conftest import PgDatabase
 from tests.ha.peers import Peer, Peers
@@ -124,12 +128,36 @@ async def test_kill_the_leader_under_load(
         assert len(jobs) == 1, jobs
         assert f"epoch={first['epoch']}" in jobs[0]["comment"]
         await ready_on(survivor, "tiny")
+        await _said_everywhere(survivor, c["epoch"])
         with capsys.disabled():
             print(
                 f"\nfailover: kill -9 of {leader.name} to {survivor.name}'s first pass as leader "
                 f"(epoch {c['epoch']}): {c['first_pass_at'] - killed_at:.2f}s; "
                 f"{load.ok} requests through {survivor.name} meanwhile, none failed"
             )
+
+
+async def _said_everywhere(p: Peer, epoch: int) -> None:
+    """The leader, its epoch and the daemons: in llmgw-admin status, the page, /metrics
+    and /healthz."""
+    # In a thread: the CLI runs its own event loop.
+    argv = ["status", "--server", str(p.server_yaml)]
+    out = await asyncio.to_thread(CliRunner().invoke, admin, argv)
+    assert out.exit_code == 0, out.output
+    assert f"leader: {p.name} (epoch {epoch}, since " in out.output, out.output
+    assert re.search(r"^a +\S+ +http://\S+ +[\d.ms]+ ago", out.output, re.M), out.output
+    page = await asyncio.to_thread(_text, p.url + "/")
+    assert f"Leader: <b>{p.name}</b> (lease epoch {epoch}" in page
+    metrics = await asyncio.to_thread(_text, p.url + "/metrics")
+    assert f'llmgw_leader{{daemon="{p.name}"}} 1.0' in metrics
+    assert f'llmgw_lease_epoch{{daemon="{p.name}"}} {float(epoch)}' in metrics
+    health = p.get("/healthz")
+    assert health is not None and health["leading"] and health["database"] == "ok", health
+
+
+def _text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return str(r.read().decode())
 
 
 async def test_started_at_the_same_instant_ten_times(pgdb: PgDatabase, tmp_path: Path) -> None:
