@@ -275,7 +275,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         gateway, d.internal, server, backend, rec, key, daemon_url, usage, batches
     )
     if shared is not None:
-        svc.fence = shared.lease
+        shared.share_batches(svc)
     api.add_admin_routes(d.internal, rec, api.token_gate(token), d.reload)
     api.add_admin_routes(d.admin, rec, api.peer_gate(server.admin_group), d.reload)
     chartsapi.add_chart_routes(gateway, rec, store)

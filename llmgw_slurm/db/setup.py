@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import psycopg
 from prometheus_client import CollectorRegistry
 
+from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.config import DatabaseConfig, ServerConfig
 from llmgw_slurm.db.batches import BatchesPart, PgBatchStore
 from llmgw_slurm.db.connect import Conninfo, connect, daemon_name, database_error, make_conninfo
@@ -80,6 +82,9 @@ class Shared:
     responses: SharedResponseHomes | None = None
     usage: PgUsageStore | None = None
     started_at: float = field(default_factory=time.time)
+    # Told the daemons' internal URLs (this one's first) when they change: the
+    # batch jobs' reports too go to any daemon.
+    on_urls: list[Callable[[str], None]] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def attach(self, rec: Reconciler) -> None:
@@ -103,6 +108,8 @@ class Shared:
             urls = ",".join(dict.fromkeys([own, *others]))
             if rec.jobs.daemon_url != urls:
                 rec.pass_loop.jobs = dataclasses.replace(rec.jobs, daemon_url=urls)
+                for f in self.on_urls:
+                    f(urls)
 
         self.hub.on_daemons = advertise
 
@@ -167,6 +174,15 @@ class Shared:
         if isinstance(usage, PgUsageStore):
             usage.on_spend = self.quota.wrote
         return budgets, self.quota
+
+    def share_batches(self, svc: BatchService) -> None:
+        """The batch poll is the leader's (fenced); its jobs report to any daemon."""
+        svc.fence = self.lease
+
+        def advertise(urls: str) -> None:
+            svc.jobs = dataclasses.replace(svc.jobs, daemon_url=urls)
+
+        self.on_urls.append(advertise)
 
     def response_homes(self) -> SharedResponseHomes:
         """Where stored responses live, shared by the gateways."""
