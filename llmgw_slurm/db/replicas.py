@@ -235,6 +235,17 @@ class ReplicaSync:
                         ],
                     )
                     await self.hub.notify(conn, "decisions")
+                    if self.leading():
+                        # The recent decisions are what status shows: keep the last
+                        # ten thousand, and the actions' history (fencing) a week.
+                        await cur.execute(
+                            "DELETE FROM llmgw_decisions"
+                            " WHERE id < (SELECT max(id) - 10000 FROM llmgw_decisions)"
+                        )
+                        await cur.execute(
+                            "DELETE FROM llmgw_actions"
+                            " WHERE finished_at < now() - interval '7 days'"
+                        )
                 if load:
                     await cur.executemany(
                         "DELETE FROM llmgw_load WHERE daemon = %s AND replica_id = %s",
