@@ -36,7 +36,7 @@ __all__ = ["BatchesPart", "PgBatchStore"]
 log = logging.getLogger(__name__)
 
 _WRITE_LOCK = 0x6C6C6D6704  # batch records' writers, one at a time
-_FINAL = tuple(s.value for s in BatchStatus if s.is_final)
+_FINAL = [s.value for s in BatchStatus if s.is_final]
 
 
 class PgBatchStore(BatchStore):

@@ -132,6 +132,9 @@ def make_conninfo(cfg: DatabaseConfig, name: str) -> Conninfo:
 def database_error(info: Conninfo, exc: BaseException, doing: str = "connecting") -> DatabaseError:
     """A DatabaseError that says which server, what was being done, and libpq's words."""
     text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, psycopg.Error) and not isinstance(exc, psycopg.OperationalError):
+        # The server answered: a statement's error, not a way in.
+        return DatabaseError(f"database ({info.where}): {doing} failed: {text}")
     return DatabaseError(
         f"database ({info.where}): {doing} failed: {text}; check database: in server.yaml, "
         "that the server runs and lets this host in (pg_hba.conf), and the password file"

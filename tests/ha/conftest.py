@@ -34,7 +34,7 @@ class PgDatabase:
     name: str
 
     def config(self, **over: Any) -> DatabaseConfig:
-        return DatabaseConfig(dsn=self.dsn, password_file=self.password_file, **over)
+        return DatabaseConfig(**{"dsn": self.dsn, "password_file": self.password_file, **over})
 
     def info(self, name: str = "test") -> Conninfo:
         return make_conninfo(self.config(), name)
