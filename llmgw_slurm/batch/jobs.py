@@ -63,7 +63,14 @@ class BatchJobs:
     gateway_cert: str
     python: str = sys.executable
 
-    def spec(self, batch: BatchRecord, model: Model, input_path: Path, work: Path) -> JobSpec:
+    def spec(
+        self,
+        batch: BatchRecord,
+        model: Model,
+        input_path: Path,
+        work: Path,
+        lease_epoch: int | None = None,
+    ) -> JobSpec:
         cfg = self.server
         name = batch_job_prefix(cfg) + batch.id
         r = model.resources.with_slurm_defaults(
@@ -113,6 +120,8 @@ class BatchJobs:
             name=name,
             script=script,
             env=env,
-            comment=batch_comment(batch, model.name, gpus),
+            comment=batch_comment(batch, model.name, gpus)
+            # Several daemons on one database: the leader's lease epoch it was submitted under.
+            + (f" epoch={lease_epoch}" if lease_epoch is not None else ""),
             unset_env=("TRACEPARENT", "TRACESTATE"),
         )

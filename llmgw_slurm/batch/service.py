@@ -237,12 +237,17 @@ class BatchService:
             return self._fail(batch, "model_not_found", f"model {batch.model!r} left the catalog")
         if batch.id in self._submitting:
             return batch
-        spec = self.jobs.spec(
-            batch, model, self.store.data_path(batch.input_file_id), self.store.work_dir(batch.id)
-        )
-        ticket = await self.fence.begin("batch-submit", batch.model, batch.id, spec.name)
+        name = self.prefix + batch.id
+        ticket = await self.fence.begin("batch-submit", batch.model, batch.id, name)
         if ticket is None:
             return batch
+        spec = self.jobs.spec(
+            batch,
+            model,
+            self.store.data_path(batch.input_file_id),
+            self.store.work_dir(batch.id),
+            lease_epoch=ticket.epoch,
+        )
         self._submitting.add(batch.id)
         try:
             job_id = await self.backend.submit(spec)
