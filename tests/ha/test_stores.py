@@ -78,6 +78,23 @@ async def test_usage_is_spooled_while_the_database_is_away_and_written_once(
         await store.flush()
         assert totals(pgdb) == (5, 20, 20)
         assert not store.spool.exists()
+        # What llmgw-admin usage, audit and /api/v1/usage ask of it (synchronous: in a
+        # thread, as the daemon asks, since the proxy runs on this loop).
+        q = store.queries
+        assert await asyncio.to_thread(q.by, "user") == [
+            {
+                "user": "erin",
+                "requests": 5,
+                "prompt_tokens": 15,
+                "completion_tokens": 5,
+                "total_tokens": 20,
+            }
+        ]
+        [summary] = await asyncio.to_thread(lambda: q.query(user="erin"))
+        assert (summary.key_id, summary.project, summary.requests) == ("0a0a0a0a", "acct", 5)
+        assert await asyncio.to_thread(q.totals, 0.0) == {("erin", "acct"): 20}
+        by_account = await asyncio.to_thread(q.tokens_by, "account", "m", 0.0, time.time() + 1)
+        assert by_account == {"acct": 20}
     await proxy.cut()
 
 
