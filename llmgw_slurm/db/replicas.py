@@ -47,7 +47,7 @@ from llmgw_slurm.errors import DatabaseError
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.replicas import Decision, Replica, ReplicaTable
-from llmgw_slurm.slurm.types import JobState
+from llmgw_slurm.slurm.types import GpuCount, JobState, NodeInfo
 
 __all__ = ["ReplicaSync"]
 
@@ -99,6 +99,17 @@ def _decode(name: str, value: Any) -> Any:
     return value
 
 
+def _node(d: dict[str, Any]) -> NodeInfo:
+    return NodeInfo(
+        **{
+            **d,
+            "partitions": tuple(d["partitions"]),
+            "gpus": tuple(GpuCount(**g) for g in d["gpus"]),
+            "features": tuple(d["features"]) if d.get("features") is not None else None,
+        }
+    )
+
+
 def fields_of(r: Replica) -> dict[str, Any]:
     return {name: _encode(getattr(r, name)) for name in _FIELDS}
 
@@ -126,6 +137,8 @@ class ReplicaSync:
         self._load_sent: dict[str, tuple[int, float | None]] = {}
         self._demand_dirty: set[str] = set()
         self.last_decision_id = 0
+        # The node listing last written (leader) or taken (follower): its time.
+        self._nodes_at: float | None = None
         table.on_change.append(self._kick.set)
         table.on_record.append(self._record)
         directory.on_demand = self._demand
@@ -160,11 +173,12 @@ class ReplicaSync:
         decisions, self._decisions = self._decisions, []
         load = self._load_changes()
         demand = self._demand_rows()
-        if not (patches or gone or decisions or load or demand):
+        nodes = self._nodes_to_write()
+        if not (patches or gone or decisions or load or demand or nodes):
             return
         try:
             await self.hub.run_sql(
-                lambda conn: self._write(conn, patches, gone, decisions, load, demand)
+                lambda conn: self._write(conn, patches, gone, decisions, load, demand, nodes)
             )
         except BaseException:
             # Written next time: put the decisions back, forget what was "sent".
@@ -173,6 +187,8 @@ class ReplicaSync:
                 self.base.pop(rid, None)
             self._load_sent.clear()
             self._demand_dirty.update(m for m, *_ in demand)
+            if nodes:
+                self._nodes_at = None
             raise
 
     def _changes(self) -> tuple[dict[str, tuple[str, dict[str, Any]]], list[str]]:
@@ -190,6 +206,14 @@ class ReplicaSync:
             for rid in gone:
                 del self.base[rid]
         return patches, gone
+
+    def _nodes_to_write(self) -> str:
+        """The leader's node listing as JSON, when it is newer than the one written."""
+        at = self.table.nodes_listed_at
+        if not self.leading() or at is None or at == self._nodes_at:
+            return ""
+        self._nodes_at = at
+        return json.dumps([dataclasses.asdict(n) for n in self.table.nodes])
 
     def _load_changes(self) -> list[tuple[str, int, float | None]]:
         out = []
@@ -217,9 +241,18 @@ class ReplicaSync:
         decisions: list[Decision],
         load: list[tuple[str, int, float | None]],
         demand: list[tuple[str, float | None, float | None]],
+        nodes: str,
     ) -> None:
         name = self.hub.name
         async with conn.transaction():
+            if nodes:
+                await conn.execute(
+                    "INSERT INTO llmgw_nodes (id, listed_at, nodes) VALUES (1, %s, %s)"
+                    " ON CONFLICT (id) DO UPDATE SET listed_at = EXCLUDED.listed_at,"
+                    " nodes = EXCLUDED.nodes",
+                    (self._nodes_at, nodes),
+                )
+                await self.hub.notify(conn, "nodes")
             if patches or gone:
                 await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
                 await self._write_replicas(conn, patches, gone)
@@ -321,6 +354,8 @@ class ReplicaSync:
             return rows, await cur.fetchall()
 
         rows, decisions = await self.hub.run_sql(read)
+        if not self.leading():
+            await self.pull_nodes()
         for rid, model, data, gone, seq in rows:
             self.last_seq = max(self.last_seq, int(seq))
             self.apply(rid, model, data, gone)
@@ -359,6 +394,27 @@ class ReplicaSync:
                     base[k] = v
         if r.base_url and r.state() is ReplicaState.READY:
             self.directory.signal_ready(model)
+
+    async def pull_nodes(self) -> None:
+        """A follower's node listing: the leader's last (no sinfo of its own)."""
+
+        async def read(conn: psycopg.AsyncConnection[Any]) -> Any:
+            cur = await conn.execute(
+                "SELECT listed_at, nodes FROM llmgw_nodes WHERE id = 1 AND listed_at > %s",
+                (self._nodes_at or 0.0,),
+            )
+            return await cur.fetchone()
+
+        row = await self.hub.run_sql(read)
+        if row is None:
+            return
+        try:
+            nodes = [_node(n) for n in row[1]]
+        except (TypeError, KeyError, ValueError) as exc:
+            log.warning("db: the shared node listing is unreadable, skipped: %s", exc)
+            return
+        self._nodes_at = float(row[0])
+        self.table.nodes, self.table.nodes_listed_at = nodes, self._nodes_at
 
     async def pull_load(self) -> None:
         """The other gateways' in-flight counts and last use (the leader's plan reads them)."""

@@ -209,6 +209,13 @@ CREATE TABLE llmgw_demand (
     PRIMARY KEY (daemon, model)
 );
 
+-- The leader's last node listing (sinfo), for every daemon's status page.
+CREATE TABLE llmgw_nodes (
+    id integer PRIMARY KEY CHECK (id = 1),
+    listed_at double precision NOT NULL,
+    nodes jsonb NOT NULL
+);
+
 -- The recent decisions the status page shows.
 CREATE TABLE llmgw_decisions (
     id bigserial PRIMARY KEY,

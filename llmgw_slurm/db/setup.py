@@ -91,7 +91,7 @@ class Shared:
         """Share ``rec``'s replica table; a leader's first pass at once on taking the lease."""
         self.rec = rec
         self.replicas = ReplicaSync(self.hub, rec.table, rec.directory, self.lease.acting)
-        self.hub.add(self.replicas, "decisions")
+        self.hub.add(self.replicas, "decisions", "nodes")
         self.hub.add(DemandPart(self.replicas))
         # Taking the lease wakes the passes (adoption from one squeue, at once).
         self.lease.on_change = lambda leading: rec.table.wake.set()

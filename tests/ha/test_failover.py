@@ -108,6 +108,13 @@ async def test_kill_the_leader_under_load(
         assert first is not None
         await ready_on(leader, "tiny")
         await ready_on(survivor, "tiny")
+
+        async def nodes_on_follower() -> bool:
+            # The follower lists nothing from Slurm: its page shows the leader's nodes.
+            st = await survivor.status()
+            return bool(st and {n["name"] for n in st["nodes"]} >= {"gpunode1", "gpunode5"})
+
+        await eventually(nodes_on_follower, "the leader's node listing on the follower")
         load = Load(survivor.url, key, "tiny")
         load.start()
         await asyncio.sleep(2)
