@@ -245,6 +245,10 @@ class Hub:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
 
+    def pull_soon(self, topic: str) -> None:
+        """Pull ``topic`` soon (outside a notification: a part that knows it is behind)."""
+        self._schedule(topic)
+
     def _schedule(self, topic: str) -> None:
         """Pull ``topic`` soon: a burst of notifications makes one pull, not one each."""
         ev = self._kick.get(topic)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -91,9 +92,7 @@ class PgKeyStore:
 
     def _revoke(self, key_id: str, user: str | None) -> KeyRecord | None:
         with self._tx() as conn:
-            row = conn.execute(
-                _SELECT + " WHERE key_id = %s", (key_id,)
-            ).fetchone()
+            row = conn.execute(_SELECT + " WHERE key_id = %s", (key_id,)).fetchone()
             if row is None:
                 if user is not None:
                     return None
@@ -126,10 +125,22 @@ class KeysPart:
 
     topic = "keys"
 
-    def __init__(self, hub: Hub, ring: KeyRing) -> None:
+    def __init__(
+        self, hub: Hub, ring: KeyRing, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.hub = hub
         self.ring = ring
         self.last_seq = 0
+        self.clock = clock
+        self._asked = -1.0
+        ring.on_unknown = self._unknown
+
+    def _unknown(self) -> None:
+        # At most once a second: a stream of made-up keys must not become queries.
+        now = self.clock()
+        if now - self._asked >= 1.0:
+            self._asked = now
+            self.hub.pull_soon(self.topic)
 
     async def pull(self) -> None:
         async def read(conn: psycopg.AsyncConnection[Any]) -> list[tuple[Any, ...]]:

@@ -30,7 +30,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -297,6 +297,9 @@ class KeyRing:
         # revocation still holds from the next request.
         self._mac_key = secrets.token_bytes(32)
         self._checked: dict[bytes, KeyRecord] = {}
+        # Called on a well-formed key whose id is unknown (the shared database's copy
+        # reads the table again then; a key made elsewhere works from the next request).
+        self.on_unknown: Callable[[], None] | None = None
         self._reload()
 
     def update(self, records: dict[str, KeyRecord]) -> None:
@@ -342,6 +345,9 @@ class KeyRing:
             return rec
         m = _KEY_RE.match(key)
         rec = self._records.get(m.group(1)) if m else None
+        if m and rec is None and self.on_unknown is not None:
+            # A key made a moment ago on another login node: have the copy read now.
+            self.on_unknown()
         expected = rec.sha256 if rec is not None else _DUMMY_HASH
         ok = hmac.compare_digest(_hash(key), expected)
         if not ok or rec is None or not rec.active:

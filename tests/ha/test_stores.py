@@ -18,8 +18,10 @@ from llmgw_slurm.batch.model import BatchRecord, BatchStatus
 from llmgw_slurm.db.batches import BatchesPart, PgBatchStore
 from llmgw_slurm.db.connect import make_conninfo
 from llmgw_slurm.db.hub import Hub
+from llmgw_slurm.db.keys import KeysPart
 from llmgw_slurm.db.responses import SharedResponseHomes
 from llmgw_slurm.db.usage import PgUsageStore
+from llmgw_slurm.router.keys import KeyRing, new_key
 from llmgw_slurm.router.surface import Home
 from llmgw_slurm.router.usage import UsageRecord
 from tests.ha.conftest import PgDatabase
@@ -156,3 +158,27 @@ async def test_a_stored_response_made_on_one_daemon_is_found_on_the_other(pgdb: 
         finally:
             stop.set()
             await task
+
+
+async def test_a_key_unknown_here_makes_the_copy_read_the_table_again(pgdb: PgDatabase) -> None:
+    async with hub(pgdb, "a") as h:
+        ring = KeyRing(None)
+        part = KeysPart(h, ring)
+        h.add(part)
+        await part.pull()
+        # Made elsewhere, its notification missed (this daemon was not listening).
+        new = new_key("gail", "", set())
+        r = new.record
+        with contextlib.closing(pgdb.connect()) as conn:
+            conn.execute(
+                "INSERT INTO llmgw_keys (key_id, user_name, project, sha256, created)"
+                " VALUES (%s, %s, %s, %s, %s)",
+                (r.key_id, r.user, r.project, r.sha256, r.created),
+            )
+        assert ring.lookup(new.key) is None
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if ring.lookup(new.key) is not None:
+                break
+        found = ring.lookup(new.key)
+        assert found is not None and found.user == "gail"
