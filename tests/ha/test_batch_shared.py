@@ -59,7 +59,12 @@ async def test_a_batch_made_on_the_follower_runs_and_is_read_on_the_leader(
             json.loads(x) for x in (await cl.files.content(done.output_file_id)).read().splitlines()
         ]
         assert sorted(o["custom_id"] for o in out) == ["q0", "q1", "q2"]
-        [job] = [h for h in peers.history() if h["name"].endswith(created.id)]
+        async def in_history() -> list[dict[str, str]] | None:
+            # slurmdbd records a job a moment after slurmctld ran it.
+            jobs = [h for h in peers.history() if h["name"].endswith(created.id)]
+            return jobs if jobs and all(j["comment"] for j in jobs) else None
+
+        [job] = await eventually(in_history, "the batch job in sacct")
         assert re.search(rf"\bepoch={epoch}\b", job["comment"]), job
         await cf.close()
         await cl.close()
