@@ -24,6 +24,7 @@ who calls (root, the daemon's user, or ``admin_group``) and no token travels:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import grp
 import os
@@ -42,7 +43,7 @@ from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.router.login import LOGIN_KEY
-from llmgw_slurm.router.usage import UsageSummary, query_usage
+from llmgw_slurm.router.usage import UsageSummary
 from llmgw_slurm.secrets import AdminToken
 from llmgw_slurm.slurm.types import NodeInfo
 from llmgw_slurm.status_page import render_page
@@ -69,6 +70,8 @@ def status_json(rec: Reconciler, visible: Callable[[str], bool] | None = None) -
     GPUs still count on the nodes: a GPU taken is taken.
     """
     out = rec.status()
+    if rec.peers is not None:
+        out["peers"] = rec.peers()
     out["version"] = __version__
     out["now"] = time.time()
     # The nodes are what the last sinfo said, up to reconcile.nodes_max_age ago:
@@ -244,7 +247,7 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
         if gw.usage is not None:
             # The store commits about once a second; the caller's last request counts.
             await gw.usage.flush()
-            rows = query_usage(gw.usage.path, since=since, **scope)
+            rows = await asyncio.to_thread(gw.usage.queries.query, since=since, **scope)
         if rec_key is None:
             # Without keys nobody's use is told apart: the gateway's totals, by
             # model (anyone who reaches the port may use it, and see this).

@@ -39,6 +39,8 @@ __all__ = [
     "BatchConfig",
     "ClusterConfig",
     "ConnectionsConfig",
+    "DatabaseConfig",
+    "DatabaseTlsConfig",
     "DrainConfig",
     "EngineRuntime",
     "EnginesConfig",
@@ -768,6 +770,87 @@ class BatchConfig:
 
 
 @dataclass(frozen=True)
+class DatabaseTlsConfig:
+    """``database.tls``: TLS to PostgreSQL, as libpq's sslmode and its files."""
+
+    # Default None: the DSN's or the service's own sslmode, else libpq's (prefer).
+    # A site's server across a network wants verify-full (the server's name checked
+    # against its certificate, signed by root_cert).
+    mode: Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"] | None = None
+    # Default None: libpq's (~/.postgresql/root.crt). The CA that signed the server's certificate.
+    root_cert: Path | None = None
+    # Default None: no client certificate. With key: log in by certificate
+    # (pg_hba.conf's cert method), or present one besides the password.
+    cert: Path | None = None
+    # Default None: the client certificate's private key (readable by the daemon's user only).
+    key: Path | None = None
+
+    def _problems(self) -> list[tuple[str, str]]:
+        if (self.cert is None) != (self.key is None):
+            return [("key" if self.key is None else "cert", "set both cert and key, or neither")]
+        return []
+
+
+@dataclass(frozen=True)
+class DatabaseConfig:
+    """``database:``: the PostgreSQL server that several daemons share (docs/operations.md,
+    "Two login nodes"). Absent: one daemon, its state in state_dir (SQLite and files)."""
+
+    # A libpq connection string ("host=db1 port=5432 dbname=llmgw user=llmgw") or URI
+    # (postgresql://llmgw@db1/llmgw); no password in it: password_file. Several hosts
+    # ("host=db1,db2 target_session_attrs=read-write") follow a failover.
+    dsn: str | None = field(
+        default=None, metadata=rule(pattern=r"[^\x00-\x1f]{1,2000}", pattern_help="one line")
+    )
+    # Or a service name from pg_service.conf (PGSERVICEFILE, ~/.pg_service.conf), where
+    # a DBA keeps the connection's settings.
+    service: str | None = field(
+        default=None,
+        metadata=rule(pattern=r"[A-Za-z0-9_.-]{1,64}", pattern_help="a pg_service.conf name"),
+    )
+    # Default None: libpq's own (PGPASSWORD, ~/.pgpass, or no password). A file whose
+    # first line is the password, readable by the daemon's user only.
+    password_file: Path | None = None
+    # Default: see DatabaseTlsConfig.
+    tls: DatabaseTlsConfig = field(default_factory=DatabaseTlsConfig)
+    # Default 5s: a connection attempt that takes longer has failed (libpq's
+    # connect_timeout, whole seconds, at least 2).
+    connect_timeout: float = field(default=5.0, metadata=rule(ge=2, parse=_schema.parse_duration))
+    # Default 4: connections the daemon keeps for its stores (one more listens for
+    # notifications, one holds the lease).
+    pool_size: int = field(default=4, metadata=rule(ge=1, le=64))
+    # Default None: HOST:GATEWAY_PORT. This daemon's name in status and logs; unique
+    # among the daemons that share the database.
+    name: str | None = field(
+        default=None,
+        metadata=rule(pattern=r"[A-Za-z0-9_.:@-]{1,100}", pattern_help="letters, digits, '_.:@-'"),
+    )
+    # Default 3s: how long the reconciler's lease runs unrenewed before another
+    # daemon may take it: a leader's death is noticed within this.
+    lease_duration: float = field(default=3.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 0.5s: how often the leader renews it, and the others try to take it.
+    lease_renew: float = field(default=0.5, metadata=rule(gt=0, parse=_schema.parse_duration))
+    # Default 2s: a leader that has not renewed for this long (its own monotonic
+    # clock) stops acting, before its lease can run out elsewhere.
+    lease_deadline: float = field(default=2.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+
+    def _problems(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if (self.dsn is None) == (self.service is None):
+            out.append(("dsn", "set one of dsn (a connection string) or service (pg_service.conf)"))
+        if not self.lease_renew < self.lease_deadline < self.lease_duration:
+            out.append(
+                (
+                    "lease_deadline",
+                    f"need lease_renew ({self.lease_renew:g}s) < lease_deadline "
+                    f"({self.lease_deadline:g}s) < lease_duration ({self.lease_duration:g}s): "
+                    "a leader must stop acting before its lease can run out elsewhere",
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """``server.yaml``: the daemon's settings."""
 
@@ -824,6 +907,9 @@ class ServerConfig:
     login: LoginConfig = field(default_factory=LoginConfig)
     # Default: no limits, see QuotaConfig.
     quotas: QuotaConfig = field(default_factory=QuotaConfig)
+    # Default None: one daemon, its state in state_dir (SQLite, files). Set: several
+    # daemons share their state in PostgreSQL, see DatabaseConfig.
+    database: DatabaseConfig | None = None
 
     @property
     def batch_directory(self) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import resource
@@ -22,7 +23,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
@@ -51,14 +52,17 @@ from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.keys import KeyRing
 from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
 from llmgw_slurm.router.metrics import tokens_gate
-from llmgw_slurm.router.quota import quota_book
+from llmgw_slurm.router.quota import QuotaBook, quota_book
 from llmgw_slurm.router.server import Runner as GatewayRunner
-from llmgw_slurm.router.usage import UsageStore
+from llmgw_slurm.router.usage import UsageSink, UsageStore
 from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import AdminToken, load_or_create_server_key, replica_secret
 from llmgw_slurm.slurm import make_backends
 from llmgw_slurm.tracestore import TraceStore
 from llmgw_slurm.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from llmgw_slurm.db.setup import Shared
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,7 @@ def internal_app(rec: Reconciler) -> web.Application:
     return app
 
 
-def add_status_routes(app: web.Application, rec: Reconciler) -> None:
+def add_status_routes(app: web.Application, rec: Reconciler, shared: Shared | None = None) -> None:
     async def status(request: web.Request) -> web.Response:
         out = api.status_json(rec, api.caller_may_see(app, request))
         out["auth"] = api.auth_json(app)
@@ -118,12 +122,35 @@ def add_status_routes(app: web.Application, rec: Reconciler) -> None:
         rec.want(canonical)
         return web.json_response({"ok": True, "model": canonical})
 
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "passes": rec.passes})
+    async def health(request: web.Request) -> web.Response:
+        return health_answer(rec, shared, strict=request.query.get("strict") == "1")
 
     app.router.add_get("/api/v1/status", status)
     app.router.add_post("/api/v1/models/{model}/up", want)
     app.router.add_get("/healthz", health)
+
+
+def health_answer(rec: Reconciler, shared: Shared | None, *, strict: bool) -> web.Response:
+    """``/healthz``: 200 while this daemon serves. With a database: whether it reaches
+    it, whether it leads; ``?strict=1`` answers 503 while it is out of touch with the
+    database (a load balancer that would rather send everything to another daemon
+    then; with the database down for all, every daemon is out of touch)."""
+    body: dict[str, Any] = {"ok": True, "passes": rec.passes}
+    if shared is None:
+        return web.json_response(body)
+    st = shared.status()
+    ok = shared.healthy()
+    body.update(
+        database="ok" if ok else f"out of touch ({st['last_contact_s']}s; {st['last_error']})",
+        daemon=st["this"],
+        leading=st["leading"],
+        leader=st["leader"],
+        epoch=st["epoch"],
+    )
+    if strict and not ok:
+        body["ok"] = False
+        return web.json_response(body, status=503)
+    return web.json_response(body)
 
 
 @dataclass
@@ -150,6 +177,8 @@ class Daemon:
     heap: HeapTrimmer | None = None
     # Faults survived and connections per listener, for /metrics.
     guard: GuardCollector = field(default_factory=lambda: GuardCollector(Faults(), ()))
+    # Several daemons on one database (server.yaml's database:); None: this one alone.
+    shared: Shared | None = None
 
     def reload(self) -> str | None:
         """Re-read the catalog; a bad one is refused (its errors returned), the last good kept.
@@ -185,18 +214,15 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     # Before anything makes a tracer: the global provider is set once per process.
     store = TraceStore(server.tracing.keep_spans) if server.tracing.keep_spans else None
     provider = setup_tracing(server.tracing, "llmgw-daemon", local=store)
-    agent_timeout = 900.0
-    try:
-        agent_timeout = load_agent_config(server.agent_config).readiness.timeout
-    except LlmgwError as exc:
-        log.warning(
-            "agent config %s: %s (assuming a 15 min readiness timeout)", server.agent_config, exc
-        )
+    agent_timeout = _readiness_timeout(server)
     backends = make_backends(server.cluster_list, server.slurm.command_timeout)
     state = Path(server.state_dir).expanduser()
     # Before anything is written there: 0700 and its files 0600 whatever the
     # umask, or a clear refusal of a folder other users could write.
     private.private_dir(state)
+    shared = _shared(server)
+    # With a database, the key (and the gateway's identity) are the ones every
+    # daemon shares, taken into the state directory by _shared.
     key = load_or_create_server_key(state / "server.key")
     daemon_url = server.listen.advertised_daemon_url(socket.getfqdn())
     # The provider's own tracer, not the global one: only the first global
@@ -211,18 +237,21 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         hold_timeout=server.router.hold_timeout,
         agent_ready_timeout=agent_timeout,
         tracer=tracer,
+        fence=shared.lease if shared is not None else None,
     )
-    keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
-    usage = UsageStore(state / "usage.sqlite3", faults=rec.faults)
-    quota = quota_book(server, usage.path) if keys is not None else None
+    if shared is not None:
+        shared.attach(rec)
+        rec.peers = shared.status
+    keys, usage = _keys_and_usage(server, state, shared, rec.faults)
+    quota = _quota(server, usage, shared) if keys is not None else None
     gateway = create_app(rec, server.router, keys=keys, usage=usage, quota=quota, tracer=tracer)
     gateway[RECONCILER_KEY] = rec
-    add_status_routes(gateway, rec)
+    if shared is not None:
+        gateway[GATEWAY_KEY].responses = shared.response_homes()
+    add_status_routes(gateway, rec, shared)
     api.add_cli_routes(gateway, rec)
     if keys is not None and server.login.enabled:
-        add_login_routes(
-            gateway, login_settings(server), keys.lookup, sacctmgr_associations(server)
-        )
+        _add_login(gateway, server, keys, shared)
     token = AdminToken(state / "admin.token")
     token.ensure()
     scrape = (
@@ -240,19 +269,89 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         token,
         provider,
     )
-    install_batch_api(gateway, d.internal, server, backends, rec, key, daemon_url, usage)
+    batches = shared.batch_store(server.batch_directory) if shared is not None else None
+    svc = install_batch_api(
+        gateway, d.internal, server, backends, rec, key, daemon_url, usage, batches
+    )
+    if shared is not None:
+        shared.share_batches(svc)
     api.add_admin_routes(d.internal, rec, api.token_gate(token), d.reload)
     api.add_admin_routes(d.admin, rec, api.peer_gate(server.admin_group), d.reload)
+    _add_observers(d, store, shared)
+    return d
+
+
+def _readiness_timeout(server: ServerConfig) -> float:
+    """How long an agent waits for its engine (agent.yaml), for the reconciler's own wait."""
+    try:
+        return load_agent_config(server.agent_config).readiness.timeout
+    except LlmgwError as exc:
+        log.warning(
+            "agent config %s: %s (assuming a 15 min readiness timeout)", server.agent_config, exc
+        )
+        return 900.0
+
+
+def _add_observers(d: Daemon, store: TraceStore | None, shared: Shared | None) -> None:
+    """Charts, traces and the metrics beyond the gateway's own (faults, connections,
+    the heap, the shared database's lease)."""
+    rec, gateway, admin_gate = d.reconciler, d.gateway, api.peer_gate(d.server.admin_group)
     chartsapi.add_chart_routes(gateway, rec, store)
     traceapi.add_span_route(d.internal, rec, store)
-    traceapi.add_trace_route(d.internal, rec, store, api.token_gate(token))
-    traceapi.add_trace_route(d.admin, rec, store, api.peer_gate(server.admin_group))
+    traceapi.add_trace_route(d.internal, rec, store, api.token_gate(d.admin_token))
+    traceapi.add_trace_route(d.admin, rec, store, admin_gate)
     d.trace_store = store
     registry = gateway[GATEWAY_KEY].metrics.registry
     d.heap = HeapTrimmer(registry, glibc_heap())
     d.guard = GuardCollector(rec.faults, ())
     registry.register(d.guard)
-    return d
+    d.shared = shared
+    if shared is not None:
+        shared.register_metrics(registry)
+
+
+def _add_login(
+    gateway: web.Application, server: ServerConfig, keys: KeyRing, shared: Shared | None
+) -> None:
+    settings = login_settings(server)
+    if shared is not None:
+        # Keys made and revoked in the database; known here at once, elsewhere soon.
+        learned = shared.keys.learn if shared.keys is not None else None
+        settings = dataclasses.replace(settings, store=shared.key_store(), learned=learned)
+    add_login_routes(gateway, settings, keys.lookup, sacctmgr_associations(server))
+
+
+def _keys_and_usage(
+    server: ServerConfig, state: Path, shared: Shared | None, faults: Faults
+) -> tuple[KeyRing | None, UsageSink]:
+    """The gateway's keys (None: keys off) and usage: the state directory's, or the
+    shared database's with a database: block (router.keys_file then only turns keys on)."""
+    keys_on = server.router.keys_file is not None
+    if shared is not None:
+        return (shared.key_ring() if keys_on else None), shared.usage_store(state)
+    keys = KeyRing(server.router.keys_file) if server.router.keys_file else None
+    return keys, UsageStore(state / "usage.sqlite3", faults=faults)
+
+
+def _quota(server: ServerConfig, usage: UsageSink, shared: Shared | None) -> QuotaBook:
+    """The quota book: on its own, or counting the other gateways' spend and holds."""
+    if shared is None:
+        return quota_book(server, usage.queries)
+    budgets, others = shared.quota_parts(usage)
+    book = quota_book(server, usage.queries, budgets=budgets, others=others)
+    others.book = book
+    return book
+
+
+def _shared(server: ServerConfig) -> Shared | None:
+    """The daemon's share of the database (checked now: a daemon that cannot use it
+    does not start); None without a database: block."""
+    if server.database is None:
+        return None
+    # Imported here: psycopg is needed only with a database.
+    from llmgw_slurm.db.setup import prepare
+
+    return prepare(server, server.listen.gateway.port, server.slurm.command_timeout)
 
 
 @dataclass
@@ -413,6 +512,19 @@ def _accept(
     return acceptor
 
 
+async def _start_shared(
+    d: Daemon, listeners: Listeners, stop: asyncio.Event
+) -> asyncio.Task[None] | None:
+    """Say this daemon is here, then hold or wait for the lease and follow the others."""
+    if d.shared is None:
+        return None
+    scheme = "https" if d.server.tls.enabled else "http"
+    port = listeners.acceptors[0].port or d.server.listen.gateway.port
+    gateway_url = f"{scheme}://{socket.getfqdn()}:{port}"
+    await d.shared.start(gateway_url, d.reconciler.jobs.daemon_url)
+    return asyncio.create_task(d.shared.run(stop), name="llmgw-shared")
+
+
 def status_line(d: Daemon) -> str:
     """One line for ``systemctl status``: models, ready replicas, what is wrong."""
     rec = d.reconciler
@@ -501,6 +613,7 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
             d.notifier.status(status_line(d))
 
     listeners: Listeners | None = None
+    shared_task: asyncio.Task[None] | None = None
     try:
         await check_slurm(d)
         listeners = await open_listeners(d)
@@ -514,11 +627,17 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
             listeners.admin_socket,
             len(d.catalog.models),
         )
+        shared_task = await _start_shared(d, listeners, stop)
         await d.reconciler.run(stop, on_pass=after_pass)
     finally:
         d.notifier.stopping()
         for sig in handled:
             loop.remove_signal_handler(sig)
+        if shared_task is not None:
+            stop.set()
+            await shared_task
+        if d.shared is not None:
+            await d.shared.close()
         await d.reconciler.close()
         await d.reconciler.backend.close()
         if listeners is not None:

@@ -9,6 +9,8 @@ The hierarchy, drawn once::
     │   ├── SlurmUnavailable    the command is missing or timed out: Slurm could not be asked
     │   └── SlurmParseError     the command answered something we could not read
     ├── TemplateError           an sbatch template could not be rendered, or a value was refused
+    ├── DatabaseError           the shared PostgreSQL could not be reached or used (database:)
+    │   └── SchemaError         its schema is missing, older or newer than this code's
     ├── UnsafePathError         a folder or file that must be the daemon's alone is not
     ├── UnverifiedServerError   a CLI will not send a secret to a server not proven the daemon
     └── ReportNotRecorded       an agent's report could not be journalled: refused, to be retried
@@ -104,6 +106,16 @@ class SlurmParseError(SlurmError):
 
 class TemplateError(LlmgwError):
     """An sbatch template failed to render, or a value was refused as unsafe."""
+
+
+class DatabaseError(LlmgwError):
+    """The shared database (``database:`` in server.yaml) could not be reached or used;
+    the message names the server as configured (never a password) and what to check."""
+
+
+class SchemaError(DatabaseError):
+    """The database's schema is missing, older than this code's (run ``llmgw-admin db
+    migrate``), or newer (this llmgw-slurm is older than the one that migrated it)."""
 
 
 class UnsafePathError(LlmgwError):

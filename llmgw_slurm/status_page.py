@@ -128,6 +128,44 @@ def _listed(status: Mapping[str, Any]) -> dict[str, Any] | None:
     return {"ago": format_duration(round(now - at)), "at": _time(at), "counted": counted}
 
 
+def _peers(status: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Several daemons on one database: the leader, its epoch and since when, each daemon."""
+    c = status.get("peers")
+    now = status.get("now")
+    if not isinstance(c, Mapping) or not isinstance(now, int | float):
+        return None
+    leader = _text(c.get("leader")) or "none"
+    daemons = []
+    for d in c.get("daemons") or []:
+        seen = d.get("last_seen")
+        daemons.append(
+            {
+                "name": _text(d.get("name")),
+                "host": _text(d.get("host")),
+                "gateway": _text(d.get("gateway_url")),
+                "contact": (
+                    format_duration(round(now - seen)) + " ago"
+                    if isinstance(seen, int | float)
+                    else "-"
+                ),
+                "state": "stopped"
+                if d.get("stopped_at")
+                else "leads"
+                if d.get("name") == leader
+                else "",
+            }
+        )
+    since = c.get("leader_since")
+    return {
+        "leader": leader,
+        "epoch": _text(c.get("epoch")),
+        "since": _time(since) if isinstance(since, int | float) else "",
+        "this": _text(c.get("this")),
+        "problem": _text(c.get("last_error")),
+        "daemons": daemons,
+    }
+
+
 def render_page(
     status: Mapping[str, Any], endpoint: str, charts: Mapping[str, Any] | None = None
 ) -> str:
@@ -150,6 +188,7 @@ def render_page(
             clusters=[_cluster(c) for c in status.get("clusters") or [] if c.get("name")],
             decisions=[_decision(d) for d in reversed(decisions[-30:])],
             listed=_listed(status),
+            peers=_peers(status),
             nodes=[_node(n) for n in status.get("nodes") or []],
             charts=charts,
             gpu_at=_time(charts.get("gpu_at")) if charts else "",

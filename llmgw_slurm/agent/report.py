@@ -31,12 +31,19 @@ import aiohttp
 
 from llmgw_slurm.secrets import REPLY_HEADER, constant_time_equal, reply_signature, sign_report
 
-__all__ = ["EVENTS", "DaemonClient", "ReportAnswer"]
+__all__ = ["EVENTS", "DaemonClient", "ReportAnswer", "daemon_urls"]
 
 log = logging.getLogger(__name__)
 
 EVENTS = ("step", "ready", "heartbeat", "draining", "failed", "stopped", "progress")
 STATUSES = ("started", "done", "failed")
+
+
+def daemon_urls(text: str) -> list[str]:
+    """``LLMGW_DAEMON_URL``'s URLs: one, or several separated by commas (several daemons
+    sharing a database: any of them takes a report, so an agent whose daemon has gone
+    reports to the next)."""
+    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,9 @@ class DaemonClient:
     ) -> None:
         self._session = session
         # kind: "replicas", or "batches" for a Batch API job (its id in replica_id).
-        self.url = f"{daemon_url.rstrip('/')}/internal/v1/{kind}/{replica_id}/report"
+        self.urls = [f"{u}/internal/v1/{kind}/{replica_id}/report" for u in daemon_urls(daemon_url)]
+        # The one that took the last report: tried first.
+        self._at = 0
         self.replica_id = replica_id
         self._secret = secret
         self.node = node
@@ -100,9 +109,25 @@ class DaemonClient:
             body["counts"] = counts
         return body
 
+    @property
+    def url(self) -> str:
+        return self.urls[self._at % len(self.urls)]
+
     async def send_once(self, body: dict[str, Any]) -> ReportAnswer | None:
-        """One attempt; None when the daemon did not take it, or when the answer
-        does not prove it comes from the daemon (then it is logged and ignored)."""
+        """One attempt at each daemon in turn, from the last that answered, until one
+        answers; None when none took it, or when no answer proves it comes from the
+        daemon (then it is logged and ignored)."""
+        for _ in self.urls:
+            answered, answer = await self._send_to(self.url, body)
+            if answered:
+                return answer
+            self._at = (self._at + 1) % len(self.urls)
+        return None
+
+    async def _send_to(self, url: str, body: dict[str, Any]) -> tuple[bool, ReportAnswer | None]:
+        """(whether the daemon at ``url`` answered at all, the answer when it took it).
+        An answer that is not the daemon's counts as none: the next daemon is tried
+        (a squatter on one login node's port must not cut the replica off)."""
         # Signed per attempt: a retry is a new report to the daemon, which refuses
         # one it has seen (a replay), and the time in it must be recent. The nonce
         # is kept: the daemon's answer must be signed for this very attempt.
@@ -116,18 +141,22 @@ class DaemonClient:
         }
         try:
             async with self._session.post(
-                self.url, data=raw, headers=headers, timeout=self._timeout
+                url, data=raw, headers=headers, timeout=self._timeout
             ) as resp:
                 answer = await resp.read()
                 if resp.status == 200:
-                    return self._answer(body["event"], nonce, resp.headers, answer)
+                    got = self._answer(body["event"], nonce, resp.headers, answer, url)
+                    return got is not None, got
                 self._refused(body["event"], resp.status, answer)
+                return True, None
         except (aiohttp.ClientError, TimeoutError, ValueError) as err:
-            log.warning("report %s: daemon unreachable (%s)", body["event"], type(err).__name__)
-        return None
+            log.warning(
+                "report %s: daemon unreachable (%s at %s)", body["event"], type(err).__name__, url
+            )
+        return False, None
 
     def _answer(
-        self, event: str, nonce: str, headers: Mapping[str, str], raw: bytes
+        self, event: str, nonce: str, headers: Mapping[str, str], raw: bytes, url: str
     ) -> ReportAnswer | None:
         """The daemon's answer, if signed with this replica's secret for this report."""
         expected = reply_signature(self._secret, self.replica_id, nonce, 200, raw)
@@ -140,7 +169,7 @@ class DaemonClient:
                 "ignored: something else answers at %s",
                 event,
                 REPLY_HEADER,
-                self.url,
+                url,
             )
             return None
         data = json.loads(raw)

@@ -50,7 +50,9 @@ class DaemonSpanExporter(SpanExporter):
     def __init__(
         self, daemon_url: str, replica_id: str, secret: str, timeout_s: float = 10.0
     ) -> None:
-        self.url = f"{daemon_url.rstrip('/')}/internal/v1/replicas/{replica_id}/spans"
+        # The first daemon of several (spans are best effort; reports go to any).
+        first = daemon_url.split(",", 1)[0].strip().rstrip("/")
+        self.url = f"{first}/internal/v1/replicas/{replica_id}/spans"
         self.replica_id = replica_id
         self._secret = secret
         self._timeout = timeout_s

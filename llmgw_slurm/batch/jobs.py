@@ -70,9 +70,11 @@ class BatchJobs:
         input_path: Path,
         work: Path,
         cluster: ClusterConfig | None = None,
+        lease_epoch: int | None = None,
     ) -> JobSpec:
         """The batch's job on ``cluster`` (default: the first of server.yaml's), whose
-        partition, account and QOS fill what the model leaves unset."""
+        partition, account and QOS fill what the model leaves unset; ``lease_epoch``:
+        the reconciler lease's epoch its submission is fenced by (two login nodes)."""
         cfg = self.server
         name = batch_job_prefix(cfg) + batch.id
         where = cluster or cfg.cluster_list[0]
@@ -124,6 +126,8 @@ class BatchJobs:
             name=name,
             script=script,
             env=env,
-            comment=batch_comment(batch, model.name, gpus),
+            comment=batch_comment(batch, model.name, gpus)
+            # Several daemons on one database: the leader's lease epoch it was submitted under.
+            + (f" epoch={lease_epoch}" if lease_epoch is not None else ""),
             unset_env=("TRACEPARENT", "TRACESTATE"),
         )

@@ -159,6 +159,8 @@ async def _upload(request: web.Request, svc: BatchService, who: Caller) -> web.S
     finally:
         if staged is not None:
             staged.unlink(missing_ok=True)
+    # Written where every daemon reads (several on one database) before the answer.
+    await svc.store.synced()
     return web.json_response(rec.to_api())
 
 
@@ -224,6 +226,7 @@ async def _delete_file(request: web.Request, svc: BatchService, who: Caller) -> 
             f"File {rec.id} is the input of running batch {busy[0]}; cancel it first.",
         )
     svc.store.delete_file(who.owner, rec.id)
+    await svc.store.synced()
     return web.json_response({"id": rec.id, "object": "file", "deleted": True})
 
 
@@ -280,6 +283,7 @@ async def _create_batch(request: web.Request, svc: BatchService, who: Caller) ->
         allowed_model(gw, who.key),
         (who.key.key_id, who.key.project) if who.key is not None else ("", ""),
     )
+    await svc.store.synced()
     return web.json_response(batch.to_api())
 
 
@@ -300,6 +304,7 @@ async def _list_batches(request: web.Request, svc: BatchService, who: Caller) ->
 
 async def _cancel_batch(request: web.Request, svc: BatchService, who: Caller) -> web.StreamResponse:
     batch = await svc.cancel(who.owner, request.match_info["batch_id"])
+    await svc.store.synced()
     return web.json_response(batch.to_api())
 
 

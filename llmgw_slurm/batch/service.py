@@ -65,6 +65,7 @@ from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.durations import parse_duration
 from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.guard.faults import Faults
+from llmgw_slurm.reconciler.fence import Fence, Unfenced
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.router.batchseam import BatchSeam
 from llmgw_slurm.router.quota import Ask, QuotaBook, Refusal, Reservation, ask_of
@@ -162,6 +163,9 @@ class BatchService:
         self._rides: dict[str, _Riding] = {}
         # Set when a ride ends: the loop polls at once.
         self._wake = asyncio.Event()
+        # Who may submit and cancel batch jobs (several daemons on one database: the
+        # reconciler's lease holder, whose poll submits what another daemon created).
+        self.fence: Fence = Unfenced()
 
     @property
     def backend(self) -> SlurmBackend:
@@ -274,6 +278,10 @@ class BatchService:
             reserved=checked.ask.tokens if batch.id in self._holds else 0,
         )
         self.store.save(batch)
+        if not self.fence.acting():
+            # Another daemon leads: its next poll starts it (a ride or a job), so
+            # that one daemon alone decides, and a ride and a job never run at once.
+            return batch
         return await self._start(batch)
 
     def _reserve(self, batch: BatchRecord, checked: Checked) -> BatchError | None:
@@ -357,7 +365,8 @@ class BatchService:
         riding = self._rides.get(batch.id)
         if riding is not None:
             riding.ride.stop()  # the next poll finishes it once its requests are answered
-        if batch.job_id:
+        if batch.job_id and self.fence.acting():
+            # Otherwise the leader's next poll cancels it (rule 2's cancel, every poll).
             await self._cancel_job(batch)
         return batch
 
@@ -469,17 +478,23 @@ class BatchService:
         if batch.id in self._submitting:
             return batch
         cluster = self._cluster_for(batch, model)
+        name = self.prefix + batch.id
+        ticket = await self.fence.begin("batch-submit", batch.model, batch.id, name)
+        if ticket is None:
+            return batch
         spec = self.jobs.spec(
             batch,
             model,
             self.store.data_path(batch.input_file_id),
             self.store.work_dir(batch.id),
             self._settings(cluster),
+            lease_epoch=ticket.epoch,
         )
         self._submitting.add(batch.id)
         try:
             job_id = await self.backends[cluster].submit(spec)
         except SlurmError as err:
+            await self.fence.end(ticket, f"failed: {err}")
             # Kept in progress without a job: the next poll tries again.
             log.warning("batch %s: submitting its job failed: %s", batch.id, err)
             current = self.store.get(batch.id) or batch
@@ -488,6 +503,7 @@ class BatchService:
             return current
         finally:
             self._submitting.discard(batch.id)
+        await self.fence.end(ticket, f"job {job_id}")
         where = f" on {cluster}" if cluster else ""
         log.info("batch %s: job %s%s submitted (%s)", batch.id, job_id, where, batch.model)
         current = self.store.get(batch.id) or batch
@@ -507,10 +523,15 @@ class BatchService:
         return next((c for c in self.server.cluster_list if c.name == cluster), None)
 
     async def _cancel_job(self, batch: BatchRecord) -> None:
+        ticket = await self.fence.begin("batch-cancel", batch.model, batch.id, batch.job_id)
+        if ticket is None:
+            return
         try:
             await self._backend_of(batch).cancel(batch.job_id)
         except SlurmError as err:
             log.warning("batch %s: cancelling job %s failed: %s", batch.id, batch.job_id, err)
+        finally:
+            await self.fence.end(ticket, "cancelled")
 
     def _fail(self, batch: BatchRecord, code: str, message: str) -> BatchRecord:
         now = self.clock()
@@ -543,6 +564,10 @@ class BatchService:
         listed, answered = await self._list_all()
         if not answered:
             return
+        self.last_poll_error = ""
+        # A new leader: batches whose sbatch an earlier leader began and never said it
+        # finished wait until their job is listed (then adopted) or the action's deadline.
+        waiting = {o.replica_id for o in await self.fence.open_submits(set(listed))}
         for b in active:
             if b.job_id and b.cluster not in answered:
                 # Its cluster did not answer: whether its job runs is not known now.
@@ -550,6 +575,8 @@ class BatchService:
             # Read again: an earlier batch's await may have let a cancel or a report in.
             batch = self.store.get(b.id)
             if batch is None or batch.status.is_final or b.id in self._submitting:
+                continue
+            if b.id in waiting:
                 continue
             if batch.job_id != b.job_id:
                 # Its job was submitted while the listing was taken: the listing
@@ -758,7 +785,8 @@ class BatchService:
         try:
             while not stop.is_set():
                 try:
-                    await self.poll()
+                    if self.fence.acting():
+                        await self.poll()
                 except Exception as err:
                     # One bad batch must not stop every other batch's progress.
                     self.faults.record("batch_poll", err)

@@ -17,7 +17,7 @@ from llmgw_slurm.batch.store import BatchStore
 from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.router.batchseam import BatchSeam
 from llmgw_slurm.router.gateway import GATEWAY_KEY
-from llmgw_slurm.router.usage import UsageRecord, UsageStore
+from llmgw_slurm.router.usage import UsageRecord, UsageSink
 from llmgw_slurm.slurm.types import SlurmBackend
 
 __all__ = ["install"]
@@ -31,12 +31,14 @@ def install(
     rec: Any,
     server_key: bytes,
     daemon_url: str,
-    usage: UsageStore | None,
+    usage: UsageSink | None,
+    store: BatchStore | None = None,
 ) -> BatchService:
     """The Batch API on the daemon's apps. ``rec``: the reconciler (catalog, report
     nonces, the gateway's certificate, the clusters with room for a model), taken as
-    is so this package does not import it. ``backend``: one, or one per cluster."""
-    store = BatchStore(server.batch_directory)
+    is so this package does not import it. ``backend``: one, or one per cluster.
+    ``store``: where the records are kept (default: files in batch.directory)."""
+    store = store if store is not None else BatchStore(server.batch_directory)
     jobs = BatchJobs(server, server_key, daemon_url, rec.engine_tls.identity.cert_pem)
     # The gateway's quota book: batches spend the same day and month budgets.
     quota = gateway[GATEWAY_KEY].quota

@@ -68,6 +68,22 @@ class BatchStore:
                 continue
             self._batches[b.id] = b
 
+    # ---- where records are kept (files here; llmgw_slurm.db.batches: the database) ----
+
+    def _write_file(self, rec: FileRecord) -> None:
+        atomic_write(self.root / "files" / f"{rec.id}.json", json.dumps(rec.__dict__), mode=0o600)
+
+    def _forget_file(self, file_id: str) -> None:
+        (self.root / "files" / f"{file_id}.json").unlink(missing_ok=True)
+
+    def _write_batch(self, batch: BatchRecord) -> None:
+        path = self.root / "batches" / f"{batch.id}.json"
+        atomic_write(path, json.dumps(batch.to_json()), mode=0o600)
+
+    async def synced(self, timeout: float = 5.0) -> bool:
+        """Whether every change is where other daemons see it (here: written already)."""
+        return True
+
     # ---- files ----------------------------------------------------------------------
 
     def new_upload(self) -> Path:
@@ -86,7 +102,7 @@ class BatchStore:
             self.data_path(fid).stat().st_size,
             int(time.time()),
         )
-        atomic_write(self.root / "files" / f"{fid}.json", json.dumps(rec.__dict__), mode=0o600)
+        self._write_file(rec)
         self._files[fid] = rec
         return rec
 
@@ -107,7 +123,7 @@ class BatchStore:
         if self.file(owner, file_id) is None:
             return False
         del self._files[file_id]
-        (self.root / "files" / f"{file_id}.json").unlink(missing_ok=True)
+        self._forget_file(file_id)
         self.data_path(file_id).unlink(missing_ok=True)
         return True
 
@@ -116,8 +132,7 @@ class BatchStore:
     def save(self, batch: BatchRecord) -> None:
         if not _BATCH_ID.fullmatch(batch.id):
             raise ValueError(f"not a batch id: {batch.id!r}")
-        path = self.root / "batches" / f"{batch.id}.json"
-        atomic_write(path, json.dumps(batch.to_json()), mode=0o600)
+        self._write_batch(batch)
         self._batches[batch.id] = batch
 
     def batch(self, owner: str, batch_id: str) -> BatchRecord | None:
@@ -148,6 +163,10 @@ class BatchStore:
     def get(self, batch_id: str) -> BatchRecord | None:
         """For the daemon's own use (job reports, the poller): no owner check."""
         return self._batches.get(batch_id)
+
+    def all_records(self) -> tuple[list[FileRecord], list[BatchRecord]]:
+        """Every file and batch record, whoever owns them (``llmgw-admin db import``)."""
+        return list(self._files.values()), list(self._batches.values())
 
     def unfinished(self) -> list[BatchRecord]:
         return [b for b in self._batches.values() if not b.status.is_final]

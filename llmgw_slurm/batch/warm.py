@@ -33,7 +33,7 @@ from typing import Any
 
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.model import BatchRecord
-from llmgw_slurm.router.batchseam import BatchSeam, BatchUnreached, Ticket
+from llmgw_slurm.router.batchseam import BatchSeam, BatchSlot, BatchUnreached
 
 __all__ = ["PACE_WINDOW_S", "WarmRide"]
 
@@ -151,7 +151,7 @@ class WarmRide:
 
     async def _one(
         self,
-        ticket: Ticket,
+        ticket: BatchSlot,
         cid: str,
         body: bytes,
         out: int,

@@ -463,6 +463,8 @@ def status(
     if st.get("last_pass_error"):
         click.echo(f"WARNING: the last pass could not ask Slurm: {st['last_pass_error']}")
     now = float(st.get("now") or time.time())
+    if st.get("peers"):
+        _print_peers(st["peers"], now)
     models = st.get("models") or []
     _print_clusters(st.get("clusters") or [])
     _print_models(models)
@@ -531,6 +533,38 @@ def _print_clusters(clusters: list[dict[str, Any]]) -> None:
             ],
         )
     )
+
+
+def _print_peers(c: dict[str, Any], now: float) -> None:
+    """Several daemons on one database: who leads (epoch, since when), every daemon's
+    last contact with the database."""
+    since = c.get("leader_since")
+    ago = f", since {_age(now - since)} ago" if isinstance(since, int | float) else ""
+    leader = c.get("leader") or "none"
+    click.echo(f"leader: {leader} (epoch {c.get('epoch')}{ago}); this daemon: {c.get('this')}")
+    if c.get("last_error"):
+        click.echo(f"WARNING: the database: {c['last_error']}")
+    rows = []
+    for d in c.get("daemons") or []:
+        seen = d.get("last_seen")
+        state = "stopped" if d.get("stopped_at") else ("leads" if d["name"] == leader else "")
+        rows.append(
+            (
+                d["name"],
+                d.get("host", ""),
+                d.get("gateway_url", ""),
+                _age(now - seen) + " ago" if isinstance(seen, int | float) else "-",
+                state,
+            )
+        )
+    if rows:
+        click.echo(table(("DAEMON", "HOST", "GATEWAY", "DATABASE CONTACT", ""), rows))
+    click.echo()
+
+
+def _age(seconds: float) -> str:
+    s = max(0.0, seconds)
+    return f"{s:.1f}s" if s < 60 else f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
 def _print_models(models: list[dict[str, Any]]) -> None:
@@ -978,13 +1012,14 @@ def _owner_audit(
 ) -> None:
     from llmgw_slurm.cli import charts
     from llmgw_slurm.cli.admin_audit_owner import owner_audit
+    from llmgw_slurm.cli.stores import usage_queries
 
     if as_csv:
         raise click.UsageError("--csv is for --by day|week|month; use --json with --by " + by)
     owner_audit(
         recs,
         prefix=server.slurm.job_prefix,
-        usage_db=Path(server.state_dir) / "usage.sqlite3",
+        usage=usage_queries(server),
         window=window,
         kind=by,
         header={
@@ -1061,7 +1096,8 @@ def _print_audit(rows: Sequence[AuditRow], tot: Mapping[str, Any]) -> None:
 def keys() -> None:
     """Add, list and revoke gateway API keys.
 
-    The keys live in router.keys_file of server.yaml (hashes only).
+    The keys live in router.keys_file of server.yaml (hashes only), or in the
+    shared database with server.yaml's database: block (two login nodes).
 
     \b
     Examples:
@@ -1076,6 +1112,26 @@ _keys_file_option = click.option(
     type=click.Path(dir_okay=False, path_type=Path),
     help="The key file (default: router.keys_file of --server).",
 )
+
+
+def _key_store(
+    server_path: Path, keys_file: Path | None, *, adding: bool = False, create: bool = False
+) -> Any:
+    """Where the keys are: the file given, else the shared database (database: in
+    server.yaml), else router.keys_file. A key file must exist, but for ``adding`` to
+    router.keys_file (or with ``create``): a mistyped path is an error, not "no keys"."""
+    from llmgw_slurm.router.keys import KeyFile
+
+    if keys_file is None:
+        server = _load_server(server_path)
+        if server.database is not None:
+            from llmgw_slurm.db.connect import make_conninfo
+            from llmgw_slurm.db.keys import PgKeyStore
+
+            return PgKeyStore(make_conninfo(server.database, "llmgw-admin"))
+    if adding:
+        return KeyFile(_new_keys_file(server_path, keys_file, create))
+    return KeyFile(_existing_keys_file(server_path, keys_file))
 
 
 def _server_keys_file(server_path: Path) -> Path:
@@ -1177,11 +1233,8 @@ def keys_add(
       KEY=$(llmgw-admin keys add alice)
       llmgw-admin keys add alice --json | jq -r .key
     """
-    from llmgw_slurm.router.keys import add_key
-
     account = _account_of(account, project)
-    path = _new_keys_file(server_path, keys_file, create)
-    new = add_key(path, user, account)
+    new = _key_store(server_path, keys_file, adding=True, create=create).add(user, account)
     if as_json:
         print_json(_key_json(new.record) | {"key": new.key})
         return
@@ -1212,9 +1265,7 @@ def keys_list(server_path: Path, keys_file: Path | None, as_json: bool) -> None:
       llmgw-admin keys list
       llmgw-admin keys list --json | jq -r '.[] | select(.user == "alice") | .key_id'
     """
-    from llmgw_slurm.router.keys import list_keys
-
-    recs = list_keys(_existing_keys_file(server_path, keys_file))
+    recs = _key_store(server_path, keys_file).list()
     if as_json:
         print_json([_key_json(r) for r in recs])
         return
@@ -1247,9 +1298,7 @@ def keys_revoke(key_id: str, server_path: Path, keys_file: Path | None) -> None:
     Example:
       llmgw-admin keys revoke 0a1b2c3d
     """
-    from llmgw_slurm.router.keys import revoke_key
-
-    rec = revoke_key(_existing_keys_file(server_path, keys_file), key_id)
+    rec = _key_store(server_path, keys_file).revoke(key_id)
     click.echo(f"key {rec.key_id} of {rec.user} revoked")
 
 
@@ -1602,8 +1651,10 @@ def trace_cmd(target: str, as_json: bool, no_color: bool, server_path: Path) -> 
 
 
 # quota and usage: in their own modules.
+from llmgw_slurm.cli.admin_db import db_group  # noqa: E402
 from llmgw_slurm.cli.admin_quota import quota_group  # noqa: E402
 from llmgw_slurm.cli.admin_usage import usage_command  # noqa: E402
 
+main.add_command(db_group(_server_option, _load_server))
 main.add_command(quota_group(_server_option, _load_server))
 main.add_command(usage_command(_server_option, _load_server))

@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from pathlib import Path
 
 import click
 
 from llmgw_slurm.audit_owner import OwnerKind, OwnerRow, by_owner, owner_totals
 from llmgw_slurm.cli.common import print_json, table
-from llmgw_slurm.router.usage import tokens_by
+from llmgw_slurm.router.usage import UsageQueries
 from llmgw_slurm.slurm.types import AccountingRecord
 
 __all__ = ["owner_audit"]
@@ -27,7 +26,7 @@ def owner_audit(
     records: Sequence[AccountingRecord],
     *,
     prefix: str,
-    usage_db: Path,
+    usage: UsageQueries,
     window: tuple[datetime, datetime, datetime],
     kind: OwnerKind,
     header: Mapping[str, str],
@@ -39,7 +38,7 @@ def owner_audit(
     t0, t1, now = window
 
     def tokens_in(model: str, a: datetime, b: datetime) -> Mapping[str, int]:
-        return tokens_by(usage_db, kind, model, a.timestamp(), b.timestamp())
+        return usage.tokens_by(kind, model, a.timestamp(), b.timestamp())
 
     rows = by_owner(records, prefix, t0, t1, now, kind, tokens_in)
     if as_json:

@@ -69,9 +69,10 @@ def quota_group(
         """
         if tokens_per_day is None and tokens_per_month is None:
             raise click.UsageError("give --tokens-per-day, --tokens-per-month or both")
-        path = budgets_path(load_server(server_path))
-        set_account_budget(path, account, AccountBudget(tokens_per_day, tokens_per_month))
-        click.echo(f"account {account}: {_describe(tokens_per_day, tokens_per_month)} ({path})")
+        where = _set(
+            load_server(server_path), account, AccountBudget(tokens_per_day, tokens_per_month)
+        )
+        click.echo(f"account {account}: {_describe(tokens_per_day, tokens_per_month)} ({where})")
 
     @quota.command("unset")
     @click.argument("account", callback=_account)
@@ -86,9 +87,8 @@ def quota_group(
         Example:
           llmgw-admin quota unset proj42
         """
-        path = budgets_path(load_server(server_path))
-        set_account_budget(path, account, AccountBudget())
-        click.echo(f"account {account}: the budgets of server.yaml apply ({path})")
+        where = _set(load_server(server_path), account, AccountBudget())
+        click.echo(f"account {account}: the budgets of server.yaml apply ({where})")
 
     @quota.command("list")
     @server_option
@@ -108,7 +108,7 @@ def quota_group(
 
 
 def _print_quotas(server: ServerConfig, as_json: bool) -> None:
-    budgets = AccountBudgets(budgets_path(server)).budgets
+    budgets = _budgets(server)
     q = server.quotas
     if as_json:
         print_json(
@@ -133,6 +133,28 @@ def _print_quotas(server: ServerConfig, as_json: bool) -> None:
             for n, b in sorted(budgets.items())
         ]
         click.echo(table(("ACCOUNT", "TOKENS/DAY", "TOKENS/MONTH"), acc_rows))
+
+
+def _set(server: ServerConfig, account: str, budget: AccountBudget) -> str:
+    """Set ``account``'s budgets where the daemons read them; where that is."""
+    if server.database is not None:
+        from llmgw_slurm.db.connect import make_conninfo
+        from llmgw_slurm.db.quota import set_budget
+
+        set_budget(make_conninfo(server.database, "llmgw-admin"), account, budget)
+        return "the shared database"
+    path = budgets_path(server)
+    set_account_budget(path, account, budget)
+    return str(path)
+
+
+def _budgets(server: ServerConfig) -> dict[str, AccountBudget]:
+    if server.database is not None:
+        from llmgw_slurm.db.connect import make_conninfo
+        from llmgw_slurm.db.quota import budgets_of
+
+        return budgets_of(make_conninfo(server.database, "llmgw-admin"))
+    return AccountBudgets(budgets_path(server)).budgets
 
 
 def _describe(day: int | None, month: int | None) -> str:

@@ -22,8 +22,9 @@ from llmgw_slurm.cli.common import (
     table,
     token_totals,
 )
+from llmgw_slurm.cli.stores import usage_queries
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.router.usage import USAGE_GROUPS, usage_by
+from llmgw_slurm.router.usage import USAGE_GROUPS
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -55,8 +56,7 @@ def usage_command(
           llmgw-admin usage --by model --json | jq .totals
         """
         t0 = parse_when(since, time.time())
-        db = Path(load_server(server_path).state_dir) / "usage.sqlite3"
-        rows = usage_by(db, by, t0)
+        rows = usage_queries(load_server(server_path)).by(by, t0)
         total = token_totals(rows)
         if as_json:
             print_json({"since": iso_time(t0), "by": by, "rows": rows, "totals": total})

@@ -16,7 +16,7 @@ Imports only the standard library and prometheus_client.
 from llmgw_slurm.guard.accept import Acceptor, Guard, bind_listeners, guard_of, hand_over
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.guard.fds import FdBudget, open_fds, raise_open_files_limit
-from llmgw_slurm.guard.limiter import ConnectionLimiter, Ticket
+from llmgw_slurm.guard.limiter import ConnectionLimiter, Seat
 from llmgw_slurm.guard.peers import PeerIdentifier, peer_of
 
 __all__ = [
@@ -26,7 +26,7 @@ __all__ = [
     "FdBudget",
     "Guard",
     "PeerIdentifier",
-    "Ticket",
+    "Seat",
     "bind_listeners",
     "guard_of",
     "hand_over",

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
-from llmgw_slurm.guard.limiter import ConnectionLimiter, Ticket
+from llmgw_slurm.guard.limiter import ConnectionLimiter, Seat
 from llmgw_slurm.guard.peers import PeerIdentifier, peer_of
 
 __all__ = ["Acceptor", "Guard", "bind_listeners", "guard_of", "hand_over"]
@@ -67,7 +67,7 @@ class Guard:
 
     __slots__ = ("_close", "_limiter", "_tail", "_ticket", "_timer")
 
-    def __init__(self, limiter: ConnectionLimiter, ticket: Ticket) -> None:
+    def __init__(self, limiter: ConnectionLimiter, ticket: Seat) -> None:
         self._limiter = limiter
         self._ticket = ticket
         self._timer: asyncio.TimerHandle | None = None
@@ -355,7 +355,7 @@ class Acceptor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _connect(self, conn: socket.socket, ticket: Ticket) -> None:
+    async def _connect(self, conn: socket.socket, ticket: Seat) -> None:
         guarded = _Guarded(self._factory(), Guard(self.limiter, ticket), self._live)
         loop = asyncio.get_running_loop()
         try:

@@ -2,7 +2,7 @@
 
 Pure bookkeeping, no sockets: :mod:`llmgw_slurm.guard.accept` asks
 :meth:`ConnectionLimiter.admit` before it builds a protocol for an accepted
-connection, and the connection's :class:`Ticket` is released when it closes.
+connection, and the connection's :class:`Seat` is released when it closes.
 A listener at its total stops accepting (the kernel's backlog holds what
 comes meanwhile) and starts again at the first release; a peer at its own
 bound has each further connection closed at once, so one user's flood
@@ -14,10 +14,10 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-__all__ = ["ConnectionLimiter", "Ticket"]
+__all__ = ["ConnectionLimiter", "Seat"]
 
 
-class Ticket:
+class Seat:
     """One admitted connection's place; :meth:`release` gives it back (once)."""
 
     __slots__ = ("_limiter", "peer")
@@ -77,7 +77,7 @@ class ConnectionLimiter:
         """``callback`` is called when a release leaves the listener below its total."""
         self._on_room = callback
 
-    def admit(self, peer: str) -> Ticket | None:
+    def admit(self, peer: str) -> Seat | None:
         """A ticket for a connection from ``peer``, or None: close it unserved."""
         if self.open >= self.total:
             # The accept layer stops accepting first; a connection accepted in
@@ -91,7 +91,7 @@ class ConnectionLimiter:
         self.open += 1
         if self.open >= self.total:
             self.pauses += 1
-        return Ticket(self, peer)
+        return Seat(self, peer)
 
     def _release(self, peer: str) -> None:
         was_full = self.open >= self.total

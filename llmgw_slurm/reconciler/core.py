@@ -46,6 +46,7 @@ from llmgw_slurm.reconciler import status as statusmod
 from llmgw_slurm.reconciler.admin import AdminRequests
 from llmgw_slurm.reconciler.clusters import Cluster, ClusterSet
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
+from llmgw_slurm.reconciler.fence import Fence, Unfenced
 from llmgw_slurm.reconciler.intake import ReportIntake
 from llmgw_slurm.reconciler.jobs import JobBuilder, JobIdent, new_replica_id, parse_job_ident
 from llmgw_slurm.reconciler.plan import Action, ActionKind, Failures, PlanConfig, ReplicaState
@@ -85,10 +86,13 @@ class PassLoop:
         wanted: Callable[[], Mapping[str, float]],
         held_since: Callable[[], Mapping[str, float]] | None = None,
         faults: Faults | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.table = table
         # What a pass did not foresee is logged and counted here, never raised.
         self.faults = faults or Faults()
+        # Who may act on Slurm (several daemons on one database: the lease's holder).
+        self.fence: Fence = fence or Unfenced()
         self.server = server
         self.clusters = clusters
         self.jobs = jobs
@@ -111,6 +115,9 @@ class PassLoop:
         # name, and parsing 2,000 names per pass cost 3 ms.
         self._idents: dict[str, JobIdent | None] = {}
         self.passes = 0
+        # Under each lease epoch this daemon held, when its first pass began (Unix
+        # time): a failover's end, for status and bench/ha.py.
+        self.first_pass_at: dict[int, float] = {}
         self._consecutive_errors = 0
         # Why the last pass itself failed (a bug, EMFILE; ROUND_FAILED first), "" after
         # one that ran: shown before any cluster's own error.
@@ -145,7 +152,13 @@ class PassLoop:
         """
         interval = self.server.reconcile.interval
         while not stop.is_set():
-            await self._pass_surviving()
+            if self.fence.acting():
+                epoch = self.fence.epoch
+                if epoch is not None and epoch not in self.first_pass_at:
+                    self.first_pass_at[epoch] = time.time()
+                await self._pass_surviving()
+            # Not leading (another daemon holds the lease): no squeue, no plan; the
+            # directory follows the leader's table through the database.
             if on_pass is not None:
                 with self.faults.caught("after_pass"):
                     on_pass()
@@ -196,20 +209,56 @@ class PassLoop:
         if result.nodes_decide and not answering <= fresh:
             result, refreshed = await self._plan_on_fresh_nodes(now, answering, fresh, pass_id)
         self._strand(result.lost_with_cluster, pass_id)
+        actions = await self._unfenced(result.actions, jobs, pass_id)
         self.notes = result.notes
         self.tracing.notes(result.notes)
         with_nodes = bool(fresh) and answering <= fresh
         with self.tracing.pass_span(
             pass_id,
-            result.actions,
+            actions,
             jobs=sum(len(js) for js in jobs.values()),
             nodes=len(self.table.nodes),
             nodes_listed="with the jobs" if with_nodes else "before acting" if refreshed else "",
         ):
-            for action in result.actions:
+            for action in actions:
                 with self.tracing.action(action, self.failures):
                     await self._execute(action, pass_id)
-        return result.actions
+        return actions
+
+    async def _unfenced(
+        self, actions: Sequence[Action], jobs: Mapping[str, Sequence[Job]], pass_id: str
+    ) -> list[Action]:
+        """The plan's actions less the submissions an earlier leader may have made already.
+
+        A new leader's first passes: a replica whose sbatch an earlier leader began
+        and never said it finished may be on its way to slurmctld, not yet listed;
+        its model gets no new replica until the job is listed (then adopted) or the
+        action's deadline passes.
+        """
+        if not any(a.kind is ActionKind.SUBMIT for a in actions):
+            return list(actions)
+        try:
+            open_ = await self.fence.open_submits({j.name for js in jobs.values() for j in js})
+        except (LlmgwError, OSError, TimeoutError) as exc:
+            log.warning(
+                "pass %s: earlier leaders' actions unknown, no submission: %s", pass_id, exc
+            )
+            return [a for a in actions if a.kind is not ActionKind.SUBMIT]
+        waiting = {o.model: o for o in open_}
+        out = []
+        for a in actions:
+            o = waiting.get(a.model) if a.kind is ActionKind.SUBMIT else None
+            if o is None:
+                out.append(a)
+            else:
+                self.table.record(
+                    "wait-previous-leader",
+                    a.model,
+                    o.replica_id,
+                    f"an earlier leader's submission of {o.target} is not listed yet",
+                    pass_id,
+                )
+        return out
 
     async def _list(self, pass_id: str) -> tuple[dict[str, list[Job]], set[str], float] | None:
         """Each cluster's jobs (one listing each, the clusters at once), the clusters
@@ -600,9 +649,23 @@ class PassLoop:
         m = self.table.models()[a.model]
         cluster, chosen = await self._where(a, m)
         c = self.clusters.of_replica(cluster)
+        ticket = await self.fence.begin(
+            "submit", a.model, a.replica_id, self.jobs.name(m, a.replica_id, c.name)
+        )
+        if ticket is None:
+            self.table.record("fenced", a.model, a.replica_id, "submit: not the leader", pass_id)
+            return
         env, traceparent = self.tracing.open_start(a.replica_id, a.model)
-        spec = self.jobs.spec(m, a.replica_id, env, traceparent=traceparent, cluster=c.settings)
-        job_id = await c.backend.submit(spec)
+        spec = self.jobs.spec(
+            m, a.replica_id, env, traceparent=traceparent, cluster=c.settings,
+            lease_epoch=ticket.epoch,
+        )  # fmt: skip
+        try:
+            job_id = await c.backend.submit(spec)
+        except BaseException as exc:
+            await self.fence.end(ticket, f"failed: {exc}")
+            raise
+        await self.fence.end(ticket, f"job {job_id}")
         self.tracing.submitted(a.replica_id, job_id, cluster=c.name)
         self.table.replicas[a.replica_id] = Replica(
             replica_id=a.replica_id,
@@ -650,12 +713,20 @@ class PassLoop:
         r = self.table.replicas.get(a.replica_id)
         if r is None or r.stop_reason:
             return
+        ticket = await self.fence.begin(a.kind.value, a.model, a.replica_id, a.job_id)
+        if ticket is None:
+            self.table.record(
+                "fenced", a.model, a.replica_id, f"{a.kind.value}: not the leader", pass_id
+            )
+            return
         url, r.stop_reason, r.base_url = r.base_url, a.reason, ""
         try:
             await self.clusters.of_replica(r.cluster).backend.cancel(a.job_id)
         except SlurmError:
             r.stop_reason, r.base_url = "", url
             raise
+        finally:
+            await self.fence.end(ticket, "cancelled")
         if a.failure:
             self.fail(a.model, a.reason)
         self.table.record(a.kind.value, a.model, a.replica_id, a.reason, pass_id)
@@ -691,6 +762,7 @@ class Reconciler:
         hold_timeout: float | None = None,
         agent_ready_timeout: float = 900.0,
         tracer: trace.Tracer | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.server = server
         self.server_key = server_key
@@ -745,8 +817,12 @@ class Reconciler:
             self.directory.wanted_at,
             self.directory.held_since,
             self.faults,
+            fence,
         )
         self.admin = AdminRequests(self.table, self.clusters)
+        # The daemons sharing a database, the leader and its lease (for status);
+        # None with one daemon alone.
+        self.peers: Callable[[], dict[str, Any]] | None = None
 
     # ---- what the parts share ------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -51,6 +51,11 @@ class ReplicaDirectory:
         self.server_key = server_key
         self.engine_tls = engine_tls
         self._demand: dict[str, _ModelDemand] = {}
+        # The other gateways' demand (several daemons on one database): model ->
+        # (when a request last asked for it, since when its oldest held request waits).
+        self.remote_demand: dict[str, tuple[float | None, float | None]] = {}
+        # Called with a model when this gateway's demand for it changed (to share it).
+        self.on_demand: Callable[[str], None] | None = None
         # Per request, so built once per catalog (a reload makes a new one).
         self._routing: tuple[Catalog | None, dict[str, ModelRouting]] = (None, {})
 
@@ -144,10 +149,13 @@ class ReplicaDirectory:
             or self.table.has_ready(model)
         ):
             d.held_since = now
+        held_before = d.held_since
         d.wanted_at = now
         if first:
             # An on-demand start should not wait for the next timed pass.
             self.table.wake.set()
+        if (first or held_before != d.held_since) and self.on_demand is not None:
+            self.on_demand(model)
 
     async def wait_ready(self, model: str) -> None:
         d = self._demand.setdefault(model, _ModelDemand())
@@ -163,8 +171,10 @@ class ReplicaDirectory:
         """Wake the requests waiting for ``model`` if it has a ready replica now."""
         d = self._demand.get(model)
         if d is not None and self.table.has_ready(model):
-            d.held_since = None
+            held, d.held_since = d.held_since, None
             d.event.set()
+            if held is not None and self.on_demand is not None:
+                self.on_demand(model)
 
     def _window(self, model: str) -> float:
         m = self.table.catalog.resolve(model)
@@ -172,9 +182,23 @@ class ReplicaDirectory:
         return max(self.want_window, hold or 0.0)
 
     def held_since(self) -> dict[str, float]:
-        """When the oldest request still held for each model began waiting (for the plan)."""
-        return {k: d.held_since for k, d in self._demand.items() if d.held_since is not None}
+        """When the oldest request still held for each model began waiting, on any
+        gateway (for the plan)."""
+        out = {k: d.held_since for k, d in self._demand.items() if d.held_since is not None}
+        for model, (_, held) in self.remote_demand.items():
+            if held is not None and (model not in out or held < out[model]):
+                out[model] = held
+        return out
 
     def wanted_at(self) -> dict[str, float]:
-        """When a request last asked for each model (for the plan)."""
-        return {k: d.wanted_at for k, d in self._demand.items() if d.wanted_at is not None}
+        """When a request last asked for each model, on any gateway (for the plan)."""
+        out = {k: d.wanted_at for k, d in self._demand.items() if d.wanted_at is not None}
+        for model, (wanted, _) in self.remote_demand.items():
+            if wanted is not None and (model not in out or wanted > out[model]):
+                out[model] = wanted
+        return out
+
+    def demand_of(self, model: str) -> tuple[float | None, float | None]:
+        """This gateway's own (wanted at, held since) for ``model``."""
+        d = self._demand.get(model)
+        return (d.wanted_at, d.held_since) if d is not None else (None, None)

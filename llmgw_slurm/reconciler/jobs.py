@@ -85,6 +85,11 @@ class JobBuilder:
     gateway_cert: str
     python: str = sys.executable
 
+    def name(self, model: Model, replica_id: str, cluster: str = "") -> str:
+        """The job name of ``model``'s replica ``replica_id`` on ``cluster`` (how adoption
+        finds it)."""
+        return job_name(self.server.slurm.job_prefix, model.name, replica_id, cluster)
+
     def spec(
         self,
         model: Model,
@@ -93,15 +98,18 @@ class JobBuilder:
         *,
         traceparent: str = "",
         cluster: ClusterConfig | None = None,
+        lease_epoch: int | None = None,
     ) -> JobSpec:
         """The replica's job on ``cluster`` (default: the first of server.yaml's).
         ``extra_env`` carries TRACEPARENT/TRACESTATE when tracing is on; ``traceparent``
         (the start span's, not a secret) goes into the comment so that a restarted
         daemon can continue the start's trace. The cluster's partition, account and
-        QOS fill what the model leaves unset; its name ends the job's."""
+        QOS fill what the model leaves unset; its name ends the job's. ``lease_epoch``:
+        the epoch of the reconciler's lease it is submitted under (several daemons on
+        one database), in the comment too, so that sacct shows which leader submitted it."""
         cfg = self.server
         where = cluster or cfg.cluster_list[0]
-        name = job_name(cfg.slurm.job_prefix, model.name, replica_id, where.name)
+        name = self.name(model, replica_id, where.name)
         log_dir = Path(cfg.state_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         # Warn the agent ahead of the limit by the drain timeout plus a margin, so
@@ -135,6 +143,8 @@ class JobBuilder:
             comment += f" cluster={where.name}"
         if traceparent:
             comment += f" trace={traceparent}"
+        if lease_epoch is not None:
+            comment += f" epoch={lease_epoch}"
         # The trace context is the start span's or none: never the daemon's own
         # (a daemon started from a traced shell or CI job has TRACEPARENT too).
         return JobSpec(

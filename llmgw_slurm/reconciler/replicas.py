@@ -58,6 +58,10 @@ class Replica:
     epoch: int = 0
     last_used: float | None = None
     in_flight: int = 0
+    # The other gateways' requests in flight and last use (several daemons on one
+    # database: llmgw_slurm.db.replicas), which the plan adds to this gateway's.
+    remote_in_flight: int = 0
+    remote_last_used: float | None = None
     # Requests the engine itself queues (vllm:num_requests_waiting), as last read
     # from its /metrics; only for models that scale on it.
     engine_waiting: int = 0
@@ -140,6 +144,8 @@ class Decision:
     replica_id: str
     reason: str
     pass_id: str
+    # Which daemon decided (several daemons on one database); "" for this one.
+    daemon: str = ""
 
 
 def view_of(r: Replica) -> ReplicaView:
@@ -168,8 +174,8 @@ def build_view(r: Replica) -> ReplicaView:
         started_at=r.started_at,
         adopted_at=r.adopted_at,
         ready_at=r.ready_at,
-        last_used=r.last_used,
-        in_flight=r.in_flight,
+        last_used=_later(r.last_used, r.remote_last_used),
+        in_flight=r.in_flight + r.remote_in_flight,
         engine_waiting=r.engine_waiting,
         draining_since=r.draining_since,
         drain_reason=r.drain_reason or r.agent_draining,
@@ -183,6 +189,10 @@ def build_view(r: Replica) -> ReplicaView:
         # Once it serves, it is a replica like any other.
         stranded=r.stranded and r.ready_at is None,
     )
+
+
+def _later(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 class ReplicaTable:
@@ -205,6 +215,14 @@ class ReplicaTable:
         self.nodes_listed_at: float | None = None
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=200)
         self.wake = asyncio.Event()
+        # Called when a replica may have changed (a pass, a report, a decision) and with
+        # each decision: how the shared directory (llmgw_slurm.db.replicas) hears of it.
+        self.on_change: list[Callable[[], None]] = []
+        self.on_record: list[Callable[[Decision], None]] = []
+
+    def changed(self) -> None:
+        for f in self.on_change:
+            f()
 
     def models(self) -> dict[str, Model]:
         return {m.name: m for m in self.catalog.models}
@@ -215,7 +233,11 @@ class ReplicaTable:
         )
 
     def record(self, action: str, model: str, rid: str, reason: str, pass_id: str = "") -> None:
-        self.decisions.append(Decision(self.clock(), action, model, rid, reason, pass_id))
+        d = Decision(self.clock(), action, model, rid, reason, pass_id)
+        self.decisions.append(d)
+        for f in self.on_record:
+            f(d)
+        self.changed()
         self.tracing.record(action, model, rid, reason, pass_id)
         # key=value, the reason quoted last: one grep finds a pass's decisions, and
         # the pass id is the trace's llmgw.pass_id.

@@ -12,7 +12,7 @@ from typing import Any
 from llmgw_slurm.catalog import Model
 from llmgw_slurm.reconciler.clusters import ClusterSet
 from llmgw_slurm.reconciler.plan import Failures, ReplicaState
-from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
+from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable, view_of
 from llmgw_slurm.svcjobs import ServiceJobs
 
 __all__ = [
@@ -74,8 +74,10 @@ def status(
                 "replica": d.replica_id,
                 "reason": d.reason,
                 "pass": d.pass_id,
+                **({"daemon": d.daemon} if d.daemon else {}),
             }
-            for d in list(table.decisions)[-50:]
+            # Sorted: other daemons' decisions arrive through the database a moment late.
+            for d in sorted(table.decisions, key=lambda d: d.at)[-50:]
         ],
         "jobs": service_jobs.status(now),
         "clusters": clusters_status(clusters, table, now, down_after) if clusters else [],
@@ -145,6 +147,7 @@ def state_text(state: str, reps: list[Replica], reason: str) -> str:
 
 
 def replica_status(r: Replica, now: float) -> dict[str, Any]:
+    last_used = view_of(r).last_used
     return {
         "id": r.replica_id,
         "cluster": r.cluster,
@@ -156,12 +159,12 @@ def replica_status(r: Replica, now: float) -> dict[str, Any]:
         "step_seconds": dict(r.step_seconds),
         "started_at": r.started_at,
         "url": r.base_url,
-        "in_flight": r.in_flight,
+        "in_flight": r.in_flight + r.remote_in_flight,
         "gpus": r.gpus_per_node * r.node_count,
         "submitted_at": r.submitted_at,
         "ready_since": r.ready_at,
-        "last_used": r.last_used,
-        "idle_s": None if r.last_used is None else round(now - r.last_used, 1),
+        "last_used": last_used,
+        "idle_s": None if last_used is None else round(now - last_used, 1),
         "time_left_s": None if r.ends_at is None else max(0, round(r.ends_at - now)),
         "adopted": r.adopted,
     }

@@ -36,7 +36,7 @@ from llmgw_slurm.router.directory import Endpoint
 from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.quota import QuotaBook, Reservation
-from llmgw_slurm.router.usage import UsageRecord, UsageStore
+from llmgw_slurm.router.usage import UsageRecord, UsageSink
 
 __all__ = ["Accounting", "Tally"]
 
@@ -55,7 +55,7 @@ class Accounting:
     """Where tallies go: the metrics, the usage store, the quota book, the responses' homes."""
 
     def __init__(
-        self, metrics: GatewayMetrics, usage: UsageStore | None, quota: QuotaBook | None,
+        self, metrics: GatewayMetrics, usage: UsageSink | None, quota: QuotaBook | None,
         responses: surface.ResponseHomes, tracer: trace.Tracer, trace_all: bool,
     ) -> None:
         self.metrics, self.usage, self.quota = metrics, usage, quota

@@ -32,7 +32,7 @@ import aiohttp
 
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
 
-__all__ = ["BatchSeam", "BatchUnreached", "SeamAnswer", "Ticket"]
+__all__ = ["BatchSeam", "BatchSlot", "BatchUnreached", "SeamAnswer"]
 
 # A replica that could not be reached is passed over this long: a dead engine
 # would otherwise take every retry the moment it is made.
@@ -45,7 +45,7 @@ class BatchUnreached(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Ticket:
+class BatchSlot:
     """A batch slot taken on one replica: :meth:`BatchSeam.forward` uses and frees it."""
 
     model: str
@@ -110,7 +110,7 @@ class BatchSeam:
     def in_flight(self, model: str) -> int:
         return sum(n for (m, _), n in self._batch.items() if m == model)
 
-    def admit(self, model: str) -> Ticket | None:
+    def admit(self, model: str) -> BatchSlot | None:
         """A slot on the replica with the most room, or None: none has any now."""
         best, room = None, 0
         for ep in self._usable(model):
@@ -121,9 +121,9 @@ class BatchSeam:
             return None
         key = (model, best.replica_id)
         self._batch[key] = self._batch.get(key, 0) + 1
-        return Ticket(model, best)
+        return BatchSlot(model, best)
 
-    def _release(self, t: Ticket) -> None:
+    def _release(self, t: BatchSlot) -> None:
         key = (t.model, t.endpoint.replica_id)
         left = self._batch.get(key, 0) - 1
         if left > 0:
@@ -131,7 +131,7 @@ class BatchSeam:
         else:
             self._batch.pop(key, None)
 
-    async def forward(self, t: Ticket, path: str, body: bytes) -> SeamAnswer:
+    async def forward(self, t: BatchSlot, path: str, body: bytes) -> SeamAnswer:
         """POST ``body`` (JSON, its ``model`` the engine's) to ``path`` on the ticket's
         replica; its whole answer. Frees the slot. Raises :class:`BatchUnreached`."""
         ep = t.endpoint

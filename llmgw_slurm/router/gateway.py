@@ -40,7 +40,7 @@ from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.router.quota import QuotaBook, add_quota_headers
 from llmgw_slurm.router.replicas import Replicas
-from llmgw_slurm.router.usage import UsageStore
+from llmgw_slurm.router.usage import UsageSink
 
 __all__ = ["GATEWAY_KEY", "Gateway", "create_app", "request_key"]
 
@@ -107,7 +107,7 @@ class Gateway:
 
     def __init__(
         self, directory: ModelDirectory, config: RouterConfig, *, keys: KeyRing | None,
-        usage: UsageStore | None, registry: CollectorRegistry, quota: QuotaBook | None = None,
+        usage: UsageSink | None, registry: CollectorRegistry, quota: QuotaBook | None = None,
         tracer: trace.Tracer | None = None,
     ) -> None:
         self.directory, self.config, self.keys, self.usage = directory, config, keys, usage
@@ -345,7 +345,7 @@ async def _not_here(request: web.Request) -> web.Response:
 
 def create_app(
     directory: ModelDirectory, config: RouterConfig | None = None, *,
-    keys: KeyRing | None = None, usage: UsageStore | None = None,
+    keys: KeyRing | None = None, usage: UsageSink | None = None,
     registry: CollectorRegistry | None = None, quota: QuotaBook | None = None,
     tracer: trace.Tracer | None = None,
 ) -> web.Application:

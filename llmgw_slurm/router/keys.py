@@ -30,10 +30,10 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -42,8 +42,10 @@ from llmgw_slurm.fsutil import atomic_write, locked
 
 __all__ = [
     "REQUEST_KEY",
+    "KeyFile",
     "KeyRecord",
     "KeyRing",
+    "KeyStore",
     "NewKey",
     "TooManyKeys",
     "add_key",
@@ -177,29 +179,26 @@ def add_key(
     counting the active ones and those revoked within the last
     ``revoked_within`` seconds.
     """
-    for what, value in (("user", user), ("project", project)):
-        if value or what == "user":
-            check_name(what, value)
+    check_names(user, project)
     with _locked(path):
         records = _load(path)
         if limit is not None:
-            _check_limit(records, user, limit, revoked_within, time.time())
-        key_id = secrets.token_hex(4)
-        while key_id in records:
-            key_id = secrets.token_hex(4)
-        key = f"llmgw-{key_id}-{secrets.token_urlsafe(32)}"
-        rec = KeyRecord(key_id, user, project, _hash(key), time.time())
-        records[key_id] = rec
+            check_limit(
+                [r for r in records.values() if r.user == user], user, limit, revoked_within
+            )
+        new = new_key(user, project, records)
+        records[new.record.key_id] = new.record
         _write(path, records)
-    return NewKey(rec, key)
+    return new
 
 
-def _check_limit(
-    records: dict[str, KeyRecord], user: str, limit: int, window: float, now: float
+def check_limit(
+    mine: Sequence[KeyRecord], user: str, limit: int, window: float, now: float | None = None
 ) -> None:
-    """Raise TooManyKeys if ``user`` holds ``limit`` keys, active or revoked within
-    ``window`` seconds of ``now``."""
-    mine = [r for r in records.values() if r.user == user]
+    """Raise TooManyKeys if ``user``, whose keys are ``mine``, holds ``limit`` keys,
+    active or revoked within ``window`` seconds of ``now`` (a revoked key counts
+    for a while: revoking and logging in again must not hand out keys without end)."""
+    now = time.time() if now is None else now
     active = sum(1 for r in mine if r.active)
     recent = sorted(
         r.revoked for r in mine if r.revoked is not None and now - r.revoked < window
@@ -257,12 +256,78 @@ def revoke_own_key(path: Path, key_id: str, user: str) -> KeyRecord | None:
     return rec
 
 
-class KeyRing:
-    """The gateway's view of the key file, reread when the file changes."""
+class KeyStore(Protocol):
+    """Where keys are kept: :class:`KeyFile` (the keys file) or the shared database
+    (llmgw_slurm.db.keys). The same rules either way: ids unique, a user's keys
+    capped by ``limit`` (those revoked within ``revoked_within`` seconds counted),
+    revocation by id, a user's own revocation as the same None for another user's
+    key as for an unknown one."""
 
-    def __init__(self, path: Path) -> None:
+    def add(
+        self,
+        user: str,
+        project: str = "",
+        *,
+        limit: int | None = None,
+        revoked_within: float = 0.0,
+    ) -> NewKey: ...
+
+    def list(self) -> list[KeyRecord]: ...
+
+    def revoke(self, key_id: str) -> KeyRecord: ...
+
+    def revoke_own(self, key_id: str, user: str) -> KeyRecord | None: ...
+
+
+@dataclass(frozen=True)
+class KeyFile:
+    """:class:`KeyStore` on the keys file (router.keys_file)."""
+
+    path: Path
+
+    def add(
+        self,
+        user: str,
+        project: str = "",
+        *,
+        limit: int | None = None,
+        revoked_within: float = 0.0,
+    ) -> NewKey:
+        return add_key(self.path, user, project, limit=limit, revoked_within=revoked_within)
+
+    def list(self) -> list[KeyRecord]:
+        return list_keys(self.path)
+
+    def revoke(self, key_id: str) -> KeyRecord:
+        return revoke_key(self.path, key_id)
+
+    def revoke_own(self, key_id: str, user: str) -> KeyRecord | None:
+        return revoke_own_key(self.path, key_id, user)
+
+
+def check_names(user: str, project: str) -> None:
+    for what, value in (("user", user), ("project", project)):
+        if value or what == "user":
+            check_name(what, value)
+
+
+def new_key(user: str, project: str, taken: Container[str]) -> NewKey:
+    """A fresh key for ``user`` whose id is not in ``taken``, and its record."""
+    check_names(user, project)
+    key_id = secrets.token_hex(4)
+    while key_id in taken:
+        key_id = secrets.token_hex(4)
+    key = f"llmgw-{key_id}-{secrets.token_urlsafe(32)}"
+    return NewKey(KeyRecord(key_id, user, project, _hash(key), time.time()), key)
+
+
+class KeyRing:
+    """The gateway's view of the keys: the key file, reread when it changes; or, with
+    ``path`` None, the records the shared database's copy gives it (:meth:`update`)."""
+
+    def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._fspath = os.fspath(path)
+        self._fspath = os.fspath(path) if path is not None else ""
         self._stamp: tuple[int, int] | None = None
         self._records: dict[str, KeyRecord] = {}
         # The keys checked since the file last changed, by a hash keyed with a
@@ -273,9 +338,23 @@ class KeyRing:
         # revocation still holds from the next request.
         self._mac_key = secrets.token_bytes(32)
         self._checked: dict[bytes, KeyRecord] = {}
+        # Called on a well-formed key whose id is unknown (the shared database's copy
+        # reads the table again then; a key made elsewhere works from the next request).
+        self.on_unknown: Callable[[], None] | None = None
         self._reload()
 
+    def update(self, records: dict[str, KeyRecord]) -> None:
+        """Take ``records`` as the keys (the shared database's copy); checks kept of
+        keys since changed are dropped, so a revocation holds from the next request."""
+        self._records, self._checked = records, {}
+
+    @property
+    def records(self) -> dict[str, KeyRecord]:
+        return self._records
+
     def _reload(self) -> None:
+        if self.path is None:
+            return
         try:
             # os.stat on the path's string: pathlib's stat costs several times
             # the call itself on a cold CPU, and this runs once a request.
@@ -307,6 +386,9 @@ class KeyRing:
             return rec
         m = _KEY_RE.match(key)
         rec = self._records.get(m.group(1)) if m else None
+        if m and rec is None and self.on_unknown is not None:
+            # A key made a moment ago on another login node: have the copy read now.
+            self.on_unknown()
         expected = rec.sha256 if rec is not None else _DUMMY_HASH
         ok = hmac.compare_digest(_hash(key), expected)
         if not ok or rec is None or not rec.active:

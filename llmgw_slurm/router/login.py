@@ -29,6 +29,7 @@ keys (and key-file records) without end.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import pwd
 import time
@@ -41,15 +42,8 @@ from aiohttp import web
 
 from llmgw_slurm import munge
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.errors import ConfigError, LlmgwError, SlurmError
-from llmgw_slurm.router.keys import (
-    KeyRecord,
-    NewKey,
-    TooManyKeys,
-    add_key,
-    list_keys,
-    revoke_own_key,
-)
+from llmgw_slurm.errors import ConfigError, DatabaseError, LlmgwError, SlurmError
+from llmgw_slurm.router.keys import KeyFile, KeyRecord, KeyStore, NewKey, TooManyKeys
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import Associations
 
@@ -80,6 +74,10 @@ class LoginSettings:
     attempts_per_minute: int = 10
     # Seconds a revoked key still counts against max_keys_per_user.
     revoked_key_window: float = 3600.0
+    # Where keys are kept: None, keys_file (the shared database's store otherwise).
+    store: KeyStore | None = None
+    # Told of each key made or revoked here (the shared database's copy learns it at once).
+    learned: Callable[[KeyRecord], None] | None = None
 
 
 # Credentials decoded at once: each is an unmunge process, and a flood of garbage
@@ -252,23 +250,38 @@ class LoginRoutes:
     async def _issue(self, user: str, account: str) -> NewKey | web.Response:
         """A new key for ``user``, or why none could be made."""
         try:
-            return await asyncio.to_thread(
-                add_key,
-                self.settings.keys_file,
-                user,
-                account,
-                limit=self.settings.max_keys_per_user,
-                revoked_within=self.settings.revoked_key_window,
+            new = await asyncio.to_thread(
+                functools.partial(
+                    self.store.add,
+                    user,
+                    account,
+                    limit=self.settings.max_keys_per_user,
+                    revoked_within=self.settings.revoked_key_window,
+                )
             )
         except TooManyKeys as exc:
             return _error(409, str(exc), "too_many_keys")
         except ConfigError as exc:
             _log.error("login: the key file is broken: %s", exc)
+        except DatabaseError as exc:
+            # A new login needs the database; keys already made keep working.
+            _log.error("login: cannot store the key: %s", exc)
         except LlmgwError as exc:
             return _error(403, str(exc), "invalid_user")
         except OSError as exc:
             _log.error("login: cannot write %s: %s", self.settings.keys_file, exc)
-        return _error(503, "the daemon cannot store keys now", "keys_unavailable")
+        else:
+            self._learned(new.record)
+            return new
+        return _error(503, "the daemon cannot store keys now; try again", "keys_unavailable")
+
+    @property
+    def store(self) -> KeyStore:
+        return self.settings.store or KeyFile(self.settings.keys_file)
+
+    def _learned(self, rec: KeyRecord) -> None:
+        if self.settings.learned is not None:
+            self.settings.learned(rec)
 
     def _caller(self, request: web.Request) -> KeyRecord | web.Response:
         token = _bearer(request)
@@ -285,11 +298,11 @@ class LoginRoutes:
         rec = self._caller(request)
         if isinstance(rec, web.Response):
             return rec
-        mine = [
-            r
-            for r in await asyncio.to_thread(list_keys, self.settings.keys_file)
-            if r.user == rec.user
-        ]
+        try:
+            mine = [r for r in await asyncio.to_thread(self.store.list) if r.user == rec.user]
+        except DatabaseError as exc:
+            _log.error("keys: cannot read the keys: %s", exc)
+            return _error(503, "the daemon cannot read keys now; try again", "keys_unavailable")
         return web.json_response(
             {"user": rec.user, "keys": [_key_json(r, rec.key_id) for r in mine]}
         )
@@ -299,7 +312,13 @@ class LoginRoutes:
         if isinstance(rec, web.Response):
             return rec
         key_id = request.match_info["key_id"]
-        done = await asyncio.to_thread(revoke_own_key, self.settings.keys_file, key_id, rec.user)
+        try:
+            done = await asyncio.to_thread(self.store.revoke_own, key_id, rec.user)
+        except DatabaseError as exc:
+            _log.error("keys: cannot revoke %s: %s", key_id, exc)
+            return _error(503, "the daemon cannot revoke keys now; try again", "keys_unavailable")
+        if done is not None:
+            self._learned(done)
         if done is None:
             return _error(
                 404, f"you have no key with id {key_id!r} (llmgw keys lists yours)", "no_such_key"

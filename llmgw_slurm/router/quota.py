@@ -61,7 +61,7 @@ from llmgw_slurm.config import QuotaConfig, ServerConfig
 from llmgw_slurm.errors import ConfigError, LlmgwError
 from llmgw_slurm.fsutil import atomic_write, locked
 from llmgw_slurm.router.keys import request_key
-from llmgw_slurm.router.usage import token_totals
+from llmgw_slurm.router.usage import UsageQueries
 
 __all__ = [
     "NOTHING",
@@ -136,6 +136,30 @@ def set_account_budget(path: Path, account: str, budget: AccountBudget) -> None:
             },
         }
         atomic_write(path, json.dumps(data, indent=2) + "\n", mode=0o600)
+
+
+class Budgets(Protocol):
+    """The accounts' own budgets as the book reads them: :class:`AccountBudgets` (the
+    file) or the shared database's copy (llmgw_slurm.db.quota)."""
+
+    budgets: dict[str, AccountBudget]
+
+    def refresh(self) -> None: ...
+
+
+class OtherGateways(Protocol):
+    """What the other gateways on one database spent and hold (llmgw_slurm.db.quota):
+    the book adds it to its own, so a day's budget is one budget whichever gateway
+    a request comes through."""
+
+    def used(self, kind: str, name: str, span: str, start: float) -> int:
+        """Tokens ``kind`` ("user", "account") ``name`` spent through other gateways in
+        the ``span`` ("day", "month") that began at ``start``."""
+        ...
+
+    def held(self, kind: str, name: str) -> int:
+        """Tokens the other gateways' requests in flight hold for ``kind`` ``name``."""
+        ...
 
 
 class AccountBudgets:
@@ -422,11 +446,14 @@ class QuotaBook:
     def __init__(
         self,
         config: QuotaConfig,
-        budgets: AccountBudgets | None = None,
+        budgets: Budgets | None = None,
         clock: Callable[[], float] = time.time,
+        others: OtherGateways | None = None,
     ) -> None:
         self.config = config
         self.budgets = budgets
+        # Several gateways on one database: their spend and holds count here too.
+        self.others = others
         self._clock = clock
         self._minute: dict[str, tuple[int, int, int]] = {}  # key id -> (minute, requests, tokens)
         # Tokens held by requests in flight: ("key", id), ("user", name), ("account", name).
@@ -439,13 +466,13 @@ class QuotaBook:
         self._rules_from: dict[str, AccountBudget] | None = None
         self._rules_of: dict[tuple[str, str, str], tuple[_Rule, ...]] = {}
 
-    def load(self, usage_db: Path) -> None:
+    def load(self, usage: UsageQueries) -> None:
         """Start the day and month budgets from the usage store (after a restart)."""
         now = self._clock()
         for span in ("day", "month"):
             self._periods[("user", span)].at(now)
             since = self._periods[("user", span)].start
-            totals = token_totals(usage_db, since)
+            totals = usage.totals(since)
             for kind, pick in (("user", 0), ("account", 1)):
                 used = self._periods[(kind, span)].at(now)
                 for names, tokens in totals.items():
@@ -589,8 +616,24 @@ class QuotaBook:
         for rule in self._rules(key):
             used = rule.period.at(now).get(rule.whose[1], 0)
             held = self._held.get(rule.whose, 0)
+            if self.others is not None:
+                kind, name = rule.whose
+                used += self.others.used(kind, name, rule.period.span, rule.period.start)
+                held += self.others.held(kind, name)
             out.append(_limit(rule.what, rule.limit, used, rule.period.end - now, held))
         return out
+
+    def holding(self) -> dict[tuple[str, str], int]:
+        """What this gateway's requests in flight hold per user and account (shared with
+        the other gateways on one database)."""
+        return {h: n for h, n in self._held.items() if h[0] != "key"}
+
+    def spent_in(self, kind: str, span: str) -> tuple[float, dict[str, int]]:
+        """The start of the current ``span`` and what ``kind`` names spent through this
+        book in it (a copy)."""
+        period = self._periods[(kind, span)]
+        used = dict(period.at(self._clock()))
+        return period.start, used
 
 
 # Seconds a refusal for tokens held by the key's own requests in flight asks to
@@ -688,12 +731,22 @@ def budgets_path(server: ServerConfig) -> Path:
     return Path(server.state_dir) / "quotas.json"
 
 
-def quota_book(server: ServerConfig, usage_db: Path) -> QuotaBook:
+def quota_book(
+    server: ServerConfig,
+    usage: UsageQueries,
+    *,
+    budgets: Budgets | None = None,
+    others: OtherGateways | None = None,
+) -> QuotaBook:
     """The daemon's quota book, its budgets started from the usage store.
 
     Made whenever keys are on, limits or not: an account budget that
-    ``llmgw-admin quota`` sets later holds from the next request.
+    ``llmgw-admin quota`` sets later holds from the next request. With ``others``
+    (several gateways on one database) it starts from nothing of its own: what
+    was spent before is the others' to tell.
     """
-    book = QuotaBook(server.quotas, AccountBudgets(budgets_path(server)))
-    book.load(usage_db)
+    budgets = budgets if budgets is not None else AccountBudgets(budgets_path(server))
+    book = QuotaBook(server.quotas, budgets, others=others)
+    if others is None:
+        book.load(usage)
     return book

@@ -22,12 +22,16 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from llmgw_slurm.guard.faults import Faults
 
 __all__ = [
     "USAGE_GROUPS",
+    "SqliteUsage",
+    "UsageQueries",
     "UsageRecord",
+    "UsageSink",
     "UsageStore",
     "UsageSummary",
     "query_usage",
@@ -191,6 +195,69 @@ def tokens_by(path: Path, by: str, model: str, since: float, until: float) -> di
 _MAX_PENDING = 1_000_000
 
 
+class UsageQueries(Protocol):
+    """What is asked of the usage, wherever it is kept: :class:`SqliteUsage` (the
+    state directory's SQLite) or the shared database's (llmgw_slurm.db.usage)."""
+
+    def query(
+        self,
+        *,
+        key_id: str | None = None,
+        since: float | None = None,
+        user: str | None = None,
+        project: str | None = None,
+    ) -> list[UsageSummary]: ...
+
+    def totals(self, since: float) -> dict[tuple[str, str], int]: ...
+
+    def by(self, by: str, since: float | None = None) -> list[dict[str, object]]: ...
+
+    def tokens_by(self, by: str, model: str, since: float, until: float) -> dict[str, int]: ...
+
+
+class UsageSink(Protocol):
+    """Where the gateway puts each request's usage: :class:`UsageStore` (SQLite) or the
+    shared database's (llmgw_slurm.db.usage.PgUsageStore). ``record`` is on the
+    request's path: it must only append."""
+
+    @property
+    def queries(self) -> UsageQueries: ...
+
+    def record(self, rec: UsageRecord) -> None: ...
+
+    def start(self) -> None: ...
+
+    async def flush(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class SqliteUsage:
+    """:class:`UsageQueries` over the SQLite file ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def query(
+        self,
+        *,
+        key_id: str | None = None,
+        since: float | None = None,
+        user: str | None = None,
+        project: str | None = None,
+    ) -> list[UsageSummary]:
+        return query_usage(self.path, key_id=key_id, since=since, user=user, project=project)
+
+    def totals(self, since: float) -> dict[tuple[str, str], int]:
+        return token_totals(self.path, since)
+
+    def by(self, by: str, since: float | None = None) -> list[dict[str, object]]:
+        return usage_by(self.path, by, since)
+
+    def tokens_by(self, by: str, model: str, since: float, until: float) -> dict[str, int]:
+        return tokens_by(self.path, by, model, since, until)
+
+
 class UsageStore:
     """Collects usage records on the event loop and commits them in batches."""
 
@@ -198,6 +265,7 @@ class UsageStore:
         self, path: Path, *, flush_interval_s: float = 1.0, faults: Faults | None = None
     ) -> None:
         self.path = path
+        self.queries: UsageQueries = SqliteUsage(path)
         self.flush_interval_s = flush_interval_s
         # Where a failed write is counted (the daemon's, for /metrics).
         self.faults = faults or Faults()

@@ -200,8 +200,8 @@ def test_server_errors_are_all_reported_with_suggestions(tmp_path: Path) -> None
         "bytes, or with a unit: 512K, 16M, 16MiB, 1G",
         "F:10: router.retry_once: expected true or false, got the string 'yes'",
         "F:11: gatway: unknown key 'gatway' (valid keys: admin_group, admin_socket, "
-        "agent_config, batch, clusters, connections, listen, login, models, quotas, reconcile, "
-        "router, runtime_dir, scaling, slurm, state_dir, templates_dir, tls, tracing)",
+        "agent_config, batch, clusters, connections, database, listen, login, models, quotas, "
+        "reconcile, router, runtime_dir, scaling, slurm, state_dir, templates_dir, tls, tracing)",
     ]
     text = "reconcile: {restart: {initial_backoff: 1h, max_backoff: 10m}}\n"
     assert server_errors(tmp_path, text) == [
@@ -252,12 +252,12 @@ def test_empty_and_non_mapping_server_files(tmp_path: Path) -> None:
     assert str(info.value) == (
         f"{p}: file is empty; a server config is a mapping with keys: slurm, clusters, listen, "
         "connections, state_dir, models, agent_config, templates_dir, reconcile, router, scaling, "
-        "tracing, batch, tls, runtime_dir, admin_socket, admin_group, login, quotas"
+        "tracing, batch, tls, runtime_dir, admin_socket, admin_group, login, quotas, database"
     )
     assert server_errors(tmp_path, "- a\n") == [
         "F:1: expected a mapping with keys slurm, clusters, listen, connections, state_dir, models, "
         "agent_config, templates_dir, reconcile, router, scaling, tracing, batch, tls, runtime_dir, "
-        "admin_socket, admin_group, login, quotas; got a list"
+        "admin_socket, admin_group, login, quotas, database; got a list"
     ]
 
 

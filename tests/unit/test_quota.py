@@ -49,6 +49,7 @@ from llmgw_slurm.router.quota import (
     prompt_estimate,
     set_account_budget,
 )
+from llmgw_slurm.router.usage import SqliteUsage
 
 # 2026-12-03 10:00:30 UTC: 30 s into a minute, 10 h into a day.
 T0 = float(calendar.timegm((2026, 12, 3, 10, 0, 30)))
@@ -358,7 +359,7 @@ def test_budgets_start_from_the_usage_store(tmp_path: Path) -> None:
     book = QuotaBook(
         QuotaConfig(user_tokens_per_day=100, account_tokens_per_month=100), clock=Clock()
     )
-    book.load(db)
+    book.load(SqliteUsage(db))
     # Day: 70 used; month (account): 70 + 20 used, the older month not counted.
     headers = book.headers(key())
     assert headers["x-ratelimit-remaining-tokens"] == "10"

@@ -43,6 +43,8 @@ OTHER: dict[str, Any] = {
     "epoch": 7,
     "last_used": 8.0,
     "in_flight": 9,
+    "remote_in_flight": 3,
+    "remote_last_used": 8.5,
     "engine_waiting": 4,
     "draining_since": 10.0,
     "drain_reason": "admin",
