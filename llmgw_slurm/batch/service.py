@@ -564,7 +564,6 @@ class BatchService:
         listed, answered = await self._list_all()
         if not answered:
             return
-        self.last_poll_error = ""
         # A new leader: batches whose sbatch an earlier leader began and never said it
         # finished wait until their job is listed (then adopted) or the action's deadline.
         waiting = {o.replica_id for o in await self.fence.open_submits(set(listed))}

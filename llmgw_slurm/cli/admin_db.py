@@ -45,14 +45,31 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
 
     @click.group()
     def db() -> None:
-        """The database several daemons share (database: in server.yaml)."""
+        """Set up and inspect the shared database.
+
+        Several daemons (two login nodes) share one PostgreSQL database, named
+        by database: in server.yaml (docs/operations.md, "Two login nodes").
+
+        \b
+        Examples:
+          llmgw-admin db migrate
+          llmgw-admin db status --json | jq -r .lease.holder
+          llmgw-admin db import /var/lib/llmgw
+        """
 
     @db.command("migrate")
     @server_option
     @friendly_errors
     def db_migrate(server_path: Path) -> None:
-        """Bring the database's schema to this version (safe to run again, or on two
-        login nodes at once; refuses a schema newer than this llmgw-slurm)."""
+        """Bring the database's schema to this version.
+
+        Safe to run again, or on two login nodes at once; it refuses a schema
+        newer than this llmgw-slurm.
+
+        \b
+        Example:
+          llmgw-admin db migrate --server /etc/llmgw/server.yaml
+        """
         from llmgw_slurm.db.connect import connect
         from llmgw_slurm.db.schema import LATEST, migrate
 
@@ -68,10 +85,19 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
 
     @db.command("status")
     @server_option
-    @click.option("--json", "as_json", is_flag=True)
+    @click.option("--json", "as_json", is_flag=True, help="JSON for scripts.")
     @friendly_errors
     def db_status(server_path: Path, as_json: bool) -> None:
-        """The schema, who leads (lease epoch, since when) and each daemon's last contact."""
+        """Show the schema, the leader and every daemon.
+
+        Who holds the reconciler's lease (its epoch, since when) and each
+        daemon's last contact with the database.
+
+        \b
+        Examples:
+          llmgw-admin db status
+          llmgw-admin db status --json | jq '.daemons[] | .name'
+        """
         out = _status(_database(load_server(server_path)))
         if as_json:
             print_json(out)
@@ -96,9 +122,16 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
     def db_import(
         state_dir: Path, server_path: Path, keys_file: Path | None, batch_dir: Path | None
     ) -> None:
-        """Move an embedded daemon's STATE_DIR into the database: keys, usage, account
-        budgets, batches and files' records, and its secrets (so its running replicas
-        keep reporting). Safe to run again: nothing is counted twice."""
+        """Move an embedded daemon's STATE_DIR into the database.
+
+        Keys, usage, account budgets, batches and files' records, and its
+        secrets (so its running replicas keep reporting). Safe to run again:
+        nothing is counted twice.
+
+        \b
+        Example:
+          llmgw-admin db import /var/lib/llmgw --keys-file /etc/llmgw/keys.json
+        """
         from llmgw_slurm.db.connect import connect
         from llmgw_slurm.db.importer import import_state
 
