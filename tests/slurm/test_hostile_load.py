@@ -145,7 +145,7 @@ async def test_a_flood_of_connections_from_another_user_leaves_the_daemon_servin
     with daemon_process(h, tmp_path / "daemon.log", wrap=wrap) as d:
 
         async def warm_ready() -> bool:
-            return model_states(await d.status()).get("warm") == "ready 1"
+            return model_states(await d.status()).get("warm") == "ready"
 
         await eventually(warm_ready, "warm ready", timeout=180)
         client = openai.AsyncOpenAI(
