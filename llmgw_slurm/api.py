@@ -37,7 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw_slurm import __version__, chartsapi
-from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.base.errors import LlmgwError
 from llmgw_slurm.identity import peer_credentials
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY

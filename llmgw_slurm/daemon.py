@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from llmgw_slurm import api, chartsapi, identity, private, sdnotify, traceapi
+from llmgw_slurm import api, chartsapi, identity, private, traceapi
+from llmgw_slurm.base import sdnotify
+from llmgw_slurm.base.errors import LlmgwError, SlurmError
+from llmgw_slurm.base.sdnotify import Notifier
 from llmgw_slurm.batch.setup import install as install_batch_api
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import ConnectionsConfig, HostPort, ServerConfig, load_agent_config
-from llmgw_slurm.errors import LlmgwError, SlurmError
 from llmgw_slurm.guard import (
     Acceptor,
     ConnectionLimiter,
@@ -55,7 +57,6 @@ from llmgw_slurm.router.metrics import tokens_gate
 from llmgw_slurm.router.quota import QuotaBook, quota_book
 from llmgw_slurm.router.server import Runner as GatewayRunner
 from llmgw_slurm.router.usage import UsageSink, UsageStore
-from llmgw_slurm.sdnotify import Notifier
 from llmgw_slurm.secrets import AdminToken, load_or_create_server_key, replica_secret
 from llmgw_slurm.slurm import make_backends
 from llmgw_slurm.tracestore import TraceStore

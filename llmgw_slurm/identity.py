@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from llmgw_slurm.errors import UnverifiedServerError
+from llmgw_slurm.base.errors import UnverifiedServerError
 from llmgw_slurm.private import trusted_owner, write_atomic
 
 __all__ = [

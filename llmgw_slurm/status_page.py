@@ -19,7 +19,7 @@ from typing import Any
 
 import jinja2
 
-from llmgw_slurm.durations import format_duration
+from llmgw_slurm.base.durations import format_duration
 from llmgw_slurm.reconciler.status import MODEL_STATES
 
 __all__ = ["REFRESH_SECONDS", "render_page"]

@@ -42,8 +42,8 @@ from llmgw_slurm.agent.engine import (
     engine_env,
 )
 from llmgw_slurm.agent.runner import EXIT_FAILED, EXIT_OK, Agent, JobContext, replica_spec
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.batch import results
-from llmgw_slurm.errors import ConfigError
 
 __all__ = ["BatchAgent", "BatchJob", "BatchRun", "batch_job_from_env"]
 

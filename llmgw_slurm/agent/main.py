@@ -28,8 +28,8 @@ from llmgw_slurm.agent.batch import BatchAgent, batch_job_from_env
 from llmgw_slurm.agent.runner import Agent, JobContext, job_context_from_env, replica_spec
 from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
 from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
+from llmgw_slurm.base.errors import LlmgwError
 from llmgw_slurm.config import AgentConfig, TracingConfig, load_agent_config
-from llmgw_slurm.errors import LlmgwError
 
 __all__ = ["build_settings", "job_environment", "main", "settings_from_agent_config"]
 

@@ -14,7 +14,7 @@ so a catalog change of source never reuses a stale copy.
 
 Two jobs fetching the same model, on one node or many, take the lock in turn:
 the second finds the first's complete copy and only verifies it. The lock is
-a POSIX record lock (:func:`llmgw_slurm.fsutil.locked`), which NFS and Lustre
+a POSIX record lock (:func:`llmgw_slurm.base.fsutil.locked`), which NFS and Lustre
 carry to the file server where ``flock`` may stay local to a node. POSIX locks
 belong to the process, so two threads of one process do not exclude each other:
 the agent fetches once per process.
@@ -38,8 +38,8 @@ from pathlib import Path
 
 from llmgw_slurm.agent.errors import WeightsError
 from llmgw_slurm.agent.settings import FetchSettings
+from llmgw_slurm.base.fsutil import LockTimeout, atomic_write, locked
 from llmgw_slurm.catalog import WeightsSpec
-from llmgw_slurm.fsutil import LockTimeout, atomic_write, locked
 
 __all__ = [
     "MANIFEST",

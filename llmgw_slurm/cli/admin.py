@@ -20,6 +20,8 @@ import click
 from llmgw_slurm import __version__
 from llmgw_slurm.audit import AuditRow, Period
 from llmgw_slurm.audit_owner import OwnerKind
+from llmgw_slurm.base.durations import format_duration
+from llmgw_slurm.base.errors import SlurmError
 from llmgw_slurm.cli.common import (
     DaemonReply,
     call_daemon,
@@ -32,8 +34,6 @@ from llmgw_slurm.cli.common import (
 )
 from llmgw_slurm.cli.settings import base_url
 from llmgw_slurm.config import ClusterConfig, HostPort, ServerConfig
-from llmgw_slurm.durations import format_duration
-from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import AccountingRecord, NodeInfo, SlurmBackend
 
@@ -140,8 +140,8 @@ def serve(server_path: Path, log_level: str) -> None:
       llmgw-admin serve --server /etc/llmgw-slurm/server.yaml --log-level DEBUG
     """
     from llmgw_slurm import daemon
+    from llmgw_slurm.base.sdnotify import log_handler
     from llmgw_slurm.config import load_server_config
-    from llmgw_slurm.sdnotify import log_handler
 
     # Without a timestamp under systemd: the journal stamps each line itself.
     logging.basicConfig(level=log_level.upper(), handlers=[log_handler(sys.stderr)])
@@ -182,8 +182,8 @@ def config_check(models: Path | None, server: Path | None, agent: Path | None) -
       llmgw-admin config check
       llmgw-admin config check --models new-models.yaml
     """
+    from llmgw_slurm.base.errors import ConfigError
     from llmgw_slurm.config import check_files, load_server_config
-    from llmgw_slurm.errors import ConfigError
 
     if models is None and server is None and agent is None:
         server = _default_server_path()
@@ -315,7 +315,7 @@ def _admin_request(server: ServerConfig, action: str, body: object = None) -> Da
     """
     import stat as stat_
 
-    from llmgw_slurm.errors import UnverifiedServerError
+    from llmgw_slurm.base.errors import UnverifiedServerError
     from llmgw_slurm.identity import check_listener
 
     uid = _daemon_uid(server)
@@ -485,7 +485,7 @@ def _proven(url: str, server: ServerConfig | None) -> ssl.SSLContext | None:
     or LLMGW_CA_FILE); over plain http only a loopback port, whose owner must
     be the daemon's uid in daemon.json (llmgw_slurm/identity.py).
     """
-    from llmgw_slurm.errors import UnverifiedServerError
+    from llmgw_slurm.base.errors import UnverifiedServerError
     from llmgw_slurm.identity import DEFAULT_INFO, verify_url
 
     if url.startswith("https://"):
@@ -1174,7 +1174,7 @@ def _new_keys_file(server_path: Path, keys_file: Path | None, create: bool) -> P
 
 
 def _valid_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    from llmgw_slurm.errors import LlmgwError
+    from llmgw_slurm.base.errors import LlmgwError
     from llmgw_slurm.router.keys import check_name
 
     if value or param.name == "user":
@@ -1445,7 +1445,7 @@ async def _follow(server: ServerConfig, backend: Any, name: str, job_id: str, po
     """
     import asyncio
 
-    from llmgw_slurm.errors import SlurmError
+    from llmgw_slurm.base.errors import SlurmError
     from llmgw_slurm.slurm.types import JobState
     from llmgw_slurm.svcjobs import job_log_path, last_log_line
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llmgw_slurm.durations import format_duration
+from llmgw_slurm.base.durations import format_duration
 
 __all__ = [
     "audit_chart",

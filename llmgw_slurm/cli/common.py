@@ -12,8 +12,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import click
 
-from llmgw_slurm.durations import parse_since
-from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.base.durations import parse_since
+from llmgw_slurm.base.errors import LlmgwError
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -33,6 +33,7 @@ from typing import Any
 import click
 
 from llmgw_slurm import __version__
+from llmgw_slurm.base.durations import format_duration
 from llmgw_slurm.cli import login as login_commands
 from llmgw_slurm.cli.batch import SETTINGS_KEY
 from llmgw_slurm.cli.batch import batch as batch_commands
@@ -54,7 +55,6 @@ from llmgw_slurm.cli.progress import (
     phase,
 )
 from llmgw_slurm.cli.settings import DEFAULT_URL, Settings, _get, base_url
-from llmgw_slurm.durations import format_duration
 
 # The old names, for code that imported them from here.
 _status, _find_model, _phase = fetch_status, find_model, phase

@@ -94,7 +94,7 @@ class Settings:
 
     def guard(self, what: str) -> None:
         """Refuse (ClickException) unless the server can prove it is the daemon."""
-        from llmgw_slurm.errors import UnverifiedServerError
+        from llmgw_slurm.base.errors import UnverifiedServerError
         from llmgw_slurm.identity import DEFAULT_INFO, verify_url
 
         info = Path(os.environ.get("LLMGW_DAEMON_INFO") or DEFAULT_INFO)

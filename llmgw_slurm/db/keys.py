@@ -23,9 +23,9 @@ from typing import Any
 
 import psycopg
 
+from llmgw_slurm.base.errors import LlmgwError
 from llmgw_slurm.db.connect import Conninfo, connect, database_error
 from llmgw_slurm.db.hub import CHANNEL, Hub
-from llmgw_slurm.errors import LlmgwError
 from llmgw_slurm.router.keys import KeyRecord, KeyRing, NewKey, check_limit, check_names, new_key
 
 __all__ = ["KeysPart", "PgKeyStore"]

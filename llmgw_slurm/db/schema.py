@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 
-from llmgw_slurm.errors import SchemaError
+from llmgw_slurm.base.errors import SchemaError
 
 __all__ = ["LATEST", "MIGRATIONS", "Migration", "check_schema", "migrate", "schema_version"]
 

@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 from prometheus_client import CollectorRegistry
 
+from llmgw_slurm.base.errors import DatabaseError
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.config import DatabaseConfig, ServerConfig
 from llmgw_slurm.db.batches import BatchesPart, PgBatchStore
@@ -37,7 +38,6 @@ from llmgw_slurm.db.responses import SharedResponseHomes
 from llmgw_slurm.db.schema import check_schema
 from llmgw_slurm.db.secrets import share_secrets
 from llmgw_slurm.db.usage import PgUsageStore
-from llmgw_slurm.errors import DatabaseError
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.keys import KeyRing
 

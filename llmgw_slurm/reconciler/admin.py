@@ -6,7 +6,7 @@ finish); a stop cancels their jobs at once.
 
 from __future__ import annotations
 
-from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.base.errors import SlurmError
 from llmgw_slurm.reconciler.clusters import ClusterSet
 from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
 

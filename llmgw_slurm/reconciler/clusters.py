@@ -18,8 +18,8 @@ import enum
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from llmgw_slurm.base.durations import format_duration
 from llmgw_slurm.config import ClusterConfig
-from llmgw_slurm.durations import format_duration
 from llmgw_slurm.reconciler.plan import ClusterView
 from llmgw_slurm.slurm.types import NodeInfo, SlurmBackend
 

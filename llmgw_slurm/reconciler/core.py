@@ -37,9 +37,9 @@ from typing import Any
 
 from opentelemetry import trace
 
+from llmgw_slurm.base.errors import LlmgwError, SlurmError
 from llmgw_slurm.catalog import Access, Catalog, Model
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.errors import LlmgwError, SlurmError
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler import plan as planmod
 from llmgw_slurm.reconciler import status as statusmod

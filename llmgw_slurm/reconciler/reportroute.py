@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_slurm.errors import ReportNotRecorded
+from llmgw_slurm.base.errors import ReportNotRecorded
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.secrets import REPLY_HEADER, REPORT_SCHEME, parse_report_auth, reply_signature
 

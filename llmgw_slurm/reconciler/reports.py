@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from llmgw_slurm.errors import ReportNotRecorded
-from llmgw_slurm.fsutil import atomic_write
+from llmgw_slurm.base.errors import ReportNotRecorded
+from llmgw_slurm.base.fsutil import atomic_write
 from llmgw_slurm.secrets import (
     REPORT_SCHEME,
     constant_time_equal,

@@ -7,7 +7,7 @@ from datetime import datetime
 from os import PathLike
 from typing import Any, Protocol
 
-from llmgw_slurm.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
+from llmgw_slurm.base.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm.types import (
     AccountingRecord,
     GpuCount,

@@ -28,10 +28,10 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 
-from llmgw_slurm.errors import SlurmError, SlurmUnavailable
+from llmgw_slurm.base.errors import SlurmError, SlurmUnavailable
+from llmgw_slurm.base.subprocs import communicate
 from llmgw_slurm.slurm import parse
 from llmgw_slurm.slurm.types import AccountingRecord, Associations, Job, JobSpec, NodeInfo
-from llmgw_slurm.subprocs import communicate
 
 log = logging.getLogger(__name__)
 

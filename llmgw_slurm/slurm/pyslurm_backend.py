@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from llmgw_slurm.errors import SlurmError, SlurmParseError, SlurmUnavailable
+from llmgw_slurm.base.errors import SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm import directives, parse
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.directives import signal_number

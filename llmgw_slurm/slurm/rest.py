@@ -54,7 +54,7 @@ from typing import Any
 
 import httpx2
 
-from llmgw_slurm.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
+from llmgw_slurm.base.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm import directives, rest_parse, rest_submit
 from llmgw_slurm.slurm.rest_auth import SigningKey, Token, TokenFile, TokenSource
 from llmgw_slurm.slurm.types import AccountingRecord, Job, JobSpec, NodeInfo

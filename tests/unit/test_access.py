@@ -15,8 +15,8 @@ from _router_support import engine, serve
 from prometheus_client import CollectorRegistry
 
 from llmgw_slurm.access import GROUPS_TTL, AccessGuard, unix_groups
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.catalog import Access, Catalog, load_catalog
-from llmgw_slurm.errors import ConfigError
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.replicas import ReplicaTable
 from llmgw_slurm.reconciler.spans import ReconcileTracing

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from llmgw_slurm.base.errors import SlurmError
+from llmgw_slurm.base.yamlsrc import load_yaml
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.jobs import BatchJobs
 from llmgw_slurm.batch.model import (
@@ -26,13 +28,11 @@ from llmgw_slurm.batch.service import MAX_JOBS, BatchRefused, BatchService
 from llmgw_slurm.batch.store import BatchStore, clean_filename
 from llmgw_slurm.catalog import parse_catalog
 from llmgw_slurm.config import BatchConfig, ClusterConfig, QuotaConfig, ServerConfig, SlurmConfig
-from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.router.quota import Ask, QuotaBook, Refusal, Reservation
 from llmgw_slurm.secrets import batch_secret, sign_report
 from llmgw_slurm.slurm.types import Job, JobSpec, JobState
-from llmgw_slurm.yamlsrc import load_yaml
 from tests.unit._router_support import serve
 
 CHAT = "/v1/chat/completions"

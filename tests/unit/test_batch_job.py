@@ -21,9 +21,9 @@ from llmgw_slurm.agent.batch import (
 )
 from llmgw_slurm.agent.engine import LaunchParams, build_run_batch_command
 from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors
 from llmgw_slurm.batch import results
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.errors import ConfigError, ConfigErrors
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from tests.unit._router_support import free_port, serve
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_slurm.base.errors import ConfigErrors
 from llmgw_slurm.catalog import ENDPOINTS, load_catalog, read_replica_spec
-from llmgw_slurm.errors import ConfigErrors
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.replicas import ReplicaTable
 from llmgw_slurm.reconciler.spans import ReconcileTracing

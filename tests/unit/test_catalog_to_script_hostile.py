@@ -42,9 +42,9 @@ from hypothesis import strategies as st
 
 from llmgw_slurm import catalog as catalog_mod
 from llmgw_slurm import sbatch as sbatch_mod
+from llmgw_slurm.base.errors import ConfigError, TemplateError
 from llmgw_slurm.catalog import Model, load_catalog, read_replica_spec
 from llmgw_slurm.config import ServerConfig, load_server_config
-from llmgw_slurm.errors import ConfigError, TemplateError
 from llmgw_slurm.reconciler.jobs import JobBuilder
 from llmgw_slurm.slurm.types import JobSpec
 from llmgw_slurm.svcjobs import ServiceJobBuilder

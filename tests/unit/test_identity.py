@@ -18,10 +18,10 @@ import pytest
 from _cli_support import RunningDaemon, free_port, run_daemon
 from click.testing import CliRunner
 
+from llmgw_slurm.base.errors import UnverifiedServerError
 from llmgw_slurm.cli.admin import main as admin_main
 from llmgw_slurm.cli.admin import unix_call
 from llmgw_slurm.cli.researcher import main as llmgw_main
-from llmgw_slurm.errors import UnverifiedServerError
 from llmgw_slurm.identity import (
     DaemonInfo,
     check_listener,
@@ -233,7 +233,7 @@ def test_sd_listen_fds_hands_over_systemds_sockets() -> None:
     s.listen()
     port = s.getsockname()[1]
     code = (
-        "import json, os; from llmgw_slurm.sdnotify import listen_fds;"
+        "import json, os; from llmgw_slurm.base.sdnotify import listen_fds;"
         "got = listen_fds(); print(json.dumps([[n, s.getsockname()[1], s.get_inheritable()]"
         " for n, s in got] + ['LISTEN_FDS' in os.environ]))"
     )

@@ -18,9 +18,9 @@ from _cli_support import RunningDaemon, run_daemon
 from click.testing import CliRunner
 
 from llmgw_slurm import munge
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.cli.researcher import main
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.errors import ConfigError
 from llmgw_slurm.router.keys import list_keys
 from llmgw_slurm.router.login import LOGIN_KEY, RateLimit
 from llmgw_slurm.slurm.types import Associations
@@ -452,7 +452,7 @@ def test_munged_slurmdbd_or_the_key_file_away_is_503_not_a_traceback(
 ) -> None:
     import dataclasses
 
-    from llmgw_slurm.errors import SlurmUnavailable
+    from llmgw_slurm.base.errors import SlurmUnavailable
 
     routes = rd.d.gateway[LOGIN_KEY]
     settings, lookup = routes.settings, routes.associations

@@ -20,8 +20,8 @@ from _router_support import engine, eventually, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.config import QuotaConfig, load_server_config
-from llmgw_slurm.errors import ConfigError
 from llmgw_slurm.router import (
     GATEWAY_KEY,
     Endpoint,

@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 from test_reconciler_core import KEY, PREFIX, FakeSlurm, job, node  # type: ignore[import-not-found]
 
+from llmgw_slurm.base.errors import SlurmError, SlurmUnavailable
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.errors import SlurmError, SlurmUnavailable
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.jobs import job_name
 from llmgw_slurm.reconciler.plan import ReplicaState

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_slurm.errors import ConfigError, LlmgwError
+from llmgw_slurm.base.errors import ConfigError, LlmgwError
 from llmgw_slurm.router import keys as keys_module
 from llmgw_slurm.router.keys import KeyRing, add_key, list_keys, revoke_key
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_slurm.errors import SlurmError, SlurmParseError, SlurmUnavailable
+from llmgw_slurm.base.errors import SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm import JobSpec
 from llmgw_slurm.slurm.cli import CliBackend
 

@@ -25,9 +25,9 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, StatusCode, TraceFlags
 
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import ServerConfig, TracingConfig, load_server_config
-from llmgw_slurm.errors import ConfigError
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import Action, ActionKind
 from llmgw_slurm.reconciler.spans import decision_of, traceparent_from_comment
