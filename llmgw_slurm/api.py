@@ -9,7 +9,7 @@ On the gateway port (what researchers reach):
 - ``GET /``: the status page.
 
 The admin routes, on two ways in: the internal port behind the admin token
-(:class:`llmgw_slurm.secrets.AdminToken`, a file only the daemon's user and
+(:class:`llmgw_slurm.auth.secrets.AdminToken`, a file only the daemon's user and
 root can read), and the admin Unix socket, where the kernel tells the daemon
 who calls (root, the daemon's user, or ``admin_group``) and no token travels:
 
@@ -37,14 +37,14 @@ from typing import Any
 from aiohttp import web
 
 from llmgw_slurm import __version__, chartsapi
+from llmgw_slurm.auth.identity import peer_credentials
+from llmgw_slurm.auth.keys import KeyRecord
+from llmgw_slurm.auth.login import LOGIN_KEY
+from llmgw_slurm.auth.secrets import AdminToken
 from llmgw_slurm.base.errors import LlmgwError
-from llmgw_slurm.identity import peer_credentials
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
-from llmgw_slurm.router.keys import KeyRecord
-from llmgw_slurm.router.login import LOGIN_KEY
 from llmgw_slurm.router.usage import UsageSummary
-from llmgw_slurm.secrets import AdminToken
 from llmgw_slurm.slurm.types import NodeInfo
 from llmgw_slurm.status_page import render_page
 

@@ -28,7 +28,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from llmgw_slurm import api, chartsapi, identity, private, traceapi
+from llmgw_slurm import api, chartsapi, traceapi
+from llmgw_slurm.auth import identity, private
+from llmgw_slurm.auth.keys import KeyRing
+from llmgw_slurm.auth.login import add_login_routes, login_settings, sacctmgr_associations
+from llmgw_slurm.auth.secrets import AdminToken, load_or_create_server_key, replica_secret
 from llmgw_slurm.base import sdnotify
 from llmgw_slurm.base.errors import LlmgwError, SlurmError
 from llmgw_slurm.base.sdnotify import Notifier
@@ -51,13 +55,10 @@ from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.reportroute import report_route
 from llmgw_slurm.router import create_app
 from llmgw_slurm.router.gateway import GATEWAY_KEY
-from llmgw_slurm.router.keys import KeyRing
-from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
 from llmgw_slurm.router.metrics import tokens_gate
 from llmgw_slurm.router.quota import QuotaBook, quota_book
 from llmgw_slurm.router.server import Runner as GatewayRunner
 from llmgw_slurm.router.usage import UsageSink, UsageStore
-from llmgw_slurm.secrets import AdminToken, load_or_create_server_key, replica_secret
 from llmgw_slurm.slurm import make_backends
 from llmgw_slurm.tracestore import TraceStore
 from llmgw_slurm.tracing import setup_tracing

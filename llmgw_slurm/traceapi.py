@@ -20,8 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from llmgw_slurm.api import Gate
+from llmgw_slurm.auth.secrets import REPORT_SCHEME
 from llmgw_slurm.reconciler.core import Reconciler
-from llmgw_slurm.secrets import REPORT_SCHEME
 from llmgw_slurm.tracestore import SpanRejected, TraceStore
 from llmgw_slurm.waterfall import find_start, generic, waterfall
 

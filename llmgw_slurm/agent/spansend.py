@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from llmgw_slurm.secrets import sign_report
+from llmgw_slurm.auth.secrets import sign_report
 from llmgw_slurm.tracestore import span_record
 
 __all__ = ["MAX_BODY", "DaemonSpanExporter", "batches"]

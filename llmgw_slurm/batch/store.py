@@ -23,7 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
-from llmgw_slurm import private
+from llmgw_slurm.auth import private
 from llmgw_slurm.base.fsutil import atomic_write
 from llmgw_slurm.batch.model import BatchRecord, FileRecord
 

@@ -256,7 +256,7 @@ def _token_path(server: ServerConfig) -> Path:
 
 
 def _admin_token(server: ServerConfig) -> str:
-    from llmgw_slurm.secrets import read_admin_token
+    from llmgw_slurm.auth.secrets import read_admin_token
 
     path = _token_path(server)
     try:
@@ -288,7 +288,7 @@ def _daemon_uid(server: ServerConfig) -> int:
 
 
 def _admin_sockets(server: ServerConfig) -> list[Path]:
-    from llmgw_slurm.identity import DEFAULT_INFO
+    from llmgw_slurm.auth.identity import DEFAULT_INFO
 
     paths = [server.effective_admin_socket()]
     if server.runtime_dir is None and server.admin_socket is None:
@@ -315,8 +315,8 @@ def _admin_request(server: ServerConfig, action: str, body: object = None) -> Da
     """
     import stat as stat_
 
+    from llmgw_slurm.auth.identity import check_listener
     from llmgw_slurm.base.errors import UnverifiedServerError
-    from llmgw_slurm.identity import check_listener
 
     uid = _daemon_uid(server)
     payload = body if body is not None else {}
@@ -371,7 +371,7 @@ def unix_call(path: Path, url_path: str, body: object, uid: int) -> DaemonReply:
     import http.client
     import json
 
-    from llmgw_slurm.identity import connect_unix, peer_credentials
+    from llmgw_slurm.auth.identity import connect_unix, peer_credentials
 
     try:
         sock = connect_unix(path, timeout=60.0)
@@ -483,10 +483,10 @@ def _proven(url: str, server: ServerConfig | None) -> ssl.SSLContext | None:
     https the certificate (server.yaml's own, pinned, when this runs on the
     daemon's host: it names the login node, not 127.0.0.1; else the system's CAs
     or LLMGW_CA_FILE); over plain http only a loopback port, whose owner must
-    be the daemon's uid in daemon.json (llmgw_slurm/identity.py).
+    be the daemon's uid in daemon.json (llmgw_slurm/auth/identity.py).
     """
+    from llmgw_slurm.auth.identity import DEFAULT_INFO, verify_url
     from llmgw_slurm.base.errors import UnverifiedServerError
-    from llmgw_slurm.identity import DEFAULT_INFO, verify_url
 
     if url.startswith("https://"):
         if server is not None and server.tls.cert is not None:
@@ -860,7 +860,7 @@ def token_rotate(server_path: Path) -> None:
     Example:
       sudo -u llmgw llmgw-admin token rotate
     """
-    from llmgw_slurm.secrets import rotate_admin_token
+    from llmgw_slurm.auth.secrets import rotate_admin_token
 
     server = _load_server(server_path)
     path = _token_path(server)
@@ -1120,7 +1120,7 @@ def _key_store(
     """Where the keys are: the file given, else the shared database (database: in
     server.yaml), else router.keys_file. A key file must exist, but for ``adding`` to
     router.keys_file (or with ``create``): a mistyped path is an error, not "no keys"."""
-    from llmgw_slurm.router.keys import KeyFile
+    from llmgw_slurm.auth.keys import KeyFile
 
     if keys_file is None:
         server = _load_server(server_path)
@@ -1174,8 +1174,8 @@ def _new_keys_file(server_path: Path, keys_file: Path | None, create: bool) -> P
 
 
 def _valid_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from llmgw_slurm.auth.keys import check_name
     from llmgw_slurm.base.errors import LlmgwError
-    from llmgw_slurm.router.keys import check_name
 
     if value or param.name == "user":
         try:

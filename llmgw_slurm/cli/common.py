@@ -126,7 +126,7 @@ async def call_daemon(
 
     ``ssl``: how to verify an https server (None: the system's CAs; False: not at all). The caller
     checks, before it passes a ``token``, that the server is the daemon
-    (:mod:`llmgw_slurm.identity`).
+    (:mod:`llmgw_slurm.auth.identity`).
     """
     import aiohttp
 

@@ -18,7 +18,7 @@ from typing import Any
 import click
 import yaml
 
-from llmgw_slurm import munge
+from llmgw_slurm.auth import munge
 from llmgw_slurm.base.errors import LlmgwError
 from llmgw_slurm.base.fsutil import atomic_write
 from llmgw_slurm.cli import settings as r

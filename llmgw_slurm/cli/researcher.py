@@ -8,7 +8,7 @@ on this host. The URL may be given with or without the ``/v1`` that
 ``llmgw models`` prints as the OpenAI endpoint.
 
 Before the CLI sends a key or a prompt, the server must prove it is the
-daemon (:mod:`llmgw_slurm.identity`): over https its certificate (``--ca-file``
+daemon (:mod:`llmgw_slurm.auth.identity`): over https its certificate (``--ca-file``
 / ``LLMGW_CA_FILE`` / ``ca_file:`` for a private CA); over plain http only on
 this host, where the kernel says which user holds the port (checked against
 the daemon's ``daemon.json``: ``LLMGW_DAEMON_INFO``, default

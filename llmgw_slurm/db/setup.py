@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 from prometheus_client import CollectorRegistry
 
+from llmgw_slurm.auth.keys import KeyRing
 from llmgw_slurm.base.errors import DatabaseError
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.config import DatabaseConfig, ServerConfig
@@ -39,7 +40,6 @@ from llmgw_slurm.db.schema import check_schema
 from llmgw_slurm.db.secrets import share_secrets
 from llmgw_slurm.db.usage import PgUsageStore
 from llmgw_slurm.reconciler.core import Reconciler
-from llmgw_slurm.router.keys import KeyRing
 
 __all__ = ["Shared", "check_database", "prepare"]
 

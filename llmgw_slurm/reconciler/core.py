@@ -37,6 +37,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from llmgw_slurm.auth.tls import PinnedContexts, load_or_create_identity
 from llmgw_slurm.base.errors import LlmgwError, SlurmError
 from llmgw_slurm.catalog import Access, Catalog, Model
 from llmgw_slurm.config import ServerConfig
@@ -64,7 +65,6 @@ from llmgw_slurm.slurm.types import (
     StartEstimator,
 )
 from llmgw_slurm.svcjobs import ServiceJobs
-from llmgw_slurm.tls import PinnedContexts, load_or_create_identity
 
 log = logging.getLogger(__name__)
 
@@ -797,7 +797,7 @@ class Reconciler:
         )
         self.table = ReplicaTable(catalog, clock, self.tracing)
         # The gateway's client identity: the only client, beside each replica's
-        # own agent, that the replicas' engines let in (llmgw_slurm/tls.py).
+        # own agent, that the replicas' engines let in (llmgw_slurm/auth/tls.py).
         self.engine_tls = PinnedContexts(load_or_create_identity(Path(server.state_dir)))
         self.directory = ReplicaDirectory(
             self.table, server_key, self.engine_tls, want_window=plan_cfg.want_window

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from llmgw_slurm import sbatch
+from llmgw_slurm.auth.secrets import engine_api_key, replica_secret
 from llmgw_slurm.catalog import CLUSTER_NAME_RE, MODEL_NAME_RE, Model
 from llmgw_slurm.config import ClusterConfig, ServerConfig
-from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.types import JobSpec
 
 _RID = re.compile(r"[0-9a-f]{8}")

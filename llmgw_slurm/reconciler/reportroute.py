@@ -2,7 +2,7 @@
 
 A report's signature is checked (:mod:`.reports`) before anything is done
 with it, and the answer is signed back with the same secret, bound to the
-report's nonce (:func:`llmgw_slurm.secrets.reply_signature`): the agent acts
+report's nonce (:func:`llmgw_slurm.auth.secrets.reply_signature`): the agent acts
 on a ``drain`` only when that signature checks, so a listener on the
 daemon's port while it is down, or anyone rewriting the plain-HTTP answer on
 the way, is ignored. Only answers to verified reports are signed: signing
@@ -22,9 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw_slurm.auth.secrets import REPLY_HEADER, REPORT_SCHEME, parse_report_auth, reply_signature
 from llmgw_slurm.base.errors import ReportNotRecorded
 from llmgw_slurm.guard.faults import Faults
-from llmgw_slurm.secrets import REPLY_HEADER, REPORT_SCHEME, parse_report_auth, reply_signature
 
 __all__ = ["report_route"]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_slurm.auth.keys import add_key
 from llmgw_slurm.router import GATEWAY_KEY
-from llmgw_slurm.router.keys import add_key
 from llmgw_slurm.router.usage import UsageRecord, query_usage
 from tests.hostile_user import INTRUDER, squatting, world_dir
 from tests.slurm.conftest import TOP, eventually

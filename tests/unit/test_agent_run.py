@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from llmgw_slurm.agent.runner import Agent, job_context_from_env
 from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
-from llmgw_slurm.tls import client_context
+from llmgw_slurm.auth.tls import client_context
 from tests.agent_support import (
     KEY,
     RID,

@@ -25,7 +25,8 @@ from _cli_support import RunningDaemon, free_port, run_daemon, write_config
 from click.shell_completion import ShellComplete
 from click.testing import CliRunner, Result
 
-from llmgw_slurm import munge
+from llmgw_slurm.auth import munge
+from llmgw_slurm.auth.keys import list_keys
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.routes import BATCH_KEY
 from llmgw_slurm.batch.service import BatchService
@@ -33,7 +34,6 @@ from llmgw_slurm.cli import settings
 from llmgw_slurm.cli.admin import main as admin_main
 from llmgw_slurm.cli.researcher import main
 from llmgw_slurm.router.gateway import GATEWAY_KEY
-from llmgw_slurm.router.keys import list_keys
 from llmgw_slurm.router.usage import UsageRecord
 from tests.unit.test_batch import Backend
 

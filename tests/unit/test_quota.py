@@ -20,22 +20,20 @@ from _router_support import engine, eventually, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmgw_slurm.auth.keys import KeyRecord, KeyRing, add_key
 from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.config import QuotaConfig, load_server_config
 from llmgw_slurm.router import (
     GATEWAY_KEY,
     Endpoint,
     Gateway,
-    KeyRing,
     ModelInfo,
     RouterConfig,
     StaticDirectory,
     UsageRecord,
     UsageStore,
-    add_key,
     create_app,
 )
-from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.router.quota import (
     NOTHING,
     AccountBudget,

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from _router_support import eventually, serve, serve_engine  # type: ignore[import-not-found]
 
+from llmgw_slurm.auth.secrets import engine_api_key, replica_secret
 from llmgw_slurm.base.durations import format_duration
 from llmgw_slurm.base.errors import SlurmUnavailable
 from llmgw_slurm.catalog import Catalog, load_catalog
@@ -31,7 +32,6 @@ from llmgw_slurm.reconciler.jobs import job_name, parse_job_name
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.replicas import view_of
 from llmgw_slurm.router import GATEWAY_KEY, RouterConfig, create_app
-from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import (
     AccountingRecord,

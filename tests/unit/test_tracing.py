@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, StatusCode, TraceFlags
 
+from llmgw_slurm.auth.secrets import engine_api_key, replica_secret
 from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import ServerConfig, TracingConfig, load_server_config
@@ -33,7 +34,6 @@ from llmgw_slurm.reconciler.plan import Action, ActionKind
 from llmgw_slurm.reconciler.spans import decision_of, traceparent_from_comment
 from llmgw_slurm.router import ModelInfo, RouterConfig, StaticDirectory, create_app
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
-from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.types import GpuCount, Job, JobComponent, JobSpec, JobState, NodeInfo
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from llmgw_slurm.tracing import (
