@@ -257,7 +257,7 @@ def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector:
         from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
         from llmgw_slurm.config import TracingConfig
-        from llmgw_slurm.tracing import setup_tracing
+        from llmgw_slurm.tracing.otel import setup_tracing
 
         class _Drop(SpanExporter):
             def export(self, spans: Any) -> SpanExportResult:

@@ -5,7 +5,7 @@
 No daemon and no Slurm: a status snapshot of N models and M replicas (as
 ``GET /api/v1/status`` gives it), a :class:`~llmgw_slurm.history.History` over
 the real gateway metrics with a full hour (60 points) for every model, a
-:class:`~llmgw_slurm.tracestore.TraceStore` holding a start trace per model
+:class:`~llmgw_slurm.tracing.store.TraceStore` holding a start trace per model
 (the pass, the start with its Slurm events, an agent with five steps) and
 GPU hours for every model and 20 accounts. Each round renders the page both
 ways, alternating; the charts' side includes everything a page view computes
@@ -35,7 +35,7 @@ from llmgw_slurm import chartsapi
 from llmgw_slurm.history import History
 from llmgw_slurm.router.metrics import GatewayMetrics
 from llmgw_slurm.status_page import render_page
-from llmgw_slurm.tracestore import TraceStore
+from llmgw_slurm.tracing.store import TraceStore
 
 
 class _Dir:

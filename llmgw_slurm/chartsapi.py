@@ -10,7 +10,7 @@ Three sources, each kept bounded in memory:
   the daemon decided something (a replica started or ended), never per page:
   slurmdbd is shared by the whole cluster;
 - the latest cold start of each model, from the trace store
-  (:mod:`llmgw_slurm.tracestore`), as a waterfall.
+  (:mod:`llmgw_slurm.tracing.store`), as a waterfall.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from llmgw_slurm.history import History
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.slurm import accounting_of
-from llmgw_slurm.tracestore import TraceStore
-from llmgw_slurm.waterfall import waterfall
+from llmgw_slurm.tracing.store import TraceStore
+from llmgw_slurm.tracing.waterfall import waterfall
 
 __all__ = ["CHARTS_KEY", "GPU_HOURS_EVERY", "Charts", "add_chart_routes", "page_data"]
 

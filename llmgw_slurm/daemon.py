@@ -60,8 +60,8 @@ from llmgw_slurm.router.quota import QuotaBook, quota_book
 from llmgw_slurm.router.server import Runner as GatewayRunner
 from llmgw_slurm.router.usage import UsageSink, UsageStore
 from llmgw_slurm.slurm import make_backends
-from llmgw_slurm.tracestore import TraceStore
-from llmgw_slurm.tracing import setup_tracing
+from llmgw_slurm.tracing.otel import setup_tracing
+from llmgw_slurm.tracing.store import TraceStore
 
 if TYPE_CHECKING:
     from llmgw_slurm.db.setup import Shared

@@ -7,7 +7,7 @@
 - ``POST /internal/v1/admin/trace`` (admin socket, or the internal port with
   the admin token): ``{"target": MODEL | REPLICA | TRACE_ID}``, the newest
   start of that model or replica, or that trace, as a waterfall
-  (:mod:`llmgw_slurm.waterfall`) with the spans it was built from.
+  (:mod:`llmgw_slurm.tracing.waterfall`) with the spans it was built from.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from aiohttp import web
 from llmgw_slurm.api import Gate
 from llmgw_slurm.auth.secrets import REPORT_SCHEME
 from llmgw_slurm.reconciler.core import Reconciler
-from llmgw_slurm.tracestore import SpanRejected, TraceStore
-from llmgw_slurm.waterfall import find_start, generic, waterfall
+from llmgw_slurm.tracing.store import SpanRejected, TraceStore
+from llmgw_slurm.tracing.waterfall import find_start, generic, waterfall
 
 __all__ = ["add_span_route", "add_trace_route", "trace_of"]
 

@@ -110,7 +110,7 @@ def _setup_tracing(path: Path | None, local: Any = None) -> Any:
     if path is None and local is None:
         return None
     try:
-        tracing = importlib.import_module("llmgw_slurm.tracing")
+        tracing = importlib.import_module("llmgw_slurm.tracing.otel")
         cfg = load_agent_config(path).tracing if path is not None else TracingConfig()
         return tracing.setup_tracing(cfg, "llmgw-agent", local=local)
     except ImportError as err:
@@ -128,7 +128,7 @@ def _to_daemon(job: JobContext, env: Mapping[str, str]) -> Any:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     from llmgw_slurm.agent.spansend import DaemonSpanExporter
-    from llmgw_slurm.tracing import RateLimitedExporter
+    from llmgw_slurm.tracing.otel import RateLimitedExporter
 
     exporter = DaemonSpanExporter(job.daemon_url, job.replica_id, job.replica_secret)
     return BatchSpanProcessor(RateLimitedExporter(exporter))
@@ -359,7 +359,7 @@ def _traced_fetch(settings: AgentSettings) -> tuple[Any, Any, float]:
     from opentelemetry import trace
     from opentelemetry.trace import Status, StatusCode
 
-    from llmgw_slurm.tracing import extract_env, write_trace_marker
+    from llmgw_slurm.tracing.otel import extract_env, write_trace_marker
 
     tracer = trace.get_tracer("llmgw_slurm")
     attrs = {"llmgw.job_id": os.environ.get("SLURM_JOB_ID", "")}

@@ -59,7 +59,7 @@ from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
 from llmgw_slurm.auth.tls import EngineTLS, PEMError, check_certificate, make_engine_tls
 from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.catalog import Model, read_replica_spec
-from llmgw_slurm.tracing import extract_env, read_trace_marker, traceparent_of
+from llmgw_slurm.tracing.otel import extract_env, read_trace_marker, traceparent_of
 
 __all__ = ["Agent", "JobContext", "job_context_from_env"]
 

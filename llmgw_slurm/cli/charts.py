@@ -79,7 +79,7 @@ def _offset_bar(start: float, dur: float, span: float, cells: int) -> str:
 
 
 def waterfall_lines(wf: Mapping[str, Any], *, cols: int, color: bool) -> list[str]:
-    """A start's waterfall (:meth:`llmgw_slurm.waterfall.Waterfall.to_json`) as text."""
+    """A start's waterfall (:meth:`llmgw_slurm.tracing.waterfall.Waterfall.to_json`) as text."""
     rows = wf["rows"]
     tts = wf.get("time_to_serve_s")
     head = (

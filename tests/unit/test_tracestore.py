@@ -29,9 +29,9 @@ from llmgw_slurm.config import load_server_config
 from llmgw_slurm.daemon import internal_app
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.traceapi import add_span_route, add_trace_route, trace_of
-from llmgw_slurm.tracestore import MAX_EVENTS, MAX_SPAN_BYTES, SpanRejected, TraceStore
-from llmgw_slurm.tracing import extract_env
-from llmgw_slurm.waterfall import generic, waterfall
+from llmgw_slurm.tracing.otel import extract_env
+from llmgw_slurm.tracing.store import MAX_EVENTS, MAX_SPAN_BYTES, SpanRejected, TraceStore
+from llmgw_slurm.tracing.waterfall import generic, waterfall
 
 
 @dataclasses.dataclass

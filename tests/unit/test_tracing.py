@@ -36,7 +36,7 @@ from llmgw_slurm.router import ModelInfo, RouterConfig, StaticDirectory, create_
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
 from llmgw_slurm.slurm.types import GpuCount, Job, JobComponent, JobSpec, JobState, NodeInfo
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
-from llmgw_slurm.tracing import (
+from llmgw_slurm.tracing.otel import (
     RateLimitedExporter,
     context_from_traceparent,
     extract_env,
@@ -557,14 +557,14 @@ def test_an_exporter_that_raises_breaks_nothing_and_logs_rate_limited(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(wrapped))
     tracer = provider.get_tracer("t")
-    with caplog.at_level(logging.WARNING, logger="llmgw_slurm.tracing"):
+    with caplog.at_level(logging.WARNING, logger="llmgw_slurm.tracing.otel"):
         for _ in range(5):
             with tracer.start_as_current_span("s"):
                 pass
         provider.shutdown()
     assert inner.calls == 5
     assert wrapped.failures == 6  # five exports and the shutdown
-    messages = [r.getMessage() for r in caplog.records if r.name == "llmgw_slurm.tracing"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "llmgw_slurm.tracing.otel"]
     assert len(messages) == 1 and "collector down" in messages[0]
 
 
