@@ -322,10 +322,10 @@ def _keyed(spec: dict[str, Any], directory: Any) -> dict[str, Any]:
     keyed = spec.get("keyed")
     if not keyed:
         return {}
+    from llmgw_slurm.accounting.quota import AccountBudgets, QuotaBook
     from llmgw_slurm.auth.keys import KeyRing
     from llmgw_slurm.catalog import Access
     from llmgw_slurm.config import QuotaConfig
-    from llmgw_slurm.router.quota import AccountBudgets, QuotaBook
 
     for name in spec["engines"]:
         directory.rules[name] = Access(accounts=("bench",), groups=("llm-users",))

@@ -37,6 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw_slurm import __version__, chartsapi
+from llmgw_slurm.accounting.usage import UsageSummary
 from llmgw_slurm.auth.identity import peer_credentials
 from llmgw_slurm.auth.keys import KeyRecord
 from llmgw_slurm.auth.login import LOGIN_KEY
@@ -44,7 +45,6 @@ from llmgw_slurm.auth.secrets import AdminToken
 from llmgw_slurm.base.errors import LlmgwError
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
-from llmgw_slurm.router.usage import UsageSummary
 from llmgw_slurm.slurm.types import NodeInfo
 from llmgw_slurm.status_page import render_page
 

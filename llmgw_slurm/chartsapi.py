@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw_slurm import svgcharts
-from llmgw_slurm.audit import aggregate
+from llmgw_slurm.accounting.audit import aggregate
 from llmgw_slurm.history import History
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY

@@ -29,6 +29,8 @@ from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
 from llmgw_slurm import api, chartsapi, traceapi
+from llmgw_slurm.accounting.quota import QuotaBook, quota_book
+from llmgw_slurm.accounting.usage import UsageSink, UsageStore
 from llmgw_slurm.auth import identity, private
 from llmgw_slurm.auth.keys import KeyRing
 from llmgw_slurm.auth.login import add_login_routes, login_settings, sacctmgr_associations
@@ -56,9 +58,7 @@ from llmgw_slurm.reconciler.reportroute import report_route
 from llmgw_slurm.router import create_app
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.router.metrics import tokens_gate
-from llmgw_slurm.router.quota import QuotaBook, quota_book
 from llmgw_slurm.router.server import Runner as GatewayRunner
-from llmgw_slurm.router.usage import UsageSink, UsageStore
 from llmgw_slurm.slurm import make_backends
 from llmgw_slurm.tracing.otel import setup_tracing
 from llmgw_slurm.tracing.store import TraceStore

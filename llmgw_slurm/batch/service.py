@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from llmgw_slurm.accounting.quota import Ask, QuotaBook, Refusal, Reservation, ask_of
 from llmgw_slurm.auth.secrets import batch_secret
 from llmgw_slurm.base.durations import parse_duration
 from llmgw_slurm.base.errors import SlurmError
@@ -69,7 +70,6 @@ from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler.fence import Fence, Unfenced
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.router.batchseam import BatchSeam
-from llmgw_slurm.router.quota import Ask, QuotaBook, Refusal, Reservation, ask_of
 from llmgw_slurm.slurm.types import Job, JobState, SlurmBackend
 
 __all__ = ["MAX_JOBS", "BatchRefused", "BatchService"]

@@ -18,8 +18,8 @@ from typing import Any
 import click
 
 from llmgw_slurm import __version__
-from llmgw_slurm.audit import AuditRow, Period
-from llmgw_slurm.audit_owner import OwnerKind
+from llmgw_slurm.accounting.audit import AuditRow, Period
+from llmgw_slurm.accounting.audit_owner import OwnerKind
 from llmgw_slurm.base.durations import format_duration
 from llmgw_slurm.base.errors import SlurmError
 from llmgw_slurm.cli.common import (
@@ -943,7 +943,7 @@ def audit(
       llmgw-admin audit --by month --csv > gpu-hours.csv
       llmgw-admin audit --by account --json | jq .totals
     """
-    from llmgw_slurm import audit as auditmod
+    from llmgw_slurm.accounting import audit as auditmod
     from llmgw_slurm.slurm import make_backends
 
     if as_csv and as_json:

@@ -30,9 +30,9 @@ from typing import Any
 
 import psycopg
 
+from llmgw_slurm.accounting.usage import USAGE_GROUPS, UsageRecord, UsageSummary
 from llmgw_slurm.db.connect import Conninfo, connect
 from llmgw_slurm.db.hub import DB_ERRORS, Hub
-from llmgw_slurm.router.usage import USAGE_GROUPS, UsageRecord, UsageSummary
 
 __all__ = ["PgUsage", "PgUsageStore", "period_keys", "spend_of"]
 

@@ -1,9 +1,8 @@
-"""The OpenAI-compatible router: gateway app, model directory interface, usage."""
+"""The OpenAI-compatible router: the gateway app and the model directory interface."""
 
 from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelInfo, StaticDirectory
 from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway, create_app, request_key
-from llmgw_slurm.router.usage import UsageRecord, UsageStore, UsageSummary, query_usage
 
 __all__ = [
     "GATEWAY_KEY",
@@ -13,10 +12,6 @@ __all__ = [
     "ModelInfo",
     "RouterConfig",
     "StaticDirectory",
-    "UsageRecord",
-    "UsageStore",
-    "UsageSummary",
     "create_app",
-    "query_usage",
     "request_key",
 ]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from psycopg import conninfo as pgconninfo
 
+from llmgw_slurm.accounting.usage import UsageRecord
 from llmgw_slurm.auth.keys import KeyRing, new_key
 from llmgw_slurm.batch.model import BatchRecord, BatchStatus
 from llmgw_slurm.db.batches import BatchesPart, PgBatchStore
@@ -23,7 +24,6 @@ from llmgw_slurm.db.keys import KeysPart
 from llmgw_slurm.db.responses import SharedResponseHomes
 from llmgw_slurm.db.usage import PgUsageStore
 from llmgw_slurm.router.surface import Home
-from llmgw_slurm.router.usage import UsageRecord
 from tests.ha.conftest import PgDatabase
 from tests.ha.proxy import Proxy
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from llmgw_slurm.accounting.quota import Ask, QuotaBook, Refusal, Reservation
 from llmgw_slurm.auth.keys import KeyRecord
 from llmgw_slurm.auth.secrets import batch_secret, sign_report
 from llmgw_slurm.base.errors import SlurmError
@@ -31,7 +32,6 @@ from llmgw_slurm.batch.store import BatchStore, clean_filename
 from llmgw_slurm.catalog import parse_catalog
 from llmgw_slurm.config import BatchConfig, ClusterConfig, QuotaConfig, ServerConfig, SlurmConfig
 from llmgw_slurm.reconciler.reports import ReportVerifier
-from llmgw_slurm.router.quota import Ask, QuotaBook, Refusal, Reservation
 from llmgw_slurm.slurm.types import Job, JobSpec, JobState
 from tests.unit._router_support import serve
 

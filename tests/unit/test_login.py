@@ -377,9 +377,9 @@ def test_cli_revoke_needs_a_key_id(xdg: Path) -> None:
 
 
 def test_usage_by_key_user_and_account(rd: RunningDaemon, xdg: Path) -> None:
+    from llmgw_slurm.accounting.usage import UsageRecord
     from llmgw_slurm.auth.keys import add_key
     from llmgw_slurm.router.gateway import GATEWAY_KEY
-    from llmgw_slurm.router.usage import UsageRecord
 
     keys_file = rd.d.gateway[LOGIN_KEY].settings.keys_file
     a1 = add_key(keys_file, "t18ann", "t18acct")

@@ -14,6 +14,7 @@ import openai
 import pytest
 from _router_support import engine, eventually, free_port, serve
 
+from llmgw_slurm.accounting.usage import UsageStore, query_usage
 from llmgw_slurm.auth.keys import KeyRing, add_key
 from llmgw_slurm.router import (
     GATEWAY_KEY,
@@ -23,9 +24,7 @@ from llmgw_slurm.router import (
     ModelInfo,
     RouterConfig,
     StaticDirectory,
-    UsageStore,
     create_app,
-    query_usage,
 )
 
 

@@ -14,6 +14,7 @@ import openai
 import pytest
 from _router_support import engine, eventually, serve
 
+from llmgw_slurm.accounting.usage import UsageStore
 from llmgw_slurm.auth.keys import KeyRing, add_key
 from llmgw_slurm.router import (
     GATEWAY_KEY,
@@ -22,7 +23,6 @@ from llmgw_slurm.router import (
     ModelInfo,
     RouterConfig,
     StaticDirectory,
-    UsageStore,
     create_app,
 )
 from llmgw_slurm.router.directory import ModelRouting
