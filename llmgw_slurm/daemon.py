@@ -50,8 +50,8 @@ from llmgw_slurm.guard import (
     open_fds,
     raise_open_files_limit,
 )
+from llmgw_slurm.guard.heap import HeapTrimmer, glibc_heap
 from llmgw_slurm.guard.metrics import GuardCollector
-from llmgw_slurm.heap import HeapTrimmer, glibc_heap
 from llmgw_slurm.reconciler.core import ROUND_FAILED, Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.reportroute import report_route

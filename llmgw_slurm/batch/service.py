@@ -62,6 +62,7 @@ from llmgw_slurm.batch.model import (
     check_input,
     transition,
 )
+from llmgw_slurm.batch.seam import BatchSeam
 from llmgw_slurm.batch.store import BatchStore, new_batch_id
 from llmgw_slurm.batch.warm import WarmRide
 from llmgw_slurm.catalog import Catalog, Model
@@ -69,7 +70,6 @@ from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler.fence import Fence, Unfenced
 from llmgw_slurm.reconciler.reports import ReportVerifier
-from llmgw_slurm.router.batchseam import BatchSeam
 from llmgw_slurm.slurm.types import Job, JobState, SlurmBackend
 
 __all__ = ["MAX_JOBS", "BatchRefused", "BatchService"]

@@ -13,10 +13,10 @@ from llmgw_slurm.accounting.usage import UsageRecord, UsageSink
 from llmgw_slurm.batch.jobs import BatchJobs
 from llmgw_slurm.batch.model import BatchRecord
 from llmgw_slurm.batch.routes import add_batch_routes, add_internal_routes
+from llmgw_slurm.batch.seam import BatchSeam
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.batch.store import BatchStore
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.router.batchseam import BatchSeam
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.slurm.types import SlurmBackend
 

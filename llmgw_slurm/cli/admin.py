@@ -1409,7 +1409,7 @@ def _submit_service_job(
 ) -> None:
     """Submit; the job id alone on standard output (as sbatch --parsable), the rest on
     standard error."""
-    from llmgw_slurm.svcjobs import job_log_path
+    from llmgw_slurm.reconciler.svcjobs import job_log_path
 
     backend = _svc_backend(server, cluster)
     job_id: str = run(backend.submit(spec))
@@ -1446,8 +1446,8 @@ async def _follow(server: ServerConfig, backend: Any, name: str, job_id: str, po
     import asyncio
 
     from llmgw_slurm.base.errors import SlurmError
+    from llmgw_slurm.reconciler.svcjobs import job_log_path, last_log_line
     from llmgw_slurm.slurm.types import JobState
-    from llmgw_slurm.svcjobs import job_log_path, last_log_line
 
     t0 = time.monotonic()
     last = ""
@@ -1532,7 +1532,7 @@ def fetch(
       JOB=$(llmgw-admin fetch llama-8b --time 2:00:00)
     """
     from llmgw_slurm.catalog import load_catalog
-    from llmgw_slurm.svcjobs import ServiceJobBuilder
+    from llmgw_slurm.reconciler.svcjobs import ServiceJobBuilder
 
     server = _load_server(server_path)
     cluster = _cluster_of(server, cluster_name)
@@ -1597,7 +1597,7 @@ def install_engine(
       llmgw-admin install-engine apptainer /opt/images/vllm.sif \\
           --image docker://vllm/vllm-openai:v0.6.3 --wait
     """
-    from llmgw_slurm.svcjobs import ServiceJobBuilder
+    from llmgw_slurm.reconciler.svcjobs import ServiceJobBuilder
 
     if kind == "venv" and image_uri:
         raise click.UsageError("--image is for apptainer; a venv takes --package")

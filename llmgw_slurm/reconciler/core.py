@@ -55,6 +55,7 @@ from llmgw_slurm.reconciler.probes import EngineProbe
 from llmgw_slurm.reconciler.replicas import Decision, Replica, ReplicaTable, view_of
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.reconciler.spans import ReconcileTracing
+from llmgw_slurm.reconciler.svcjobs import ServiceJobs
 from llmgw_slurm.router.directory import Endpoint, ModelInfo, ModelRouting
 from llmgw_slurm.slurm.types import (
     AccountingRecord,
@@ -64,7 +65,6 @@ from llmgw_slurm.slurm.types import (
     SlurmBackend,
     StartEstimator,
 )
-from llmgw_slurm.svcjobs import ServiceJobs
 
 log = logging.getLogger(__name__)
 

@@ -274,7 +274,7 @@ async def test_service_jobs_are_followed_per_cluster_though_their_ids_are_the_sa
     from click.testing import CliRunner
 
     from llmgw_slurm.cli.admin import main
-    from llmgw_slurm.svcjobs import ServiceJobBuilder, service_job_name
+    from llmgw_slurm.reconciler.svcjobs import ServiceJobBuilder, service_job_name
 
     rec, a, b, _ = make(tmp_path, [model("m")])
     # llmgw-admin fetch --cluster b: the job is built with b's defaults, b's name known.
