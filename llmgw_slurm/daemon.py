@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from llmgw_slurm import api, chartsapi, traceapi
 from llmgw_slurm.accounting.quota import QuotaBook, quota_book
 from llmgw_slurm.accounting.usage import UsageSink, UsageStore
+from llmgw_slurm.api import charts, routes, traces
 from llmgw_slurm.auth import identity, private
 from llmgw_slurm.auth.keys import KeyRing
 from llmgw_slurm.auth.login import add_login_routes, login_settings, sacctmgr_associations
@@ -99,19 +99,19 @@ def internal_app(rec: Reconciler) -> web.Application:
 
 def add_status_routes(app: web.Application, rec: Reconciler, shared: Shared | None = None) -> None:
     async def status(request: web.Request) -> web.Response:
-        out = api.status_json(rec, api.caller_may_see(app, request))
-        out["auth"] = api.auth_json(app)
+        out = routes.status_json(rec, routes.caller_may_see(app, request))
+        out["auth"] = routes.auth_json(app)
         return web.json_response(out)
 
     async def want(request: web.Request) -> web.Response:
         # A start can evict other keys' idle replicas on a full cluster: with keys
         # on, it takes one, like every other route that changes something.
-        denied = api.key_required(app, request)
+        denied = routes.key_required(app, request)
         if denied is not None:
             return denied
         name = request.match_info["model"]
         canonical = rec.resolve(name)
-        may_see = api.caller_may_see(app, request)
+        may_see = routes.caller_may_see(app, request)
         if canonical is not None and not may_see(canonical):
             # As for /v1: a model the key may not use is one that does not exist.
             canonical = None
@@ -251,7 +251,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     if shared is not None:
         gateway[GATEWAY_KEY].responses = shared.response_homes()
     add_status_routes(gateway, rec, shared)
-    api.add_cli_routes(gateway, rec)
+    routes.add_cli_routes(gateway, rec)
     if keys is not None and server.login.enabled:
         _add_login(gateway, server, keys, shared)
     token = AdminToken(state / "admin.token")
@@ -277,8 +277,8 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     )
     if shared is not None:
         shared.share_batches(svc)
-    api.add_admin_routes(d.internal, rec, api.token_gate(token), d.reload)
-    api.add_admin_routes(d.admin, rec, api.peer_gate(server.admin_group), d.reload)
+    routes.add_admin_routes(d.internal, rec, routes.token_gate(token), d.reload)
+    routes.add_admin_routes(d.admin, rec, routes.peer_gate(server.admin_group), d.reload)
     _add_observers(d, store, shared)
     return d
 
@@ -297,11 +297,11 @@ def _readiness_timeout(server: ServerConfig) -> float:
 def _add_observers(d: Daemon, store: TraceStore | None, shared: Shared | None) -> None:
     """Charts, traces and the metrics beyond the gateway's own (faults, connections,
     the heap, the shared database's lease)."""
-    rec, gateway, admin_gate = d.reconciler, d.gateway, api.peer_gate(d.server.admin_group)
-    chartsapi.add_chart_routes(gateway, rec, store)
-    traceapi.add_span_route(d.internal, rec, store)
-    traceapi.add_trace_route(d.internal, rec, store, api.token_gate(d.admin_token))
-    traceapi.add_trace_route(d.admin, rec, store, admin_gate)
+    rec, gateway, admin_gate = d.reconciler, d.gateway, routes.peer_gate(d.server.admin_group)
+    charts.add_chart_routes(gateway, rec, store)
+    traces.add_span_route(d.internal, rec, store)
+    traces.add_trace_route(d.internal, rec, store, routes.token_gate(d.admin_token))
+    traces.add_trace_route(d.admin, rec, store, admin_gate)
     d.trace_store = store
     registry = gateway[GATEWAY_KEY].metrics.registry
     d.heap = HeapTrimmer(registry, glibc_heap())

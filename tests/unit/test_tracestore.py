@@ -22,13 +22,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from test_tracing import KEY, MODELS, Clock, FakeSlurm, start_alpha
 
 from llmgw_slurm.agent.spansend import DaemonSpanExporter, batches
+from llmgw_slurm.api.traces import add_span_route, add_trace_route, trace_of
 from llmgw_slurm.auth.secrets import replica_secret, sign_report
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.cli.charts import waterfall_lines
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.daemon import internal_app
 from llmgw_slurm.reconciler.core import Reconciler
-from llmgw_slurm.traceapi import add_span_route, add_trace_route, trace_of
 from llmgw_slurm.tracing.otel import extract_env
 from llmgw_slurm.tracing.store import MAX_EVENTS, MAX_SPAN_BYTES, SpanRejected, TraceStore
 from llmgw_slurm.tracing.waterfall import generic, waterfall

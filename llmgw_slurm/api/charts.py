@@ -2,7 +2,7 @@
 
 Three sources, each kept bounded in memory:
 
-- the last hour per model (:class:`llmgw_slurm.history.History`, a point a
+- the last hour per model (:class:`llmgw_slurm.api.history.History`, a point a
   minute, sampled from the gateway's metrics);
 - GPU hours per model and per Slurm account over the last 7 days, from
   accounting (``sacct``, the service's own jobs, every run of a requeued
@@ -25,9 +25,9 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_slurm import svgcharts
 from llmgw_slurm.accounting.audit import aggregate
-from llmgw_slurm.history import History
+from llmgw_slurm.api import svgcharts
+from llmgw_slurm.api.history import History
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.slurm import accounting_of

@@ -36,8 +36,10 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_slurm import __version__, chartsapi
+from llmgw_slurm import __version__
 from llmgw_slurm.accounting.usage import UsageSummary
+from llmgw_slurm.api import charts
+from llmgw_slurm.api.status_page import render_page
 from llmgw_slurm.auth.identity import peer_credentials
 from llmgw_slurm.auth.keys import KeyRecord
 from llmgw_slurm.auth.login import LOGIN_KEY
@@ -46,7 +48,6 @@ from llmgw_slurm.base.errors import LlmgwError
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.slurm.types import NodeInfo
-from llmgw_slurm.status_page import render_page
 
 __all__ = [
     "ADMIN_PREFIX",
@@ -273,7 +274,7 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
             text=render_page(
                 status_json(rec, caller_may_see(app, request)),
                 endpoint,
-                chartsapi.page_data(request.app, caller_may_see(app, request)),
+                charts.page_data(request.app, caller_may_see(app, request)),
             ),
             content_type="text/html",
             headers={

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_slurm.api import Gate
+from llmgw_slurm.api.routes import Gate
 from llmgw_slurm.auth.secrets import REPORT_SCHEME
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.tracing.store import SpanRejected, TraceStore
