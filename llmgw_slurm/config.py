@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1015,6 +1016,10 @@ class PortRange:
     def __contains__(self, port: object) -> bool:
         return isinstance(port, int) and self.first <= port <= self.last
 
+    @property
+    def bounds(self) -> tuple[int, int]:
+        return (self.first, self.last)
+
 
 _PORTS_HELP = "a port range like 20000-29999 (or [20000, 29999]) within 1024-65535"
 
@@ -1060,6 +1065,15 @@ class AgentWeightsConfig:
     lock_timeout: float = field(
         default=6 * 3600.0, metadata=rule(gt=0, parse=schema.parse_duration)
     )
+    # Default true: weights missing from the cache are fetched. False (the
+    # agent's --no-fetch): they must be there already, put there by a model
+    # job, and a start whose weights are missing fails at once.
+    fetch: bool = True
+    # Default [hf]: the Hugging Face CLI (found on PATH) that `hf:` sources are
+    # downloaded with; a site's own path or wrapper (its words, one per item).
+    hf_command: tuple[str, ...] = field(
+        default=("hf",), metadata=rule(pattern=r"[^\x00-\x1f]+", pattern_help="a word")
+    )
 
 
 @dataclass(frozen=True)
@@ -1096,6 +1110,11 @@ class EnginesConfig:
     sglang: EngineRuntime = field(default_factory=EngineRuntime)
     # For kind command only env applies (the catalog gives the command).
     command: EngineRuntime = field(default_factory=EngineRuntime)
+
+    def of(self, kind: str) -> EngineRuntime:
+        """The runtime of engine ``kind`` (``vllm``, ``sglang``, ``command``)."""
+        runtime = getattr(self, kind, None)
+        return runtime if isinstance(runtime, EngineRuntime) else EngineRuntime()
 
     def _problems(self) -> list[tuple[str, str]]:
         if self.command.python or self.command.executable:
@@ -1170,7 +1189,11 @@ class RendezvousConfig:
 
 @dataclass(frozen=True)
 class AgentConfig:
-    """``agent.yaml``: settings of the agent that runs inside every replica job."""
+    """``agent.yaml``: settings of the agent that runs inside every replica job.
+
+    The one type the agent takes (:func:`llmgw_slurm.agent.main.build_config`
+    lays its command-line options over it); each default is here, once.
+    """
 
     # Default None: LLMGW_DAEMON_URL from the job environment, which wins over
     # this anyway (the daemon knows where it listens).
@@ -1217,6 +1240,19 @@ class AgentConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     # Default: tracing off, see TracingConfig.
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    # Default None: the agent's own interpreter (the agent's --python), for
+    # engine kinds whose engines.KIND.python names none.
+    python: str | None = field(
+        default=None, metadata=rule(pattern=r"[^\s\x00-\x1f]+", pattern_help="a path")
+    )
+    # Default 40: the last lines of an engine's output kept, to say why it
+    # failed in the failure report and the agent's log.
+    log_tail_lines: int = field(default=40, metadata=rule(ge=1, le=10_000))
+
+    @property
+    def interpreter(self) -> str:
+        """The interpreter of an engine kind that names none: ``python``, else the agent's."""
+        return self.python or sys.executable
 
 
 # --------------------------------------------------------------------- loading

@@ -2,8 +2,9 @@
 
 - :mod:`~llmgw_slurm.agent.main`: the ``llmgw-agent`` command (``run``,
   ``fetch``, ``batch``, ``install``), run by the job scripts as
-  ``python -m llmgw_slurm.agent.main``;
-- :mod:`~llmgw_slurm.agent.settings`: what the agent's pieces are given of agent.yaml;
+  ``python -m llmgw_slurm.agent.main``; it reads agent.yaml into
+  :class:`llmgw_slurm.config.AgentConfig`, lays the command-line options
+  over it, and hands that one type to the pieces below;
 - :mod:`~llmgw_slurm.agent.runner`: a replica's steps (weights, rendezvous,
   engine, readiness, reports, drain), with :mod:`~llmgw_slurm.agent.weights`,
   :mod:`~llmgw_slurm.agent.rendezvous`, :mod:`~llmgw_slurm.agent.engine`,
@@ -20,13 +21,10 @@ May import: base, slurm, catalog, config, auth, tracing, batch.results.
 """
 
 from llmgw_slurm.agent.errors import AgentError, EngineError, RendezvousError, WeightsError
-from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
 
 __all__ = [
     "AgentError",
-    "AgentSettings",
     "EngineError",
-    "FetchSettings",
     "RendezvousError",
     "WeightsError",
 ]

@@ -406,7 +406,7 @@ class BatchAgent(Agent):
             while not work.done():
                 await asyncio.wait(
                     {work, exited, drain},
-                    timeout=self.settings.heartbeat_interval_s,
+                    timeout=self.config.heartbeat_interval,
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if drain.done() or exited.done():
@@ -469,16 +469,16 @@ class BatchAgent(Agent):
         self, run_in: Path, run_out: Path, left: int, counts: dict[str, int]
     ) -> int | None:
         """run_batch's exit code; None when the job was told to stop first."""
-        s, spec = self.settings, self.job.spec
+        s, spec = self.config, self.job.spec
         launch = LaunchParams(
             model_path=self._model_path,
             served_name=spec.name,
             host=s.bind_host,
             port=0,
-            python=s.python,
-            runtime=s.runtime("vllm"),
-            apptainer=s.apptainer,
-            apptainer_binds=s.apptainer_binds,
+            python=s.interpreter,
+            runtime=s.engines.of("vllm"),
+            apptainer=s.apptainer.binary,
+            apptainer_binds=s.apptainer.binds,
             binds=(self._model_path,) if self._model_path.startswith("/") else (),
             private_dir=str(self._private),
         )
@@ -494,11 +494,11 @@ class BatchAgent(Agent):
                 while not exited.done():
                     await asyncio.wait(
                         {exited, drain},
-                        timeout=s.heartbeat_interval_s,
+                        timeout=s.heartbeat_interval,
                         return_when=asyncio.FIRST_COMPLETED,
                     )
                     if drain.done() and not exited.done():
-                        await self.engine.stop(s.stop_grace_s)
+                        await self.engine.stop(s.drain.stop_grace)
                         return None
                     await self._send_progress(counts)
             finally:

@@ -234,13 +234,13 @@ async def test_a_job_with_nothing_left_in_its_lines_ends_without_an_engine(
 ) -> None:
     from llmgw_slurm.agent.batch import BatchAgent
     from llmgw_slurm.agent.runner import EXIT_OK, JobContext, replica_spec
-    from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+    from llmgw_slurm.config import AgentConfig, AgentWeightsConfig
     from tests.agent_support import fake_engine_spec
 
     b = job(tmp_path, request("q0"), request("q1"))
     spec = replica_spec(fake_engine_spec(tmp_path))
     ctx = JobContext("batch_" + "0" * 24, "m", "http://127.0.0.1:1", "s", "k", spec)
-    settings = AgentSettings(fetch=FetchSettings(cache_dir=tmp_path / "c"))
+    settings = AgentConfig(weights=AgentWeightsConfig(cache_dir=tmp_path / "c"))
     agent = BatchAgent(b, settings, ctx, {})
     b.output.write_text(json.dumps({"custom_id": "q0"}) + "\n")
     assert agent._left() is None  # q1 is left: the engine would start

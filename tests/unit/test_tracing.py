@@ -744,17 +744,17 @@ def test_weights_from_a_model_job_link_the_replica_weights_span(tmp_path: Path) 
     from test_agent_run import job_env, make_weights, spec_json
 
     from llmgw_slurm.agent.runner import Agent, job_context_from_env
-    from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
     from llmgw_slurm.agent.weights import trace_marker_path
+    from llmgw_slurm.config import AgentConfig, AgentWeightsConfig
 
     env = job_env("http://127.0.0.1:1", spec_json(make_weights(tmp_path)))
     job_ctx = job_context_from_env(env)
-    settings = AgentSettings(fetch=FetchSettings(cache_dir=tmp_path / "cache"))
+    settings = AgentConfig(weights=AgentWeightsConfig(cache_dir=tmp_path / "cache"))
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     agent = Agent(settings, job_ctx, env, tracer=provider.get_tracer("t"), hostname="n1")
-    path = trace_marker_path(settings.fetch.cache_dir, job_ctx.model, job_ctx.spec.weights)
+    path = trace_marker_path(settings.weights.cache_dir, job_ctx.model, job_ctx.spec.weights)
     assert path is not None
     # No marker (weights fetched by the replica itself, or tracing was off): no link.
     with provider.get_tracer("t").start_as_current_span("w") as span:
@@ -780,10 +780,10 @@ def test_an_engine_from_an_install_job_links_the_launch_span(tmp_path: Path) -> 
 
     from llmgw_slurm.agent.install import marker_path
     from llmgw_slurm.agent.runner import Agent, job_context_from_env
-    from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+    from llmgw_slurm.config import AgentConfig, AgentWeightsConfig
 
     env = job_env("http://127.0.0.1:1", spec_json(make_weights(tmp_path)))
-    settings = AgentSettings(fetch=FetchSettings(cache_dir=tmp_path / "cache"))
+    settings = AgentConfig(weights=AgentWeightsConfig(cache_dir=tmp_path / "cache"))
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
