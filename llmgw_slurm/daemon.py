@@ -299,7 +299,7 @@ def _add_observers(d: Daemon, store: TraceStore | None, shared: Shared | None) -
     the heap, the shared database's lease)."""
     rec, gateway, admin_gate = d.reconciler, d.gateway, routes.peer_gate(d.server.admin_group)
     charts.add_chart_routes(gateway, rec, store)
-    traces.add_span_route(d.internal, rec, store)
+    traces.add_span_route(d.internal, rec.verifier, store)
     traces.add_trace_route(d.internal, rec, store, routes.token_gate(d.admin_token))
     traces.add_trace_route(d.admin, rec, store, admin_gate)
     d.trace_store = store

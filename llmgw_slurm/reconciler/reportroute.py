@@ -26,7 +26,7 @@ from llmgw_slurm.auth.secrets import REPLY_HEADER, REPORT_SCHEME, parse_report_a
 from llmgw_slurm.base.errors import ReportNotRecorded
 from llmgw_slurm.guard.faults import Faults
 
-__all__ = ["report_route"]
+__all__ = ["read_signed", "report_route"]
 
 # What a report does: (id, Authorization, the body's bytes, the body) -> the answer.
 # Raises PermissionError (401) on a bad signature, ReportNotRecorded (503).
@@ -40,17 +40,10 @@ def report_route(
 
     async def report(request: web.Request) -> web.Response:
         rid = request.match_info[id_key]
-        auth = request.headers.get("Authorization", "")
-        if not auth.startswith(REPORT_SCHEME + " "):
-            # A bearer secret included: one copied off the network could be replayed.
-            return _error(401, f"missing signature ({REPORT_SCHEME})")
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
-            return _error(400, "body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "body must be an object")
+        signed = await read_signed(request)
+        if isinstance(signed, web.Response):
+            return signed
+        auth, raw, body = signed
         try:
             answer = handle(rid, auth, raw, body)
         except PermissionError as err:
@@ -63,6 +56,25 @@ def report_route(
         return _signed(200, answer, rid, auth, secret_of)
 
     return report
+
+
+async def read_signed(request: web.Request) -> tuple[str, bytes, dict[str, Any]] | web.Response:
+    """A signed request's ``Authorization``, its body's exact bytes and the body parsed;
+    or the answer (401, 400) when it carries no signature or no JSON object. The
+    signature itself is the verifier's to check (``ReportVerifier.verify``): reports
+    and an agent's spans alike."""
+    auth = request.headers.get("Authorization", "")
+    if not auth.startswith(REPORT_SCHEME + " "):
+        # A bearer secret included: one copied off the network could be replayed.
+        return _error(401, f"missing signature ({REPORT_SCHEME})")
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
+        return _error(400, "body is not JSON")
+    if not isinstance(body, dict):
+        return _error(400, "body must be an object")
+    return auth, raw, body
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -110,7 +110,7 @@ async def test_a_cold_start_is_one_waterfall_from_the_pass_to_serving(w: World) 
     w.slurm.run(jid)
     await w.rec.pass_once()
     app = internal_app(w.rec)
-    add_span_route(app, w.rec, w.store)
+    add_span_route(app, w.rec.verifier, w.store)
     steps = ("weights", "rendezvous", "engine_launch", "readiness", "register")
     async with serve(app) as url:
         exporter = DaemonSpanExporter(url, rid, replica_secret(KEY, rid))
@@ -161,7 +161,7 @@ async def test_agents_may_add_spans_only_to_their_own_start_signed(w: World) -> 
         "end": time.time(),
     }
     app = internal_app(w.rec)
-    add_span_route(app, w.rec, w.store)
+    add_span_route(app, w.rec.verifier, w.store)
     async with serve(app) as url:
         # Into another replica's trace: refused, saying why; nothing taken.
         status, answer = await send(url, other_rid, {"spans": [span]})
