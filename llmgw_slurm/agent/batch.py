@@ -41,7 +41,14 @@ from llmgw_slurm.agent.engine import (
     build_run_batch_command,
     engine_env,
 )
-from llmgw_slurm.agent.runner import EXIT_FAILED, EXIT_OK, Agent, JobContext, replica_spec
+from llmgw_slurm.agent.runner import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Agent,
+    JobContext,
+    JobKind,
+    job_context_from_env,
+)
 from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.batch import results
 
@@ -78,42 +85,23 @@ class BatchJob:
     shared: tuple[Path, Path] | None = None
 
 
+BATCH_JOB = JobKind(
+    "LLMGW_BATCH_ID",
+    "LLMGW_BATCH_SECRET",
+    _BATCH_ID,
+    "is not a batch id",
+    more=("LLMGW_BATCH_INPUT", "LLMGW_BATCH_OUTPUT", "LLMGW_BATCH_ERRORS", "LLMGW_BATCH_ENDPOINT"),
+)
+
+
 def batch_job_from_env(env: Mapping[str, str]) -> tuple[JobContext, BatchJob]:
-    """The job's context; ConfigError naming the first variable missing or wrong."""
-    needed = (
-        "LLMGW_BATCH_ID",
-        "LLMGW_MODEL",
-        "LLMGW_DAEMON_URL",
-        "LLMGW_BATCH_SECRET",
-        "LLMGW_ENGINE_API_KEY",
-        "LLMGW_BATCH_INPUT",
-        "LLMGW_BATCH_OUTPUT",
-        "LLMGW_BATCH_ERRORS",
-        "LLMGW_BATCH_ENDPOINT",
-    )
-    for name in needed:
-        if not env.get(name):
-            raise ConfigError(
-                "not set in the job environment (the daemon sets it when it submits the job)",
-                field=name,
-            )
-    bid = env["LLMGW_BATCH_ID"]
-    if not _BATCH_ID.fullmatch(bid):
-        raise ConfigError(f"{bid!r} is not a batch id", field="LLMGW_BATCH_ID")
-    spec = replica_spec(env.get("LLMGW_REPLICA_SPEC"))
+    """The job's context (checked as a replica's is); ConfigError naming the first
+    variable missing or wrong."""
+    job = job_context_from_env(env, BATCH_JOB)
     try:
         concurrency = max(1, int(env.get("LLMGW_BATCH_CONCURRENCY", "16")))
     except ValueError:
         raise ConfigError("not a number", field="LLMGW_BATCH_CONCURRENCY") from None
-    job = JobContext(
-        replica_id=bid,
-        model=spec.name,
-        daemon_url=env["LLMGW_DAEMON_URL"],
-        replica_secret=env["LLMGW_BATCH_SECRET"],
-        engine_api_key=env["LLMGW_ENGINE_API_KEY"],
-        spec=spec,
-        gateway_cert=env.get("LLMGW_GATEWAY_CERT", ""),
-    )
     batch = BatchJob(
         Path(env["LLMGW_BATCH_INPUT"]),
         Path(env["LLMGW_BATCH_OUTPUT"]),

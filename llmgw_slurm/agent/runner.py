@@ -105,14 +105,35 @@ def replica_spec(text: str | None) -> Model:
     return model
 
 
-def job_context_from_env(env: Mapping[str, str]) -> JobContext:
-    """Read the LLMGW_* variables; ConfigError naming the first one missing or wrong."""
+@dataclass(frozen=True)
+class JobKind:
+    """Which job an agent runs, as its environment says it: the variables that hold
+    its id and its report secret, and what an id looks like."""
+
+    id_var: str
+    secret_var: str
+    id_pattern: re.Pattern[str]
+    id_help: str
+    # Variables beside the common ones that this kind's daemon always sets.
+    more: tuple[str, ...] = ()
+
+
+REPLICA_JOB = JobKind(
+    "LLMGW_REPLICA_ID", "LLMGW_REPLICA_SECRET", _REPLICA_ID, "is not 8 lowercase hex digits"
+)
+
+
+def job_context_from_env(env: Mapping[str, str], kind: JobKind = REPLICA_JOB) -> JobContext:
+    """Read the LLMGW_* variables; ConfigError naming the first one missing or wrong.
+
+    The one check of a job's environment, a replica's or (``kind``) a batch job's."""
     needed = (
-        "LLMGW_REPLICA_ID",
+        kind.id_var,
         "LLMGW_MODEL",
         "LLMGW_DAEMON_URL",
-        "LLMGW_REPLICA_SECRET",
+        kind.secret_var,
         "LLMGW_ENGINE_API_KEY",
+        *kind.more,
     )
     for name in needed:
         if not env.get(name):
@@ -120,9 +141,9 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
                 "not set in the job environment (the daemon sets it when it submits the job)",
                 field=name,
             )
-    rid = env["LLMGW_REPLICA_ID"]
-    if not _REPLICA_ID.fullmatch(rid):
-        raise ConfigError(f"{rid!r} is not 8 lowercase hex digits", field="LLMGW_REPLICA_ID")
+    rid = env[kind.id_var]
+    if not kind.id_pattern.fullmatch(rid):
+        raise ConfigError(f"{rid!r} {kind.id_help}", field=kind.id_var)
     url = env["LLMGW_DAEMON_URL"]
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"{url!r} is not an http(s) URL", field="LLMGW_DAEMON_URL")
@@ -132,6 +153,18 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
             f"names model {spec.name!r} but LLMGW_MODEL is {env['LLMGW_MODEL']!r}",
             field="LLMGW_REPLICA_SPEC",
         )
+    return JobContext(
+        replica_id=rid,
+        model=spec.name,
+        daemon_url=url,
+        replica_secret=env[kind.secret_var],
+        engine_api_key=env["LLMGW_ENGINE_API_KEY"],
+        spec=spec,
+        gateway_cert=_gateway_cert(env, spec),
+    )
+
+
+def _gateway_cert(env: Mapping[str, str], spec: Model) -> str:
     gateway_cert = env.get("LLMGW_GATEWAY_CERT", "")
     if gateway_cert:
         try:
@@ -145,15 +178,7 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
             "not, so upgrade the daemon or set engine.tls: false for this model",
             field="LLMGW_GATEWAY_CERT",
         )
-    return JobContext(
-        replica_id=rid,
-        model=spec.name,
-        daemon_url=url,
-        replica_secret=env["LLMGW_REPLICA_SECRET"],
-        engine_api_key=env["LLMGW_ENGINE_API_KEY"],
-        spec=spec,
-        gateway_cert=gateway_cert,
-    )
+    return gateway_cert
 
 
 class Agent:

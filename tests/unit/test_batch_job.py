@@ -90,6 +90,34 @@ def test_a_job_without_its_batch_environment_says_what_is_missing() -> None:
         batch_job_from_env(env)
 
 
+def test_a_batch_jobs_environment_is_checked_as_a_replicas_is(tmp_path: Path) -> None:
+    # One check of a job's environment: a batch job's daemon URL, model and the
+    # gateway's certificate are held to what a replica's are.
+    from tests.agent_support import fake_engine_spec, gateway_identity
+
+    env = {
+        "LLMGW_BATCH_ID": "batch_" + "0" * 24,
+        "LLMGW_MODEL": "tiny",
+        "LLMGW_DAEMON_URL": "http://x:1",
+        "LLMGW_BATCH_SECRET": "s",
+        "LLMGW_ENGINE_API_KEY": "k",
+        "LLMGW_BATCH_INPUT": "/i",
+        "LLMGW_BATCH_OUTPUT": "/o",
+        "LLMGW_BATCH_ERRORS": "/e",
+        "LLMGW_BATCH_ENDPOINT": CHAT,
+        "LLMGW_REPLICA_SPEC": fake_engine_spec(tmp_path),
+        "LLMGW_GATEWAY_CERT": gateway_identity(tmp_path / "gw").cert_pem,
+    }
+    job, _ = batch_job_from_env(env)
+    assert job.replica_id == env["LLMGW_BATCH_ID"] and job.model == "tiny"
+    with pytest.raises(ConfigError, match="LLMGW_DAEMON_URL"):
+        batch_job_from_env({**env, "LLMGW_DAEMON_URL": "x:1"})
+    with pytest.raises(ConfigError, match="LLMGW_MODEL is 'other'"):
+        batch_job_from_env({**env, "LLMGW_MODEL": "other"})
+    with pytest.raises(ConfigError, match="LLMGW_GATEWAY_CERT"):
+        batch_job_from_env({**env, "LLMGW_GATEWAY_CERT": "not a certificate"})
+
+
 def test_the_batch_section_defaults_and_its_errors_name_file_and_line(tmp_path: Path) -> None:
     p = tmp_path / "server.yaml"
     p.write_text("state_dir: st\n")
