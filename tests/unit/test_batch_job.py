@@ -257,6 +257,43 @@ def test_the_shards_merge_into_one_pair_of_files_each_custom_id_once(tmp_path: P
     assert results.shard_size(5, 3) == 2 and results.shard_size(6, 3) == 2
 
 
+def test_merged_results_are_on_disk_before_they_replace_the_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As every other file the daemon replaces: the data fsynced before the rename,
+    # so a crash leaves the old merge or the new one, never an empty file.
+    import os
+
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def synced(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def replaced(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(("replace", f"{src} {dst}"))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", replaced)
+    out, err = tmp_path / results.OUTPUT, tmp_path / results.ERRORS
+    o0, _ = results.shard_paths(out, err, 0)
+    o0.parent.mkdir()
+    o0.write_text(json.dumps({"custom_id": "a"}) + "\n")
+    results.merge_shards(tmp_path, 1)
+    for target in (out, err):
+        done = [
+            i
+            for i, (what, arg) in enumerate(events)
+            if what == "replace" and arg.endswith(f" {target}")
+        ]
+        assert len(done) == 1
+        src = events[done[0]][1].split(" ")[0]
+        assert ("fsync", src) in events[: done[0]]
+    assert results.custom_ids(out) == {"a"}
+
+
 async def test_a_job_with_nothing_left_in_its_lines_ends_without_an_engine(
     tmp_path: Path,
 ) -> None:
