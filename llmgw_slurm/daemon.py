@@ -36,7 +36,7 @@ from llmgw_slurm.auth.keys import KeyRing
 from llmgw_slurm.auth.login import add_login_routes, login_settings, sacctmgr_associations
 from llmgw_slurm.auth.secrets import AdminToken, load_or_create_server_key, replica_secret
 from llmgw_slurm.base import sdnotify
-from llmgw_slurm.base.errors import LlmgwError, SlurmError
+from llmgw_slurm.base.errors import LlmgwError
 from llmgw_slurm.base.sdnotify import Notifier
 from llmgw_slurm.batch.setup import install as install_batch_api
 from llmgw_slurm.catalog import Catalog, load_catalog
@@ -564,11 +564,10 @@ def event_loop() -> asyncio.AbstractEventLoop:
 async def check_slurm(d: Daemon) -> None:
     """Before the listeners open: a Slurm setting that cannot work (slurmrestd without
     the configured OpenAPI version) stops the daemon with what to change; Slurm not
-    answering yet is a warning, and the passes try again with their backoff."""
-    try:
-        await d.reconciler.backend.check()
-    except SlurmError as exc:
-        log.warning("Slurm did not answer at start (each pass tries again): %s", exc)
+    answering yet is a warning, and the passes try again with their backoff. Every
+    cluster's backend is checked, not only the first's."""
+    for label, exc in (await d.reconciler.clusters.check()).items():
+        log.warning("cluster %s did not answer at start (each pass tries again): %s", label, exc)
 
 
 def run(d: Daemon) -> None:
@@ -641,7 +640,7 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
         if d.shared is not None:
             await d.shared.close()
         await d.reconciler.close()
-        await d.reconciler.backend.close()
+        await d.reconciler.clusters.close()
         if listeners is not None:
             await listeners.close()
         # Open replica starts are ended as such ("daemon stopped"): the next
