@@ -183,7 +183,7 @@ def main() -> None:
     args = ap.parse_args()
     snap = status(args.models, args.replicas)
     hist = history(args.models)
-    charts = Charts(None, hist, store(args.models))  # type: ignore[arg-type]
+    charts = Charts(hist, store(args.models))
     charts.gpu_hours = {
         "at": time.time(),
         "since": time.time() - 7 * 86400,

@@ -38,6 +38,8 @@ from llmgw_slurm.auth.secrets import AdminToken, load_or_create_server_key, repl
 from llmgw_slurm.base import sdnotify
 from llmgw_slurm.base.errors import LlmgwError
 from llmgw_slurm.base.sdnotify import Notifier
+from llmgw_slurm.batch.jobs import BatchJobs
+from llmgw_slurm.batch.setup import ReconcilerSide
 from llmgw_slurm.batch.setup import install as install_batch_api
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import ConnectionsConfig, HostPort, ServerConfig, load_agent_config
@@ -242,7 +244,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         fence=shared.lease if shared is not None else None,
     )
     if shared is not None:
-        shared.attach(rec)
+        shared.attach(rec.table, rec.directory, rec.pass_loop)
         rec.peers = shared.status
     keys, usage = _keys_and_usage(server, state, shared, rec.faults)
     quota = _quota(server, usage, shared) if keys is not None else None
@@ -272,13 +274,20 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         provider,
     )
     batches = shared.batch_store(server.batch_directory) if shared is not None else None
-    svc = install_batch_api(
-        gateway, d.internal, server, backends, rec, key, daemon_url, usage, batches
+    side = ReconcilerSide(
+        backends,
+        lambda: rec.catalog,
+        BatchJobs(server, key, daemon_url, rec.jobs.gateway_cert),
+        rec.verifier,
+        rec.clusters_for,
+        rec.faults,
+        rec.directory,
     )
+    svc = install_batch_api(gateway, d.internal, server, side, usage, batches)
     if shared is not None:
         shared.share_batches(svc)
-    routes.add_admin_routes(d.internal, rec, routes.token_gate(token), d.reload)
-    routes.add_admin_routes(d.admin, rec, routes.peer_gate(server.admin_group), d.reload)
+    routes.add_admin_routes(d.internal, rec.admin, routes.token_gate(token), d.reload)
+    routes.add_admin_routes(d.admin, rec.admin, routes.peer_gate(server.admin_group), d.reload)
     _add_observers(d, store, shared)
     return d
 
@@ -298,7 +307,8 @@ def _add_observers(d: Daemon, store: TraceStore | None, shared: Shared | None) -
     """Charts, traces and the metrics beyond the gateway's own (faults, connections,
     the heap, the shared database's lease)."""
     rec, gateway, admin_gate = d.reconciler, d.gateway, routes.peer_gate(d.server.admin_group)
-    charts.add_chart_routes(gateway, rec, store)
+    prefix = d.server.slurm.job_prefix
+    charts.add_chart_routes(gateway, rec.directory, rec.clusters, rec.decisions, prefix, store)
     traces.add_span_route(d.internal, rec.verifier, store)
     traces.add_trace_route(d.internal, rec, store, routes.token_gate(d.admin_token))
     traces.add_trace_route(d.admin, rec, store, admin_gate)

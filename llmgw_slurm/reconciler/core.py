@@ -744,7 +744,10 @@ class Reconciler:
     A composition: the replica table all parts share; the router's directory
     over it; the verifier and the intake of agents' reports, with the engine
     probe; the pass loop; admin requests and status. Its methods are the ones
-    the daemon, the API and the router call.
+    the router (as a ``ModelDirectory``) and the daemon call; a caller that needs
+    one part takes that part (the admin routes ``admin``, the span route
+    ``verifier``, the charts ``clusters``, the shared database ``table``,
+    ``directory`` and ``pass_loop``), handed over by the daemon, not this class.
 
     ``backend``: the one cluster's backend, or each cluster's by its name in
     server.yaml's clusters (``daemon.cluster_backends``).
@@ -819,7 +822,9 @@ class Reconciler:
             self.faults,
             fence,
         )
-        self.admin = AdminRequests(self.table, self.clusters)
+        self.admin = AdminRequests(
+            self.table, self.clusters, self.pass_loop.service_jobs, self.pass_loop.prefix
+        )
         # The daemons sharing a database, the leader and its lease (for status);
         # None with one daemon alone.
         self.peers: Callable[[], dict[str, Any]] | None = None
@@ -867,10 +872,6 @@ class Reconciler:
     @property
     def plan_cfg(self) -> PlanConfig:
         return self.pass_loop.plan_cfg
-
-    @property
-    def prefix(self) -> str:
-        return self.pass_loop.prefix
 
     @property
     def jobs(self) -> JobBuilder:
@@ -988,16 +989,10 @@ class Reconciler:
         await self.probe.close()
         self.verifier.close()
 
-    # ---- admin requests (llmgw-admin drain / stop) and status ------------------------
-
-    def find_replicas(self, target: str = "", node: str = "") -> list[Replica]:
-        return self.admin.find_replicas(target, node)
+    # ---- admin requests (the admin routes take ``admin`` itself) and status ---------
 
     def request_drain(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
         return self.admin.request_drain(target, node, reason)
-
-    async def request_stop(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
-        return await self.admin.request_stop(target, node, reason)
 
     def status(self) -> dict[str, Any]:
         return statusmod.status(

@@ -160,7 +160,7 @@ def test_a_model_hidden_from_the_caller_is_in_none_of_its_charts() -> None:
     h.sample()
     clock.t += 60
     h.sample()
-    charts = Charts(None, h, None)  # type: ignore[arg-type]  # no decisions, no store
+    charts = Charts(h, None)  # no clusters, no decisions, no store
     charts.gpu_hours = {"at": clock.t, "since": 0.0, "by_model": {"alpha": 2.0, "beta": 3.0},
                         "by_account": {"p1": 5.0}}  # fmt: skip
 
