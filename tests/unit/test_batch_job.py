@@ -72,30 +72,9 @@ async def test_an_engine_that_does_not_answer_leaves_the_request_for_the_next_jo
     assert b.output.read_text() == "" and b.errors.read_text() == ""
 
 
-def test_a_job_without_its_batch_environment_says_what_is_missing() -> None:
-    with pytest.raises(ConfigError, match="LLMGW_BATCH_ID"):
-        batch_job_from_env({})
-    env = {
-        "LLMGW_BATCH_ID": "../../x",
-        "LLMGW_MODEL": "m",
-        "LLMGW_DAEMON_URL": "http://x:1",
-        "LLMGW_BATCH_SECRET": "s",
-        "LLMGW_ENGINE_API_KEY": "k",
-        "LLMGW_BATCH_INPUT": "/i",
-        "LLMGW_BATCH_OUTPUT": "/o",
-        "LLMGW_BATCH_ERRORS": "/e",
-        "LLMGW_BATCH_ENDPOINT": CHAT,
-    }
-    with pytest.raises(ConfigError, match="not a batch id"):
-        batch_job_from_env(env)
-
-
-def test_a_batch_jobs_environment_is_checked_as_a_replicas_is(tmp_path: Path) -> None:
-    # One check of a job's environment: a batch job's daemon URL, model and the
-    # gateway's certificate are held to what a replica's are.
-    from tests.agent_support import fake_engine_spec, gateway_identity
-
-    env = {
+def batch_env(**over: str) -> dict[str, str]:
+    """What the daemon puts in a batch job's environment (``over`` replacing some)."""
+    return {
         "LLMGW_BATCH_ID": "batch_" + "0" * 24,
         "LLMGW_MODEL": "tiny",
         "LLMGW_DAEMON_URL": "http://x:1",
@@ -105,9 +84,27 @@ def test_a_batch_jobs_environment_is_checked_as_a_replicas_is(tmp_path: Path) ->
         "LLMGW_BATCH_OUTPUT": "/o",
         "LLMGW_BATCH_ERRORS": "/e",
         "LLMGW_BATCH_ENDPOINT": CHAT,
-        "LLMGW_REPLICA_SPEC": fake_engine_spec(tmp_path),
-        "LLMGW_GATEWAY_CERT": gateway_identity(tmp_path / "gw").cert_pem,
+        **over,
     }
+
+
+def test_a_job_without_its_batch_environment_says_what_is_missing() -> None:
+    with pytest.raises(ConfigError, match="LLMGW_BATCH_ID"):
+        batch_job_from_env({})
+    env = batch_env(LLMGW_BATCH_ID="../../x", LLMGW_MODEL="m")
+    with pytest.raises(ConfigError, match="not a batch id"):
+        batch_job_from_env(env)
+
+
+def test_a_batch_jobs_environment_is_checked_as_a_replicas_is(tmp_path: Path) -> None:
+    # One check of a job's environment: a batch job's daemon URL, model and the
+    # gateway's certificate are held to what a replica's are.
+    from tests.agent_support import fake_engine_spec, gateway_identity
+
+    env = batch_env(
+        LLMGW_REPLICA_SPEC=fake_engine_spec(tmp_path),
+        LLMGW_GATEWAY_CERT=gateway_identity(tmp_path / "gw").cert_pem,
+    )
     job, _ = batch_job_from_env(env)
     assert job.replica_id == env["LLMGW_BATCH_ID"] and job.model == "tiny"
     with pytest.raises(ConfigError, match="LLMGW_DAEMON_URL"):
