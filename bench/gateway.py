@@ -90,7 +90,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import result, worktree, write
-from llmgw_slurm.tls import (
+from llmgw_slurm.auth.tls import (
     EngineTLS,
     Identity,
     client_context,
@@ -257,7 +257,7 @@ def serve_gateway(port: int, spec: dict[str, Any], profile: str = "", collector:
         from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
         from llmgw_slurm.config import TracingConfig
-        from llmgw_slurm.tracing import setup_tracing
+        from llmgw_slurm.tracing.otel import setup_tracing
 
         class _Drop(SpanExporter):
             def export(self, spans: Any) -> SpanExportResult:
@@ -322,10 +322,10 @@ def _keyed(spec: dict[str, Any], directory: Any) -> dict[str, Any]:
     keyed = spec.get("keyed")
     if not keyed:
         return {}
+    from llmgw_slurm.accounting.quota import AccountBudgets, QuotaBook
+    from llmgw_slurm.auth.keys import KeyRing
     from llmgw_slurm.catalog import Access
     from llmgw_slurm.config import QuotaConfig
-    from llmgw_slurm.router import KeyRing
-    from llmgw_slurm.router.quota import AccountBudgets, QuotaBook
 
     for name in spec["engines"]:
         directory.rules[name] = Access(accounts=("bench",), groups=("llm-users",))
@@ -785,7 +785,7 @@ def main() -> int:
                 gateways.append(("gateway-plain", gateway_spec(engines, None)))
             bench_key = ENGINE_KEY
             if args.keyed:
-                from llmgw_slurm.router.keys import add_key
+                from llmgw_slurm.auth.keys import add_key
 
                 bench_key = add_key(tmp / "keys.json", "bench", "bench").key
                 files = {"keys_file": str(tmp / "keys.json"), "budgets_file": str(tmp / "q.json")}

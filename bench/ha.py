@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp
 
 from bench.common import median, print_table, result, write
+from llmgw_slurm.auth.keys import add_key
 from llmgw_slurm.db.keys import PgKeyStore
-from llmgw_slurm.router.keys import add_key
 from tests.ha.conftest import fresh_database
 from tests.ha.peers import Peer, Peers, agent_yaml
 from tests.ha.test_failover import ALWAYS, Load, ready_on

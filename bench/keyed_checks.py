@@ -48,11 +48,11 @@ def cpu_us(fn: Callable[[], object], n: int, rounds: int) -> float:
 def main() -> int:
     from prometheus_client import CollectorRegistry
 
-    from llmgw_slurm.access import AccessGuard
+    from llmgw_slurm.accounting.quota import AccountBudgets, QuotaBook, Reservation, ask_of
+    from llmgw_slurm.auth.access import AccessGuard
+    from llmgw_slurm.auth.keys import KeyRing, add_key
     from llmgw_slurm.catalog import Access
     from llmgw_slurm.config import QuotaConfig
-    from llmgw_slurm.router.keys import KeyRing, add_key
-    from llmgw_slurm.router.quota import AccountBudgets, QuotaBook, Reservation, ask_of
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=100_000)

@@ -39,10 +39,10 @@ from opentelemetry.sdk.trace.export import (
 )
 
 from bench import common
+from llmgw_slurm.auth.secrets import replica_secret
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.reconciler.core import Reconciler
-from llmgw_slurm.secrets import replica_secret
 from llmgw_slurm.slurm.types import (
     GpuCount,
     Job,

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import median, print_table, result, write
-from llmgw_slurm.errors import SlurmUnavailable
+from llmgw_slurm.base.errors import SlurmUnavailable
 from llmgw_slurm.slurm import BACKENDS, JobSpec, SlurmBackend, make_backend
 from llmgw_slurm.slurm.cli import CliBackend
 

@@ -3,9 +3,9 @@
     python3 bench/status_page.py [--models 500] [--replicas 2000] [--rounds 15]
 
 No daemon and no Slurm: a status snapshot of N models and M replicas (as
-``GET /api/v1/status`` gives it), a :class:`~llmgw_slurm.history.History` over
+``GET /api/v1/status`` gives it), a :class:`~llmgw_slurm.api.history.History` over
 the real gateway metrics with a full hour (60 points) for every model, a
-:class:`~llmgw_slurm.tracestore.TraceStore` holding a start trace per model
+:class:`~llmgw_slurm.tracing.store.TraceStore` holding a start trace per model
 (the pass, the start with its Slurm events, an agent with five steps) and
 GPU hours for every model and 20 accounts. Each round renders the page both
 ways, alternating; the charts' side includes everything a page view computes
@@ -31,11 +31,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from bench.common import median, print_table, result, write
-from llmgw_slurm import chartsapi
-from llmgw_slurm.history import History
+from llmgw_slurm.api.charts import Charts
+from llmgw_slurm.api.history import History
+from llmgw_slurm.api.status_page import render_page
 from llmgw_slurm.router.metrics import GatewayMetrics
-from llmgw_slurm.status_page import render_page
-from llmgw_slurm.tracestore import TraceStore
+from llmgw_slurm.tracing.store import TraceStore
 
 
 class _Dir:
@@ -183,7 +183,7 @@ def main() -> None:
     args = ap.parse_args()
     snap = status(args.models, args.replicas)
     hist = history(args.models)
-    charts = chartsapi.Charts(None, hist, store(args.models))  # type: ignore[arg-type]
+    charts = Charts(hist, store(args.models))
     charts.gpu_hours = {
         "at": time.time(),
         "since": time.time() - 7 * 86400,
@@ -192,7 +192,7 @@ def main() -> None:
     }
 
     def with_charts() -> str:
-        # What the page handler does (chartsapi.page_data): the hour's small
+        # What the page handler does (charts.page_data): the hour's small
         # multiples are built once per sample (a minute), the rest every view.
         return render_page(snap, "http://x/v1", charts.page())
 

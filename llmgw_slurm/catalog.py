@@ -35,10 +35,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from llmgw_slurm import _schema
-from llmgw_slurm._schema import Ctx, FrozenMap, Invalid, rule
-from llmgw_slurm.errors import ConfigError, ConfigErrors
-from llmgw_slurm.yamlsrc import (
+from llmgw_slurm.base import schema
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors
+from llmgw_slurm.base.schema import Ctx, FrozenMap, Invalid, rule
+from llmgw_slurm.base.yamlsrc import (
     YEntry,
     YMap,
     YNode,
@@ -213,7 +213,7 @@ def _parse_time_limit(node: YNode, ctx: Ctx) -> TimeLimit:
             f"seconds); write {text}m or {text}s, or H:MM:SS"
         )
     try:
-        secs = _schema.parse_duration(node, ctx)
+        secs = schema.parse_duration(node, ctx)
     except Invalid:
         raise Invalid(f"cannot read {text!r}; expected {_TL_HELP}") from None
     if secs < 60:
@@ -269,7 +269,7 @@ class EngineSpec:
     # Default None: use the agent's readiness.timeout (site-wide, 15m).
     # Set it for models that load slowly (large weights on a shared FS).
     ready_timeout: float | None = field(
-        default=None, metadata=rule(gt=0, parse=_schema.parse_duration)
+        default=None, metadata=rule(gt=0, parse=schema.parse_duration)
     )
     # Default true: the engine serves TLS with a certificate its agent makes for
     # this replica, and accepts only the gateway's client certificate (and the
@@ -473,7 +473,7 @@ class Scaling:
     max: int = field(default=1, metadata=rule(ge=1, le=1000))
     # Default 30m: a replica idle this long is stopped (down to min). Shorter
     # frees GPUs sooner but makes users wait for cold starts more often.
-    idle_timeout: float = field(default=1800.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    idle_timeout: float = field(default=1800.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 16: in-flight requests per replica above which another replica is
     # started (up to max). Engines batch well, so one replica takes many.
     target_inflight: int = field(default=16, metadata=rule(ge=1))
@@ -494,7 +494,7 @@ class Scaling:
     # the server's (a 70B model); a longer hold also keeps a pending job wanted
     # (not cancelled as "nobody waiting") while requests may still be held.
     hold_timeout: float | None = field(
-        default=None, metadata=rule(gt=0, parse=_schema.parse_duration)
+        default=None, metadata=rule(gt=0, parse=schema.parse_duration)
     )
     # Default None: the server's scaling.max_wait (2m). How long this model's oldest
     # held request waits before a replica of another on-demand model that has
@@ -502,7 +502,7 @@ class Scaling:
     # scaling.fair_share). Longer for a model whose users can wait (a batch-like
     # model), shorter for an interactive one; a start of this model that may not
     # evict (evict_for without held) drains nothing either.
-    max_wait: float | None = field(default=None, metadata=rule(gt=0, parse=_schema.parse_duration))
+    max_wait: float | None = field(default=None, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default [held]: which starts of this model may evict an idle replica of
     # another model when it fits nowhere. `held`: an on-demand start a held
     # request waits for; `min`: a scale-up to min; `renewal`: a replacement
@@ -790,7 +790,7 @@ def _merge(base: YMap, over: YMap, base_path: str) -> YMap:
             continue
         mine = entries[index[b.key]]
         if isinstance(mine.value, YMap) and isinstance(b.value, YMap):
-            sub = _merge(b.value, mine.value, _schema.join(origin, b.key))
+            sub = _merge(b.value, mine.value, schema.join(origin, b.key))
             entries[index[b.key]] = YEntry(mine.key, mine.key_line, sub, mine.origin)
     return YMap(tuple(entries), over.line)
 
@@ -803,10 +803,10 @@ def _build_catalog(root: YNode, ctx: Ctx, clusters: Sequence[str] | None = None)
         return None
     for e in root.entries:
         if e.key not in _TOP_KEYS:
-            ctx.add(_schema.unknown_key_message(e.key, list(_TOP_KEYS)), e.key_line, e.key)
+            ctx.add(schema.unknown_key_message(e.key, list(_TOP_KEYS)), e.key_line, e.key)
     defaults = YMap((), None)
     d_entry = root.get("defaults")
-    if d_entry is not None and not _schema.is_null(d_entry.value):
+    if d_entry is not None and not schema.is_null(d_entry.value):
         if not isinstance(d_entry.value, YMap):
             ctx.add(
                 f"expected a mapping with keys {', '.join((*_MERGEABLE, 'description'))}; "
@@ -820,13 +820,13 @@ def _build_catalog(root: YNode, ctx: Ctx, clusters: Sequence[str] | None = None)
                 allowed = (*_MERGEABLE, "description")
                 if e.key not in allowed:
                     ctx.add(
-                        _schema.unknown_key_message(e.key, list(allowed))
+                        schema.unknown_key_message(e.key, list(allowed))
                         + "; name and aliases belong to each model",
                         e.key_line,
                         f"defaults.{e.key}",
                     )
                 elif e.key in _MERGEABLE and not (
-                    isinstance(e.value, YMap) or _schema.is_null(e.value)
+                    isinstance(e.value, YMap) or schema.is_null(e.value)
                 ):
                     ctx.add(
                         f"expected a mapping; got {describe(e.value)}",
@@ -837,7 +837,7 @@ def _build_catalog(root: YNode, ctx: Ctx, clusters: Sequence[str] | None = None)
                 tuple(
                     e
                     for e in defaults.entries
-                    if e.key in (*_MERGEABLE, "description") and not _schema.is_null(e.value)
+                    if e.key in (*_MERGEABLE, "description") and not schema.is_null(e.value)
                 ),
                 defaults.line,
             )
@@ -846,7 +846,7 @@ def _build_catalog(root: YNode, ctx: Ctx, clusters: Sequence[str] | None = None)
         ctx.add("missing required key 'models' (a list of model entries)", root.line, "models")
         return None
     items = m_entry.value
-    if _schema.is_null(items):
+    if schema.is_null(items):
         return Catalog((), ctx.file)
     if not isinstance(items, YSeq):
         ctx.add(
@@ -862,7 +862,7 @@ def _build_catalog(root: YNode, ctx: Ctx, clusters: Sequence[str] | None = None)
         path = f"models[{i}]"
         if isinstance(item, YMap) and defaults.entries:
             item = _merge(defaults, item, "defaults")
-        model = _schema.build(Model, item, path, ctx, line=items.line)
+        model = schema.build(Model, item, path, ctx, line=items.line)
         # Uniqueness is checked on the names as written, so a clash is reported
         # even when something else in the same entry is wrong.
         if isinstance(item, YMap) and not _unique(item, i, path, seen, ctx):
@@ -879,8 +879,8 @@ def _check_clusters(model: Model, item: YMap, path: str, known: Sequence[str], c
     res = item.get("resources")
     entry = res.value.get("clusters") if res is not None and isinstance(res.value, YMap) else None
     # Where the list was written: the model's own resources, or the defaults' (origin).
-    res_path = _schema.join(res.origin or path, "resources") if res is not None else path
-    where = _schema.join(entry.origin or res_path, "clusters") if entry else ""
+    res_path = schema.join(res.origin or path, "resources") if res is not None else path
+    where = schema.join(entry.origin or res_path, "clusters") if entry else ""
     items = entry.value.items if entry is not None and isinstance(entry.value, YSeq) else ()
     for j, name in enumerate(model.resources.clusters):
         if name in known:
@@ -998,7 +998,7 @@ def read_replica_spec(text: str | None) -> tuple[Model, list[str]]:
     except TypeError as err:
         raise ConfigError(str(err), file=SPEC_ENV) from None
     ctx = Ctx(SPEC_ENV, ignore_unknown=True)
-    model = _schema.build(Model, tree, "", ctx, line=None)
+    model = schema.build(Model, tree, "", ctx, line=None)
     ctx.raise_if_errors()
     assert isinstance(model, Model)
     return model, ctx.ignored

@@ -4,7 +4,7 @@ Each file maps onto one frozen dataclass tree; a field's name is its YAML
 key, its default is the default (with the reason in the comment above it),
 and its ``rule(...)`` the validation. :func:`load_server_config` and
 :func:`load_agent_config` report every problem of a file at once
-(:class:`~llmgw_slurm.errors.ConfigErrors`), each naming file, line and
+(:class:`~llmgw_slurm.base.errors.ConfigErrors`), each naming file, line and
 dotted field path. :func:`check_files` validates any subset of the three
 files (catalog included) without touching Slurm; ``llmgw-admin config
 check`` uses it.
@@ -19,18 +19,19 @@ import contextlib
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from llmgw_slurm import _schema
-from llmgw_slurm._schema import Ctx, FrozenMap, Invalid, rule
+from llmgw_slurm.base import schema
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors, TemplateError
+from llmgw_slurm.base.schema import Ctx, FrozenMap, Invalid, rule
+from llmgw_slurm.base.yamlsrc import YNode, YScalar, YSeq, describe
 from llmgw_slurm.catalog import CLUSTER_NAME_RE, load_catalog
-from llmgw_slurm.errors import ConfigError, ConfigErrors, TemplateError
 from llmgw_slurm.sbatch import check_job_path
-from llmgw_slurm.yamlsrc import YNode, YScalar, YSeq, describe
 
 __all__ = [
     "AgentConfig",
@@ -71,7 +72,7 @@ _URL_HELP = "an http:// or https:// URL, e.g. http://login1:8001"
 
 
 def _parse_url(node: YNode, ctx: Ctx) -> str:
-    text = _schema.scalar_text(node).strip()
+    text = schema.scalar_text(node).strip()
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
@@ -185,7 +186,7 @@ class SlurmRestConfig:
     # Default 1h: how long a token minted with jwt_key lives; a new one is
     # minted when a fifth of it is left.
     token_lifespan: float = field(
-        default=3600.0, metadata=rule(ge=60, parse=_schema.parse_duration)
+        default=3600.0, metadata=rule(ge=60, parse=schema.parse_duration)
     )
     # Default None: the system's certificate authorities, for an https url.
     ca_file: Path | None = None
@@ -253,10 +254,10 @@ class SlurmConfig:
     )
     # Default 30s: slurmctld under load can take many seconds to answer; past
     # this a command counts as failed (Slurm unavailable) and is retried.
-    command_timeout: float = field(default=30.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    command_timeout: float = field(default=30.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 5s: one squeue for all of the daemon's jobs per poll; cheap, but
     # every user's squeue shares slurmctld.
-    poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=schema.parse_duration))
 
     def _problems(self) -> list[tuple[str, str]]:
         if self.backend != "rest":
@@ -411,7 +412,7 @@ class ConnectionsConfig:
     # Default 10s: a connection that has not sent a whole request head this long
     # after it was accepted (or its TLS handshake began) is closed: an idle or
     # trickling client holds nothing for long. Clients send the head at once.
-    head_timeout: float = field(default=10.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    head_timeout: float = field(default=10.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 512: open files never given to connections: Slurm commands' pipes,
     # the state files, engine connections. Half the limit at most.
     reserve_fds: int = field(default=512, metadata=rule(ge=64))
@@ -432,9 +433,9 @@ class RestartConfig:
 
     # Default 30s: long enough for a transient node problem to clear, short
     # enough that a preempted replica comes back quickly.
-    initial_backoff: float = field(default=30.0, metadata=rule(parse=_schema.parse_duration))
+    initial_backoff: float = field(default=30.0, metadata=rule(parse=schema.parse_duration))
     # Default 30m: the backoff doubles per failure up to this.
-    max_backoff: float = field(default=1800.0, metadata=rule(parse=_schema.parse_duration))
+    max_backoff: float = field(default=1800.0, metadata=rule(parse=schema.parse_duration))
     # Default 5: after this many failed starts in a row the model is marked
     # failed and not retried until its config changes or an admin resets it;
     # a broken model must not keep a queue slot and GPUs busy.
@@ -457,28 +458,28 @@ class ReconcileConfig:
     """The reconcile loop's timing and its eviction/renewal rules."""
 
     # Default 10s: how often a pass runs (also after any agent report).
-    interval: float = field(default=10.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    interval: float = field(default=10.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 1m: the longest a pass plans with an earlier pass's node listing (one
     # sinfo); a pass about to place or evict lists the nodes afresh whatever its age.
     # Bounds how old status's node view and a queued model's note can be. 0: every pass.
-    nodes_max_age: float = field(default=60.0, metadata=rule(ge=0, parse=_schema.parse_duration))
+    nodes_max_age: float = field(default=60.0, metadata=rule(ge=0, parse=schema.parse_duration))
     # Default 5m: a replica idle less than this is never evicted for another
     # model; a pause in a user's work must not cost them a cold start.
-    eviction_grace: float = field(default=300.0, metadata=rule(parse=_schema.parse_duration))
+    eviction_grace: float = field(default=300.0, metadata=rule(parse=schema.parse_duration))
     # Default 10m: no eviction before a replica has served this long after
     # becoming ready, so two models that fit one at a time cannot evict each
     # other in turn.
-    min_lifetime: float = field(default=600.0, metadata=rule(parse=_schema.parse_duration))
+    min_lifetime: float = field(default=600.0, metadata=rule(parse=schema.parse_duration))
     # Default 30m: a replacement is started this long before a replica's time
     # limit; it must cover queue wait plus engine start.
-    renewal_margin: float = field(default=1800.0, metadata=rule(parse=_schema.parse_duration))
+    renewal_margin: float = field(default=1800.0, metadata=rule(parse=schema.parse_duration))
     # Default 2m: how long a draining replica may finish in-flight requests
     # before it is cancelled; long generations are cut after this.
-    drain_timeout: float = field(default=120.0, metadata=rule(parse=_schema.parse_duration))
+    drain_timeout: float = field(default=120.0, metadata=rule(parse=schema.parse_duration))
     # Default 1h: a job pending longer is cancelled (with Slurm's reason) and, if
     # still needed, submitted again; not counted as a failed start. null waits forever.
     max_pending_time: float | None = field(
-        default=3600.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+        default=3600.0, metadata=rule(gt=0, parse=schema.parse_duration)
     )
     # Default 2m: with several clusters, one whose controller has not answered for this
     # long is down: its replicas that are not serving are replaced on the other
@@ -486,7 +487,7 @@ class ReconcileConfig:
     # SlurmctldTimeout (120 s by default) is how long a backup controller takes over;
     # shorter would replace replicas that a failover keeps.
     cluster_down_after: float = field(
-        default=120.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+        default=120.0, metadata=rule(gt=0, parse=schema.parse_duration)
     )
     # Default: see RestartConfig.
     restart: RestartConfig = field(default_factory=RestartConfig)
@@ -507,12 +508,12 @@ class SiteScaling:
     # may drain another model for it. Under router.hold_timeout (5m), so that
     # the drain and a start fit in the hold: the held request is answered, not
     # turned away with a 503.
-    max_wait: float = field(default=120.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    max_wait: float = field(default=120.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 10m: a turn on the GPUs; a replica is never drained for fair share
     # before it has served this long (nor before reconcile.min_lifetime). Each
     # turn costs the next model a start: longer slices spend less GPU time
     # loading and make a model that waits behind a busy one wait longer.
-    min_slice: float = field(default=600.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    min_slice: float = field(default=600.0, metadata=rule(gt=0, parse=schema.parse_duration))
 
 
 @dataclass(frozen=True)
@@ -522,7 +523,7 @@ class RouterConfig:
     # Default 5m: how long a request waits for its model to start before a 503
     # with Retry-After, unless the model sets its own. Shorter than the OpenAI
     # client's 10 min timeout, so the client sees our answer, not its own timeout.
-    hold_timeout: float = field(default=300.0, metadata=rule(parse=_schema.parse_duration))
+    hold_timeout: float = field(default=300.0, metadata=rule(parse=schema.parse_duration))
     # Default 256: held requests of one model beyond this get 429; each holds a
     # connection (a coroutine each, but unbounded holding lets one runaway
     # client fill memory).
@@ -544,29 +545,29 @@ class RouterConfig:
     # read); a 128k-token prompt is about 0.5 MiB of text and a few base64
     # images fit too, and a runaway client cannot fill the login node's memory.
     max_body_bytes: int = field(
-        default=16 * 1024 * 1024, metadata=rule(ge=1024, parse=_schema.parse_size)
+        default=16 * 1024 * 1024, metadata=rule(ge=1024, parse=schema.parse_size)
     )
     # Default 1G: multipart uploads (/v1/audio/*) beyond this get 413. They are
     # streamed to the engine as they arrive, never held whole, so this bounds
     # what one client can make an engine take, not the gateway's memory.
     max_upload_bytes: int = field(
-        default=1024 * 1024 * 1024, metadata=rule(ge=1024, parse=_schema.parse_size)
+        default=1024 * 1024 * 1024, metadata=rule(ge=1024, parse=schema.parse_size)
     )
     # Default 1m: the longest wait for a request body once its headers are in;
     # a client that trickles or stalls its body (slow loris) gets a 408 instead
     # of holding a connection and a handler forever. 16 MiB over a slow link fits.
-    body_timeout: float = field(default=60.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    body_timeout: float = field(default=60.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 30 (seconds): the Retry-After of a 503 after the hold deadline.
     retry_after: int = field(default=30, metadata=rule(ge=0))
     # Default 5s: connecting to an engine on the cluster network takes
     # milliseconds; a node that does not answer in 5 s is treated as down.
-    connect_timeout: float = field(default=5.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    connect_timeout: float = field(default=5.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 10m: the longest silence between two chunks from an engine (a long
     # prompt's prefill on a busy engine can take minutes before the first token).
-    read_timeout: float = field(default=600.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    read_timeout: float = field(default=600.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 0.5s: how often a held request checks whether its client went
     # away, when the server does not cancel handlers itself (the daemon does).
-    disconnect_poll: float = field(default=0.5, metadata=rule(gt=0, parse=_schema.parse_duration))
+    disconnect_poll: float = field(default=0.5, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default None: no API keys, anyone who can reach the gateway may use it.
     # Otherwise the keys file `llmgw-admin keys` writes (versioned JSON with
     # one hashed record per key; see docs/configuration.md).
@@ -582,11 +583,11 @@ class RouterConfig:
     # made are tokens someone used). Past it the engine's connection is cut,
     # which stops the generation, and that answer's usage goes uncounted. 0: cut at once.
     drain_after_disconnect: float = field(
-        default=30.0, metadata=rule(ge=0, parse=_schema.parse_duration)
+        default=30.0, metadata=rule(ge=0, parse=schema.parse_duration)
     )
     # Default 4M: the same bound in bytes of the answer read after the client left.
     drain_after_disconnect_bytes: int = field(
-        default=4 * 1024 * 1024, metadata=rule(ge=0, parse=_schema.parse_size)
+        default=4 * 1024 * 1024, metadata=rule(ge=0, parse=schema.parse_size)
     )
     # Default sampled: with tracing on, a request gets a span only when its client
     # sent a sampled traceparent, or when it is held for a cold start. "all" gives
@@ -633,7 +634,7 @@ class LoginConfig:
     # so revoking and logging in again does not make keys without end (each one a
     # record in the key file).
     revoked_key_window: float = field(
-        default=3600.0, metadata=rule(ge=0, parse=_schema.parse_duration)
+        default=3600.0, metadata=rule(ge=0, parse=schema.parse_duration)
     )
 
 
@@ -719,17 +720,17 @@ class BatchConfig:
     # Default 4h: a batch job's time limit; a batch that needs longer resumes in a
     # new job where the last one stopped.
     time_limit: float = field(
-        default=4 * 3600.0, metadata=rule(ge=60, parse=_schema.parse_duration)
+        default=4 * 3600.0, metadata=rule(ge=60, parse=schema.parse_duration)
     )
     # Default 200M: OpenAI's limit for one batch input file.
     max_file_bytes: int = field(
-        default=200 * 1024 * 1024, metadata=rule(ge=1, parse=_schema.parse_size)
+        default=200 * 1024 * 1024, metadata=rule(ge=1, parse=schema.parse_size)
     )
     # Default 50000: OpenAI's limit of requests in one batch.
     max_requests: int = field(default=50_000, metadata=rule(ge=1))
     # Default 24h: the longest completion_window a batch may ask for (OpenAI offers only 24h).
     max_completion_window: float = field(
-        default=24 * 3600.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+        default=24 * 3600.0, metadata=rule(gt=0, parse=schema.parse_duration)
     )
     # Default 16: requests a batch job keeps in flight to its engine; the engine's
     # own scheduler batches them, more only lengthens its queue.
@@ -740,7 +741,7 @@ class BatchConfig:
     # whose answers are kept as they come (a preempted job loses none).
     runner: Literal["auto", "server"] = "auto"
     # Default 5s: how often the daemon lists batch jobs (one squeue for all of them).
-    poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 10: batches one user may have unfinished (validating, in progress,
     # cancelling) at once; one more is refused with 429. Each holds a job in the
     # queue, and one user's thousand batches would crowd out everyone else's.
@@ -766,7 +767,7 @@ class BatchConfig:
     # Default 1h: a riding batch goes to a Slurm job once, at its pace over the
     # last minute, it would end later than this before its deadline (the job's
     # queue wait and start need the time).
-    warm_margin: float = field(default=3600.0, metadata=rule(ge=0, parse=_schema.parse_duration))
+    warm_margin: float = field(default=3600.0, metadata=rule(ge=0, parse=schema.parse_duration))
 
 
 @dataclass(frozen=True)
@@ -815,7 +816,7 @@ class DatabaseConfig:
     tls: DatabaseTlsConfig = field(default_factory=DatabaseTlsConfig)
     # Default 5s: a connection attempt that takes longer has failed (libpq's
     # connect_timeout, whole seconds, at least 2).
-    connect_timeout: float = field(default=5.0, metadata=rule(ge=2, parse=_schema.parse_duration))
+    connect_timeout: float = field(default=5.0, metadata=rule(ge=2, parse=schema.parse_duration))
     # Default 4: connections the daemon keeps for its stores (one more listens for
     # notifications, one holds the lease).
     pool_size: int = field(default=4, metadata=rule(ge=1, le=64))
@@ -827,12 +828,12 @@ class DatabaseConfig:
     )
     # Default 3s: how long the reconciler's lease runs unrenewed before another
     # daemon may take it: a leader's death is noticed within this.
-    lease_duration: float = field(default=3.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    lease_duration: float = field(default=3.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 0.5s: how often the leader renews it, and the others try to take it.
-    lease_renew: float = field(default=0.5, metadata=rule(gt=0, parse=_schema.parse_duration))
+    lease_renew: float = field(default=0.5, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 2s: a leader that has not renewed for this long (its own monotonic
     # clock) stops acting, before its lease can run out elsewhere.
-    lease_deadline: float = field(default=2.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    lease_deadline: float = field(default=2.0, metadata=rule(gt=0, parse=schema.parse_duration))
 
     def _problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
@@ -1015,6 +1016,10 @@ class PortRange:
     def __contains__(self, port: object) -> bool:
         return isinstance(port, int) and self.first <= port <= self.last
 
+    @property
+    def bounds(self) -> tuple[int, int]:
+        return (self.first, self.last)
+
 
 _PORTS_HELP = "a port range like 20000-29999 (or [20000, 29999]) within 1024-65535"
 
@@ -1058,7 +1063,16 @@ class AgentWeightsConfig:
     # Default 6h: another job may be fetching the same model into the cache;
     # wait this long for its lock before failing the start.
     lock_timeout: float = field(
-        default=6 * 3600.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+        default=6 * 3600.0, metadata=rule(gt=0, parse=schema.parse_duration)
+    )
+    # Default true: weights missing from the cache are fetched. False (the
+    # agent's --no-fetch): they must be there already, put there by a model
+    # job, and a start whose weights are missing fails at once.
+    fetch: bool = True
+    # Default [hf]: the Hugging Face CLI (found on PATH) that `hf:` sources are
+    # downloaded with; a site's own path or wrapper (its words, one per item).
+    hf_command: tuple[str, ...] = field(
+        default=("hf",), metadata=rule(pattern=r"[^\x00-\x1f]+", pattern_help="a word")
     )
 
 
@@ -1096,6 +1110,11 @@ class EnginesConfig:
     sglang: EngineRuntime = field(default_factory=EngineRuntime)
     # For kind command only env applies (the catalog gives the command).
     command: EngineRuntime = field(default_factory=EngineRuntime)
+
+    def of(self, kind: str) -> EngineRuntime:
+        """The runtime of engine ``kind`` (``vllm``, ``sglang``, ``command``)."""
+        runtime = getattr(self, kind, None)
+        return runtime if isinstance(runtime, EngineRuntime) else EngineRuntime()
 
     def _problems(self) -> list[tuple[str, str]]:
         if self.command.python or self.command.executable:
@@ -1135,10 +1154,10 @@ class ReadinessConfig:
 
     # Default 2s: the health check is cheap, and a ready replica should serve
     # as soon as possible.
-    poll_interval: float = field(default=2.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    poll_interval: float = field(default=2.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 15m: the deadline for models without engine.ready_timeout. Large
     # weights from a shared FS take minutes; past this the start has failed.
-    timeout: float = field(default=900.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    timeout: float = field(default=900.0, metadata=rule(gt=0, parse=schema.parse_duration))
 
 
 @dataclass(frozen=True)
@@ -1147,14 +1166,14 @@ class DrainConfig:
 
     # Default 2m: in-flight requests may finish for this long; it fits within
     # the --signal lead the sbatch templates ask for.
-    timeout: float = field(default=120.0, metadata=rule(parse=_schema.parse_duration))
+    timeout: float = field(default=120.0, metadata=rule(parse=schema.parse_duration))
     # Default 2s: how often the engine's in-flight count is read while draining.
-    poll_interval: float = field(default=2.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    poll_interval: float = field(default=2.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default 10s: waited instead when the engine exposes no request metric.
-    grace: float = field(default=10.0, metadata=rule(parse=_schema.parse_duration))
+    grace: float = field(default=10.0, metadata=rule(parse=schema.parse_duration))
     # Default 20s: between SIGTERM and SIGKILL of the engine; vLLM stops in a
     # few seconds.
-    stop_grace: float = field(default=20.0, metadata=rule(parse=_schema.parse_duration))
+    stop_grace: float = field(default=20.0, metadata=rule(parse=schema.parse_duration))
 
 
 @dataclass(frozen=True)
@@ -1165,12 +1184,16 @@ class RendezvousConfig:
     # node of a job sees lets the head pick any free port and publish it there.
     dir: Path | None = None
     # Default 10m: workers wait this long for the head.
-    timeout: float = field(default=600.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    timeout: float = field(default=600.0, metadata=rule(gt=0, parse=schema.parse_duration))
 
 
 @dataclass(frozen=True)
 class AgentConfig:
-    """``agent.yaml``: settings of the agent that runs inside every replica job."""
+    """``agent.yaml``: settings of the agent that runs inside every replica job.
+
+    The one type the agent takes (:func:`llmgw_slurm.agent.main.build_config`
+    lays its command-line options over it); each default is here, once.
+    """
 
     # Default None: LLMGW_DAEMON_URL from the job environment, which wins over
     # this anyway (the daemon knows where it listens).
@@ -1186,7 +1209,7 @@ class AgentConfig:
     # Default 15s: how often a ready replica reports. The daemon treats a
     # replica silent for several intervals as lost.
     heartbeat_interval: float = field(
-        default=15.0, metadata=rule(gt=0, parse=_schema.parse_duration)
+        default=15.0, metadata=rule(gt=0, parse=schema.parse_duration)
     )
     # Default 20000-29999: engines bind a free port from this range; it keeps
     # clear of the well-known ports and of the OS's ephemeral range.
@@ -1210,13 +1233,26 @@ class AgentConfig:
     )
     # Default 10s: a report to the daemon that takes longer counts as failed
     # (and is retried); the engine keeps serving meanwhile.
-    report_timeout: float = field(default=10.0, metadata=rule(gt=0, parse=_schema.parse_duration))
+    report_timeout: float = field(default=10.0, metadata=rule(gt=0, parse=schema.parse_duration))
     # Default: see DrainConfig.
     drain: DrainConfig = field(default_factory=DrainConfig)
     # Default: see RendezvousConfig.
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     # Default: tracing off, see TracingConfig.
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    # Default None: the agent's own interpreter (the agent's --python), for
+    # engine kinds whose engines.KIND.python names none.
+    python: str | None = field(
+        default=None, metadata=rule(pattern=r"[^\s\x00-\x1f]+", pattern_help="a path")
+    )
+    # Default 40: the last lines of an engine's output kept, to say why it
+    # failed in the failure report and the agent's log.
+    log_tail_lines: int = field(default=40, metadata=rule(ge=1, le=10_000))
+
+    @property
+    def interpreter(self) -> str:
+        """The interpreter of an engine kind that names none: ``python``, else the agent's."""
+        return self.python or sys.executable
 
 
 # --------------------------------------------------------------------- loading
@@ -1238,7 +1274,7 @@ def _absolute(value: Path, base: Path, file: str, key: str) -> Path:
 
 def load_server_config(path: str | Path) -> ServerConfig:
     """Load ``server.yaml``; raises ConfigError(s) naming every problem with file:line:field."""
-    cfg = _schema.load_file(ServerConfig, path, "server config")
+    cfg = schema.load_file(ServerConfig, path, "server config")
     assert isinstance(cfg, ServerConfig)
     base, file = Path(path).absolute().parent, str(path)
     cfg = dataclasses.replace(
@@ -1272,7 +1308,7 @@ def load_server_config(path: str | Path) -> ServerConfig:
 
 def load_agent_config(path: str | Path) -> AgentConfig:
     """Load ``agent.yaml``; raises ConfigError(s) naming every problem with file:line:field."""
-    cfg = _schema.load_file(AgentConfig, path, "agent config")
+    cfg = schema.load_file(AgentConfig, path, "agent config")
     assert isinstance(cfg, AgentConfig)
     return cfg
 

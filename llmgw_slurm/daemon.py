@@ -28,11 +28,21 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from llmgw_slurm import api, chartsapi, identity, private, sdnotify, traceapi
+from llmgw_slurm.accounting.quota import QuotaBook, quota_book
+from llmgw_slurm.accounting.usage import UsageSink, UsageStore
+from llmgw_slurm.api import charts, routes, traces
+from llmgw_slurm.auth import identity, private
+from llmgw_slurm.auth.keys import KeyRing
+from llmgw_slurm.auth.login import add_login_routes, login_settings, sacctmgr_associations
+from llmgw_slurm.auth.secrets import AdminToken, load_or_create_server_key, replica_secret
+from llmgw_slurm.base import sdnotify
+from llmgw_slurm.base.errors import LlmgwError
+from llmgw_slurm.base.sdnotify import Notifier
+from llmgw_slurm.batch.jobs import BatchJobs
+from llmgw_slurm.batch.setup import ReconcilerSide
 from llmgw_slurm.batch.setup import install as install_batch_api
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import ConnectionsConfig, HostPort, ServerConfig, load_agent_config
-from llmgw_slurm.errors import LlmgwError, SlurmError
 from llmgw_slurm.guard import (
     Acceptor,
     ConnectionLimiter,
@@ -42,24 +52,18 @@ from llmgw_slurm.guard import (
     open_fds,
     raise_open_files_limit,
 )
+from llmgw_slurm.guard.heap import HeapTrimmer, glibc_heap
 from llmgw_slurm.guard.metrics import GuardCollector
-from llmgw_slurm.heap import HeapTrimmer, glibc_heap
 from llmgw_slurm.reconciler.core import ROUND_FAILED, Reconciler
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.reportroute import report_route
 from llmgw_slurm.router import create_app
 from llmgw_slurm.router.gateway import GATEWAY_KEY
-from llmgw_slurm.router.keys import KeyRing
-from llmgw_slurm.router.login import add_login_routes, login_settings, sacctmgr_associations
 from llmgw_slurm.router.metrics import tokens_gate
-from llmgw_slurm.router.quota import QuotaBook, quota_book
 from llmgw_slurm.router.server import Runner as GatewayRunner
-from llmgw_slurm.router.usage import UsageSink, UsageStore
-from llmgw_slurm.sdnotify import Notifier
-from llmgw_slurm.secrets import AdminToken, load_or_create_server_key, replica_secret
 from llmgw_slurm.slurm import make_backends
-from llmgw_slurm.tracestore import TraceStore
-from llmgw_slurm.tracing import setup_tracing
+from llmgw_slurm.tracing.otel import setup_tracing
+from llmgw_slurm.tracing.store import TraceStore
 
 if TYPE_CHECKING:
     from llmgw_slurm.db.setup import Shared
@@ -97,19 +101,19 @@ def internal_app(rec: Reconciler) -> web.Application:
 
 def add_status_routes(app: web.Application, rec: Reconciler, shared: Shared | None = None) -> None:
     async def status(request: web.Request) -> web.Response:
-        out = api.status_json(rec, api.caller_may_see(app, request))
-        out["auth"] = api.auth_json(app)
+        out = routes.status_json(rec, routes.caller_may_see(app, request))
+        out["auth"] = routes.auth_json(app)
         return web.json_response(out)
 
     async def want(request: web.Request) -> web.Response:
         # A start can evict other keys' idle replicas on a full cluster: with keys
         # on, it takes one, like every other route that changes something.
-        denied = api.key_required(app, request)
+        denied = routes.key_required(app, request)
         if denied is not None:
             return denied
         name = request.match_info["model"]
         canonical = rec.resolve(name)
-        may_see = api.caller_may_see(app, request)
+        may_see = routes.caller_may_see(app, request)
         if canonical is not None and not may_see(canonical):
             # As for /v1: a model the key may not use is one that does not exist.
             canonical = None
@@ -240,7 +244,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         fence=shared.lease if shared is not None else None,
     )
     if shared is not None:
-        shared.attach(rec)
+        shared.attach(rec.table, rec.directory, rec.pass_loop)
         rec.peers = shared.status
     keys, usage = _keys_and_usage(server, state, shared, rec.faults)
     quota = _quota(server, usage, shared) if keys is not None else None
@@ -249,7 +253,7 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
     if shared is not None:
         gateway[GATEWAY_KEY].responses = shared.response_homes()
     add_status_routes(gateway, rec, shared)
-    api.add_cli_routes(gateway, rec)
+    routes.add_cli_routes(gateway, rec)
     if keys is not None and server.login.enabled:
         _add_login(gateway, server, keys, shared)
     token = AdminToken(state / "admin.token")
@@ -270,13 +274,20 @@ def build(server: ServerConfig, server_path: Path) -> Daemon:
         provider,
     )
     batches = shared.batch_store(server.batch_directory) if shared is not None else None
-    svc = install_batch_api(
-        gateway, d.internal, server, backends, rec, key, daemon_url, usage, batches
+    side = ReconcilerSide(
+        backends,
+        lambda: rec.catalog,
+        BatchJobs(server, key, daemon_url, rec.jobs.gateway_cert),
+        rec.verifier,
+        rec.clusters_for,
+        rec.faults,
+        rec.directory,
     )
+    svc = install_batch_api(gateway, d.internal, server, side, usage, batches)
     if shared is not None:
         shared.share_batches(svc)
-    api.add_admin_routes(d.internal, rec, api.token_gate(token), d.reload)
-    api.add_admin_routes(d.admin, rec, api.peer_gate(server.admin_group), d.reload)
+    routes.add_admin_routes(d.internal, rec.admin, routes.token_gate(token), d.reload)
+    routes.add_admin_routes(d.admin, rec.admin, routes.peer_gate(server.admin_group), d.reload)
     _add_observers(d, store, shared)
     return d
 
@@ -295,11 +306,12 @@ def _readiness_timeout(server: ServerConfig) -> float:
 def _add_observers(d: Daemon, store: TraceStore | None, shared: Shared | None) -> None:
     """Charts, traces and the metrics beyond the gateway's own (faults, connections,
     the heap, the shared database's lease)."""
-    rec, gateway, admin_gate = d.reconciler, d.gateway, api.peer_gate(d.server.admin_group)
-    chartsapi.add_chart_routes(gateway, rec, store)
-    traceapi.add_span_route(d.internal, rec, store)
-    traceapi.add_trace_route(d.internal, rec, store, api.token_gate(d.admin_token))
-    traceapi.add_trace_route(d.admin, rec, store, admin_gate)
+    rec, gateway, admin_gate = d.reconciler, d.gateway, routes.peer_gate(d.server.admin_group)
+    prefix = d.server.slurm.job_prefix
+    charts.add_chart_routes(gateway, rec.directory, rec.clusters, rec.decisions, prefix, store)
+    traces.add_span_route(d.internal, rec.verifier, store)
+    traces.add_trace_route(d.internal, rec, store, routes.token_gate(d.admin_token))
+    traces.add_trace_route(d.admin, rec, store, admin_gate)
     d.trace_store = store
     registry = gateway[GATEWAY_KEY].metrics.registry
     d.heap = HeapTrimmer(registry, glibc_heap())
@@ -562,11 +574,10 @@ def event_loop() -> asyncio.AbstractEventLoop:
 async def check_slurm(d: Daemon) -> None:
     """Before the listeners open: a Slurm setting that cannot work (slurmrestd without
     the configured OpenAPI version) stops the daemon with what to change; Slurm not
-    answering yet is a warning, and the passes try again with their backoff."""
-    try:
-        await d.reconciler.backend.check()
-    except SlurmError as exc:
-        log.warning("Slurm did not answer at start (each pass tries again): %s", exc)
+    answering yet is a warning, and the passes try again with their backoff. Every
+    cluster's backend is checked, not only the first's."""
+    for label, exc in (await d.reconciler.clusters.check()).items():
+        log.warning("cluster %s did not answer at start (each pass tries again): %s", label, exc)
 
 
 def run(d: Daemon) -> None:
@@ -639,7 +650,7 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
         if d.shared is not None:
             await d.shared.close()
         await d.reconciler.close()
-        await d.reconciler.backend.close()
+        await d.reconciler.clusters.close()
         if listeners is not None:
             await listeners.close()
         # Open replica starts are ended as such ("daemon stopped"): the next

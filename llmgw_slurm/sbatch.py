@@ -32,9 +32,9 @@ from typing import Any, Protocol
 
 import jinja2
 
+from llmgw_slurm.base.durations import slurm_time
+from llmgw_slurm.base.errors import TemplateError
 from llmgw_slurm.catalog import Model, Resources
-from llmgw_slurm.durations import slurm_time
-from llmgw_slurm.errors import TemplateError
 
 __all__ = [
     "DEFAULT_TEMPLATE_DIR",

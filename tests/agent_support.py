@@ -14,13 +14,13 @@ from typing import Any
 
 from aiohttp import ClientSession, TCPConnector, web
 
-from llmgw_slurm.secrets import (
+from llmgw_slurm.auth.secrets import (
     REPLY_HEADER,
     parse_report_auth,
     reply_signature,
     report_signature,
 )
-from llmgw_slurm.tls import Identity, client_context, engine_address_problem, make_identity
+from llmgw_slurm.auth.tls import Identity, client_context, engine_address_problem, make_identity
 
 RID = "0123abcd"
 SECRET = "replica-secret-xyz"

@@ -41,9 +41,16 @@ from llmgw_slurm.agent.engine import (
     build_run_batch_command,
     engine_env,
 )
-from llmgw_slurm.agent.runner import EXIT_FAILED, EXIT_OK, Agent, JobContext, replica_spec
+from llmgw_slurm.agent.runner import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Agent,
+    JobContext,
+    JobKind,
+    job_context_from_env,
+)
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.batch import results
-from llmgw_slurm.errors import ConfigError
 
 __all__ = ["BatchAgent", "BatchJob", "BatchRun", "batch_job_from_env"]
 
@@ -78,42 +85,23 @@ class BatchJob:
     shared: tuple[Path, Path] | None = None
 
 
+BATCH_JOB = JobKind(
+    "LLMGW_BATCH_ID",
+    "LLMGW_BATCH_SECRET",
+    _BATCH_ID,
+    "is not a batch id",
+    more=("LLMGW_BATCH_INPUT", "LLMGW_BATCH_OUTPUT", "LLMGW_BATCH_ERRORS", "LLMGW_BATCH_ENDPOINT"),
+)
+
+
 def batch_job_from_env(env: Mapping[str, str]) -> tuple[JobContext, BatchJob]:
-    """The job's context; ConfigError naming the first variable missing or wrong."""
-    needed = (
-        "LLMGW_BATCH_ID",
-        "LLMGW_MODEL",
-        "LLMGW_DAEMON_URL",
-        "LLMGW_BATCH_SECRET",
-        "LLMGW_ENGINE_API_KEY",
-        "LLMGW_BATCH_INPUT",
-        "LLMGW_BATCH_OUTPUT",
-        "LLMGW_BATCH_ERRORS",
-        "LLMGW_BATCH_ENDPOINT",
-    )
-    for name in needed:
-        if not env.get(name):
-            raise ConfigError(
-                "not set in the job environment (the daemon sets it when it submits the job)",
-                field=name,
-            )
-    bid = env["LLMGW_BATCH_ID"]
-    if not _BATCH_ID.fullmatch(bid):
-        raise ConfigError(f"{bid!r} is not a batch id", field="LLMGW_BATCH_ID")
-    spec = replica_spec(env.get("LLMGW_REPLICA_SPEC"))
+    """The job's context (checked as a replica's is); ConfigError naming the first
+    variable missing or wrong."""
+    job = job_context_from_env(env, BATCH_JOB)
     try:
         concurrency = max(1, int(env.get("LLMGW_BATCH_CONCURRENCY", "16")))
     except ValueError:
         raise ConfigError("not a number", field="LLMGW_BATCH_CONCURRENCY") from None
-    job = JobContext(
-        replica_id=bid,
-        model=spec.name,
-        daemon_url=env["LLMGW_DAEMON_URL"],
-        replica_secret=env["LLMGW_BATCH_SECRET"],
-        engine_api_key=env["LLMGW_ENGINE_API_KEY"],
-        spec=spec,
-        gateway_cert=env.get("LLMGW_GATEWAY_CERT", ""),
-    )
     batch = BatchJob(
         Path(env["LLMGW_BATCH_INPUT"]),
         Path(env["LLMGW_BATCH_OUTPUT"]),
@@ -406,7 +394,7 @@ class BatchAgent(Agent):
             while not work.done():
                 await asyncio.wait(
                     {work, exited, drain},
-                    timeout=self.settings.heartbeat_interval_s,
+                    timeout=self.config.heartbeat_interval,
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if drain.done() or exited.done():
@@ -469,16 +457,16 @@ class BatchAgent(Agent):
         self, run_in: Path, run_out: Path, left: int, counts: dict[str, int]
     ) -> int | None:
         """run_batch's exit code; None when the job was told to stop first."""
-        s, spec = self.settings, self.job.spec
+        s, spec = self.config, self.job.spec
         launch = LaunchParams(
             model_path=self._model_path,
             served_name=spec.name,
             host=s.bind_host,
             port=0,
-            python=s.python,
-            runtime=s.runtime("vllm"),
-            apptainer=s.apptainer,
-            apptainer_binds=s.apptainer_binds,
+            python=s.interpreter,
+            runtime=s.engines.of("vllm"),
+            apptainer=s.apptainer.binary,
+            apptainer_binds=s.apptainer.binds,
             binds=(self._model_path,) if self._model_path.startswith("/") else (),
             private_dir=str(self._private),
         )
@@ -494,11 +482,11 @@ class BatchAgent(Agent):
                 while not exited.done():
                     await asyncio.wait(
                         {exited, drain},
-                        timeout=s.heartbeat_interval_s,
+                        timeout=s.heartbeat_interval,
                         return_when=asyncio.FIRST_COMPLETED,
                     )
                     if drain.done() and not exited.done():
-                        await self.engine.stop(s.stop_grace_s)
+                        await self.engine.stop(s.drain.stop_grace)
                         return None
                     await self._send_progress(counts)
             finally:

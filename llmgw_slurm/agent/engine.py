@@ -11,7 +11,7 @@ environment too. vLLM run through ``engines.vllm.executable`` (``vllm serve``)
 reads ``VLLM_API_KEY`` as well.
 
 With ``engine.tls`` (the default) the engine serves TLS with the replica's own
-key pair and requires a client certificate (llmgw_slurm/tls.py): vLLM takes
+key pair and requires a client certificate (llmgw_slurm/auth/tls.py): vLLM takes
 ``--ssl-*`` flags; SGLang's server is uvicorn, which the same few lines of
 Python configure from the environment (SGLang's own TLS flags differ between
 versions, uvicorn's settings do not); a ``command`` engine gets the files as
@@ -38,9 +38,9 @@ from typing import IO
 import aiohttp
 
 from llmgw_slurm.agent.errors import EngineError, PortTaken
+from llmgw_slurm.auth.tls import EngineTLS
 from llmgw_slurm.catalog import PLACEHOLDERS, EngineSpec
 from llmgw_slurm.config import EngineRuntime
-from llmgw_slurm.tls import EngineTLS
 
 __all__ = [
     "API_KEY_ENV",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.base.errors import LlmgwError
 
 __all__ = ["AgentError", "EngineError", "PortTaken", "RendezvousError", "WeightsError"]
 

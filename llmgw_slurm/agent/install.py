@@ -28,8 +28,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from llmgw_slurm.agent.errors import AgentError
-from llmgw_slurm.fsutil import atomic_write, locked
-from llmgw_slurm.tracing import extract_env, write_trace_marker
+from llmgw_slurm.base.fsutil import atomic_write, locked
+from llmgw_slurm.tracing.otel import extract_env, write_trace_marker
 
 __all__ = ["InstallRequest", "InstallResult", "install_engine", "install_marker_for"]
 

@@ -26,12 +26,17 @@ import click
 
 from llmgw_slurm.agent.batch import BatchAgent, batch_job_from_env
 from llmgw_slurm.agent.runner import Agent, JobContext, job_context_from_env, replica_spec
-from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
 from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
-from llmgw_slurm.config import AgentConfig, TracingConfig, load_agent_config
-from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.base.errors import LlmgwError
+from llmgw_slurm.config import (
+    AgentConfig,
+    AgentWeightsConfig,
+    PortRange,
+    TracingConfig,
+    load_agent_config,
+)
 
-__all__ = ["build_settings", "job_environment", "main", "settings_from_agent_config"]
+__all__ = ["OPTIONS", "build_config", "job_environment", "main"]
 
 log = logging.getLogger("llmgw_slurm.agent")
 
@@ -44,7 +49,7 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def _port_range(text: str) -> tuple[int, int]:
+def _port_range(text: str) -> PortRange:
     try:
         lo_s, hi_s = text.split("-", 1)
         lo, hi = int(lo_s), int(hi_s)
@@ -52,51 +57,14 @@ def _port_range(text: str) -> tuple[int, int]:
         raise click.BadParameter(f"{text!r}: expected LOW-HIGH, e.g. 20000-29999") from err
     if not 0 < lo <= hi <= 65535:
         raise click.BadParameter(f"{text!r}: expected 1 <= LOW <= HIGH <= 65535")
-    return lo, hi
+    return PortRange(lo, hi)
 
 
-def settings_from_agent_config(cfg: AgentConfig) -> AgentSettings:
-    """AgentSettings from a loaded ``agent.yaml``."""
-    engines = {
-        "vllm": cfg.engines.vllm,
-        "sglang": cfg.engines.sglang,
-        "command": cfg.engines.command,
-    }
-    fetch = FetchSettings(
-        cache_dir=Path(cfg.weights.cache_dir),
-        method=cfg.weights.method,
-        allow_hf=cfg.weights.allow_download,
-        verify=cfg.weights.verify,
-        lock_timeout_s=cfg.weights.lock_timeout,
-    )
-    return AgentSettings(
-        fetch=fetch,
-        engines=engines,
-        apptainer=cfg.apptainer.binary,
-        apptainer_binds=tuple(cfg.apptainer.binds),
-        bind_host=cfg.bind_host,
-        advertise_host=cfg.advertise_host,
-        port_range=(cfg.port_range.first, cfg.port_range.last),
-        rendezvous_dir=cfg.rendezvous.dir,
-        rendezvous_timeout_s=cfg.rendezvous.timeout,
-        ready_timeout_s=cfg.readiness.timeout,
-        ready_poll_s=cfg.readiness.poll_interval,
-        heartbeat_interval_s=cfg.heartbeat_interval,
-        drain_timeout_s=cfg.drain.timeout,
-        drain_poll_s=cfg.drain.poll_interval,
-        drain_grace_s=cfg.drain.grace,
-        stop_grace_s=cfg.drain.stop_grace,
-        report_timeout_s=cfg.report_timeout,
-        log_dir=cfg.log_dir,
-    )
-
-
-def _load_config(path: Path) -> tuple[AgentSettings, str | None]:
+def _load_config(path: Path) -> AgentConfig:
     try:
-        cfg = load_agent_config(path)
+        return load_agent_config(path)
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
-    return settings_from_agent_config(cfg), cfg.daemon_url
 
 
 def _setup_tracing(path: Path | None, local: Any = None) -> Any:
@@ -110,7 +78,7 @@ def _setup_tracing(path: Path | None, local: Any = None) -> Any:
     if path is None and local is None:
         return None
     try:
-        tracing = importlib.import_module("llmgw_slurm.tracing")
+        tracing = importlib.import_module("llmgw_slurm.tracing.otel")
         cfg = load_agent_config(path).tracing if path is not None else TracingConfig()
         return tracing.setup_tracing(cfg, "llmgw-agent", local=local)
     except ImportError as err:
@@ -128,7 +96,7 @@ def _to_daemon(job: JobContext, env: Mapping[str, str]) -> Any:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     from llmgw_slurm.agent.spansend import DaemonSpanExporter
-    from llmgw_slurm.tracing import RateLimitedExporter
+    from llmgw_slurm.tracing.otel import RateLimitedExporter
 
     exporter = DaemonSpanExporter(job.daemon_url, job.replica_id, job.replica_secret)
     return BatchSpanProcessor(RateLimitedExporter(exporter))
@@ -140,30 +108,47 @@ def _shutdown_tracing(provider: Any) -> None:
         provider.shutdown()
 
 
-def build_settings(path: Path | None, options: dict[str, Any]) -> tuple[AgentSettings, str | None]:
-    """agent.yaml (if given), then the command-line options that were set."""
+# Each command-line option and where it lands in agent.yaml's type: (block, field),
+# the block "" for a field of AgentConfig itself.
+OPTIONS: dict[str, tuple[str, str]] = {
+    "cache_dir": ("weights", "cache_dir"),
+    "fetch": ("weights", "fetch"),
+    "allow_hf": ("weights", "allow_download"),
+    "weights_method": ("weights", "method"),
+    "verify": ("weights", "verify"),
+    "rendezvous_dir": ("rendezvous", "dir"),
+    "python": ("", "python"),
+    "bind_host": ("", "bind_host"),
+    "advertise_host": ("", "advertise_host"),
+    "port_range": ("", "port_range"),
+    "ready_timeout_s": ("readiness", "timeout"),
+    "ready_poll_s": ("readiness", "poll_interval"),
+    "heartbeat_interval_s": ("", "heartbeat_interval"),
+    "drain_timeout_s": ("drain", "timeout"),
+    "drain_poll_s": ("drain", "poll_interval"),
+    "drain_grace_s": ("drain", "grace"),
+    "stop_grace_s": ("drain", "stop_grace"),
+    "report_timeout_s": ("", "report_timeout"),
+}
+
+
+def build_config(path: Path | None, options: dict[str, Any]) -> AgentConfig:
+    """agent.yaml (if given), then the command-line options that were set over it."""
     opts = {k: v for k, v in options.items() if v is not None}
     if path is not None:
-        settings, daemon_url = _load_config(path)
+        cfg = _load_config(path)
     elif "cache_dir" in opts:
-        settings, daemon_url = AgentSettings(fetch=FetchSettings(cache_dir=opts["cache_dir"])), None
+        cfg = AgentConfig()
     else:
         raise click.UsageError("give --config agent.yaml, or at least --cache-dir")
-    fetch_keys = {
-        "cache_dir": "cache_dir",
-        "fetch": "enabled",
-        "allow_hf": "allow_hf",
-        "verify": "verify",
-        "weights_method": "method",
-    }
-    fetch_over = {fetch_keys[k]: opts.pop(k) for k in list(opts) if k in fetch_keys}
-    if fetch_over:
-        settings = dataclasses.replace(
-            settings, fetch=dataclasses.replace(settings.fetch, **fetch_over)
-        )
-    if opts:
-        settings = dataclasses.replace(settings, **opts)
-    return settings, daemon_url
+    blocks: dict[str, dict[str, Any]] = {}
+    for name, value in opts.items():
+        block, key = OPTIONS[name]
+        blocks.setdefault(block, {})[key] = value
+    top = blocks.pop("", {})
+    for block, values in blocks.items():
+        top[block] = dataclasses.replace(getattr(cfg, block), **values)
+    return dataclasses.replace(cfg, **top)
 
 
 @click.group()
@@ -233,9 +218,9 @@ def main(
     ctx.obj = (config_path, options)
 
 
-def _settings(ctx: click.Context) -> tuple[AgentSettings, str | None]:
+def _config(ctx: click.Context) -> AgentConfig:
     config_path, options = ctx.obj
-    return build_settings(config_path, dict(options))
+    return build_config(config_path, dict(options))
 
 
 def job_environment(environ: Mapping[str, str], daemon_url: str | None) -> dict[str, str]:
@@ -251,8 +236,8 @@ def job_environment(environ: Mapping[str, str], daemon_url: str | None) -> dict[
 @click.pass_context
 def run(ctx: click.Context) -> None:
     """Run a replica: weights, rendezvous, engine, readiness, serve until drained."""
-    settings, daemon_url = _settings(ctx)
-    env = job_environment(os.environ, daemon_url)
+    config = _config(ctx)
+    env = job_environment(os.environ, config.daemon_url)
     try:
         job = job_context_from_env(env)
     except LlmgwError as err:
@@ -260,7 +245,7 @@ def run(ctx: click.Context) -> None:
     provider = _setup_tracing(ctx.obj[0], _to_daemon(job, env))
     flush = provider.force_flush if provider is not None else None
     try:
-        code = asyncio.run(Agent(settings, job, env, flush=flush).run())
+        code = asyncio.run(Agent(config, job, env, flush=flush).run())
     finally:
         _shutdown_tracing(provider)
     sys.exit(code)
@@ -270,8 +255,8 @@ def run(ctx: click.Context) -> None:
 @click.pass_context
 def batch(ctx: click.Context) -> None:
     """Run a Batch API batch: weights, engine, readiness, then the batch's requests."""
-    settings, daemon_url = _settings(ctx)
-    env = job_environment(os.environ, daemon_url)
+    config = _config(ctx)
+    env = job_environment(os.environ, config.daemon_url)
     try:
         job, work = batch_job_from_env(env)
     except LlmgwError as err:
@@ -279,7 +264,7 @@ def batch(ctx: click.Context) -> None:
     provider = _setup_tracing(ctx.obj[0])
     flush = provider.force_flush if provider is not None else None
     try:
-        code = asyncio.run(BatchAgent(work, settings, job, env, flush=flush).run())
+        code = asyncio.run(BatchAgent(work, config, job, env, flush=flush).run())
     finally:
         _shutdown_tracing(provider)
     sys.exit(code)
@@ -289,10 +274,10 @@ def batch(ctx: click.Context) -> None:
 @click.pass_context
 def fetch(ctx: click.Context) -> None:
     """Fetch the weights of LLMGW_REPLICA_SPEC's model into the cache, and exit."""
-    settings, _ = _settings(ctx)
+    config = _config(ctx)
     provider = _setup_tracing(ctx.obj[0])
     try:
-        result, spec, elapsed = _traced_fetch(settings)
+        result, spec, elapsed = _traced_fetch(config.weights)
     except LlmgwError as err:
         raise click.ClickException(str(err)) from err
     finally:
@@ -350,7 +335,7 @@ def install(
         click.echo(f"llmgw: {target} already installed")
 
 
-def _traced_fetch(settings: AgentSettings) -> tuple[Any, Any, float]:
+def _traced_fetch(weights: AgentWeightsConfig) -> tuple[Any, Any, float]:
     """A model job: its own trace (or the one in TRACEPARENT), a span per step.
 
     When it fetched, its trace context is left beside the weights in the
@@ -359,7 +344,7 @@ def _traced_fetch(settings: AgentSettings) -> tuple[Any, Any, float]:
     from opentelemetry import trace
     from opentelemetry.trace import Status, StatusCode
 
-    from llmgw_slurm.tracing import extract_env, write_trace_marker
+    from llmgw_slurm.tracing.otel import extract_env, write_trace_marker
 
     tracer = trace.get_tracer("llmgw_slurm")
     attrs = {"llmgw.job_id": os.environ.get("SLURM_JOB_ID", "")}
@@ -372,7 +357,7 @@ def _traced_fetch(settings: AgentSettings) -> tuple[Any, Any, float]:
             root.set_attribute("llmgw.model", spec.name)
             t0 = time.monotonic()
             with tracer.start_as_current_span("llmgw.model_job.weights") as span:
-                result = ensure_weights(spec.name, spec.weights, settings.fetch)
+                result = ensure_weights(spec.name, spec.weights, weights)
                 span.set_attribute("llmgw.weights.fetched", result.fetched)
                 span.set_attribute("llmgw.weights.bytes", result.bytes)
                 span.set_attribute("llmgw.weights.method", result.method)
@@ -380,7 +365,7 @@ def _traced_fetch(settings: AgentSettings) -> tuple[Any, Any, float]:
         except LlmgwError as err:
             root.set_status(Status(StatusCode.ERROR, str(err)[:500]))
             raise
-        path = trace_marker_path(settings.fetch.cache_dir, spec.name, spec.weights)
+        path = trace_marker_path(weights.cache_dir, spec.name, spec.weights)
         if result.fetched and path is not None:
             write_trace_marker(path, root.get_span_context())
     return result, spec, elapsed

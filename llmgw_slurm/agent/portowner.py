@@ -4,7 +4,7 @@ Before the agent sends anything to its engine's port it checks that the
 listener is a process of the job's own user: any user of a shared node may
 listen on a free port, and one who got there before the engine would
 otherwise be polled with the engine's key (and, without TLS, be registered as
-the replica). The tables are read by :func:`llmgw_slurm.identity.listening_uids`,
+the replica). The tables are read by :func:`llmgw_slurm.auth.identity.listening_uids`,
 which the CLIs use for the same question about the daemon's ports.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmgw_slurm.identity import listening_uids
+from llmgw_slurm.auth.identity import listening_uids
 
 __all__ = ["port_owner"]
 

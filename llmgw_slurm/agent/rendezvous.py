@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw_slurm.agent.errors import RendezvousError
-from llmgw_slurm.errors import SlurmError
-from llmgw_slurm.fsutil import atomic_write
+from llmgw_slurm.base.errors import SlurmError
+from llmgw_slurm.base.fsutil import atomic_write
 from llmgw_slurm.slurm.cli import show_hostnames
 
 __all__ = [

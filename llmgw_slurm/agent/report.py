@@ -2,7 +2,7 @@
 
 ``POST {daemon_url}/internal/v1/replicas/{replica_id}/report``, signed with
 the replica secret (``Authorization: LLMGW-HMAC ts=,nonce=,sig=``, see
-:func:`llmgw_slurm.secrets.sign_report`): the secret itself never travels,
+:func:`llmgw_slurm.auth.secrets.sign_report`): the secret itself never travels,
 and the daemon refuses a report that is old or seen before. The daemon being
 away (restarting, or the login node rebooting) is normal: a report is
 retried with backoff, and a report that never gets through is logged, never
@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from llmgw_slurm.secrets import REPLY_HEADER, constant_time_equal, reply_signature, sign_report
+from llmgw_slurm.auth.secrets import REPLY_HEADER, constant_time_equal, reply_signature, sign_report
 
 __all__ = ["EVENTS", "DaemonClient", "ReportAnswer", "daemon_urls"]
 

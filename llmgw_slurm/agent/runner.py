@@ -54,12 +54,12 @@ from llmgw_slurm.agent.headwatch import wait_head_gone
 from llmgw_slurm.agent.install import install_marker_for
 from llmgw_slurm.agent.portowner import port_owner
 from llmgw_slurm.agent.report import DaemonClient
-from llmgw_slurm.agent.settings import AgentSettings
 from llmgw_slurm.agent.weights import ensure_weights, trace_marker_path
+from llmgw_slurm.auth.tls import EngineTLS, PEMError, check_certificate, make_engine_tls
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.catalog import Model, read_replica_spec
-from llmgw_slurm.errors import ConfigError
-from llmgw_slurm.tls import EngineTLS, PEMError, check_certificate, make_engine_tls
-from llmgw_slurm.tracing import extract_env, read_trace_marker, traceparent_of
+from llmgw_slurm.config import AgentConfig
+from llmgw_slurm.tracing.otel import extract_env, read_trace_marker, traceparent_of
 
 __all__ = ["Agent", "JobContext", "job_context_from_env"]
 
@@ -105,14 +105,35 @@ def replica_spec(text: str | None) -> Model:
     return model
 
 
-def job_context_from_env(env: Mapping[str, str]) -> JobContext:
-    """Read the LLMGW_* variables; ConfigError naming the first one missing or wrong."""
+@dataclass(frozen=True)
+class JobKind:
+    """Which job an agent runs, as its environment says it: the variables that hold
+    its id and its report secret, and what an id looks like."""
+
+    id_var: str
+    secret_var: str
+    id_pattern: re.Pattern[str]
+    id_help: str
+    # Variables beside the common ones that this kind's daemon always sets.
+    more: tuple[str, ...] = ()
+
+
+REPLICA_JOB = JobKind(
+    "LLMGW_REPLICA_ID", "LLMGW_REPLICA_SECRET", _REPLICA_ID, "is not 8 lowercase hex digits"
+)
+
+
+def job_context_from_env(env: Mapping[str, str], kind: JobKind = REPLICA_JOB) -> JobContext:
+    """Read the LLMGW_* variables; ConfigError naming the first one missing or wrong.
+
+    The one check of a job's environment, a replica's or (``kind``) a batch job's."""
     needed = (
-        "LLMGW_REPLICA_ID",
+        kind.id_var,
         "LLMGW_MODEL",
         "LLMGW_DAEMON_URL",
-        "LLMGW_REPLICA_SECRET",
+        kind.secret_var,
         "LLMGW_ENGINE_API_KEY",
+        *kind.more,
     )
     for name in needed:
         if not env.get(name):
@@ -120,9 +141,9 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
                 "not set in the job environment (the daemon sets it when it submits the job)",
                 field=name,
             )
-    rid = env["LLMGW_REPLICA_ID"]
-    if not _REPLICA_ID.fullmatch(rid):
-        raise ConfigError(f"{rid!r} is not 8 lowercase hex digits", field="LLMGW_REPLICA_ID")
+    rid = env[kind.id_var]
+    if not kind.id_pattern.fullmatch(rid):
+        raise ConfigError(f"{rid!r} {kind.id_help}", field=kind.id_var)
     url = env["LLMGW_DAEMON_URL"]
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"{url!r} is not an http(s) URL", field="LLMGW_DAEMON_URL")
@@ -132,6 +153,18 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
             f"names model {spec.name!r} but LLMGW_MODEL is {env['LLMGW_MODEL']!r}",
             field="LLMGW_REPLICA_SPEC",
         )
+    return JobContext(
+        replica_id=rid,
+        model=spec.name,
+        daemon_url=url,
+        replica_secret=env[kind.secret_var],
+        engine_api_key=env["LLMGW_ENGINE_API_KEY"],
+        spec=spec,
+        gateway_cert=_gateway_cert(env, spec),
+    )
+
+
+def _gateway_cert(env: Mapping[str, str], spec: Model) -> str:
     gateway_cert = env.get("LLMGW_GATEWAY_CERT", "")
     if gateway_cert:
         try:
@@ -145,15 +178,7 @@ def job_context_from_env(env: Mapping[str, str]) -> JobContext:
             "not, so upgrade the daemon or set engine.tls: false for this model",
             field="LLMGW_GATEWAY_CERT",
         )
-    return JobContext(
-        replica_id=rid,
-        model=spec.name,
-        daemon_url=url,
-        replica_secret=env["LLMGW_REPLICA_SECRET"],
-        engine_api_key=env["LLMGW_ENGINE_API_KEY"],
-        spec=spec,
-        gateway_cert=gateway_cert,
-    )
+    return gateway_cert
 
 
 class Agent:
@@ -162,7 +187,7 @@ class Agent:
 
     def __init__(
         self,
-        settings: AgentSettings,
+        config: AgentConfig,
         job: JobContext,
         env: Mapping[str, str],
         *,
@@ -171,7 +196,7 @@ class Agent:
         expand: Callable[[str], list[str]] = rdzv.expand_hostnames,
         flush: Callable[[], object] | None = None,
     ) -> None:
-        self.settings = settings
+        self.config = config
         self.job = job
         self.env = dict(env)
         self.tracer = tracer or trace.get_tracer("llmgw_slurm")
@@ -309,7 +334,7 @@ class Agent:
                 self.job.replica_secret,
                 node=self.hostname,
                 job_id=self.env.get("SLURM_JOB_ID", ""),
-                timeout_s=self.settings.report_timeout_s,
+                timeout_s=self.config.report_timeout,
                 kind=self.report_kind,
             )
             sender = asyncio.create_task(self._sender())
@@ -321,7 +346,7 @@ class Agent:
                 # Final reports get a bounded chance: the job is ending, and
                 # Slurm's KillWait will not wait for an absent daemon.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(sender, self.settings.report_timeout_s)
+                    await asyncio.wait_for(sender, self.config.report_timeout)
                 if not sender.done():
                     log.warning("daemon away: %d report(s) not delivered", self._outbox.qsize())
                 for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
@@ -409,7 +434,7 @@ class Agent:
         method = spec.weights.method if spec.weights else "none"
         async with self._step("weights", method=method) as span:
             result = await asyncio.to_thread(
-                ensure_weights, spec.name, spec.weights, self.settings.fetch
+                ensure_weights, spec.name, spec.weights, self.config.weights
             )
             span.set_attribute("llmgw.weights.fetched", result.fetched)
             span.set_attribute("llmgw.weights.bytes", result.bytes)
@@ -445,7 +470,10 @@ class Agent:
             raise err
         try:
             port = rdzv.pick_free_port(
-                self.settings.port_range, secrets.randbelow(1 << 30), self.settings.bind_host, lost
+                self.config.port_range.bounds,
+                secrets.randbelow(1 << 30),
+                self.config.bind_host,
+                lost,
             )
         except RendezvousError:
             raise err from None
@@ -462,7 +490,7 @@ class Agent:
         private: Path,
     ) -> None:
         spec = self.job.spec
-        s = self.settings
+        s = self.config
         async with self._step("engine_launch", engine=spec.engine.kind) as span:
             binds = (model_path,) if model_path.startswith("/") else ()
             launch = LaunchParams(
@@ -470,11 +498,11 @@ class Agent:
                 served_name=spec.name,
                 host=s.bind_host,
                 port=port,
-                python=s.python,
-                runtime=s.runtime(spec.engine.kind),
+                python=s.interpreter,
+                runtime=s.engines.of(spec.engine.kind),
                 dist=dist,
-                apptainer=s.apptainer,
-                apptainer_binds=s.apptainer_binds,
+                apptainer=s.apptainer.binary,
+                apptainer_binds=s.apptainer.binds,
                 binds=binds,
                 tls=self._tls,
                 private_dir=str(private),
@@ -499,11 +527,11 @@ class Agent:
     async def _readiness_step(self, session: aiohttp.ClientSession, port: int) -> None:
         assert self.engine is not None
         spec = self.job.spec
-        s = self.settings
+        s = self.config
         poll_host = "127.0.0.1" if s.bind_host in ("0.0.0.0", "") else s.bind_host  # noqa: S104
         scheme = "https" if self._tls is not None else "http"
         health = f"{scheme}://{poll_host}:{port}{spec.engine.health_path}"
-        timeout = spec.engine.ready_timeout or s.ready_timeout_s
+        timeout = spec.engine.ready_timeout or s.readiness.timeout
         uid = os.getuid()
         async with self._step("readiness", timeout_s=timeout, tls=self._tls is not None):
             await wait_ready(
@@ -511,7 +539,7 @@ class Agent:
                 health,
                 self.engine,
                 timeout,
-                s.ready_poll_s,
+                s.readiness.poll_interval,
                 self.job.engine_api_key,
                 ssl_ctx=self._engine_ssl,
                 port_ok=lambda: check_port_owner(port, uid, port_owner(port)),
@@ -525,7 +553,7 @@ class Agent:
             seq = self._emit("ready", url=self.url, cert=self._cert())
             # Heartbeats carry the URL too: a daemon that is away learns it later,
             # so this waits a bounded time and never fails the start.
-            delivered = await self._delivered(seq, self.settings.report_timeout_s)
+            delivered = await self._delivered(seq, self.config.report_timeout)
             span.set_attribute("llmgw.register.delivered", delivered)
 
     def _cert(self) -> str | None:
@@ -535,7 +563,7 @@ class Agent:
     def _link_model_job(self, span: trace.Span) -> None:
         """Weights a model job put in the cache: link to that job's trace."""
         spec = self.job.spec
-        path = trace_marker_path(self.settings.fetch.cache_dir, spec.name, spec.weights)
+        path = trace_marker_path(self.config.weights.cache_dir, spec.name, spec.weights)
         self._link_marker(span, path, "model_job", "weights from a model job")
 
     def _link_engine_install(self, span: trace.Span, program: str) -> None:
@@ -557,7 +585,7 @@ class Agent:
     async def _rendezvous_step(self) -> tuple[rdzv.NodeRole, DistInfo | None, int, Path]:
         """This node's role, where the nodes meet, the engine's API port, and
         the engine's private directory."""
-        s = self.settings
+        s = self.config
         async with self._step("rendezvous") as span:
             role = rdzv.compute_role(self.env, self._expand)
             self.role = role
@@ -575,16 +603,15 @@ class Agent:
                 # the head's readiness hold that time).
                 span.set_attribute("llmgw.rendezvous.waited_s", time.monotonic() - t0)
                 span.set_attribute(
-                    "llmgw.rendezvous.via", "dir" if s.rendezvous_dir else "derived_port"
+                    "llmgw.rendezvous.via", "dir" if s.rendezvous.dir else "derived_port"
                 )
                 span.set_attribute("llmgw.master_addr", dist.master_addr)
                 span.set_attribute("llmgw.master_port", dist.master_port)
             # A random start, not one derived from the job id: a port anyone can
             # compute is a port someone can take first (see check_port_owner).
             seed = secrets.randbelow(1 << 30)
-            port = (
-                rdzv.pick_free_port(s.port_range, seed, s.bind_host, taken) if role.is_head else 0
-            )
+            ports = s.port_range.bounds
+            port = rdzv.pick_free_port(ports, seed, s.bind_host, taken) if role.is_head else 0
             if role.is_head and self.job.spec.engine.tls:
                 self._tls = make_engine_tls(self.job.gateway_cert, self.job.replica_id)
                 self._engine_ssl = self._tls.agent_context()
@@ -595,20 +622,20 @@ class Agent:
 
     async def _rendezvous(self, role: rdzv.NodeRole) -> tuple[DistInfo | None, set[int]]:
         """Where the nodes meet, and ports the engine's API must not take."""
-        s = self.settings
+        s = self.config
         if not role.multi_node:
             return None, set()
-        if s.rendezvous_dir is not None:
-            path = rdzv.rendezvous_path(s.rendezvous_dir, role)
+        if s.rendezvous.dir is not None:
+            path = rdzv.rendezvous_path(s.rendezvous.dir, role)
             if role.is_head:
                 seed = int(re.sub(r"\D", "", role.job_id) or "0")
-                mport = rdzv.pick_free_port(s.port_range, seed + 1, s.bind_host)
+                mport = rdzv.pick_free_port(s.port_range.bounds, seed + 1, s.bind_host)
                 rdzv.publish(path, role, role.head_host, mport)
                 self._published = path
             else:
-                _, mport = await rdzv.await_published(path, role, s.rendezvous_timeout_s)
+                _, mport = await rdzv.await_published(path, role, s.rendezvous.timeout)
         else:
-            mport = rdzv.derived_port(s.port_range, role)
+            mport = rdzv.derived_port(s.port_range.bounds, role)
             if role.is_head:
                 rdzv.check_port_free(mport, s.bind_host)
         return DistInfo(role.nnodes, role.rank, role.head_host, mport), {mport}
@@ -620,17 +647,17 @@ class Agent:
         if dist is None or self.job.spec.engine.kind not in ("vllm", "sglang"):
             return
         self._head_gone = asyncio.create_task(
-            wait_head_gone(dist.master_addr, dist.master_port, self.settings.drain_poll_s)
+            wait_head_gone(dist.master_addr, dist.master_port, self.config.drain.poll_interval)
         )
 
     def _engine_log_files(self, role: rdzv.NodeRole) -> tuple[IO[bytes] | None, IO[bytes] | None]:
-        if self.settings.log_dir is None:
+        if self.config.log_dir is None:
             return None, None
-        self.settings.log_dir.mkdir(parents=True, exist_ok=True)
+        self.config.log_dir.mkdir(parents=True, exist_ok=True)
         name = f"{self.job.model}.{self.job.replica_id}.{role.job_id}.{self.hostname}.log"
-        f = (self.settings.log_dir / name).open("ab")
+        f = (self.config.log_dir / name).open("ab")
         self._log_files.append(f)
-        log.info("engine output goes to %s", self.settings.log_dir / name)
+        log.info("engine output goes to %s", self.config.log_dir / name)
         return f, f
 
     async def _serve(self, session: aiohttp.ClientSession) -> int:
@@ -645,7 +672,7 @@ class Agent:
             while True:
                 done, _ = await asyncio.wait(
                     watched,
-                    timeout=self.settings.heartbeat_interval_s,
+                    timeout=self.config.heartbeat_interval,
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if self._head_gone in done and exit_task not in done:
@@ -703,7 +730,7 @@ class Agent:
 
     async def _drain_and_stop(self, session: aiohttp.ClientSession) -> None:
         assert self.engine is not None and self.role is not None
-        s = self.settings
+        s = self.config
         if self.role.is_head:
             # First, so that the daemon stops routing here before anything else.
             self._emit("draining", url=self.url, message=self.drain_reason)
@@ -716,7 +743,7 @@ class Agent:
                 else:
                     await self._wait_for_head(span)
             async with self._step("stop") as span:
-                rc = await self.engine.stop(s.stop_grace_s)
+                rc = await self.engine.stop(s.drain.stop_grace)
                 span.set_attribute("llmgw.engine.exit_code", rc)
 
     async def _wait_for_head(self, span: trace.Span) -> None:
@@ -724,13 +751,13 @@ class Agent:
         when the head's engine does, or once the head watch sees that one gone;
         at most the head's drain and stop."""
         assert self.engine is not None
-        s = self.settings
+        s = self.config
         ended = asyncio.create_task(self.engine.wait())
         waits: set[asyncio.Future[Any]] = {ended}
         if self._head_gone is not None:
             waits.add(self._head_gone)
         done, _ = await asyncio.wait(
-            waits, timeout=s.drain_timeout_s + s.stop_grace_s, return_when=asyncio.FIRST_COMPLETED
+            waits, timeout=s.drain.timeout + s.drain.stop_grace, return_when=asyncio.FIRST_COMPLETED
         )
         if not ended.done():
             ended.cancel()
@@ -740,7 +767,7 @@ class Agent:
 
     async def _wait_in_flight(self, session: aiohttp.ClientSession) -> float:
         """Until no request is running, or the drain limit; returns seconds waited."""
-        s = self.settings
+        s = self.config
         t0 = time.monotonic()
         headers = {"Authorization": f"Bearer {self.job.engine_api_key}"}
         while True:
@@ -751,9 +778,9 @@ class Agent:
                     self.engine.returncode if self.engine else None,
                 )
                 return elapsed
-            if elapsed >= s.drain_timeout_s:
+            if elapsed >= s.drain.timeout:
                 log.warning(
-                    "drain: limit of %.0fs reached with requests in flight", s.drain_timeout_s
+                    "drain: limit of %.0fs reached with requests in flight", s.drain.timeout
                 )
                 return elapsed
             count: int | None = None
@@ -772,7 +799,7 @@ class Agent:
                 # No request metric (or the engine is already shutting down,
                 # as it does on a SIGTERM from slurmstepd): a fixed grace, cut
                 # short if the engine exits by itself.
-                grace = max(0.0, min(s.drain_grace_s, s.drain_timeout_s - elapsed))
+                grace = max(0.0, min(s.drain.grace, s.drain.timeout - elapsed))
                 log.info("drain: engine reports no request count, waiting %.1fs", grace)
                 exited = asyncio.create_task(self.engine.wait())
                 done, _ = await asyncio.wait({exited}, timeout=grace)
@@ -784,18 +811,18 @@ class Agent:
                 log.info("drain: no requests in flight")
                 return time.monotonic() - t0
             log.info("drain: %d request(s) in flight", count)
-            await asyncio.sleep(s.drain_poll_s)
+            await asyncio.sleep(s.drain.poll_interval)
 
     async def _stop_engine(self, *, traced: bool = False) -> None:
         if self.engine is None or self.engine.returncode is not None:
             return
         if not traced:
-            await self.engine.stop(self.settings.stop_grace_s)
+            await self.engine.stop(self.config.drain.stop_grace)
             return
         with self._group("llmgw.agent.shutdown") as group:
             group.set_attribute("llmgw.reason", self.drain_reason)
             async with self._step("stop") as span:
-                rc = await self.engine.stop(self.settings.stop_grace_s)
+                rc = await self.engine.stop(self.config.drain.stop_grace)
                 span.set_attribute("llmgw.engine.exit_code", rc)
 
     def _cleanup(self) -> None:

@@ -1,7 +1,7 @@
 """The agent's spans to its daemon, which keeps them beside its own (no collector needed).
 
 ``POST {daemon_url}/internal/v1/replicas/{replica_id}/spans`` with
-``{"spans": [...]}`` (the shape of :func:`llmgw_slurm.tracestore.span_record`),
+``{"spans": [...]}`` (the shape of :func:`llmgw_slurm.tracing.store.span_record`),
 signed with the replica secret as reports are, so that only this replica's
 agent can add to this replica's trace. The batch span processor calls
 :meth:`DaemonSpanExporter.export` on its own thread: the call is a plain
@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from llmgw_slurm.secrets import sign_report
-from llmgw_slurm.tracestore import span_record
+from llmgw_slurm.auth.secrets import sign_report
+from llmgw_slurm.tracing.store import span_record
 
 __all__ = ["MAX_BODY", "DaemonSpanExporter", "batches"]
 

@@ -14,7 +14,7 @@ so a catalog change of source never reuses a stale copy.
 
 Two jobs fetching the same model, on one node or many, take the lock in turn:
 the second finds the first's complete copy and only verifies it. The lock is
-a POSIX record lock (:func:`llmgw_slurm.fsutil.locked`), which NFS and Lustre
+a POSIX record lock (:func:`llmgw_slurm.base.fsutil.locked`), which NFS and Lustre
 carry to the file server where ``flock`` may stay local to a node. POSIX locks
 belong to the process, so two threads of one process do not exclude each other:
 the agent fetches once per process.
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw_slurm.agent.errors import WeightsError
-from llmgw_slurm.agent.settings import FetchSettings
+from llmgw_slurm.base.fsutil import LockTimeout, atomic_write, locked
 from llmgw_slurm.catalog import WeightsSpec
-from llmgw_slurm.fsutil import LockTimeout, atomic_write, locked
+from llmgw_slurm.config import AgentWeightsConfig
 
 __all__ = [
     "MANIFEST",
@@ -178,7 +178,7 @@ def _fetch_copy(source: Path, dest: Path) -> None:
         shutil.copy2(source, dest / source.name)
 
 
-def _hf_command(settings: FetchSettings) -> list[str]:
+def _hf_command(settings: AgentWeightsConfig) -> list[str]:
     cmd = list(settings.hf_command)
     if cmd == ["hf"] and shutil.which("hf") is None and shutil.which("huggingface-cli"):
         # Older huggingface_hub releases ship only the long name.
@@ -186,12 +186,12 @@ def _hf_command(settings: FetchSettings) -> list[str]:
     if shutil.which(cmd[0]) is None:
         raise WeightsError(
             f"weights: {cmd[0]} not found on PATH; install huggingface_hub in the agent's "
-            "environment or set the hf command in agent.yaml"
+            "environment or name it in agent.yaml (weights.hf_command)"
         )
     return cmd
 
 
-def _fetch_hf(weights: WeightsSpec, dest: Path, settings: FetchSettings) -> None:
+def _fetch_hf(weights: WeightsSpec, dest: Path, settings: AgentWeightsConfig) -> None:
     repo = weights.hf_repo
     assert repo is not None  # method hf only for hf: sources (catalog.WeightsSpec)
     argv = [*_hf_command(settings), "download", repo, "--local-dir", str(dest)]
@@ -208,7 +208,9 @@ def _fetch_hf(weights: WeightsSpec, dest: Path, settings: FetchSettings) -> None
         )
 
 
-def ensure_weights(model: str, weights: WeightsSpec | None, settings: FetchSettings) -> FetchResult:
+def ensure_weights(
+    model: str, weights: WeightsSpec | None, settings: AgentWeightsConfig
+) -> FetchResult:
     """Return a verified local path for the model's weights, fetching if allowed.
 
     Blocking (hashing and copying): call it from a thread in async code.
@@ -241,20 +243,20 @@ def ensure_weights(model: str, weights: WeightsSpec | None, settings: FetchSetti
     problem = verify_manifest(final, settings.verify) if final.exists() else "absent"
     if problem is None:
         return FetchResult(str(final), fetched=False, method=method, bytes=0)
-    if not settings.enabled:
+    if not settings.fetch:
         raise WeightsError(
             f"weights for {model} are not in the cache ({final}: {problem}) and fetching "
             "is off on this site; run the model's fetch job first (llmgw-agent fetch), or "
             "turn fetching on in agent.yaml"
         )
-    if method == "hf" and not settings.allow_hf:
+    if method == "hf" and not settings.allow_download:
         raise WeightsError(
             f"weights for {model} are not in the cache ({final}: {problem}) and hub "
             "downloads are not allowed from this node; fetch them with a model job where "
             "they are, or allow hf in agent.yaml"
         )
 
-    with _locked(cache / "locks" / f"{key}.lock", settings.lock_timeout_s):
+    with _locked(cache / "locks" / f"{key}.lock", settings.lock_timeout):
         # Someone may have finished while we waited for the lock.
         problem = verify_manifest(final, settings.verify) if final.exists() else "absent"
         if problem is None:

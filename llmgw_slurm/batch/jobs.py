@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llmgw_slurm import sbatch
+from llmgw_slurm.auth.secrets import batch_secret, engine_api_key
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.model import BatchRecord
 from llmgw_slurm.batch.results import ERRORS, OUTPUT
 from llmgw_slurm.catalog import Model, TimeLimit
 from llmgw_slurm.config import ClusterConfig, ServerConfig
-from llmgw_slurm.secrets import batch_secret, engine_api_key
 from llmgw_slurm.slurm.types import JobSpec
 
 __all__ = ["BatchJobs", "batch_comment", "batch_job_prefix", "shards_for"]

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from llmgw_slurm.router.quota import NOTHING, Ask
+from llmgw_slurm.accounting.quota import NOTHING, Ask
 
 __all__ = [
     "ENDPOINTS",

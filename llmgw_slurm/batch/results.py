@@ -20,6 +20,8 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
+from llmgw_slurm.base.fsutil import atomic_file
+
 __all__ = [
     "ERRORS",
     "OUTPUT",
@@ -118,9 +120,9 @@ def merge_shards(work: Path, shards: int) -> None:
     pairs = [(work / OUTPUT, work / ERRORS)]
     pairs += [shard_paths(work / OUTPUT, work / ERRORS, k) for k in range(shards)]
     for index in (0, 1):
-        target = work / (OUTPUT, ERRORS)[index]
-        tmp = target.with_name(target.name + ".merging")
-        with tmp.open("wb") as out:
+        # Replaced as every other file is (fsynced before the rename): after a
+        # crash the batch's results are the old merge or the new, never empty.
+        with atomic_file(work / (OUTPUT, ERRORS)[index]) as out:
             for pair in pairs:
                 repair(pair[index])
                 for line in _lines(pair[index]):
@@ -128,7 +130,6 @@ def merge_shards(work: Path, shards: int) -> None:
                     if cid is not None and cid not in seen:
                         seen.add(cid)
                         out.write(line)
-        os.replace(tmp, target)
 
 
 def _custom_id(line: bytes) -> str | None:

@@ -20,13 +20,13 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
+from llmgw_slurm.auth.keys import KeyRecord
+from llmgw_slurm.auth.secrets import batch_secret
 from llmgw_slurm.batch.model import BatchRecord, FileRecord
 from llmgw_slurm.batch.service import BatchRefused, BatchService
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler.reportroute import report_route
 from llmgw_slurm.router.gateway import GATEWAY_KEY, Gateway
-from llmgw_slurm.router.keys import KeyRecord
-from llmgw_slurm.secrets import batch_secret
 
 __all__ = ["BATCH_KEY", "add_batch_routes", "add_internal_routes", "owner_of"]
 

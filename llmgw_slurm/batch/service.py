@@ -47,6 +47,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from llmgw_slurm.accounting.quota import Ask, QuotaBook, Refusal, Reservation, ask_of
+from llmgw_slurm.auth.secrets import batch_secret
+from llmgw_slurm.base.durations import parse_duration
+from llmgw_slurm.base.errors import SlurmError
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.jobs import BatchJobs, batch_job_prefix, shards_for
 from llmgw_slurm.batch.model import (
@@ -58,18 +62,14 @@ from llmgw_slurm.batch.model import (
     check_input,
     transition,
 )
+from llmgw_slurm.batch.seam import BatchSeam
 from llmgw_slurm.batch.store import BatchStore, new_batch_id
 from llmgw_slurm.batch.warm import WarmRide
 from llmgw_slurm.catalog import Catalog, Model
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.durations import parse_duration
-from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler.fence import Fence, Unfenced
 from llmgw_slurm.reconciler.reports import ReportVerifier
-from llmgw_slurm.router.batchseam import BatchSeam
-from llmgw_slurm.router.quota import Ask, QuotaBook, Refusal, Reservation, ask_of
-from llmgw_slurm.secrets import batch_secret
 from llmgw_slurm.slurm.types import Job, JobState, SlurmBackend
 
 __all__ = ["MAX_JOBS", "BatchRefused", "BatchService"]

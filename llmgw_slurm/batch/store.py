@@ -23,9 +23,9 @@ import shutil
 import time
 from pathlib import Path
 
-from llmgw_slurm import private
+from llmgw_slurm.auth import private
+from llmgw_slurm.base.fsutil import atomic_write
 from llmgw_slurm.batch.model import BatchRecord, FileRecord
-from llmgw_slurm.fsutil import atomic_write
 
 __all__ = ["BatchStore", "new_batch_id"]
 

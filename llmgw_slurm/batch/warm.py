@@ -4,7 +4,7 @@ A batch job loads its model before its first request; a replica of the same
 model that is up and idle has paid for that already. So a batch whose model
 has ready replicas with room first rides them (``batch.warm``): the daemon
 sends its requests through the gateway's batch seam
-(llmgw_slurm/router/batchseam.py), which admits them into each replica's batch
+(llmgw_slurm/batch/seam.py), which admits them into each replica's batch
 slots only, below online requests, and appends each answer to the batch's
 result files exactly as a batch job would (one line, one ``write``, on an
 ``O_APPEND`` file). The service (service.py) hands what is left to a Slurm job,
@@ -33,7 +33,7 @@ from typing import Any
 
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.model import BatchRecord
-from llmgw_slurm.router.batchseam import BatchSeam, BatchSlot, BatchUnreached
+from llmgw_slurm.batch.seam import BatchSeam, BatchSlot, BatchUnreached
 
 __all__ = ["PACE_WINDOW_S", "WarmRide"]
 

@@ -18,8 +18,10 @@ from typing import Any
 import click
 
 from llmgw_slurm import __version__
-from llmgw_slurm.audit import AuditRow, Period
-from llmgw_slurm.audit_owner import OwnerKind
+from llmgw_slurm.accounting.audit import AuditRow, Period
+from llmgw_slurm.accounting.audit_owner import OwnerKind
+from llmgw_slurm.base.durations import format_duration
+from llmgw_slurm.base.errors import SlurmError
 from llmgw_slurm.cli.common import (
     DaemonReply,
     call_daemon,
@@ -32,8 +34,6 @@ from llmgw_slurm.cli.common import (
 )
 from llmgw_slurm.cli.settings import base_url
 from llmgw_slurm.config import ClusterConfig, HostPort, ServerConfig
-from llmgw_slurm.durations import format_duration
-from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import AccountingRecord, NodeInfo, SlurmBackend
 
@@ -140,8 +140,8 @@ def serve(server_path: Path, log_level: str) -> None:
       llmgw-admin serve --server /etc/llmgw-slurm/server.yaml --log-level DEBUG
     """
     from llmgw_slurm import daemon
+    from llmgw_slurm.base.sdnotify import log_handler
     from llmgw_slurm.config import load_server_config
-    from llmgw_slurm.sdnotify import log_handler
 
     # Without a timestamp under systemd: the journal stamps each line itself.
     logging.basicConfig(level=log_level.upper(), handlers=[log_handler(sys.stderr)])
@@ -182,8 +182,8 @@ def config_check(models: Path | None, server: Path | None, agent: Path | None) -
       llmgw-admin config check
       llmgw-admin config check --models new-models.yaml
     """
+    from llmgw_slurm.base.errors import ConfigError
     from llmgw_slurm.config import check_files, load_server_config
-    from llmgw_slurm.errors import ConfigError
 
     if models is None and server is None and agent is None:
         server = _default_server_path()
@@ -256,7 +256,7 @@ def _token_path(server: ServerConfig) -> Path:
 
 
 def _admin_token(server: ServerConfig) -> str:
-    from llmgw_slurm.secrets import read_admin_token
+    from llmgw_slurm.auth.secrets import read_admin_token
 
     path = _token_path(server)
     try:
@@ -288,7 +288,7 @@ def _daemon_uid(server: ServerConfig) -> int:
 
 
 def _admin_sockets(server: ServerConfig) -> list[Path]:
-    from llmgw_slurm.identity import DEFAULT_INFO
+    from llmgw_slurm.auth.identity import DEFAULT_INFO
 
     paths = [server.effective_admin_socket()]
     if server.runtime_dir is None and server.admin_socket is None:
@@ -315,8 +315,8 @@ def _admin_request(server: ServerConfig, action: str, body: object = None) -> Da
     """
     import stat as stat_
 
-    from llmgw_slurm.errors import UnverifiedServerError
-    from llmgw_slurm.identity import check_listener
+    from llmgw_slurm.auth.identity import check_listener
+    from llmgw_slurm.base.errors import UnverifiedServerError
 
     uid = _daemon_uid(server)
     payload = body if body is not None else {}
@@ -371,7 +371,7 @@ def unix_call(path: Path, url_path: str, body: object, uid: int) -> DaemonReply:
     import http.client
     import json
 
-    from llmgw_slurm.identity import connect_unix, peer_credentials
+    from llmgw_slurm.auth.identity import connect_unix, peer_credentials
 
     try:
         sock = connect_unix(path, timeout=60.0)
@@ -483,10 +483,10 @@ def _proven(url: str, server: ServerConfig | None) -> ssl.SSLContext | None:
     https the certificate (server.yaml's own, pinned, when this runs on the
     daemon's host: it names the login node, not 127.0.0.1; else the system's CAs
     or LLMGW_CA_FILE); over plain http only a loopback port, whose owner must
-    be the daemon's uid in daemon.json (llmgw_slurm/identity.py).
+    be the daemon's uid in daemon.json (llmgw_slurm/auth/identity.py).
     """
-    from llmgw_slurm.errors import UnverifiedServerError
-    from llmgw_slurm.identity import DEFAULT_INFO, verify_url
+    from llmgw_slurm.auth.identity import DEFAULT_INFO, verify_url
+    from llmgw_slurm.base.errors import UnverifiedServerError
 
     if url.startswith("https://"):
         if server is not None and server.tls.cert is not None:
@@ -860,7 +860,7 @@ def token_rotate(server_path: Path) -> None:
     Example:
       sudo -u llmgw llmgw-admin token rotate
     """
-    from llmgw_slurm.secrets import rotate_admin_token
+    from llmgw_slurm.auth.secrets import rotate_admin_token
 
     server = _load_server(server_path)
     path = _token_path(server)
@@ -943,7 +943,7 @@ def audit(
       llmgw-admin audit --by month --csv > gpu-hours.csv
       llmgw-admin audit --by account --json | jq .totals
     """
-    from llmgw_slurm import audit as auditmod
+    from llmgw_slurm.accounting import audit as auditmod
     from llmgw_slurm.slurm import make_backends
 
     if as_csv and as_json:
@@ -1120,7 +1120,7 @@ def _key_store(
     """Where the keys are: the file given, else the shared database (database: in
     server.yaml), else router.keys_file. A key file must exist, but for ``adding`` to
     router.keys_file (or with ``create``): a mistyped path is an error, not "no keys"."""
-    from llmgw_slurm.router.keys import KeyFile
+    from llmgw_slurm.auth.keys import KeyFile
 
     if keys_file is None:
         server = _load_server(server_path)
@@ -1174,8 +1174,8 @@ def _new_keys_file(server_path: Path, keys_file: Path | None, create: bool) -> P
 
 
 def _valid_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    from llmgw_slurm.errors import LlmgwError
-    from llmgw_slurm.router.keys import check_name
+    from llmgw_slurm.auth.keys import check_name
+    from llmgw_slurm.base.errors import LlmgwError
 
     if value or param.name == "user":
         try:
@@ -1409,7 +1409,7 @@ def _submit_service_job(
 ) -> None:
     """Submit; the job id alone on standard output (as sbatch --parsable), the rest on
     standard error."""
-    from llmgw_slurm.svcjobs import job_log_path
+    from llmgw_slurm.reconciler.svcjobs import job_log_path
 
     backend = _svc_backend(server, cluster)
     job_id: str = run(backend.submit(spec))
@@ -1445,9 +1445,9 @@ async def _follow(server: ServerConfig, backend: Any, name: str, job_id: str, po
     """
     import asyncio
 
-    from llmgw_slurm.errors import SlurmError
+    from llmgw_slurm.base.errors import SlurmError
+    from llmgw_slurm.reconciler.svcjobs import job_log_path, last_log_line
     from llmgw_slurm.slurm.types import JobState
-    from llmgw_slurm.svcjobs import job_log_path, last_log_line
 
     t0 = time.monotonic()
     last = ""
@@ -1532,7 +1532,7 @@ def fetch(
       JOB=$(llmgw-admin fetch llama-8b --time 2:00:00)
     """
     from llmgw_slurm.catalog import load_catalog
-    from llmgw_slurm.svcjobs import ServiceJobBuilder
+    from llmgw_slurm.reconciler.svcjobs import ServiceJobBuilder
 
     server = _load_server(server_path)
     cluster = _cluster_of(server, cluster_name)
@@ -1597,7 +1597,7 @@ def install_engine(
       llmgw-admin install-engine apptainer /opt/images/vllm.sif \\
           --image docker://vllm/vllm-openai:v0.6.3 --wait
     """
-    from llmgw_slurm.svcjobs import ServiceJobBuilder
+    from llmgw_slurm.reconciler.svcjobs import ServiceJobBuilder
 
     if kind == "venv" and image_uri:
         raise click.UsageError("--image is for apptainer; a venv takes --package")

@@ -2,7 +2,7 @@
 
 sacct gives the jobs (as for the audit by period); the usage store in
 ``state_dir/usage.sqlite3`` gives the tokens that online replicas' hours are
-apportioned by (:mod:`llmgw_slurm.audit_owner` has the rule). So run it as the
+apportioned by (:mod:`llmgw_slurm.accounting.audit_owner` has the rule). So run it as the
 daemon's user, on the daemon's host.
 """
 
@@ -14,9 +14,9 @@ from datetime import datetime
 
 import click
 
-from llmgw_slurm.audit_owner import OwnerKind, OwnerRow, by_owner, owner_totals
+from llmgw_slurm.accounting.audit_owner import OwnerKind, OwnerRow, by_owner, owner_totals
+from llmgw_slurm.accounting.usage import UsageQueries
 from llmgw_slurm.cli.common import print_json, table
-from llmgw_slurm.router.usage import UsageQueries
 from llmgw_slurm.slurm.types import AccountingRecord
 
 __all__ = ["owner_audit"]

@@ -57,6 +57,17 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
           llmgw-admin db import /var/lib/llmgw
         """
 
+    _add_migrate(db, server_option, load_server)
+    _add_status(db, server_option, load_server)
+    _add_import(db, server_option, load_server)
+    return db
+
+
+def _add_migrate(
+    db: click.Group, server_option: Decorator, load_server: Callable[[Path], ServerConfig]
+) -> None:
+    """``llmgw-admin db migrate``."""
+
     @db.command("migrate")
     @server_option
     @friendly_errors
@@ -83,6 +94,12 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
             click.echo(f"applied migration {m.version}: {m.what}")
         click.echo(f"schema at version {LATEST} (was {before or 'empty'})")
 
+
+def _add_status(
+    db: click.Group, server_option: Decorator, load_server: Callable[[Path], ServerConfig]
+) -> None:
+    """``llmgw-admin db status``."""
+
     @db.command("status")
     @server_option
     @click.option("--json", "as_json", is_flag=True, help="JSON for scripts.")
@@ -103,6 +120,12 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
             print_json(out)
         else:
             _print_status(out)
+
+
+def _add_import(
+    db: click.Group, server_option: Decorator, load_server: Callable[[Path], ServerConfig]
+) -> None:
+    """``llmgw-admin db import``."""
 
     @db.command("import")
     @click.argument("state_dir", type=click.Path(file_okay=False, path_type=Path))
@@ -143,8 +166,6 @@ def db_group(server_option: Decorator, load_server: Callable[[Path], ServerConfi
             counts = import_state(conn, state_dir, keys, folder)
         for what, n in counts.items():
             click.echo(f"{what}: {n}")
-
-    return db
 
 
 def _print_status(out: dict[str, Any]) -> None:

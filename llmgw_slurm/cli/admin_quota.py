@@ -14,9 +14,14 @@ from typing import Any
 
 import click
 
+from llmgw_slurm.accounting.quota import (
+    AccountBudget,
+    AccountBudgets,
+    budgets_path,
+    set_account_budget,
+)
 from llmgw_slurm.cli.common import friendly_errors, print_json, table
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.router.quota import AccountBudget, AccountBudgets, budgets_path, set_account_budget
 
 _ACCOUNT_RE = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
 

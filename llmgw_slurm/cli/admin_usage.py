@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from llmgw_slurm.accounting.usage import USAGE_GROUPS
 from llmgw_slurm.cli.common import (
     friendly_errors,
     iso_time,
@@ -24,7 +25,6 @@ from llmgw_slurm.cli.common import (
 )
 from llmgw_slurm.cli.stores import usage_queries
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.router.usage import USAGE_GROUPS
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 

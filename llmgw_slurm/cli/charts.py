@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llmgw_slurm.durations import format_duration
+from llmgw_slurm.base.durations import format_duration
 
 __all__ = [
     "audit_chart",
@@ -79,7 +79,7 @@ def _offset_bar(start: float, dur: float, span: float, cells: int) -> str:
 
 
 def waterfall_lines(wf: Mapping[str, Any], *, cols: int, color: bool) -> list[str]:
-    """A start's waterfall (:meth:`llmgw_slurm.waterfall.Waterfall.to_json`) as text."""
+    """A start's waterfall (:meth:`llmgw_slurm.tracing.waterfall.Waterfall.to_json`) as text."""
     rows = wf["rows"]
     tts = wf.get("time_to_serve_s")
     head = (

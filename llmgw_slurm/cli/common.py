@@ -12,8 +12,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import click
 
-from llmgw_slurm.durations import parse_since
-from llmgw_slurm.errors import LlmgwError
+from llmgw_slurm.base.durations import parse_since
+from llmgw_slurm.base.errors import LlmgwError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -126,7 +126,7 @@ async def call_daemon(
 
     ``ssl``: how to verify an https server (None: the system's CAs; False: not at all). The caller
     checks, before it passes a ``token``, that the server is the daemon
-    (:mod:`llmgw_slurm.identity`).
+    (:mod:`llmgw_slurm.auth.identity`).
     """
     import aiohttp
 

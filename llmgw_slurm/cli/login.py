@@ -18,11 +18,11 @@ from typing import Any
 import click
 import yaml
 
-from llmgw_slurm import munge
+from llmgw_slurm.auth import munge
+from llmgw_slurm.base.errors import LlmgwError
+from llmgw_slurm.base.fsutil import atomic_write
 from llmgw_slurm.cli import settings as r
 from llmgw_slurm.cli.common import print_json, run, table
-from llmgw_slurm.errors import LlmgwError
-from llmgw_slurm.fsutil import atomic_write
 
 _KEY_ID = re.compile(r"^llmgw-([0-9a-f]{8})-")
 

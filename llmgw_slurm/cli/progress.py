@@ -15,9 +15,9 @@ from typing import Any
 
 import click
 
+from llmgw_slurm.base.durations import format_duration
 from llmgw_slurm.cli.common import run, unknown_model
 from llmgw_slurm.cli.settings import Settings
-from llmgw_slurm.durations import format_duration
 
 __all__ = ["Progress", "Watcher", "fetch_status", "find_model", "model_json", "phase"]
 

@@ -8,7 +8,7 @@ on this host. The URL may be given with or without the ``/v1`` that
 ``llmgw models`` prints as the OpenAI endpoint.
 
 Before the CLI sends a key or a prompt, the server must prove it is the
-daemon (:mod:`llmgw_slurm.identity`): over https its certificate (``--ca-file``
+daemon (:mod:`llmgw_slurm.auth.identity`): over https its certificate (``--ca-file``
 / ``LLMGW_CA_FILE`` / ``ca_file:`` for a private CA); over plain http only on
 this host, where the kernel says which user holds the port (checked against
 the daemon's ``daemon.json``: ``LLMGW_DAEMON_INFO``, default
@@ -33,6 +33,7 @@ from typing import Any
 import click
 
 from llmgw_slurm import __version__
+from llmgw_slurm.base.durations import format_duration
 from llmgw_slurm.cli import login as login_commands
 from llmgw_slurm.cli.batch import SETTINGS_KEY
 from llmgw_slurm.cli.batch import batch as batch_commands
@@ -54,7 +55,6 @@ from llmgw_slurm.cli.progress import (
     phase,
 )
 from llmgw_slurm.cli.settings import DEFAULT_URL, Settings, _get, base_url
-from llmgw_slurm.durations import format_duration
 
 # The old names, for code that imported them from here.
 _status, _find_model, _phase = fetch_status, find_model, phase

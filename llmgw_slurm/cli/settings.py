@@ -94,8 +94,8 @@ class Settings:
 
     def guard(self, what: str) -> None:
         """Refuse (ClickException) unless the server can prove it is the daemon."""
-        from llmgw_slurm.errors import UnverifiedServerError
-        from llmgw_slurm.identity import DEFAULT_INFO, verify_url
+        from llmgw_slurm.auth.identity import DEFAULT_INFO, verify_url
+        from llmgw_slurm.base.errors import UnverifiedServerError
 
         info = Path(os.environ.get("LLMGW_DAEMON_INFO") or DEFAULT_INFO)
         try:

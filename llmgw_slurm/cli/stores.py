@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmgw_slurm.accounting.usage import SqliteUsage, UsageQueries
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.router.usage import SqliteUsage, UsageQueries
 
 __all__ = ["usage_queries"]
 

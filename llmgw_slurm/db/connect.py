@@ -30,8 +30,8 @@ from typing import Any
 import psycopg
 from psycopg import conninfo as pgconninfo
 
+from llmgw_slurm.base.errors import ConfigError, DatabaseError
 from llmgw_slurm.config import DatabaseConfig
-from llmgw_slurm.errors import ConfigError, DatabaseError
 
 __all__ = [
     "Conninfo",

@@ -32,9 +32,9 @@ import psycopg
 import psycopg_pool
 
 from llmgw_slurm import __version__
+from llmgw_slurm.base.errors import DatabaseError
 from llmgw_slurm.config import DatabaseConfig
 from llmgw_slurm.db.connect import Conninfo, aconnect, database_error
-from llmgw_slurm.errors import DatabaseError
 
 __all__ = ["CHANNEL", "DaemonRow", "Hub", "Part"]
 

@@ -27,13 +27,13 @@ from typing import Any
 
 import psycopg
 
+from llmgw_slurm.accounting.quota import AccountBudgets
+from llmgw_slurm.auth.keys import list_keys
+from llmgw_slurm.base.errors import DatabaseError, LlmgwError
 from llmgw_slurm.batch.store import BatchStore
 from llmgw_slurm.db.hub import CHANNEL
 from llmgw_slurm.db.secrets import SHARED_FILES
 from llmgw_slurm.db.usage import spend_of
-from llmgw_slurm.errors import DatabaseError, LlmgwError
-from llmgw_slurm.router.keys import list_keys
-from llmgw_slurm.router.quota import AccountBudgets
 
 __all__ = ["import_state"]
 

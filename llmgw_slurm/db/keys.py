@@ -1,7 +1,7 @@
 """API keys in the shared database: the store (``llmgw-admin keys``, ``llmgw login``) and
 every gateway's copy of it.
 
-A gateway checks keys against its :class:`~llmgw_slurm.router.keys.KeyRing` in
+A gateway checks keys against its :class:`~llmgw_slurm.auth.keys.KeyRing` in
 memory, as with the keys file: nothing on a request's path queries the
 database. The copy is the whole table, read at start and then the rows
 changed since (a ``keys`` notification after each change: a key made or
@@ -23,10 +23,10 @@ from typing import Any
 
 import psycopg
 
+from llmgw_slurm.auth.keys import KeyRecord, KeyRing, NewKey, check_limit, check_names, new_key
+from llmgw_slurm.base.errors import LlmgwError
 from llmgw_slurm.db.connect import Conninfo, connect, database_error
 from llmgw_slurm.db.hub import CHANNEL, Hub
-from llmgw_slurm.errors import LlmgwError
-from llmgw_slurm.router.keys import KeyRecord, KeyRing, NewKey, check_limit, check_names, new_key
 
 __all__ = ["KeysPart", "PgKeyStore"]
 
@@ -43,7 +43,7 @@ def _record(row: tuple[Any, ...]) -> KeyRecord:
 
 
 class PgKeyStore:
-    """:class:`~llmgw_slurm.router.keys.KeyStore` on the shared database (synchronous:
+    """:class:`~llmgw_slurm.auth.keys.KeyStore` on the shared database (synchronous:
     the CLI calls it, the daemon from a worker thread)."""
 
     def __init__(self, info: Conninfo, sender: str = "llmgw-admin") -> None:

@@ -38,9 +38,9 @@ from typing import Any
 
 import psycopg
 
+from llmgw_slurm.base.errors import DatabaseError
 from llmgw_slurm.config import DatabaseConfig
 from llmgw_slurm.db.connect import Conninfo, aconnect
-from llmgw_slurm.errors import DatabaseError
 from llmgw_slurm.reconciler.fence import OpenSubmit, Ticket
 
 __all__ = ["Lease", "LeaseState"]

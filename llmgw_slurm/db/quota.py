@@ -1,6 +1,6 @@
 """Quotas across the gateways that share a database: one day's budget, whichever gateway.
 
-Each gateway's :class:`~llmgw_slurm.router.quota.QuotaBook` lets requests in
+Each gateway's :class:`~llmgw_slurm.accounting.quota.QuotaBook` lets requests in
 from memory, as with one gateway; what it adds are the other gateways'
 figures (:class:`SharedQuota`, its ``others``):
 
@@ -38,9 +38,9 @@ from typing import Any
 
 import psycopg
 
+from llmgw_slurm.accounting.quota import AccountBudget, QuotaBook
 from llmgw_slurm.db.connect import Conninfo, connect, database_error
 from llmgw_slurm.db.hub import CHANNEL, DB_ERRORS, Hub
-from llmgw_slurm.router.quota import AccountBudget, QuotaBook
 
 __all__ = ["SharedBudgets", "SharedQuota", "set_budget"]
 

@@ -42,8 +42,8 @@ from typing import Any
 
 import psycopg
 
+from llmgw_slurm.base.errors import DatabaseError
 from llmgw_slurm.db.hub import DB_ERRORS, Hub
-from llmgw_slurm.errors import DatabaseError
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.replicas import Decision, Replica, ReplicaTable

@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 
-from llmgw_slurm.errors import SchemaError
+from llmgw_slurm.base.errors import SchemaError
 
 __all__ = ["LATEST", "MIGRATIONS", "Migration", "check_schema", "migrate", "schema_version"]
 
@@ -40,14 +40,14 @@ _V1 = """
 CREATE SEQUENCE llmgw_change_seq;
 
 -- The daemons' shared secrets: the key replica secrets and engine keys derive
--- from, and the gateway's client identity the engines let in (secrets.py, tls.py).
+-- from, and the gateway's client identity the engines let in (auth/secrets.py, auth/tls.py).
 CREATE TABLE llmgw_secrets (
     name text PRIMARY KEY,
     value bytea NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now()
 );
 
--- API keys (router/keys.py): hashes only.
+-- API keys (auth/keys.py): hashes only.
 CREATE TABLE llmgw_keys (
     key_id text PRIMARY KEY,
     user_name text NOT NULL,
@@ -60,7 +60,7 @@ CREATE TABLE llmgw_keys (
 CREATE INDEX llmgw_keys_user ON llmgw_keys (user_name);
 CREATE INDEX llmgw_keys_seq ON llmgw_keys (seq);
 
--- Per-request usage (router/usage.py). (origin, seq) names a record once: a
+-- Per-request usage (accounting/usage.py). (origin, seq) names a record once: a
 -- batch replayed from a daemon's spool after a lost answer is not counted twice.
 CREATE TABLE llmgw_usage (
     origin text NOT NULL,

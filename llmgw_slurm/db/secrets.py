@@ -21,10 +21,10 @@ from typing import Any
 
 import psycopg
 
-from llmgw_slurm.errors import DatabaseError
-from llmgw_slurm.fsutil import atomic_write
-from llmgw_slurm.secrets import load_or_create_server_key
-from llmgw_slurm.tls import load_or_create_identity
+from llmgw_slurm.auth.secrets import load_or_create_server_key
+from llmgw_slurm.auth.tls import load_or_create_identity
+from llmgw_slurm.base.errors import DatabaseError
+from llmgw_slurm.base.fsutil import atomic_write
 
 __all__ = ["SHARED_FILES", "offer_secrets", "share_secrets"]
 

@@ -23,6 +23,8 @@ from typing import Any
 import psycopg
 from prometheus_client import CollectorRegistry
 
+from llmgw_slurm.auth.keys import KeyRing
+from llmgw_slurm.base.errors import DatabaseError
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.config import DatabaseConfig, ServerConfig
 from llmgw_slurm.db.batches import BatchesPart, PgBatchStore
@@ -37,9 +39,9 @@ from llmgw_slurm.db.responses import SharedResponseHomes
 from llmgw_slurm.db.schema import check_schema
 from llmgw_slurm.db.secrets import share_secrets
 from llmgw_slurm.db.usage import PgUsageStore
-from llmgw_slurm.errors import DatabaseError
-from llmgw_slurm.reconciler.core import Reconciler
-from llmgw_slurm.router.keys import KeyRing
+from llmgw_slurm.reconciler.core import PassLoop
+from llmgw_slurm.reconciler.directory import ReplicaDirectory
+from llmgw_slurm.reconciler.replicas import ReplicaTable
 
 __all__ = ["Shared", "check_database", "prepare"]
 
@@ -76,7 +78,7 @@ class Shared:
     hub: Hub
     replicas: ReplicaSync | None = None
     keys: KeysPart | None = None
-    rec: Reconciler | None = None
+    passes: PassLoop | None = None
     batches: PgBatchStore | None = None
     quota: SharedQuota | None = None
     responses: SharedResponseHomes | None = None
@@ -87,15 +89,16 @@ class Shared:
     on_urls: list[Callable[[str], None]] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
-    def attach(self, rec: Reconciler) -> None:
-        """Share ``rec``'s replica table; a leader's first pass at once on taking the lease."""
-        self.rec = rec
-        self.replicas = ReplicaSync(self.hub, rec.table, rec.directory, self.lease.acting)
+    def attach(self, table: ReplicaTable, directory: ReplicaDirectory, passes: PassLoop) -> None:
+        """Share the reconciler's replica table (through its directory); a leader's first
+        pass at once on taking the lease; every daemon's URL in the next jobs."""
+        self.passes = passes
+        self.replicas = ReplicaSync(self.hub, table, directory, self.lease.acting)
         self.hub.add(self.replicas, "decisions", "nodes")
         self.hub.add(DemandPart(self.replicas))
         # Taking the lease wakes the passes (adoption from one squeue, at once).
-        self.lease.on_change = lambda leading: rec.table.wake.set()
-        own = rec.jobs.daemon_url
+        self.lease.on_change = lambda leading: table.wake.set()
+        own = passes.jobs.daemon_url
 
         def advertise(daemons: list[DaemonRow]) -> None:
             # A job reports to this daemon first, then to the others alive now: the
@@ -106,8 +109,8 @@ class Shared:
                 if d.name != self.name and d.stopped_at is None and d.internal_url != own
             ]
             urls = ",".join(dict.fromkeys([own, *others]))
-            if rec.jobs.daemon_url != urls:
-                rec.pass_loop.jobs = dataclasses.replace(rec.jobs, daemon_url=urls)
+            if passes.jobs.daemon_url != urls:
+                passes.jobs = dataclasses.replace(passes.jobs, daemon_url=urls)
                 for f in self.on_urls:
                     f(urls)
 
@@ -214,7 +217,7 @@ class Shared:
             "leader_since": st.since,
             # When this daemon's first pass under the current epoch began (it leads).
             "first_pass_at": (
-                self.rec.pass_loop.first_pass_at.get(st.epoch) if self.rec is not None else None
+                self.passes.first_pass_at.get(st.epoch) if self.passes is not None else None
             ),
             "lease_taken": self.lease.taken,
             "fenced": self.lease.fenced,

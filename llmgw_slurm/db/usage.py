@@ -1,6 +1,6 @@
 """Per-key usage in the shared database, and what budgets count (``llmgw_spend``).
 
-The gateway records as it does with SQLite (router/usage.py's UsageStore):
+The gateway records as it does with SQLite (accounting/usage.py's UsageStore):
 the request path appends to a list; about once a second the batch is
 written, here in one transaction that inserts the records and adds their
 tokens to the day's and month's spend per user and account. A record is
@@ -30,9 +30,9 @@ from typing import Any
 
 import psycopg
 
+from llmgw_slurm.accounting.usage import USAGE_GROUPS, UsageRecord, UsageSummary
 from llmgw_slurm.db.connect import Conninfo, connect
 from llmgw_slurm.db.hub import DB_ERRORS, Hub
-from llmgw_slurm.router.usage import USAGE_GROUPS, UsageRecord, UsageSummary
 
 __all__ = ["PgUsage", "PgUsageStore", "period_keys", "spend_of"]
 
@@ -253,7 +253,7 @@ def _drop_spooled(path: Path, done: int) -> None:
 
 
 class PgUsage:
-    """The usage queries of router/usage.py, on the shared database (for the CLIs,
+    """The usage queries of accounting/usage.py, on the shared database (for the CLIs,
     ``/api/v1/usage`` and ``llmgw-admin audit``)."""
 
     def __init__(self, info: Conninfo) -> None:

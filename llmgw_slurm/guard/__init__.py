@@ -8,9 +8,11 @@
   peer (a local user's uid, a remote address), and closed when no request
   head comes in time; independent of the HTTP server that serves them;
 - :mod:`~llmgw_slurm.guard.faults`: unexpected exceptions logged, counted
-  and survived; :mod:`~llmgw_slurm.guard.metrics` shows both in ``/metrics``.
+  and survived; :mod:`~llmgw_slurm.guard.metrics` shows both in ``/metrics``;
+- :mod:`~llmgw_slurm.guard.heap`: the heap a burst of connections left
+  resident, given back to the kernel.
 
-Imports only the standard library and prometheus_client.
+May import: nothing (the standard library and prometheus_client only).
 """
 
 from llmgw_slurm.guard.accept import Acceptor, Guard, bind_listeners, guard_of, hand_over

@@ -1,4 +1,5 @@
-"""Admin requests on replicas: ``llmgw-admin drain`` and ``llmgw-admin stop``.
+"""Admin requests: ``llmgw-admin drain`` and ``stop`` on replicas, and the service
+jobs ``llmgw-admin fetch`` and ``install-engine`` announce.
 
 A drain only marks the replicas (the next pass cancels each once its requests
 finish); a stop cancels their jobs at once.
@@ -6,19 +7,42 @@ finish); a stop cancels their jobs at once.
 
 from __future__ import annotations
 
-from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.base.errors import SlurmError
 from llmgw_slurm.reconciler.clusters import ClusterSet
 from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
+from llmgw_slurm.reconciler.svcjobs import ServiceJobs
 
 __all__ = ["AdminRequests"]
 
 
 class AdminRequests:
-    """Finds the replicas an admin names; drains or stops them."""
+    """Finds the replicas an admin names; drains or stops them; takes the service jobs
+    an admin's command submitted (``service_jobs``, named with ``prefix``)."""
 
-    def __init__(self, table: ReplicaTable, clusters: ClusterSet) -> None:
+    def __init__(
+        self, table: ReplicaTable, clusters: ClusterSet, service_jobs: ServiceJobs, prefix: str
+    ) -> None:
         self.table = table
         self.clusters = clusters
+        self.service_jobs = service_jobs
+        self.prefix = prefix
+
+    def model_names(self) -> list[str]:
+        """The catalog's models (what a reload answers with)."""
+        return [m.name for m in self.table.catalog.models]
+
+    def announce(self, job_id: str, name: str, target: str, cluster: str) -> str | None:
+        """A model job or engine install ``llmgw-admin`` just submitted, followed from
+        now on; what is wrong with it (an unknown cluster, a job not ours), or None."""
+        if self.clusters.get(cluster) is None:
+            names = ", ".join(c.name for c in self.clusters if c.name) or "none"
+            return f"no cluster {cluster!r}; clusters: {names}"
+        if not self.service_jobs.expect(job_id, name, target, self.table.clock(), cluster):
+            return (
+                f"job {job_id!r} named {name!r} is not a model job or engine install of "
+                f"this daemon (prefix {self.prefix!r})"
+            )
+        return None
 
     def find_replicas(self, target: str = "", node: str = "") -> list[Replica]:
         """The replicas ``target`` names (a replica id, a model or an alias), or those on ``node``.

@@ -18,8 +18,9 @@ import enum
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from llmgw_slurm.base.durations import format_duration
+from llmgw_slurm.base.errors import SlurmError
 from llmgw_slurm.config import ClusterConfig
-from llmgw_slurm.durations import format_duration
 from llmgw_slurm.reconciler.plan import ClusterView
 from llmgw_slurm.slurm.types import NodeInfo, SlurmBackend
 
@@ -130,6 +131,31 @@ class ClusterSet:
     def named(self) -> bool:
         """server.yaml lists clusters (job names then carry the cluster's name)."""
         return bool(self.all[0].name)
+
+    def backends(self) -> dict[str, SlurmBackend]:
+        """Each cluster's backend by the cluster's name (for accounting across them)."""
+        return {c.name: c.backend for c in self.all}
+
+    async def check(self) -> dict[str, SlurmError]:
+        """Each backend's own check at start (``SlurmBackend.check``), a backend shared
+        by several clusters once. What did not answer comes back by cluster label (the
+        passes try again); a setting that cannot work (ConfigError) raises."""
+        unanswered: dict[str, SlurmError] = {}
+        for label, backend in self._distinct():
+            try:
+                await backend.check()
+            except SlurmError as exc:
+                unanswered[label] = exc
+        return unanswered
+
+    async def close(self) -> None:
+        """Each backend's own connections closed (a backend shared by clusters once)."""
+        for _, backend in self._distinct():
+            await backend.close()
+
+    def _distinct(self) -> list[tuple[str, SlurmBackend]]:
+        once = {id(c.backend): (c.label, c.backend) for c in reversed(self.all)}
+        return list(reversed(once.values()))
 
     def all_nodes(self) -> list[NodeInfo]:
         """Every cluster's nodes, as last listed (for the node checks that span them)."""

@@ -37,9 +37,10 @@ from typing import Any
 
 from opentelemetry import trace
 
+from llmgw_slurm.auth.tls import PinnedContexts, load_or_create_identity
+from llmgw_slurm.base.errors import LlmgwError, SlurmError
 from llmgw_slurm.catalog import Access, Catalog, Model
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.errors import LlmgwError, SlurmError
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler import plan as planmod
 from llmgw_slurm.reconciler import status as statusmod
@@ -54,6 +55,7 @@ from llmgw_slurm.reconciler.probes import EngineProbe
 from llmgw_slurm.reconciler.replicas import Decision, Replica, ReplicaTable, view_of
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.reconciler.spans import ReconcileTracing
+from llmgw_slurm.reconciler.svcjobs import ServiceJobs
 from llmgw_slurm.router.directory import Endpoint, ModelInfo, ModelRouting
 from llmgw_slurm.slurm.types import (
     AccountingRecord,
@@ -63,8 +65,6 @@ from llmgw_slurm.slurm.types import (
     SlurmBackend,
     StartEstimator,
 )
-from llmgw_slurm.svcjobs import ServiceJobs
-from llmgw_slurm.tls import PinnedContexts, load_or_create_identity
 
 log = logging.getLogger(__name__)
 
@@ -744,7 +744,10 @@ class Reconciler:
     A composition: the replica table all parts share; the router's directory
     over it; the verifier and the intake of agents' reports, with the engine
     probe; the pass loop; admin requests and status. Its methods are the ones
-    the daemon, the API and the router call.
+    the router (as a ``ModelDirectory``) and the daemon call; a caller that needs
+    one part takes that part (the admin routes ``admin``, the span route
+    ``verifier``, the charts ``clusters``, the shared database ``table``,
+    ``directory`` and ``pass_loop``), handed over by the daemon, not this class.
 
     ``backend``: the one cluster's backend, or each cluster's by its name in
     server.yaml's clusters (``daemon.cluster_backends``).
@@ -797,7 +800,7 @@ class Reconciler:
         )
         self.table = ReplicaTable(catalog, clock, self.tracing)
         # The gateway's client identity: the only client, beside each replica's
-        # own agent, that the replicas' engines let in (llmgw_slurm/tls.py).
+        # own agent, that the replicas' engines let in (llmgw_slurm/auth/tls.py).
         self.engine_tls = PinnedContexts(load_or_create_identity(Path(server.state_dir)))
         self.directory = ReplicaDirectory(
             self.table, server_key, self.engine_tls, want_window=plan_cfg.want_window
@@ -819,7 +822,9 @@ class Reconciler:
             self.faults,
             fence,
         )
-        self.admin = AdminRequests(self.table, self.clusters)
+        self.admin = AdminRequests(
+            self.table, self.clusters, self.pass_loop.service_jobs, self.pass_loop.prefix
+        )
         # The daemons sharing a database, the leader and its lease (for status);
         # None with one daemon alone.
         self.peers: Callable[[], dict[str, Any]] | None = None
@@ -867,10 +872,6 @@ class Reconciler:
     @property
     def plan_cfg(self) -> PlanConfig:
         return self.pass_loop.plan_cfg
-
-    @property
-    def prefix(self) -> str:
-        return self.pass_loop.prefix
 
     @property
     def jobs(self) -> JobBuilder:
@@ -988,16 +989,10 @@ class Reconciler:
         await self.probe.close()
         self.verifier.close()
 
-    # ---- admin requests (llmgw-admin drain / stop) and status ------------------------
-
-    def find_replicas(self, target: str = "", node: str = "") -> list[Replica]:
-        return self.admin.find_replicas(target, node)
+    # ---- admin requests (the admin routes take ``admin`` itself) and status ---------
 
     def request_drain(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
         return self.admin.request_drain(target, node, reason)
-
-    async def request_stop(self, target: str = "", node: str = "", reason: str = "") -> list[str]:
-        return await self.admin.request_stop(target, node, reason)
 
     def status(self) -> dict[str, Any]:
         return statusmod.status(

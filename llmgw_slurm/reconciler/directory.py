@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from llmgw_slurm.auth.secrets import engine_api_key
+from llmgw_slurm.auth.tls import PinnedContexts
 from llmgw_slurm.catalog import Access, Catalog
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.replicas import ReplicaTable
 from llmgw_slurm.router.directory import Endpoint, ModelInfo, ModelRouting
-from llmgw_slurm.secrets import engine_api_key
-from llmgw_slurm.tls import PinnedContexts
 
 __all__ = ["ReplicaDirectory"]
 

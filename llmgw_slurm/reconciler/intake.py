@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from llmgw_slurm.auth.tls import engine_address_problem
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.probes import EngineProbe
 from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
 from llmgw_slurm.slurm.types import JobState
-from llmgw_slurm.tls import engine_address_problem
 
 __all__ = ["ReportIntake"]
 

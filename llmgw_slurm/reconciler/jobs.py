@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from llmgw_slurm import sbatch
+from llmgw_slurm.auth.secrets import engine_api_key, replica_secret
 from llmgw_slurm.catalog import CLUSTER_NAME_RE, MODEL_NAME_RE, Model
 from llmgw_slurm.config import ClusterConfig, ServerConfig
-from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.types import JobSpec
 
 _RID = re.compile(r"[0-9a-f]{8}")
@@ -49,7 +49,7 @@ def parse_job_ident(prefix: str, name: str) -> JobIdent | None:
     ``llmgw.llama-8b.0a1b2c3d`` -> ``(..., "")``; None when not a replica.
 
     The model part must be a valid model name: the service's other jobs
-    (``{prefix}_job.fetch.MODEL.ID``, see llmgw_slurm.svcjobs) share the prefix
+    (``{prefix}_job.fetch.MODEL.ID``, see llmgw_slurm.reconciler.svcjobs) share the prefix
     and end the same way, and a replica taken from one would be adopted and
     reaped as a replica of a model called ``_job.fetch.MODEL``. A cluster name
     has no '.', and a replica id no '-': the two read apart.

@@ -87,8 +87,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from llmgw_slurm.base.durations import format_duration
 from llmgw_slurm.catalog import EvictFor, Model
-from llmgw_slurm.durations import format_duration
 from llmgw_slurm.slurm.types import NodeInfo
 
 __all__ = [

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from llmgw_slurm.secrets import engine_api_key
-from llmgw_slurm.tls import PinnedContexts
+from llmgw_slurm.auth.secrets import engine_api_key
+from llmgw_slurm.auth.tls import PinnedContexts
 
 __all__ = ["EngineProbe", "waiting_from_metrics"]
 

@@ -2,7 +2,7 @@
 
 A report's signature is checked (:mod:`.reports`) before anything is done
 with it, and the answer is signed back with the same secret, bound to the
-report's nonce (:func:`llmgw_slurm.secrets.reply_signature`): the agent acts
+report's nonce (:func:`llmgw_slurm.auth.secrets.reply_signature`): the agent acts
 on a ``drain`` only when that signature checks, so a listener on the
 daemon's port while it is down, or anyone rewriting the plain-HTTP answer on
 the way, is ignored. Only answers to verified reports are signed: signing
@@ -22,11 +22,11 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_slurm.errors import ReportNotRecorded
+from llmgw_slurm.auth.secrets import REPLY_HEADER, REPORT_SCHEME, parse_report_auth, reply_signature
+from llmgw_slurm.base.errors import ReportNotRecorded
 from llmgw_slurm.guard.faults import Faults
-from llmgw_slurm.secrets import REPLY_HEADER, REPORT_SCHEME, parse_report_auth, reply_signature
 
-__all__ = ["report_route"]
+__all__ = ["read_signed", "report_route"]
 
 # What a report does: (id, Authorization, the body's bytes, the body) -> the answer.
 # Raises PermissionError (401) on a bad signature, ReportNotRecorded (503).
@@ -40,17 +40,10 @@ def report_route(
 
     async def report(request: web.Request) -> web.Response:
         rid = request.match_info[id_key]
-        auth = request.headers.get("Authorization", "")
-        if not auth.startswith(REPORT_SCHEME + " "):
-            # A bearer secret included: one copied off the network could be replayed.
-            return _error(401, f"missing signature ({REPORT_SCHEME})")
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
-            return _error(400, "body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "body must be an object")
+        signed = await read_signed(request)
+        if isinstance(signed, web.Response):
+            return signed
+        auth, raw, body = signed
         try:
             answer = handle(rid, auth, raw, body)
         except PermissionError as err:
@@ -63,6 +56,25 @@ def report_route(
         return _signed(200, answer, rid, auth, secret_of)
 
     return report
+
+
+async def read_signed(request: web.Request) -> tuple[str, bytes, dict[str, Any]] | web.Response:
+    """A signed request's ``Authorization``, its body's exact bytes and the body parsed;
+    or the answer (401, 400) when it carries no signature or no JSON object. The
+    signature itself is the verifier's to check (``ReportVerifier.verify``): reports
+    and an agent's spans alike."""
+    auth = request.headers.get("Authorization", "")
+    if not auth.startswith(REPORT_SCHEME + " "):
+        # A bearer secret included: one copied off the network could be replayed.
+        return _error(401, f"missing signature ({REPORT_SCHEME})")
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
+        return _error(400, "body is not JSON")
+    if not isinstance(body, dict):
+        return _error(400, "body must be an object")
+    return auth, raw, body
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from llmgw_slurm.errors import ReportNotRecorded
-from llmgw_slurm.fsutil import atomic_write
-from llmgw_slurm.secrets import (
+from llmgw_slurm.auth.secrets import (
     REPORT_SCHEME,
     constant_time_equal,
     parse_report_auth,
     replica_secret,
     report_signature,
 )
+from llmgw_slurm.base.errors import ReportNotRecorded
+from llmgw_slurm.base.fsutil import atomic_write
 
 __all__ = ["REPORT_MAX_AGE_S", "ReportVerifier"]
 
@@ -65,7 +65,7 @@ class ReportVerifier:
         """Accept a signed report (``raw``: the body's exact bytes) once.
 
         ``secret``: the signer's secret when it is not a replica's (a batch job's,
-        :func:`llmgw_slurm.secrets.batch_secret`); the nonces are shared either way.
+        :func:`llmgw_slurm.auth.secrets.batch_secret`); the nonces are shared either way.
 
         Raises PermissionError, saying why, on a malformed, wrong, old or replayed
         signature: a report copied off the network is refused, and the secret that

@@ -47,7 +47,7 @@ from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode
 
 from llmgw_slurm.reconciler.plan import Action, ActionKind, Failures
 from llmgw_slurm.slurm.types import Job, JobState
-from llmgw_slurm.tracing import context_from_traceparent, inject_env, traceparent_of
+from llmgw_slurm.tracing.otel import context_from_traceparent, inject_env, traceparent_of
 
 __all__ = ["ReconcileTracing", "decision_of", "traceparent_from_comment"]
 

@@ -13,7 +13,7 @@ from llmgw_slurm.catalog import Model
 from llmgw_slurm.reconciler.clusters import ClusterSet
 from llmgw_slurm.reconciler.plan import Failures, ReplicaState
 from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable, view_of
-from llmgw_slurm.svcjobs import ServiceJobs
+from llmgw_slurm.reconciler.svcjobs import ServiceJobs
 
 __all__ = [
     "MODEL_STATES",

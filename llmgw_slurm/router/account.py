@@ -31,12 +31,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import TextMapPropagator
 
+from llmgw_slurm.accounting.quota import QuotaBook, Reservation
+from llmgw_slurm.accounting.usage import UsageRecord, UsageSink
+from llmgw_slurm.auth.keys import KeyRecord
 from llmgw_slurm.router import surface
 from llmgw_slurm.router.directory import Endpoint
-from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.router.metrics import GatewayMetrics
-from llmgw_slurm.router.quota import QuotaBook, Reservation
-from llmgw_slurm.router.usage import UsageRecord, UsageSink
 
 __all__ = ["Accounting", "Tally"]
 

@@ -23,13 +23,13 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from llmgw_slurm.access import AccessGuard
+from llmgw_slurm.accounting.quota import NOTHING, Ask, QuotaBook, Refusal, Reservation, ask_of
+from llmgw_slurm.auth.access import AccessGuard
+from llmgw_slurm.auth.keys import KeyRecord, KeyRing
 from llmgw_slurm.router import balance
 from llmgw_slurm.router._body import with_fields
 from llmgw_slurm.router.answers import Reply, error
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
-from llmgw_slurm.router.keys import KeyRecord, KeyRing
-from llmgw_slurm.router.quota import NOTHING, Ask, QuotaBook, Refusal, Reservation, ask_of
 from llmgw_slurm.router.surface import STREAM_USAGE_ENDPOINTS, ResponseHomes, not_stored_message
 
 __all__ = ["Admission", "Plan"]

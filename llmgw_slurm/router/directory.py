@@ -55,7 +55,7 @@ class Endpoint:
     api_key: str
     draining: bool = False
     epoch: int = 0
-    # The client context that pins the engine's certificate (llmgw_slurm/tls.py);
+    # The client context that pins the engine's certificate (llmgw_slurm/auth/tls.py);
     # None for a plain-HTTP engine.
     ssl: ssl.SSLContext | None = field(default=None, compare=False)
 

@@ -26,7 +26,10 @@ from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from llmgw_slurm.access import AccessGuard
+from llmgw_slurm.accounting.quota import QuotaBook, add_quota_headers
+from llmgw_slurm.accounting.usage import UsageSink
+from llmgw_slurm.auth.access import AccessGuard
+from llmgw_slurm.auth.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router import balance, stored, surface
 from llmgw_slurm.router.account import Accounting, Tally
@@ -36,11 +39,8 @@ from llmgw_slurm.router.directory import ModelDirectory
 from llmgw_slurm.router.engine import EnginePool
 from llmgw_slurm.router.forward import Client, Exchange
 from llmgw_slurm.router.holdqueue import HoldQueue
-from llmgw_slurm.router.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
 from llmgw_slurm.router.metrics import GatewayMetrics
-from llmgw_slurm.router.quota import QuotaBook, add_quota_headers
 from llmgw_slurm.router.replicas import Replicas
-from llmgw_slurm.router.usage import UsageSink
 
 __all__ = ["GATEWAY_KEY", "Gateway", "create_app", "request_key"]
 

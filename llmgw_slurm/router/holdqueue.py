@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmgw_slurm.auth.keys import KeyRecord
 from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router.answers import Reply, error
-from llmgw_slurm.router.keys import KeyRecord
 
 __all__ = ["HoldQueue", "Place"]
 

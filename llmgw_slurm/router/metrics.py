@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from llmgw_slurm.auth.secrets import AdminToken
 from llmgw_slurm.router.directory import ModelDirectory
-from llmgw_slurm.secrets import AdminToken
 
 __all__ = ["GatewayMetrics", "tokens_gate"]
 

@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 from opentelemetry import trace
 
+from llmgw_slurm.auth.keys import KeyRecord
 from llmgw_slurm.config import RouterConfig
 from llmgw_slurm.router import balance
 from llmgw_slurm.router.answers import Reply, client_closed, error
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory, ModelRouting
 from llmgw_slurm.router.holdqueue import HoldQueue
-from llmgw_slurm.router.keys import KeyRecord
 from llmgw_slurm.router.metrics import GatewayMetrics
 
 __all__ = ["Replicas"]

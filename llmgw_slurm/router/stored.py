@@ -41,8 +41,8 @@ from llmgw_slurm.router.engine import Conn, EngineBroken, EnginePool, EngineUnre
 from llmgw_slurm.router.surface import Home, ResponseHomes, not_stored_message
 
 if TYPE_CHECKING:
+    from llmgw_slurm.auth.keys import KeyRecord
     from llmgw_slurm.router.account import Tally
-    from llmgw_slurm.router.keys import KeyRecord
     from llmgw_slurm.router.metrics import GatewayMetrics
 
 

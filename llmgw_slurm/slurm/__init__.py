@@ -1,4 +1,18 @@
-"""The one place that talks to Slurm. Everything else uses :class:`SlurmBackend`."""
+"""The one place that talks to Slurm. Everything else uses :class:`SlurmBackend`.
+
+- :mod:`~llmgw_slurm.slurm.types`: the backend protocol and the values it
+  deals in (jobs, their one state enum, nodes, accounting records);
+- the backends: :mod:`~llmgw_slurm.slurm.cli` (Slurm's commands, the
+  default; also the agent's ``scontrol show hostnames``),
+  :mod:`~llmgw_slurm.slurm.pyslurm_backend` and :mod:`~llmgw_slurm.slurm.rest`
+  (slurmrestd, with :mod:`~llmgw_slurm.slurm.rest_auth`,
+  :mod:`~llmgw_slurm.slurm.rest_submit` and :mod:`~llmgw_slurm.slurm.rest_parse`);
+- :mod:`~llmgw_slurm.slurm.parse`, :mod:`~llmgw_slurm.slurm.hostlist` and
+  :mod:`~llmgw_slurm.slurm.directives`: pure readers of what Slurm prints and
+  of a script's ``#SBATCH`` lines.
+
+May import: base.
+"""
 
 import asyncio
 import dataclasses
@@ -7,7 +21,7 @@ from datetime import datetime
 from os import PathLike
 from typing import Any, Protocol
 
-from llmgw_slurm.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
+from llmgw_slurm.base.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm.types import (
     AccountingRecord,
     GpuCount,

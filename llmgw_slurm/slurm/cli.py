@@ -28,22 +28,22 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 
-from llmgw_slurm.errors import SlurmError, SlurmUnavailable
+from llmgw_slurm.base.errors import SlurmError, SlurmUnavailable
+from llmgw_slurm.base.subprocs import communicate
 from llmgw_slurm.slurm import parse
-from llmgw_slurm.slurm.types import AccountingRecord, Associations, Job, JobSpec, NodeInfo
-from llmgw_slurm.subprocs import communicate
+from llmgw_slurm.slurm.types import (
+    AccountingRecord,
+    Associations,
+    Job,
+    JobSpec,
+    NodeInfo,
+    already_gone,
+)
 
 log = logging.getLogger(__name__)
 
 # What sbatch --test-only prints (on stderr) when the job could be scheduled.
 _WILL_START = re.compile(r"Job \d+ to start at (\S+)")
-
-# What scancel and scontrol say about a job that has already ended or never was;
-# for an idempotent executor that is success, not failure.
-_GONE = re.compile(
-    r"Invalid job id|already completing or completed|Job/step already|does not exist",
-    re.IGNORECASE,
-)
 
 
 # Slurm's commands read options from the environment as well as their arguments:
@@ -287,8 +287,7 @@ class CliBackend:
         except SlurmUnavailable:
             raise
         except SlurmError as exc:
-            if _GONE.search(exc.stderr):
-                log.info("scancel %s: already gone", job_id)
+            if already_gone(job_id, exc.stderr):
                 return
             raise
 

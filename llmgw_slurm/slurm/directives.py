@@ -18,7 +18,7 @@ import signal as _signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.base.errors import SlurmError
 
 # sbatch's one-letter options, for those the backends know.
 SHORT = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from llmgw_slurm.errors import SlurmParseError
+from llmgw_slurm.base.errors import SlurmParseError
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import replace
 from datetime import datetime
 
-from llmgw_slurm.durations import slurm_time
-from llmgw_slurm.errors import SlurmParseError
+from llmgw_slurm.base.durations import slurm_time
+from llmgw_slurm.base.errors import SlurmParseError
 from llmgw_slurm.slurm.hostlist import expand
 from llmgw_slurm.slurm.types import (
     AccountingRecord,

@@ -33,7 +33,6 @@ import getpass
 import logging
 import os
 import pwd
-import re
 import signal as _signal
 import tempfile
 import threading
@@ -41,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from llmgw_slurm.errors import SlurmError, SlurmParseError, SlurmUnavailable
+from llmgw_slurm.base.errors import SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm import directives, parse
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.directives import signal_number
@@ -55,6 +54,7 @@ from llmgw_slurm.slurm.types import (
     JobSpec,
     JobState,
     NodeInfo,
+    already_gone,
 )
 
 log = logging.getLogger(__name__)
@@ -63,12 +63,6 @@ T = TypeVar("T")
 
 UNAVAILABLE = "pyslurm is not installed / built for a different Slurm; use slurm.backend: cli"
 
-# What slurm_strerror says about a job that has already ended or never was (the
-# same words scancel prints); for an idempotent executor that is success.
-_GONE = re.compile(
-    r"Invalid job id|already completing or completed|Job/step already|does not exist",
-    re.IGNORECASE,
-)
 
 _MISSING = object()
 
@@ -674,8 +668,7 @@ class PyslurmBackend:
         except SlurmUnavailable:
             raise
         except SlurmError as exc:
-            if _GONE.search(exc.message):
-                log.info("cancel %s: already gone", job_id)
+            if already_gone(job_id, exc.message):
                 return
             raise
 

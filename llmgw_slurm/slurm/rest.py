@@ -54,10 +54,10 @@ from typing import Any
 
 import httpx2
 
-from llmgw_slurm.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
+from llmgw_slurm.base.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm import directives, rest_parse, rest_submit
 from llmgw_slurm.slurm.rest_auth import SigningKey, Token, TokenFile, TokenSource
-from llmgw_slurm.slurm.types import AccountingRecord, Job, JobSpec, NodeInfo
+from llmgw_slurm.slurm.types import AccountingRecord, Job, JobSpec, NodeInfo, already_gone
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,6 @@ log = logging.getLogger(__name__)
 VERSIONS = ("v0.0.42", "v0.0.43", "v0.0.44")
 DEFAULT_VERSION = "v0.0.44"
 
-# slurm_strerror codes in a cancel's per-job status: the job is already gone.
-_GONE_CODES = frozenset({2017, 2021})  # ESLURM_INVALID_JOB_ID, ESLURM_ALREADY_DONE
-_GONE = re.compile(r"Invalid job id|already completing or completed|does not exist", re.I)
 # slurmctld could not be reached (slurmrestd answers, Slurm does not).
 _UNREACHABLE = re.compile(r"Unable to contact|connect|timed? ?out|Socket", re.I)
 _AUTH_CODE = 1007  # "Protocol authentication error": slurmctld refused the token
@@ -412,8 +409,7 @@ class RestBackend:
             if not code:
                 continue
             text = str(err.get("message") or err.get("string") or code)
-            if code in _GONE_CODES or _GONE.search(text):
-                log.info("cancel %s: already gone", job_id)
+            if already_gone(job_id, text, code):
                 continue
             raise SlurmError(text, command=[f"slurmrestd cancel {job_id}"])
 

@@ -40,7 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from llmgw_slurm.errors import ConfigError, SlurmUnavailable, UnsafePathError
+from llmgw_slurm.base.errors import ConfigError, SlurmUnavailable, UnsafePathError
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from llmgw_slurm.errors import SlurmParseError
+from llmgw_slurm.base.errors import SlurmParseError
 from llmgw_slurm.slurm import parse
 from llmgw_slurm.slurm.hostlist import expand
 from llmgw_slurm.slurm.types import (

@@ -24,8 +24,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from llmgw_slurm.durations import slurm_time
-from llmgw_slurm.errors import SlurmError
+from llmgw_slurm.base.durations import slurm_time
+from llmgw_slurm.base.errors import SlurmError
 from llmgw_slurm.slurm import directives
 from llmgw_slurm.slurm.types import JobSpec
 

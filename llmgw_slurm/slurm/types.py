@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -388,6 +389,26 @@ class StartEstimator(Protocol):
         cluster could never run the job or does not answer."""
 
 
+# What Slurm says of a job that has already ended or never was, in each of its
+# interfaces: scancel's stderr, slurm_strerror's words through pyslurm, slurmrestd's
+# errors (whose codes say it too). Cancelling it again is done, not failed: the
+# executor is idempotent, and a pass that cancels what just ended goes on.
+_GONE_WORDS = re.compile(
+    r"Invalid job id|already completing or completed|Job/step already|does not exist",
+    re.IGNORECASE,
+)
+_GONE_CODES = frozenset({2017, 2021})  # ESLURM_INVALID_JOB_ID, ESLURM_ALREADY_DONE
+
+
+def already_gone(job_id: str, message: str, code: int = 0) -> bool:
+    """Whether Slurm's refusal to cancel ``job_id`` says it is gone already (logged
+    then: every backend's ``cancel`` returns instead of raising)."""
+    gone = code in _GONE_CODES or _GONE_WORDS.search(message) is not None
+    if gone:
+        log.info("cancel %s: already gone", job_id)
+    return gone
+
+
 __all__: Sequence[str] = (
     "AccountingRecord",
     "Associations",
@@ -399,4 +420,5 @@ __all__: Sequence[str] = (
     "NodeInfo",
     "SlurmBackend",
     "StartEstimator",
+    "already_gone",
 )

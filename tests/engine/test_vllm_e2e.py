@@ -27,9 +27,9 @@ import aiohttp
 import openai
 import pytest
 
-from llmgw_slurm.secrets import engine_api_key, load_or_create_server_key
+from llmgw_slurm.auth.secrets import engine_api_key, load_or_create_server_key
+from llmgw_slurm.auth.tls import load_or_create_identity
 from llmgw_slurm.slurm.cli import CliBackend
-from llmgw_slurm.tls import load_or_create_identity
 from tests.agent_support import as_gateway
 from tests.engine.conftest import FIGURES, TOP
 from tests.ports import free_port

@@ -28,10 +28,10 @@ import aiohttp
 import openai
 
 from llmgw_slurm import daemon as daemonmod
+from llmgw_slurm.accounting.usage import query_usage
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.guard import open_fds
 from llmgw_slurm.router import GATEWAY_KEY
-from llmgw_slurm.router.usage import query_usage
 from tests.faults.support import record
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import Harness, tiny_model

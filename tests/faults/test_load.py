@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from llmgw_slurm.heap import MIN_GROWTH
+from llmgw_slurm.guard.heap import MIN_GROWTH
 from tests.faults.support import daemon_process, model_states, record, with_router
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import Harness, tiny_model

@@ -16,14 +16,14 @@ from pathlib import Path
 import aiohttp
 import openai
 
-from llmgw_slurm.router.keys import add_key
-from llmgw_slurm.secrets import (
+from llmgw_slurm.auth.keys import add_key
+from llmgw_slurm.auth.secrets import (
     engine_api_key,
     load_or_create_server_key,
     read_admin_token,
     replica_secret,
 )
-from llmgw_slurm.tls import load_or_create_identity
+from llmgw_slurm.auth.tls import load_or_create_identity
 from tests.agent_support import as_gateway
 from tests.faults.support import record, with_router
 from tests.slurm.conftest import eventually

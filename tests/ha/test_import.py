@@ -19,8 +19,8 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from llmgw_slurm.auth.keys import add_key
 from llmgw_slurm.cli.admin import main as admin
-from llmgw_slurm.router.keys import add_key
 from tests.ha.conftest import PgDatabase
 from tests.ha.peers import Peer, Peers, agent_yaml
 from tests.slurm.conftest import eventually

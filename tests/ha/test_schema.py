@@ -10,11 +10,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from llmgw_slurm.base.errors import SchemaError
 from llmgw_slurm.cli.admin import main as admin
 from llmgw_slurm.db.connect import connect
 from llmgw_slurm.db.schema import LATEST, check_schema, migrate, schema_version
 from llmgw_slurm.db.setup import check_database
-from llmgw_slurm.errors import SchemaError
 from tests.ha.conftest import PgDatabase
 
 pytestmark = pytest.mark.ha

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from psycopg import conninfo as pgconninfo
 
+from llmgw_slurm.accounting.usage import UsageRecord
+from llmgw_slurm.auth.keys import KeyRing, new_key
 from llmgw_slurm.batch.model import BatchRecord, BatchStatus
 from llmgw_slurm.db.batches import BatchesPart, PgBatchStore
 from llmgw_slurm.db.connect import make_conninfo
@@ -21,9 +23,7 @@ from llmgw_slurm.db.hub import Hub
 from llmgw_slurm.db.keys import KeysPart
 from llmgw_slurm.db.responses import SharedResponseHomes
 from llmgw_slurm.db.usage import PgUsageStore
-from llmgw_slurm.router.keys import KeyRing, new_key
 from llmgw_slurm.router.surface import Home
-from llmgw_slurm.router.usage import UsageRecord
 from tests.ha.conftest import PgDatabase
 from tests.ha.proxy import Proxy
 

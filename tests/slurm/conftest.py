@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import pytest
 
-from llmgw_slurm.errors import ConfigError
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.slurm import BACKENDS, SlurmError, SlurmUnavailable, make_backend
 from llmgw_slurm.slurm.cli import CliBackend
 

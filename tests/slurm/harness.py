@@ -81,7 +81,7 @@ TINY_ENGINE = [
     # every node user would see them (and could listen on the port first).
     "--served-name",
     "{served_name}",
-    # TLS as every engine serves it (llmgw_slurm/tls.py): the agent's files.
+    # TLS as every engine serves it (llmgw_slurm/auth/tls.py): the agent's files.
     "--ssl-certfile",
     "{tls_certfile}",
     "--ssl-keyfile",

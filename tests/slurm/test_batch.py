@@ -18,7 +18,7 @@ from typing import Any
 import openai
 import yaml
 
-from llmgw_slurm.router.keys import add_key
+from llmgw_slurm.auth.keys import add_key
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import TINY_ENGINE, Harness, research_job, running, tiny_model
 

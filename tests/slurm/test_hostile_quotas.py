@@ -18,10 +18,10 @@ import aiohttp
 import pytest
 import yaml
 
-from llmgw_slurm.munge import LOGIN_PAYLOAD
+from llmgw_slurm.accounting.usage import query_usage
+from llmgw_slurm.auth.keys import add_key
+from llmgw_slurm.auth.munge import LOGIN_PAYLOAD
 from llmgw_slurm.router import GATEWAY_KEY
-from llmgw_slurm.router.keys import add_key
-from llmgw_slurm.router.usage import query_usage
 from tests.hostile_user import INTRUDER, HostileUser, world_dir
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import TINY_ENGINE, Harness, running, tiny_model

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_slurm.accounting.usage import UsageRecord, query_usage
+from llmgw_slurm.auth.keys import add_key
 from llmgw_slurm.router import GATEWAY_KEY
-from llmgw_slurm.router.keys import add_key
-from llmgw_slurm.router.usage import UsageRecord, query_usage
 from tests.hostile_user import INTRUDER, squatting, world_dir
 from tests.slurm.conftest import TOP, eventually
 from tests.slurm.harness import Harness, tiny_model

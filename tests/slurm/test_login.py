@@ -22,9 +22,9 @@ import pytest
 import yaml
 from aiohttp import web
 
-from llmgw_slurm.munge import LOGIN_PAYLOAD
-from llmgw_slurm.router.keys import KeyRing, add_key
-from llmgw_slurm.router.login import LoginSettings, add_login_routes
+from llmgw_slurm.auth.keys import KeyRing, add_key
+from llmgw_slurm.auth.login import LoginSettings, add_login_routes
+from llmgw_slurm.auth.munge import LOGIN_PAYLOAD
 from llmgw_slurm.slurm.cli import CliBackend
 from tests.hostile_user import INTRUDER, HostileUser, world_dir
 from tests.slurm.conftest import eventually

@@ -29,7 +29,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from llmgw_slurm.router.usage import usage_by
+from llmgw_slurm.accounting.usage import usage_by
 from tests.hostile_user import INTRUDER, HostileUser, world_dir
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import Harness, running, tiny_model

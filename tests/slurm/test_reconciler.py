@@ -303,12 +303,12 @@ async def test_a_job_submitted_just_before_the_daemon_died_is_adopted_not_duplic
     tmp_path: Path, prefix: str
 ) -> None:
     """sbatch returned, then the daemon died before it recorded the job."""
+    from llmgw_slurm.auth.secrets import load_or_create_server_key
+    from llmgw_slurm.auth.tls import load_or_create_identity
     from llmgw_slurm.catalog import load_catalog
     from llmgw_slurm.config import load_server_config
     from llmgw_slurm.reconciler.jobs import JobBuilder, new_replica_id
-    from llmgw_slurm.secrets import load_or_create_server_key
     from llmgw_slurm.slurm.cli import CliBackend
-    from llmgw_slurm.tls import load_or_create_identity
 
     h = Harness(tmp_path / "daemon", prefix)
     h.write([tiny_model("orphan", scaling={"min": 1, "max": 1})])

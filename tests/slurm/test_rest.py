@@ -32,7 +32,7 @@ import openai
 import pytest
 import yaml
 
-from llmgw_slurm.errors import ConfigError
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.slurm import JobSpec, JobState, SlurmUnavailable, make_backend
 from llmgw_slurm.slurm.rest import RestBackend
 from tests.ports import free_port

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from llmgw_slurm.router.keys import add_key
+from llmgw_slurm.auth.keys import add_key
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import TINY_ENGINE, Harness, running, tiny_model
 

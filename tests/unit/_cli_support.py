@@ -21,9 +21,9 @@ from typing import Any
 from aiohttp import web
 
 from llmgw_slurm import daemon
+from llmgw_slurm.auth.secrets import engine_api_key
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.reconciler.core import Decision, Replica
-from llmgw_slurm.secrets import engine_api_key
 from llmgw_slurm.slurm.types import GpuCount, JobState, NodeInfo
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from tests.ports import free_port

@@ -12,10 +12,10 @@ from typing import Any
 import openai
 from aiohttp import web
 
+from llmgw_slurm.auth.tls import Identity, make_engine_tls
 from llmgw_slurm.router import GATEWAY_KEY
 from llmgw_slurm.router.server import Runner
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
-from llmgw_slurm.tls import Identity, make_engine_tls
 from tests.ports import free_port
 
 

@@ -14,9 +14,11 @@ import pytest
 from _router_support import engine, serve
 from prometheus_client import CollectorRegistry
 
-from llmgw_slurm.access import GROUPS_TTL, AccessGuard, unix_groups
+from llmgw_slurm.auth.access import GROUPS_TTL, AccessGuard, unix_groups
+from llmgw_slurm.auth.keys import KeyRecord, KeyRing, add_key
+from llmgw_slurm.auth.tls import PinnedContexts, make_identity
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.catalog import Access, Catalog, load_catalog
-from llmgw_slurm.errors import ConfigError
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.replicas import ReplicaTable
 from llmgw_slurm.reconciler.spans import ReconcileTracing
@@ -24,14 +26,10 @@ from llmgw_slurm.router import (
     GATEWAY_KEY,
     Endpoint,
     Gateway,
-    KeyRing,
     ModelInfo,
     StaticDirectory,
-    add_key,
     create_app,
 )
-from llmgw_slurm.router.keys import KeyRecord
-from llmgw_slurm.tls import PinnedContexts, make_identity
 
 # ---- the catalog ------------------------------------------------------------------------
 
@@ -198,8 +196,8 @@ async def test_a_forbidden_model_is_the_same_404_as_an_unknown_one(tmp_path: Pat
 
 
 async def test_metrics_name_a_restricted_model_only_to_who_may_use_it(tmp_path: Path) -> None:
+    from llmgw_slurm.auth.secrets import AdminToken, rotate_admin_token
     from llmgw_slurm.router.metrics import tokens_gate
-    from llmgw_slurm.secrets import AdminToken, rotate_admin_token
 
     async with gateway(tmp_path) as (url, gw, keys):
         async with openai.AsyncOpenAI(api_key=keys["alice"], base_url=url + "/v1") as c:

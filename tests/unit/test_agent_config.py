@@ -1,4 +1,4 @@
-"""agent.yaml (llmgw_slurm.config.AgentConfig) to the agent's settings, and CLI overrides."""
+"""agent.yaml (llmgw_slurm.config.AgentConfig) as the agent takes it, and CLI overrides."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 import pytest
 
-from llmgw_slurm.agent.main import build_settings
+from llmgw_slurm.agent.main import build_config
+from llmgw_slurm.config import PortRange
 
 AGENT_YAML = """\
 weights:
@@ -49,45 +50,48 @@ def test_agent_yaml_maps_onto_settings(tmp_path: Path) -> None:
     path.write_text(
         AGENT_YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs", rdzv=tmp_path / "rdzv")
     )
-    s, daemon_url = build_settings(path, {})
-    assert daemon_url == "http://login1:8001"
-    assert s.fetch.cache_dir == tmp_path / "cache"
-    assert s.fetch.method == "copy" and s.fetch.allow_hf is True
-    assert s.runtime("vllm").python == "/opt/engines/vllm/bin/python"
-    assert dict(s.runtime("vllm").env) == {"VLLM_NO_USAGE_STATS": "1"}
-    assert s.runtime("sglang").executable == "/opt/engines/sglang/bin/sglang"
-    assert s.runtime("command").python is None
-    assert s.apptainer == "singularity"
-    assert s.apptainer_binds == ("/shared/models:/shared/models:ro",)
-    assert s.ready_poll_s == 3 and s.ready_timeout_s == 1200
-    assert s.heartbeat_interval_s == 30 and s.port_range == (21000, 21999)
+    s = build_config(path, {})
+    assert s.daemon_url == "http://login1:8001"
+    assert s.weights.cache_dir == tmp_path / "cache"
+    assert s.weights.method == "copy" and s.weights.allow_download is True
+    assert s.engines.of("vllm").python == "/opt/engines/vllm/bin/python"
+    assert dict(s.engines.of("vllm").env) == {"VLLM_NO_USAGE_STATS": "1"}
+    assert s.engines.of("sglang").executable == "/opt/engines/sglang/bin/sglang"
+    assert s.engines.of("command").python is None
+    assert s.apptainer.binary == "singularity"
+    assert s.apptainer.binds == ("/shared/models:/shared/models:ro",)
+    assert s.readiness.poll_interval == 3 and s.readiness.timeout == 1200
+    assert s.heartbeat_interval == 30 and s.port_range.bounds == (21000, 21999)
     assert s.log_dir == tmp_path / "logs"
     assert s.bind_host == "10.0.0.5" and s.advertise_host == "gpu01.ib"
-    assert s.report_timeout_s == 4
-    assert (s.drain_timeout_s, s.drain_poll_s, s.drain_grace_s, s.stop_grace_s) == (90, 1, 5, 15)
-    assert s.rendezvous_dir == tmp_path / "rdzv" and s.rendezvous_timeout_s == 300
+    assert s.report_timeout == 4
+    d = s.drain
+    assert (d.timeout, d.poll_interval, d.grace, d.stop_grace) == (90, 1, 5, 15)
+    assert s.rendezvous.dir == tmp_path / "rdzv" and s.rendezvous.timeout == 300
     # Options override the file.
-    s2, _ = build_settings(
-        path, {"allow_hf": False, "port_range": (22000, 22010), "heartbeat_interval_s": None}
+    s2 = build_config(
+        path,
+        {"allow_hf": False, "port_range": PortRange(22000, 22010), "heartbeat_interval_s": None},
     )
-    assert s2.fetch.allow_hf is False and s2.port_range == (22000, 22010)
-    assert s2.heartbeat_interval_s == 30
+    assert s2.weights.allow_download is False and s2.port_range.bounds == (22000, 22010)
+    assert s2.heartbeat_interval == 30
 
 
 def test_defaults_of_an_empty_agent_yaml(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text("{}\n")
-    s, url = build_settings(path, {})
-    assert url is None
-    assert s.fetch.method == "auto" and s.fetch.allow_hf is False and s.fetch.verify == "size"
-    assert s.rendezvous_dir is None and s.bind_host == "0.0.0.0"
+    s = build_config(path, {})
+    assert s.daemon_url is None
+    w = s.weights
+    assert w.method == "auto" and w.allow_download is False and w.verify == "size"
+    assert s.rendezvous.dir is None and s.bind_host == "0.0.0.0"
 
 
 def test_bad_agent_yaml_is_one_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text("port_range: 30000-20000\n")
     with pytest.raises(click.ClickException) as info:
-        build_settings(path, {})
+        build_config(path, {})
     assert "agent.yaml" in info.value.message and "port_range" in info.value.message
 
 
@@ -130,8 +134,8 @@ def test_catalog_spec_round_trips_into_the_agent() -> None:
 
 def test_options_alone_need_a_cache_dir(tmp_path: Path) -> None:
     with pytest.raises(click.UsageError, match="--cache-dir"):
-        build_settings(None, {"verify": "sha256"})
-    s, url = build_settings(
+        build_config(None, {"verify": "sha256"})
+    s = build_config(
         None,
         {
             "cache_dir": tmp_path,
@@ -140,5 +144,32 @@ def test_options_alone_need_a_cache_dir(tmp_path: Path) -> None:
             "rendezvous_dir": tmp_path / "r",
         },
     )
-    assert url is None and s.fetch.verify == "sha256" and s.fetch.enabled is False
-    assert s.rendezvous_dir == tmp_path / "r"
+    assert s.daemon_url is None and s.weights.verify == "sha256" and s.weights.fetch is False
+    assert s.rendezvous.dir == tmp_path / "r"
+
+
+def test_agent_yaml_sets_what_only_options_and_code_could_before(tmp_path: Path) -> None:
+    # The knobs the agent had only as command-line options or built-in values
+    # (--no-fetch, --python, the hf command, the engine output kept) are
+    # agent.yaml's now, with the same defaults.
+    import sys
+
+    path = tmp_path / "agent.yaml"
+    path.write_text("{}\n")
+    s = build_config(path, {})
+    assert s.weights.fetch is True and s.weights.hf_command == ("hf",)
+    assert s.python is None and s.interpreter == sys.executable and s.log_tail_lines == 40
+    path.write_text(
+        "weights: {fetch: false, hf_command: [/opt/hf/bin/hf, --quiet]}\n"
+        "python: /opt/py/bin/python3\n"
+        "log_tail_lines: 5\n"
+    )
+    s = build_config(path, {})
+    assert s.weights.fetch is False and s.weights.hf_command == ("/opt/hf/bin/hf", "--quiet")
+    assert s.interpreter == "/opt/py/bin/python3" and s.log_tail_lines == 5
+    # The options win over the file, as every other option does.
+    s = build_config(path, {"fetch": True, "python": "/usr/bin/python3"})
+    assert s.weights.fetch is True and s.interpreter == "/usr/bin/python3"
+    path.write_text("log_tail_lines: 0\n")
+    with pytest.raises(click.ClickException, match="log_tail_lines"):
+        build_config(path, {})

@@ -23,8 +23,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from llmgw_slurm.agent import rendezvous as rdzv
 from llmgw_slurm.agent.headwatch import PortState, probe_port, wait_head_gone
 from llmgw_slurm.agent.runner import Agent, job_context_from_env
-from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
-from llmgw_slurm.config import EngineRuntime
+from llmgw_slurm.config import (
+    AgentConfig,
+    AgentWeightsConfig,
+    DrainConfig,
+    EngineRuntime,
+    EnginesConfig,
+)
 from tests.agent_support import FakeDaemon, fake_daemon
 from tests.unit.test_agent_run import two_node_envs
 
@@ -93,14 +98,12 @@ def worker_agent(
     spec = json.loads(env["LLMGW_REPLICA_SPEC"])
     spec["engine"] = {"kind": "vllm"}
     env["LLMGW_REPLICA_SPEC"] = json.dumps(spec)
-    settings = AgentSettings(
-        fetch=FetchSettings(cache_dir=tmp_path / "cache"),
+    settings = AgentConfig(
+        weights=AgentWeightsConfig(cache_dir=tmp_path / "cache"),
         bind_host="127.0.0.1",
-        engines={"vllm": EngineRuntime(executable=str(exe))},
-        drain_poll_s=0.05,
-        # Long: a worker that waited them out would fail the test's own limit.
-        drain_timeout_s=120,
-        stop_grace_s=5,
+        engines=EnginesConfig(vllm=EngineRuntime(executable=str(exe))),
+        # Long timeout: a worker that waited it out would fail the test's own limit.
+        drain=DrainConfig(poll_interval=0.05, timeout=120, stop_grace=5),
     )
     agent = Agent(
         settings,
@@ -111,7 +114,7 @@ def worker_agent(
         tracer=tracer.get_tracer("t") if tracer else None,
     )
     role = rdzv.compute_role(env, lambda _: ["127.0.0.1"])
-    return agent, rdzv.derived_port(settings.port_range, role)
+    return agent, rdzv.derived_port(settings.port_range.bounds, role)
 
 
 async def fake_head(port: int) -> tuple[asyncio.Server, asyncio.Event]:

@@ -9,7 +9,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from llmgw_slurm.agent.report import DaemonClient, daemon_urls
-from llmgw_slurm.secrets import REPLY_HEADER, parse_report_auth, reply_signature
+from llmgw_slurm.auth.secrets import REPLY_HEADER, parse_report_auth, reply_signature
 from tests.ports import free_port
 
 SECRET = "s" * 43

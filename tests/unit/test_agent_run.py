@@ -21,8 +21,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from llmgw_slurm.agent.runner import Agent, job_context_from_env
-from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
-from llmgw_slurm.tls import client_context
+from llmgw_slurm.auth.tls import client_context
+from llmgw_slurm.config import (
+    AgentConfig,
+    AgentWeightsConfig,
+    DrainConfig,
+    PortRange,
+    ReadinessConfig,
+    RendezvousConfig,
+)
 from tests.agent_support import (
     KEY,
     RID,
@@ -334,15 +341,14 @@ async def test_a_port_taken_before_the_engine_binds_it_moves_the_start_to_anothe
     ]  # fmt: skip
     env = job_env(daemon.url, json.dumps(spec))
     lo = free_port()
-    settings = AgentSettings(
-        fetch=FetchSettings(cache_dir=tmp_path / "cache"),
+    settings = AgentConfig(
+        weights=AgentWeightsConfig(cache_dir=tmp_path / "cache"),
         bind_host="127.0.0.1",
         advertise_host="127.0.0.1",
-        port_range=(lo, lo + 50),
-        heartbeat_interval_s=0.2,
-        ready_poll_s=0.1,
-        drain_poll_s=0.1,
-        stop_grace_s=5,
+        port_range=PortRange(lo, lo + 50),
+        heartbeat_interval=0.2,
+        readiness=ReadinessConfig(poll_interval=0.1),
+        drain=DrainConfig(poll_interval=0.1, stop_grace=5),
     )
     agent = Agent(settings, job_context_from_env(env), env)
     run = asyncio.create_task(agent.run())
@@ -379,15 +385,14 @@ async def test_an_unsigned_drain_answer_is_ignored_and_the_replica_keeps_serving
     daemon.drain_after_ready = True
     daemon.sign_answers = False
     env = job_env(daemon.url, spec_json(make_weights(tmp_path)))
-    settings = AgentSettings(
-        fetch=FetchSettings(cache_dir=tmp_path / "cache"),
+    settings = AgentConfig(
+        weights=AgentWeightsConfig(cache_dir=tmp_path / "cache"),
         bind_host="127.0.0.1",
         advertise_host="127.0.0.1",
-        heartbeat_interval_s=0.2,
-        ready_poll_s=0.1,
-        drain_poll_s=0.1,
-        stop_grace_s=5,
-        report_timeout_s=1.0,
+        heartbeat_interval=0.2,
+        report_timeout=1.0,
+        readiness=ReadinessConfig(poll_interval=0.1),
+        drain=DrainConfig(poll_interval=0.1, stop_grace=5),
     )
     agent = Agent(settings, job_context_from_env(env), env)
     run = asyncio.create_task(agent.run())
@@ -410,14 +415,13 @@ async def test_drain_asked_by_daemon_and_spans(daemon: FakeDaemon, tmp_path: Pat
     parent_id = "00f067aa0ba902b7"
     env = job_env(daemon.url, spec_json(make_weights(tmp_path)))
     env["TRACEPARENT"] = f"00-{trace_id}-{parent_id}-01"
-    settings = AgentSettings(
-        fetch=FetchSettings(cache_dir=tmp_path / "cache"),
+    settings = AgentConfig(
+        weights=AgentWeightsConfig(cache_dir=tmp_path / "cache"),
         bind_host="127.0.0.1",
         advertise_host="127.0.0.1",
-        heartbeat_interval_s=0.2,
-        ready_poll_s=0.1,
-        drain_poll_s=0.1,
-        stop_grace_s=5,
+        heartbeat_interval=0.2,
+        readiness=ReadinessConfig(poll_interval=0.1),
+        drain=DrainConfig(poll_interval=0.1, stop_grace=5),
     )
     agent = Agent(
         settings, job_context_from_env(env), env, tracer=provider.get_tracer("llmgw_slurm")
@@ -510,15 +514,14 @@ async def test_two_node_start_trace_has_a_span_per_node_with_its_rank_and_wait(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     head_env, worker_env = two_node_envs(daemon, tmp_path)
-    settings = AgentSettings(
-        fetch=FetchSettings(cache_dir=tmp_path / "cache"),
+    settings = AgentConfig(
+        weights=AgentWeightsConfig(cache_dir=tmp_path / "cache"),
         bind_host="127.0.0.1",
         advertise_host="127.0.0.1",
-        heartbeat_interval_s=0.2,
-        ready_poll_s=0.1,
-        drain_poll_s=0.1,
-        stop_grace_s=5,
-        rendezvous_dir=tmp_path / "rdzv",
+        heartbeat_interval=0.2,
+        readiness=ReadinessConfig(poll_interval=0.1),
+        drain=DrainConfig(poll_interval=0.1, stop_grace=5),
+        rendezvous=RendezvousConfig(dir=tmp_path / "rdzv"),
     )
     agents = []
     for env, host in ((head_env, "node-a"), (worker_env, "node-b")):

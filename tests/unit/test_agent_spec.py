@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from llmgw_slurm.agent.runner import job_context_from_env, replica_spec
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors
 from llmgw_slurm.catalog import read_replica_spec
-from llmgw_slurm.errors import ConfigError, ConfigErrors
 from tests.agent_support import gateway_identity
 
 GATEWAY = gateway_identity(Path(tempfile.mkdtemp(prefix="llmgw-test-gateway-")))

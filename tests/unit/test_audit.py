@@ -7,7 +7,14 @@ import io
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from llmgw_slurm.audit import aggregate, model_of, period_label, period_start, to_csv, totals
+from llmgw_slurm.accounting.audit import (
+    aggregate,
+    model_of,
+    period_label,
+    period_start,
+    to_csv,
+    totals,
+)
 from llmgw_slurm.slurm.types import AccountingRecord, JobState
 
 P = "llmgw."

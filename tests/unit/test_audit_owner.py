@@ -11,11 +11,18 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from llmgw_slurm.audit import aggregate, totals
-from llmgw_slurm.audit_owner import IDLE, UNKNOWN, apportion, batch_owner, by_owner, owner_totals
+from llmgw_slurm.accounting.audit import aggregate, totals
+from llmgw_slurm.accounting.audit_owner import (
+    IDLE,
+    UNKNOWN,
+    apportion,
+    batch_owner,
+    by_owner,
+    owner_totals,
+)
+from llmgw_slurm.accounting.usage import UsageRecord, UsageStore, tokens_by
 from llmgw_slurm.batch.jobs import batch_comment
 from llmgw_slurm.batch.model import BatchRecord
-from llmgw_slurm.router.usage import UsageRecord, UsageStore, tokens_by
 from llmgw_slurm.slurm.types import AccountingRecord, JobState
 from tests.unit.test_audit import P, rec
 

@@ -12,6 +12,11 @@ from typing import Any
 
 import pytest
 
+from llmgw_slurm.accounting.quota import Ask, QuotaBook, Refusal, Reservation
+from llmgw_slurm.auth.keys import KeyRecord
+from llmgw_slurm.auth.secrets import batch_secret, sign_report
+from llmgw_slurm.base.errors import SlurmError
+from llmgw_slurm.base.yamlsrc import load_yaml
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.jobs import BatchJobs
 from llmgw_slurm.batch.model import (
@@ -26,13 +31,8 @@ from llmgw_slurm.batch.service import MAX_JOBS, BatchRefused, BatchService
 from llmgw_slurm.batch.store import BatchStore, clean_filename
 from llmgw_slurm.catalog import parse_catalog
 from llmgw_slurm.config import BatchConfig, ClusterConfig, QuotaConfig, ServerConfig, SlurmConfig
-from llmgw_slurm.errors import SlurmError
 from llmgw_slurm.reconciler.reports import ReportVerifier
-from llmgw_slurm.router.keys import KeyRecord
-from llmgw_slurm.router.quota import Ask, QuotaBook, Refusal, Reservation
-from llmgw_slurm.secrets import batch_secret, sign_report
 from llmgw_slurm.slurm.types import Job, JobSpec, JobState
-from llmgw_slurm.yamlsrc import load_yaml
 from tests.unit._router_support import serve
 
 CHAT = "/v1/chat/completions"
@@ -620,8 +620,8 @@ async def test_a_finished_batch_hands_its_tokens_and_its_key_to_the_usage_store(
 def test_a_batch_line_for_a_model_the_key_may_not_use_reads_as_unknown() -> None:
     from types import SimpleNamespace
 
+    from llmgw_slurm.auth.keys import KeyRecord
     from llmgw_slurm.batch.routes import allowed_model
-    from llmgw_slurm.router.keys import KeyRecord
 
     aliases = {"tiny": "tiny", "t": "tiny", "big": "big"}
     ann = KeyRecord("a1", "ann", "p1", "0" * 64, 0.0)

@@ -21,9 +21,9 @@ from llmgw_slurm.agent.batch import (
 )
 from llmgw_slurm.agent.engine import LaunchParams, build_run_batch_command
 from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors
 from llmgw_slurm.batch import results
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.errors import ConfigError, ConfigErrors
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from tests.unit._router_support import free_port, serve
 
@@ -72,12 +72,11 @@ async def test_an_engine_that_does_not_answer_leaves_the_request_for_the_next_jo
     assert b.output.read_text() == "" and b.errors.read_text() == ""
 
 
-def test_a_job_without_its_batch_environment_says_what_is_missing() -> None:
-    with pytest.raises(ConfigError, match="LLMGW_BATCH_ID"):
-        batch_job_from_env({})
-    env = {
-        "LLMGW_BATCH_ID": "../../x",
-        "LLMGW_MODEL": "m",
+def batch_env(**over: str) -> dict[str, str]:
+    """What the daemon puts in a batch job's environment (``over`` replacing some)."""
+    return {
+        "LLMGW_BATCH_ID": "batch_" + "0" * 24,
+        "LLMGW_MODEL": "tiny",
         "LLMGW_DAEMON_URL": "http://x:1",
         "LLMGW_BATCH_SECRET": "s",
         "LLMGW_ENGINE_API_KEY": "k",
@@ -85,9 +84,35 @@ def test_a_job_without_its_batch_environment_says_what_is_missing() -> None:
         "LLMGW_BATCH_OUTPUT": "/o",
         "LLMGW_BATCH_ERRORS": "/e",
         "LLMGW_BATCH_ENDPOINT": CHAT,
+        **over,
     }
+
+
+def test_a_job_without_its_batch_environment_says_what_is_missing() -> None:
+    with pytest.raises(ConfigError, match="LLMGW_BATCH_ID"):
+        batch_job_from_env({})
+    env = batch_env(LLMGW_BATCH_ID="../../x", LLMGW_MODEL="m")
     with pytest.raises(ConfigError, match="not a batch id"):
         batch_job_from_env(env)
+
+
+def test_a_batch_jobs_environment_is_checked_as_a_replicas_is(tmp_path: Path) -> None:
+    # One check of a job's environment: a batch job's daemon URL, model and the
+    # gateway's certificate are held to what a replica's are.
+    from tests.agent_support import fake_engine_spec, gateway_identity
+
+    env = batch_env(
+        LLMGW_REPLICA_SPEC=fake_engine_spec(tmp_path),
+        LLMGW_GATEWAY_CERT=gateway_identity(tmp_path / "gw").cert_pem,
+    )
+    job, _ = batch_job_from_env(env)
+    assert job.replica_id == env["LLMGW_BATCH_ID"] and job.model == "tiny"
+    with pytest.raises(ConfigError, match="LLMGW_DAEMON_URL"):
+        batch_job_from_env({**env, "LLMGW_DAEMON_URL": "x:1"})
+    with pytest.raises(ConfigError, match="LLMGW_MODEL is 'other'"):
+        batch_job_from_env({**env, "LLMGW_MODEL": "other"})
+    with pytest.raises(ConfigError, match="LLMGW_GATEWAY_CERT"):
+        batch_job_from_env({**env, "LLMGW_GATEWAY_CERT": "not a certificate"})
 
 
 def test_the_batch_section_defaults_and_its_errors_name_file_and_line(tmp_path: Path) -> None:
@@ -229,18 +254,55 @@ def test_the_shards_merge_into_one_pair_of_files_each_custom_id_once(tmp_path: P
     assert results.shard_size(5, 3) == 2 and results.shard_size(6, 3) == 2
 
 
+def test_merged_results_are_on_disk_before_they_replace_the_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As every other file the daemon replaces: the data fsynced before the rename,
+    # so a crash leaves the old merge or the new one, never an empty file.
+    import os
+
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def synced(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def replaced(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(("replace", f"{src} {dst}"))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", replaced)
+    out, err = tmp_path / results.OUTPUT, tmp_path / results.ERRORS
+    o0, _ = results.shard_paths(out, err, 0)
+    o0.parent.mkdir()
+    o0.write_text(json.dumps({"custom_id": "a"}) + "\n")
+    results.merge_shards(tmp_path, 1)
+    for target in (out, err):
+        done = [
+            i
+            for i, (what, arg) in enumerate(events)
+            if what == "replace" and arg.endswith(f" {target}")
+        ]
+        assert len(done) == 1
+        src = events[done[0]][1].split(" ")[0]
+        assert ("fsync", src) in events[: done[0]]
+    assert results.custom_ids(out) == {"a"}
+
+
 async def test_a_job_with_nothing_left_in_its_lines_ends_without_an_engine(
     tmp_path: Path,
 ) -> None:
     from llmgw_slurm.agent.batch import BatchAgent
     from llmgw_slurm.agent.runner import EXIT_OK, JobContext, replica_spec
-    from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+    from llmgw_slurm.config import AgentConfig, AgentWeightsConfig
     from tests.agent_support import fake_engine_spec
 
     b = job(tmp_path, request("q0"), request("q1"))
     spec = replica_spec(fake_engine_spec(tmp_path))
     ctx = JobContext("batch_" + "0" * 24, "m", "http://127.0.0.1:1", "s", "k", spec)
-    settings = AgentSettings(fetch=FetchSettings(cache_dir=tmp_path / "c"))
+    settings = AgentConfig(weights=AgentWeightsConfig(cache_dir=tmp_path / "c"))
     agent = BatchAgent(b, settings, ctx, {})
     b.output.write_text(json.dumps({"custom_id": "q0"}) + "\n")
     assert agent._left() is None  # q1 is left: the engine would start

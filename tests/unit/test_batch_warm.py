@@ -32,13 +32,13 @@ from test_batch import (  # type: ignore[import-not-found]
 from test_batch import svc as svc  # the fixture
 
 from llmgw_slurm.agent import batch as agent_batch
+from llmgw_slurm.base.errors import ConfigErrors
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.model import BatchStatus
+from llmgw_slurm.batch.seam import UNREACHABLE_S, BatchSeam, BatchUnreached
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.batch.warm import PACE_WINDOW_S, WarmRide
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.errors import ConfigErrors
-from llmgw_slurm.router.batchseam import UNREACHABLE_S, BatchSeam, BatchUnreached
 from llmgw_slurm.router.directory import Endpoint, ModelInfo, StaticDirectory
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from tests.ports import free_port

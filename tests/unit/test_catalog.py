@@ -15,6 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors
 from llmgw_slurm.catalog import (
     PLACEHOLDERS,
     Catalog,
@@ -27,7 +28,6 @@ from llmgw_slurm.catalog import (
     read_replica_spec,
 )
 from llmgw_slurm.config import load_agent_config, load_server_config
-from llmgw_slurm.errors import ConfigError, ConfigErrors
 
 SITE = Path(__file__).resolve().parents[2] / "site-config"
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_slurm.auth.tls import PinnedContexts, make_identity
+from llmgw_slurm.base.errors import ConfigErrors
 from llmgw_slurm.catalog import ENDPOINTS, load_catalog, read_replica_spec
-from llmgw_slurm.errors import ConfigErrors
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.replicas import ReplicaTable
 from llmgw_slurm.reconciler.spans import ReconcileTracing
 from llmgw_slurm.router.directory import ModelRouting
-from llmgw_slurm.tls import PinnedContexts, make_identity
 
 CATALOG = """\
 defaults:

@@ -11,7 +11,7 @@ limit). Each template is covered:
 - ``replica.sbatch.j2`` (one node) and ``replica-hetjob.sbatch.j2`` (several),
   through :class:`~llmgw_slurm.reconciler.jobs.JobBuilder`;
 - ``model-job.sbatch.j2`` and ``engine-install.sbatch.j2``, through
-  :class:`~llmgw_slurm.svcjobs.ServiceJobBuilder`.
+  :class:`~llmgw_slurm.reconciler.svcjobs.ServiceJobBuilder`.
 
 Each case either fails to load with a ConfigError that says file:line, is
 refused at rendering with a TemplateError, or renders a script that passes
@@ -42,12 +42,12 @@ from hypothesis import strategies as st
 
 from llmgw_slurm import catalog as catalog_mod
 from llmgw_slurm import sbatch as sbatch_mod
+from llmgw_slurm.base.errors import ConfigError, TemplateError
 from llmgw_slurm.catalog import Model, load_catalog, read_replica_spec
 from llmgw_slurm.config import ServerConfig, load_server_config
-from llmgw_slurm.errors import ConfigError, TemplateError
 from llmgw_slurm.reconciler.jobs import JobBuilder
+from llmgw_slurm.reconciler.svcjobs import ServiceJobBuilder
 from llmgw_slurm.slurm.types import JobSpec
-from llmgw_slurm.svcjobs import ServiceJobBuilder
 
 _EVIL = [
     "x'; touch PWNED; echo '",

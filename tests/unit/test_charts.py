@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_slurm.audit import AuditRow
+from llmgw_slurm.accounting.audit import AuditRow
 from llmgw_slurm.cli import charts
 
 

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from llmgw_slurm import svgcharts
-from llmgw_slurm.history import History, quantile
+from llmgw_slurm.api import svgcharts
+from llmgw_slurm.api.history import History, quantile
+from llmgw_slurm.api.status_page import render_page
 from llmgw_slurm.router.directory import ModelInfo
 from llmgw_slurm.router.metrics import GatewayMetrics
-from llmgw_slurm.status_page import render_page
 
 
 class _Dir:
@@ -152,7 +152,7 @@ def test_only_the_busiest_models_are_drawn_and_the_rest_is_said() -> None:
 
 
 def test_a_model_hidden_from_the_caller_is_in_none_of_its_charts() -> None:
-    from llmgw_slurm.chartsapi import Charts, _page
+    from llmgw_slurm.api.charts import Charts, _page
 
     m = GatewayMetrics(_Dir(), CollectorRegistry())  # type: ignore[arg-type]
     clock = Clock()
@@ -160,7 +160,7 @@ def test_a_model_hidden_from_the_caller_is_in_none_of_its_charts() -> None:
     h.sample()
     clock.t += 60
     h.sample()
-    charts = Charts(None, h, None)  # type: ignore[arg-type]  # no decisions, no store
+    charts = Charts(h, None)  # no clusters, no decisions, no store
     charts.gpu_hours = {"at": clock.t, "since": 0.0, "by_model": {"alpha": 2.0, "beta": 3.0},
                         "by_account": {"p1": 5.0}}  # fmt: skip
 

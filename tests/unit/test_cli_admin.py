@@ -12,8 +12,8 @@ import pytest
 from _cli_support import RunningDaemon, add_decision, free_port, run_daemon, write_config
 from click.testing import CliRunner
 
+from llmgw_slurm.auth.keys import list_keys
 from llmgw_slurm.cli.admin import main
-from llmgw_slurm.router.keys import list_keys
 
 DATA = Path(__file__).parent / "data"
 
@@ -82,9 +82,9 @@ def test_daemon_down_and_missing_server_file(tmp_path: Path) -> None:
 def test_status_is_not_taken_from_a_squatter_on_the_gateway_port(tmp_path: Path) -> None:
     # The daemon crashed (its daemon.json left behind) and another user took its
     # port (issue 33, finding 9): before, llmgw-admin status showed what they answered.
+    from llmgw_slurm.auth.identity import DaemonInfo, publish
+    from llmgw_slurm.auth.private import public_dir
     from llmgw_slurm.config import load_server_config
-    from llmgw_slurm.identity import DaemonInfo, publish
-    from llmgw_slurm.private import public_dir
     from tests.hostile_user import INTRUDER, squatting
 
     intruder = INTRUDER.ensure()

@@ -14,11 +14,11 @@ import pytest
 from _cli_support import RunningDaemon, free_port, run_daemon
 from click.testing import CliRunner
 
+from llmgw_slurm.accounting.usage import UsageRecord
+from llmgw_slurm.auth.keys import add_key
 from llmgw_slurm.cli import settings
 from llmgw_slurm.cli.charts import bar
 from llmgw_slurm.cli.researcher import _phase, main
-from llmgw_slurm.router.keys import add_key
-from llmgw_slurm.router.usage import UsageRecord
 
 
 @pytest.fixture

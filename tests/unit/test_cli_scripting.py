@@ -25,7 +25,9 @@ from _cli_support import RunningDaemon, free_port, run_daemon, write_config
 from click.shell_completion import ShellComplete
 from click.testing import CliRunner, Result
 
-from llmgw_slurm import munge
+from llmgw_slurm.accounting.usage import UsageRecord
+from llmgw_slurm.auth import munge
+from llmgw_slurm.auth.keys import list_keys
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.routes import BATCH_KEY
 from llmgw_slurm.batch.service import BatchService
@@ -33,8 +35,6 @@ from llmgw_slurm.cli import settings
 from llmgw_slurm.cli.admin import main as admin_main
 from llmgw_slurm.cli.researcher import main
 from llmgw_slurm.router.gateway import GATEWAY_KEY
-from llmgw_slurm.router.keys import list_keys
-from llmgw_slurm.router.usage import UsageRecord
 from tests.unit.test_batch import Backend
 
 CLI = [sys.executable, "-c", "from llmgw_slurm.cli.researcher import main; main()"]
@@ -579,7 +579,7 @@ def test_usage_counts_each_request_of_a_batch(rd: RunningDaemon, tmp_path: Path)
 def test_a_usage_store_from_before_counts_each_old_row_once(tmp_path: Path) -> None:
     import sqlite3
 
-    from llmgw_slurm.router.usage import query_usage
+    from llmgw_slurm.accounting.usage import query_usage
 
     db = tmp_path / "usage.sqlite3"
     with sqlite3.connect(db) as conn:

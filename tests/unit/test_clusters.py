@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors, SlurmError
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import check_files, load_server_config
-from llmgw_slurm.errors import ConfigError, ConfigErrors, SlurmError
 from llmgw_slurm.reconciler.jobs import JobBuilder, job_name, parse_job_ident, parse_job_name
 from llmgw_slurm.slurm import JobSpec, StartEstimator, make_backends
 from llmgw_slurm.slurm.cli import CliBackend

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors
 from llmgw_slurm.catalog import Model, TimeLimit
 from llmgw_slurm.config import (
     AgentConfig,
@@ -23,7 +24,6 @@ from llmgw_slurm.config import (
     load_agent_config,
     load_server_config,
 )
-from llmgw_slurm.errors import ConfigError, ConfigErrors
 
 SITE = Path(__file__).resolve().parents[2] / "site-config"
 

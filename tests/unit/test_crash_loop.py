@@ -14,9 +14,9 @@ from pathlib import Path
 from _router_support import serve_engine  # type: ignore[import-not-found]
 from test_reconciler_core import KEY, job, make  # type: ignore[import-not-found]
 
+from llmgw_slurm.auth.secrets import engine_api_key, replica_secret
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.jobs import parse_job_name
-from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.types import JobState
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 

@@ -15,10 +15,10 @@ from _cli_support import RunningDaemon, free_port, run_daemon, write_config
 from click.testing import CliRunner
 
 from llmgw_slurm import daemon
+from llmgw_slurm.auth.keys import add_key
 from llmgw_slurm.cli.admin import main as admin_main
 from llmgw_slurm.cli.researcher import main as llmgw_main
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.router.keys import add_key
 
 
 def held_port() -> socket.socket:

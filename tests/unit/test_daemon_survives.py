@@ -21,9 +21,9 @@ import pytest
 from _cli_support import RunningDaemon, run_daemon
 from test_reconciler_core import make  # type: ignore[import-not-found]
 
+from llmgw_slurm.accounting.usage import UsageRecord, UsageStore, query_usage
 from llmgw_slurm.agent.report import DaemonClient
-from llmgw_slurm.router.usage import UsageRecord, UsageStore, query_usage
-from llmgw_slurm.secrets import replica_secret
+from llmgw_slurm.auth.secrets import replica_secret
 from tests.hostile_user import INTRUDER
 
 LIMITS = "connections: {head_timeout: 0.5s, per_peer: 20}\n"

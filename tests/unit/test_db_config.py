@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.config import DatabaseConfig, load_server_config
 from llmgw_slurm.db.connect import make_conninfo, read_password
-from llmgw_slurm.errors import ConfigError
 
 SITE = Path(__file__).resolve().parents[2] / "site-config"
 

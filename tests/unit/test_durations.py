@@ -1,4 +1,4 @@
-"""The one duration parser and formatter (llmgw_slurm.durations) and the CLIs' --since."""
+"""The one duration parser and formatter (llmgw_slurm.base.durations) and the CLIs' --since."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from datetime import datetime
 import click
 import pytest
 
+from llmgw_slurm.base.durations import format_duration, parse_duration, parse_since, slurm_time
 from llmgw_slurm.cli.common import parse_when
-from llmgw_slurm.durations import format_duration, parse_duration, parse_since, slurm_time
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,9 @@ from llmgw_slurm.agent.engine import (
     in_flight_from_metrics,
 )
 from llmgw_slurm.agent.errors import EngineError
+from llmgw_slurm.auth.tls import EngineTLS, client_context, make_engine_tls, make_identity
 from llmgw_slurm.catalog import EngineSpec
 from llmgw_slurm.config import EngineRuntime
-from llmgw_slurm.tls import EngineTLS, client_context, make_engine_tls, make_identity
 from tests.unit._router_support import free_port
 
 KEY = "sk-engine-0123"

@@ -25,7 +25,7 @@ from llmgw_slurm.agent.install import (
     install_marker_for,
     marker_path,
 )
-from llmgw_slurm.tracing import read_trace_marker, traceparent_of, write_trace_marker
+from llmgw_slurm.tracing.otel import read_trace_marker, traceparent_of, write_trace_marker
 
 STUB = """#!{python}
 import json, os, sys

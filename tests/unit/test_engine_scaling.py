@@ -10,9 +10,9 @@ from aiohttp import web
 from test_plan import R, entry, models_of, run, rv  # type: ignore[import-not-found]
 from test_reconciler_core import KEY, job, make  # type: ignore[import-not-found]
 
+from llmgw_slurm.auth.secrets import replica_secret
 from llmgw_slurm.reconciler.plan import ActionKind
 from llmgw_slurm.reconciler.probes import waiting_from_metrics
-from llmgw_slurm.secrets import replica_secret
 from llmgw_slurm.slurm.types import JobState
 
 SCALING = "{max: 4, scale_on: engine_waiting, target_waiting: 2}"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_slurm.auth.tls import client_context, make_identity
 from llmgw_slurm.router.engine import Answer, EngineBroken, EnginePool, EngineUnreachable
-from llmgw_slurm.tls import client_context, make_identity
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
 

@@ -1,4 +1,4 @@
-"""The one atomic write and the one lock (llmgw_slurm.fsutil)."""
+"""The one atomic write and the one lock (llmgw_slurm.base.fsutil)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_slurm.fsutil import LockTimeout, atomic_write, locked
+from llmgw_slurm.base.fsutil import LockTimeout, atomic_write, locked
 
 # A second process, because POSIX locks of one process never exclude each other.
 _HOLDER = """

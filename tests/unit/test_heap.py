@@ -1,11 +1,11 @@
-"""Returning a burst's freed heap to the kernel (llmgw_slurm/heap.py)."""
+"""Returning a burst's freed heap to the kernel (llmgw_slurm/guard/heap.py)."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from llmgw_slurm.heap import MIN_GROWTH, HeapTrimmer, glibc_heap
+from llmgw_slurm.guard.heap import MIN_GROWTH, HeapTrimmer, glibc_heap
 
 MIB = 1024 * 1024
 

@@ -18,11 +18,7 @@ import pytest
 from _cli_support import RunningDaemon, free_port, run_daemon
 from click.testing import CliRunner
 
-from llmgw_slurm.cli.admin import main as admin_main
-from llmgw_slurm.cli.admin import unix_call
-from llmgw_slurm.cli.researcher import main as llmgw_main
-from llmgw_slurm.errors import UnverifiedServerError
-from llmgw_slurm.identity import (
+from llmgw_slurm.auth.identity import (
     DaemonInfo,
     check_listener,
     listening_uids,
@@ -30,6 +26,10 @@ from llmgw_slurm.identity import (
     read_info,
     verify_url,
 )
+from llmgw_slurm.base.errors import UnverifiedServerError
+from llmgw_slurm.cli.admin import main as admin_main
+from llmgw_slurm.cli.admin import unix_call
+from llmgw_slurm.cli.researcher import main as llmgw_main
 from tests.hostile_user import INTRUDER, Squatter, world_dir
 
 
@@ -233,7 +233,7 @@ def test_sd_listen_fds_hands_over_systemds_sockets() -> None:
     s.listen()
     port = s.getsockname()[1]
     code = (
-        "import json, os; from llmgw_slurm.sdnotify import listen_fds;"
+        "import json, os; from llmgw_slurm.base.sdnotify import listen_fds;"
         "got = listen_fds(); print(json.dumps([[n, s.getsockname()[1], s.get_inheritable()]"
         " for n, s in got] + ['LISTEN_FDS' in os.environ]))"
     )

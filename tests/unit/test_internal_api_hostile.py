@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_reconciler_core import KEY, job, make  # type: ignore[import-not-found]
 
+from llmgw_slurm.auth.secrets import engine_api_key, replica_secret, sign_report
 from llmgw_slurm.daemon import internal_app
 from llmgw_slurm.reconciler.core import Reconciler
-from llmgw_slurm.secrets import engine_api_key, replica_secret, sign_report
 from llmgw_slurm.slurm.types import JobState
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 

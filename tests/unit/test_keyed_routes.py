@@ -12,8 +12,8 @@ import pytest
 from _cli_support import RunningDaemon, run_daemon
 from click.testing import CliRunner
 
+from llmgw_slurm.auth.keys import add_key
 from llmgw_slurm.cli.researcher import main
-from llmgw_slurm.router.keys import add_key
 
 
 @pytest.fixture

@@ -17,12 +17,12 @@ import pytest
 from _cli_support import RunningDaemon, run_daemon
 from click.testing import CliRunner
 
-from llmgw_slurm import munge
+from llmgw_slurm.auth import munge
+from llmgw_slurm.auth.keys import list_keys
+from llmgw_slurm.auth.login import LOGIN_KEY, RateLimit
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.cli.researcher import main
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.errors import ConfigError
-from llmgw_slurm.router.keys import list_keys
-from llmgw_slurm.router.login import LOGIN_KEY, RateLimit
 from llmgw_slurm.slurm.types import Associations
 from tests.hostile_user import INTRUDER
 from tests.munge_support import encode, munged
@@ -186,7 +186,7 @@ def fresh(rd: RunningDaemon) -> Iterator[None]:
     # Each test starts with no login keys, so the per-user cap is the test's own.
     for rec in list_keys(routes.settings.keys_file):
         if rec.active:
-            from llmgw_slurm.router.keys import revoke_key
+            from llmgw_slurm.auth.keys import revoke_key
 
             revoke_key(routes.settings.keys_file, rec.key_id)
 
@@ -267,7 +267,7 @@ def test_a_user_has_at_most_max_keys(rd: RunningDaemon, sock: Path) -> None:
 
 
 def test_keys_revoked_within_the_window_still_count(tmp_path: Path) -> None:
-    from llmgw_slurm.router.keys import TooManyKeys, add_key, revoke_key
+    from llmgw_slurm.auth.keys import TooManyKeys, add_key, revoke_key
 
     path = tmp_path / "keys.json"
     first = add_key(path, "ann", limit=2, revoked_within=3600)
@@ -377,9 +377,9 @@ def test_cli_revoke_needs_a_key_id(xdg: Path) -> None:
 
 
 def test_usage_by_key_user_and_account(rd: RunningDaemon, xdg: Path) -> None:
+    from llmgw_slurm.accounting.usage import UsageRecord
+    from llmgw_slurm.auth.keys import add_key
     from llmgw_slurm.router.gateway import GATEWAY_KEY
-    from llmgw_slurm.router.keys import add_key
-    from llmgw_slurm.router.usage import UsageRecord
 
     keys_file = rd.d.gateway[LOGIN_KEY].settings.keys_file
     a1 = add_key(keys_file, "t18ann", "t18acct")
@@ -410,8 +410,8 @@ def test_status_up_and_the_page_hide_models_a_key_may_not_use(
 ) -> None:
     from _cli_support import MODELS_YAML
 
+    from llmgw_slurm.auth.keys import add_key
     from llmgw_slurm.catalog import load_catalog
-    from llmgw_slurm.router.keys import add_key
 
     keys_file = rd.d.gateway[LOGIN_KEY].settings.keys_file
     ann, ben = add_key(keys_file, "t18ann").key, add_key(keys_file, "t18ben").key
@@ -452,7 +452,7 @@ def test_munged_slurmdbd_or_the_key_file_away_is_503_not_a_traceback(
 ) -> None:
     import dataclasses
 
-    from llmgw_slurm.errors import SlurmUnavailable
+    from llmgw_slurm.base.errors import SlurmUnavailable
 
     routes = rd.d.gateway[LOGIN_KEY]
     settings, lookup = routes.settings, routes.associations

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_slurm.errors import UnsafePathError
-from llmgw_slurm.private import private_dir, public_dir, trusted_owner, write_atomic
-from llmgw_slurm.router.usage import UsageRecord, UsageStore
-from llmgw_slurm.secrets import load_or_create_server_key
+from llmgw_slurm.accounting.usage import UsageRecord, UsageStore
+from llmgw_slurm.auth.private import private_dir, public_dir, trusted_owner, write_atomic
+from llmgw_slurm.auth.secrets import load_or_create_server_key
+from llmgw_slurm.base.errors import UnsafePathError
 
 
 @pytest.fixture

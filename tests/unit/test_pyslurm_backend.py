@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from llmgw_slurm.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
+from llmgw_slurm.base.errors import ConfigError, SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm import JobSpec, JobState, make_backend
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.pyslurm_backend import (

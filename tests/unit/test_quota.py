@@ -20,23 +20,7 @@ from _router_support import engine, eventually, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_slurm.config import QuotaConfig, load_server_config
-from llmgw_slurm.errors import ConfigError
-from llmgw_slurm.router import (
-    GATEWAY_KEY,
-    Endpoint,
-    Gateway,
-    KeyRing,
-    ModelInfo,
-    RouterConfig,
-    StaticDirectory,
-    UsageRecord,
-    UsageStore,
-    add_key,
-    create_app,
-)
-from llmgw_slurm.router.keys import KeyRecord
-from llmgw_slurm.router.quota import (
+from llmgw_slurm.accounting.quota import (
     NOTHING,
     AccountBudget,
     AccountBudgets,
@@ -49,7 +33,19 @@ from llmgw_slurm.router.quota import (
     prompt_estimate,
     set_account_budget,
 )
-from llmgw_slurm.router.usage import SqliteUsage
+from llmgw_slurm.accounting.usage import SqliteUsage, UsageRecord, UsageStore
+from llmgw_slurm.auth.keys import KeyRecord, KeyRing, add_key
+from llmgw_slurm.base.errors import ConfigError
+from llmgw_slurm.config import QuotaConfig, load_server_config
+from llmgw_slurm.router import (
+    GATEWAY_KEY,
+    Endpoint,
+    Gateway,
+    ModelInfo,
+    RouterConfig,
+    StaticDirectory,
+    create_app,
+)
 
 # 2026-12-03 10:00:30 UTC: 30 s into a minute, 10 h into a day.
 T0 = float(calendar.timegm((2026, 12, 3, 10, 0, 30)))

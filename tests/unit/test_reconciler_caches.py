@@ -15,9 +15,9 @@ from typing import Any
 
 from test_reconciler_core import KEY, job, make  # type: ignore[import-not-found]
 
+from llmgw_slurm.auth.secrets import replica_secret
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.replicas import Replica, build_view, view_of
-from llmgw_slurm.secrets import replica_secret
 from llmgw_slurm.slurm.types import JobState
 
 RID = "0a1b2c3d"

@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 from test_reconciler_core import KEY, PREFIX, FakeSlurm, job, node  # type: ignore[import-not-found]
 
+from llmgw_slurm.base.errors import SlurmError, SlurmUnavailable
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.errors import SlurmError, SlurmUnavailable
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.jobs import job_name
 from llmgw_slurm.reconciler.plan import ReplicaState
@@ -38,10 +38,18 @@ class Cluster(FakeSlurm):
         self.down = False
         self.start_in = start_in
         self.asked: list[str] = []
+        self.checked = self.closed = 0
 
     def _answer(self) -> None:
         if self.down:
             raise SlurmUnavailable("no answer within 30s (is slurmctld up?)", command=["squeue"])
+
+    async def check(self) -> None:
+        self.checked += 1
+        self._answer()
+
+    async def close(self) -> None:
+        self.closed += 1
 
     async def list_jobs(self, name_prefix: str = "") -> list[Any]:
         self._answer()
@@ -274,7 +282,7 @@ async def test_service_jobs_are_followed_per_cluster_though_their_ids_are_the_sa
     from click.testing import CliRunner
 
     from llmgw_slurm.cli.admin import main
-    from llmgw_slurm.svcjobs import ServiceJobBuilder, service_job_name
+    from llmgw_slurm.reconciler.svcjobs import ServiceJobBuilder, service_job_name
 
     rec, a, b, _ = make(tmp_path, [model("m")])
     # llmgw-admin fetch --cluster b: the job is built with b's defaults, b's name known.
@@ -293,3 +301,16 @@ async def test_service_jobs_are_followed_per_cluster_though_their_ids_are_the_sa
         main, ["fetch", "m", "--cluster", "c", "--server", str(tmp_path / "server.yaml")]
     )
     assert out.exit_code == 2 and "no cluster 'c'; clusters: a, b" in out.output
+
+
+async def test_every_clusters_backend_is_checked_at_start_and_closed_at_the_end(
+    tmp_path: Path,
+) -> None:
+    # The daemon checked and closed the first cluster's backend alone.
+    rec, a, b, _ = make(tmp_path, [model("m")])
+    a.down = True
+    unanswered = await rec.clusters.check()
+    assert list(unanswered) == ["a"] and "slurmctld" in str(unanswered["a"])
+    assert (a.checked, b.checked) == (1, 1)
+    await rec.clusters.close()
+    assert (a.closed, b.closed) == (1, 1)

@@ -21,17 +21,17 @@ import pytest
 import yaml
 from _router_support import eventually, serve, serve_engine  # type: ignore[import-not-found]
 
+from llmgw_slurm.auth.secrets import engine_api_key, replica_secret
+from llmgw_slurm.base.durations import format_duration
+from llmgw_slurm.base.errors import SlurmUnavailable
 from llmgw_slurm.catalog import Catalog, load_catalog
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.durations import format_duration
-from llmgw_slurm.errors import SlurmUnavailable
 from llmgw_slurm.reconciler import plan as planmod
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.jobs import job_name, parse_job_name
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.replicas import view_of
 from llmgw_slurm.router import GATEWAY_KEY, RouterConfig, create_app
-from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import (
     AccountingRecord,
@@ -461,7 +461,7 @@ async def test_reaped_job_names_its_final_state_from_accounting(tmp_path: Path) 
 
 
 async def test_slurm_down_means_nothing_is_done(tmp_path: Path) -> None:
-    from llmgw_slurm.errors import SlurmUnavailable
+    from llmgw_slurm.base.errors import SlurmUnavailable
 
     rec, fake = make(tmp_path, {"min": 1, "max": 1})
 

@@ -21,15 +21,15 @@ from _router_support import (  # type: ignore[import-not-found]
 )
 from aiohttp import web
 
+from llmgw_slurm.auth.secrets import engine_api_key, replica_secret, sign_report
+from llmgw_slurm.auth.tls import PinnedContexts, make_identity
 from llmgw_slurm.catalog import Catalog
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.probes import EngineProbe
 from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.reconciler.spans import ReconcileTracing
-from llmgw_slurm.secrets import engine_api_key, replica_secret, sign_report
 from llmgw_slurm.slurm.types import JobState
-from llmgw_slurm.tls import PinnedContexts, make_identity
 
 KEY = b"p" * 64
 RID = "0a0a0a0a"

@@ -20,10 +20,7 @@ from aiohttp import web
 from test_batch import Backend, Clock, create, line, svc, upload  # type: ignore[import-not-found]
 
 from llmgw_slurm.agent.report import DaemonClient
-from llmgw_slurm.batch.routes import add_internal_routes
-from llmgw_slurm.batch.service import BatchService
-from llmgw_slurm.guard.faults import Faults
-from llmgw_slurm.secrets import (
+from llmgw_slurm.auth.secrets import (
     REPLY_HEADER,
     batch_secret,
     parse_report_auth,
@@ -31,6 +28,9 @@ from llmgw_slurm.secrets import (
     reply_signature,
     sign_report,
 )
+from llmgw_slurm.batch.routes import add_internal_routes
+from llmgw_slurm.batch.service import BatchService
+from llmgw_slurm.guard.faults import Faults
 
 __all__ = ["svc"]  # the batch service fixture, from test_batch
 

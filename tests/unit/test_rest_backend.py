@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors, SlurmError, SlurmUnavailable
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.errors import ConfigError, ConfigErrors, SlurmError, SlurmUnavailable
 from llmgw_slurm.slurm import JobSpec, JobState, make_backend
 from llmgw_slurm.slurm.rest import RestBackend
 from llmgw_slurm.slurm.rest_auth import REFUSED_HOLD, SigningKey, TokenFile, claims

@@ -14,19 +14,17 @@ import openai
 import pytest
 from _router_support import engine, eventually, free_port, serve
 
+from llmgw_slurm.accounting.usage import UsageStore, query_usage
+from llmgw_slurm.auth.keys import KeyRing, add_key
 from llmgw_slurm.router import (
     GATEWAY_KEY,
     Endpoint,
     Gateway,
-    KeyRing,
     ModelDirectory,
     ModelInfo,
     RouterConfig,
     StaticDirectory,
-    UsageStore,
-    add_key,
     create_app,
-    query_usage,
 )
 
 

@@ -11,9 +11,9 @@ import pytest
 from _router_support import eventually
 from test_router import stack  # type: ignore[import-not-found]
 
+from llmgw_slurm.auth.keys import KeyRing, add_key
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.router import Endpoint, RouterConfig
-from llmgw_slurm.router.keys import KeyRing, add_key
 
 
 async def test_a_key_over_its_cap_gets_429_while_other_keys_are_still_held(

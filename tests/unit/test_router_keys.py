@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_slurm.errors import ConfigError, LlmgwError
-from llmgw_slurm.router import keys as keys_module
-from llmgw_slurm.router.keys import KeyRing, add_key, list_keys, revoke_key
+from llmgw_slurm.auth import keys as keys_module
+from llmgw_slurm.auth.keys import KeyRing, add_key, list_keys, revoke_key
+from llmgw_slurm.base.errors import ConfigError, LlmgwError
 
 
 def test_add_stores_only_a_hash_in_a_private_file(tmp_path: Path) -> None:

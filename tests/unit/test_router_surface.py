@@ -14,16 +14,15 @@ import openai
 import pytest
 from _router_support import engine, eventually, serve
 
+from llmgw_slurm.accounting.usage import UsageStore
+from llmgw_slurm.auth.keys import KeyRing, add_key
 from llmgw_slurm.router import (
     GATEWAY_KEY,
     Endpoint,
     Gateway,
-    KeyRing,
     ModelInfo,
     RouterConfig,
     StaticDirectory,
-    UsageStore,
-    add_key,
     create_app,
 )
 from llmgw_slurm.router.directory import ModelRouting

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmgw_slurm.router.usage import UsageRecord, UsageStore, query_usage
+from llmgw_slurm.accounting.usage import UsageRecord, UsageStore, query_usage
 
 
 def _rec(ts: float, key: str, model: str, p: int, c: int) -> UsageRecord:

@@ -22,8 +22,8 @@ import aiohttp
 from _router_support import eventually, serve
 from aiohttp import web
 
+from llmgw_slurm.accounting.usage import UsageStore, query_usage
 from llmgw_slurm.router import Endpoint, ModelInfo, RouterConfig, StaticDirectory, create_app
-from llmgw_slurm.router.usage import UsageStore, query_usage
 
 TOKENS = 40
 

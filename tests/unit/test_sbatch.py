@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_slurm.base.errors import TemplateError
 from llmgw_slurm.catalog import Model, Resources, read_replica_spec
 from llmgw_slurm.config import SlurmConfig
-from llmgw_slurm.errors import TemplateError
 from llmgw_slurm.sbatch import (
     EngineInstallParams,
     HetComponent,

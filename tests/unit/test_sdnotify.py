@@ -27,10 +27,10 @@ import pytest
 import yaml
 
 from llmgw_slurm import daemon
+from llmgw_slurm.base.errors import SlurmUnavailable
+from llmgw_slurm.base.sdnotify import Notifier, log_handler
 from llmgw_slurm.config import load_server_config
-from llmgw_slurm.errors import SlurmUnavailable
 from llmgw_slurm.reconciler.jobs import job_name
-from llmgw_slurm.sdnotify import Notifier, log_handler
 from llmgw_slurm.slurm.types import Job, JobComponent, JobState, NodeInfo
 from tests.ports import free_port
 

@@ -24,6 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine_side import CRAFTED  # type: ignore[import-not-found]
 
+from llmgw_slurm.accounting.quota import QuotaBook
+from llmgw_slurm.auth.keys import KeyRing, add_key
+from llmgw_slurm.auth.tls import client_context, load_or_create_identity, make_engine_tls
 from llmgw_slurm.config import QuotaConfig
 from llmgw_slurm.router import (
     GATEWAY_KEY,
@@ -35,10 +38,7 @@ from llmgw_slurm.router import (
     create_app,
 )
 from llmgw_slurm.router.forward import Exchange
-from llmgw_slurm.router.keys import KeyRing, add_key
-from llmgw_slurm.router.quota import QuotaBook
 from llmgw_slurm.router.server import Request, Runner
-from llmgw_slurm.tls import client_context, load_or_create_identity, make_engine_tls
 
 CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
 

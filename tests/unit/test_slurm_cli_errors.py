@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_slurm.errors import SlurmError, SlurmParseError, SlurmUnavailable
+from llmgw_slurm.base.errors import SlurmError, SlurmParseError, SlurmUnavailable
 from llmgw_slurm.slurm import JobSpec
 from llmgw_slurm.slurm.cli import CliBackend
 
@@ -189,3 +189,15 @@ async def test_submit_passes_env_not_argv_and_script_on_stdin(tmp_path: Path) ->
     assert not any("s3cret" in a for a in argv)
     assert Path(f"{record}.env").read_text() == "s3cret"
     assert Path(f"{record}.stdin").read_text() == "#!/bin/sh\necho hi\n"
+
+
+def test_already_gone_is_one_rule_for_every_backend() -> None:
+    from llmgw_slurm.slurm.types import already_gone
+
+    # scancel's stderr, slurm_strerror's words (pyslurm), slurmrestd's codes or words.
+    assert already_gone("5", "scancel: error: Kill job error on job id 5: Invalid job id specified")
+    assert already_gone("5", "Job/step already completing or completed")
+    assert already_gone("5", "slurm error 2021", 2021) and already_gone("5", "", 2017)
+    assert already_gone("5", "Job 5 does not exist")
+    assert not already_gone("5", "Access/permission denied", 1)
+    assert not already_gone("5", "Unable to contact slurm controller (connect failure)")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_slurm.errors import SlurmParseError
+from llmgw_slurm.base.errors import SlurmParseError
 from llmgw_slurm.slurm import JobState, parse
 from llmgw_slurm.slurm.hostlist import expand
 

@@ -6,7 +6,7 @@ import re
 from html.parser import HTMLParser
 from typing import Any
 
-from llmgw_slurm.status_page import REFRESH_SECONDS, render_page
+from llmgw_slurm.api.status_page import REFRESH_SECONDS, render_page
 
 EVIL = "<script>alert(1)</script>\"'&"
 

@@ -1,4 +1,4 @@
-"""A child that exits before it reads its input (llmgw_slurm/subprocs.py): its exit
+"""A child that exits before it reads its input (llmgw_slurm/base/subprocs.py): its exit
 status and stderr reach the caller, on asyncio's loop and on uvloop's."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import uvloop
 
-from llmgw_slurm.subprocs import communicate
+from llmgw_slurm.base.subprocs import communicate
 
 
 async def _gone_before_its_input(size: int) -> tuple[int | None, bytes, bytes]:

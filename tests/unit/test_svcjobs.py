@@ -15,13 +15,13 @@ import pytest
 from test_reconciler_core import PREFIX, job, make  # type: ignore[import-not-found]
 
 from llmgw_slurm.reconciler.jobs import parse_job_name
-from llmgw_slurm.slurm.types import AccountingRecord, JobState
-from llmgw_slurm.svcjobs import (
+from llmgw_slurm.reconciler.svcjobs import (
     ServiceJobBuilder,
     job_log_path,
     parse_service_job_name,
     service_job_name,
 )
+from llmgw_slurm.slurm.types import AccountingRecord, JobState
 
 
 def test_service_job_names_round_trip_and_are_never_replicas() -> None:

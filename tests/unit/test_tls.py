@@ -1,4 +1,4 @@
-"""Mutual TLS between the gateway and its engines (llmgw_slurm/tls.py), with real handshakes."""
+"""Mutual TLS between the gateway and its engines (llmgw_slurm/auth/tls.py), with real handshakes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from aiohttp import web
 from llmgw_slurm.agent.engine import check_port_owner
 from llmgw_slurm.agent.errors import EngineError
 from llmgw_slurm.agent.portowner import port_owner
-from llmgw_slurm.tls import (
+from llmgw_slurm.auth.tls import (
     PEMError,
     PinnedContexts,
     check_certificate,

@@ -22,16 +22,16 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from test_tracing import KEY, MODELS, Clock, FakeSlurm, start_alpha
 
 from llmgw_slurm.agent.spansend import DaemonSpanExporter, batches
+from llmgw_slurm.api.traces import add_span_route, add_trace_route, trace_of
+from llmgw_slurm.auth.secrets import replica_secret, sign_report
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.cli.charts import waterfall_lines
 from llmgw_slurm.config import load_server_config
 from llmgw_slurm.daemon import internal_app
 from llmgw_slurm.reconciler.core import Reconciler
-from llmgw_slurm.secrets import replica_secret, sign_report
-from llmgw_slurm.traceapi import add_span_route, add_trace_route, trace_of
-from llmgw_slurm.tracestore import MAX_EVENTS, MAX_SPAN_BYTES, SpanRejected, TraceStore
-from llmgw_slurm.tracing import extract_env
-from llmgw_slurm.waterfall import generic, waterfall
+from llmgw_slurm.tracing.otel import extract_env
+from llmgw_slurm.tracing.store import MAX_EVENTS, MAX_SPAN_BYTES, SpanRejected, TraceStore
+from llmgw_slurm.tracing.waterfall import generic, waterfall
 
 
 @dataclasses.dataclass
@@ -110,7 +110,7 @@ async def test_a_cold_start_is_one_waterfall_from_the_pass_to_serving(w: World) 
     w.slurm.run(jid)
     await w.rec.pass_once()
     app = internal_app(w.rec)
-    add_span_route(app, w.rec, w.store)
+    add_span_route(app, w.rec.verifier, w.store)
     steps = ("weights", "rendezvous", "engine_launch", "readiness", "register")
     async with serve(app) as url:
         exporter = DaemonSpanExporter(url, rid, replica_secret(KEY, rid))
@@ -161,7 +161,7 @@ async def test_agents_may_add_spans_only_to_their_own_start_signed(w: World) -> 
         "end": time.time(),
     }
     app = internal_app(w.rec)
-    add_span_route(app, w.rec, w.store)
+    add_span_route(app, w.rec.verifier, w.store)
     async with serve(app) as url:
         # Into another replica's trace: refused, saying why; nothing taken.
         status, answer = await send(url, other_rid, {"spans": [span]})

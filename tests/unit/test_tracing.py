@@ -25,18 +25,18 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, StatusCode, TraceFlags
 
+from llmgw_slurm.auth.secrets import engine_api_key, replica_secret
+from llmgw_slurm.base.errors import ConfigError
 from llmgw_slurm.catalog import load_catalog
 from llmgw_slurm.config import ServerConfig, TracingConfig, load_server_config
-from llmgw_slurm.errors import ConfigError
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.reconciler.plan import Action, ActionKind
 from llmgw_slurm.reconciler.spans import decision_of, traceparent_from_comment
 from llmgw_slurm.router import ModelInfo, RouterConfig, StaticDirectory, create_app
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
-from llmgw_slurm.secrets import engine_api_key, replica_secret
 from llmgw_slurm.slurm.types import GpuCount, Job, JobComponent, JobSpec, JobState, NodeInfo
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
-from llmgw_slurm.tracing import (
+from llmgw_slurm.tracing.otel import (
     RateLimitedExporter,
     context_from_traceparent,
     extract_env,
@@ -557,14 +557,14 @@ def test_an_exporter_that_raises_breaks_nothing_and_logs_rate_limited(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(wrapped))
     tracer = provider.get_tracer("t")
-    with caplog.at_level(logging.WARNING, logger="llmgw_slurm.tracing"):
+    with caplog.at_level(logging.WARNING, logger="llmgw_slurm.tracing.otel"):
         for _ in range(5):
             with tracer.start_as_current_span("s"):
                 pass
         provider.shutdown()
     assert inner.calls == 5
     assert wrapped.failures == 6  # five exports and the shutdown
-    messages = [r.getMessage() for r in caplog.records if r.name == "llmgw_slurm.tracing"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "llmgw_slurm.tracing.otel"]
     assert len(messages) == 1 and "collector down" in messages[0]
 
 
@@ -744,17 +744,17 @@ def test_weights_from_a_model_job_link_the_replica_weights_span(tmp_path: Path) 
     from test_agent_run import job_env, make_weights, spec_json
 
     from llmgw_slurm.agent.runner import Agent, job_context_from_env
-    from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
     from llmgw_slurm.agent.weights import trace_marker_path
+    from llmgw_slurm.config import AgentConfig, AgentWeightsConfig
 
     env = job_env("http://127.0.0.1:1", spec_json(make_weights(tmp_path)))
     job_ctx = job_context_from_env(env)
-    settings = AgentSettings(fetch=FetchSettings(cache_dir=tmp_path / "cache"))
+    settings = AgentConfig(weights=AgentWeightsConfig(cache_dir=tmp_path / "cache"))
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     agent = Agent(settings, job_ctx, env, tracer=provider.get_tracer("t"), hostname="n1")
-    path = trace_marker_path(settings.fetch.cache_dir, job_ctx.model, job_ctx.spec.weights)
+    path = trace_marker_path(settings.weights.cache_dir, job_ctx.model, job_ctx.spec.weights)
     assert path is not None
     # No marker (weights fetched by the replica itself, or tracing was off): no link.
     with provider.get_tracer("t").start_as_current_span("w") as span:
@@ -780,10 +780,10 @@ def test_an_engine_from_an_install_job_links_the_launch_span(tmp_path: Path) -> 
 
     from llmgw_slurm.agent.install import marker_path
     from llmgw_slurm.agent.runner import Agent, job_context_from_env
-    from llmgw_slurm.agent.settings import AgentSettings, FetchSettings
+    from llmgw_slurm.config import AgentConfig, AgentWeightsConfig
 
     env = job_env("http://127.0.0.1:1", spec_json(make_weights(tmp_path)))
-    settings = AgentSettings(fetch=FetchSettings(cache_dir=tmp_path / "cache"))
+    settings = AgentConfig(weights=AgentWeightsConfig(cache_dir=tmp_path / "cache"))
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from llmgw_slurm.agent.errors import WeightsError
-from llmgw_slurm.agent.settings import FetchSettings
 from llmgw_slurm.agent.weights import (
     MANIFEST,
     cache_key,
@@ -22,6 +21,7 @@ from llmgw_slurm.agent.weights import (
     verify_manifest,
 )
 from llmgw_slurm.catalog import WeightsSpec
+from llmgw_slurm.config import AgentWeightsConfig
 
 
 def make_model(root: Path) -> Path:
@@ -35,7 +35,7 @@ def make_model(root: Path) -> Path:
 
 def test_copy_fetches_once_then_verifies(tmp_path: Path) -> None:
     src = make_model(tmp_path)
-    settings = FetchSettings(cache_dir=tmp_path / "cache")
+    settings = AgentWeightsConfig(cache_dir=tmp_path / "cache")
     w = WeightsSpec(str(src), "copy")
     first = ensure_weights("tiny", w, settings)
     assert first.fetched and first.bytes > 200_000
@@ -51,7 +51,7 @@ def test_copy_fetches_once_then_verifies(tmp_path: Path) -> None:
 
 def test_damaged_copy_is_fetched_again(tmp_path: Path) -> None:
     src = make_model(tmp_path)
-    settings = FetchSettings(cache_dir=tmp_path / "cache", verify="sha256")
+    settings = AgentWeightsConfig(cache_dir=tmp_path / "cache", verify="sha256")
     w = WeightsSpec(str(src), "copy")
     path = Path(ensure_weights("tiny", w, settings).model_path)
     data = bytearray((path / "model.safetensors").read_bytes())
@@ -66,7 +66,7 @@ def test_damaged_copy_is_fetched_again(tmp_path: Path) -> None:
 
 def test_copy_without_manifest_is_incomplete(tmp_path: Path) -> None:
     src = make_model(tmp_path)
-    settings = FetchSettings(cache_dir=tmp_path / "cache", enabled=False)
+    settings = AgentWeightsConfig(cache_dir=tmp_path / "cache", fetch=False)
     w = WeightsSpec(str(src), "copy")
     final = tmp_path / "cache" / "models" / cache_key("tiny", w)
     final.mkdir(parents=True)
@@ -78,20 +78,20 @@ def test_copy_without_manifest_is_incomplete(tmp_path: Path) -> None:
 
 
 def test_missing_with_fetch_off_says_how_to_fix(tmp_path: Path) -> None:
-    settings = FetchSettings(cache_dir=tmp_path / "cache", enabled=False)
+    settings = AgentWeightsConfig(cache_dir=tmp_path / "cache", fetch=False)
     with pytest.raises(WeightsError, match="llmgw-agent fetch"):
         ensure_weights("tiny", WeightsSpec(str(tmp_path / "src"), "copy"), settings)
 
 
 def test_hf_not_allowed(tmp_path: Path) -> None:
-    settings = FetchSettings(cache_dir=tmp_path / "cache", allow_hf=False)
+    settings = AgentWeightsConfig(cache_dir=tmp_path / "cache", allow_download=False)
     with pytest.raises(WeightsError, match="hub downloads are not allowed"):
         ensure_weights("tiny", WeightsSpec("hf:org/tiny", "hf"), settings)
 
 
 def test_method_none_uses_weights_in_place(tmp_path: Path) -> None:
     src = make_model(tmp_path)
-    settings = FetchSettings(cache_dir=tmp_path / "cache")
+    settings = AgentWeightsConfig(cache_dir=tmp_path / "cache")
     got = ensure_weights("tiny", WeightsSpec(str(src), "none"), settings)
     assert got.model_path == str(src) and not got.fetched
     with pytest.raises(WeightsError, match="does not exist"):
@@ -122,13 +122,13 @@ def test_site_method_applies_where_the_source_allows(
 
 def test_site_forced_copy_stages_a_local_source(tmp_path: Path) -> None:
     src = make_model(tmp_path)
-    settings = FetchSettings(cache_dir=tmp_path / "cache", method="copy")
+    settings = AgentWeightsConfig(cache_dir=tmp_path / "cache", method="copy")
     got = ensure_weights("tiny", WeightsSpec(str(src), "none"), settings)
     assert got.fetched and got.model_path.startswith(str(tmp_path / "cache"))
 
 
 def test_copy_source_missing(tmp_path: Path) -> None:
-    settings = FetchSettings(cache_dir=tmp_path / "cache")
+    settings = AgentWeightsConfig(cache_dir=tmp_path / "cache")
     with pytest.raises(WeightsError, match="does not exist"):
         ensure_weights("tiny", WeightsSpec(str(tmp_path / "nope"), "copy"), settings)
     assert list((tmp_path / "cache" / "tmp").iterdir()) == []
@@ -159,10 +159,10 @@ FETCHER = textwrap.dedent(
     """\
     import json, sys
     from pathlib import Path
-    from llmgw_slurm.agent.settings import FetchSettings
+    from llmgw_slurm.config import AgentWeightsConfig
     from llmgw_slurm.catalog import WeightsSpec
     from llmgw_slurm.agent.weights import ensure_weights
-    s = FetchSettings(cache_dir=Path(sys.argv[1]), allow_hf=True)
+    s = AgentWeightsConfig(cache_dir=Path(sys.argv[1]), allow_download=True)
     r = ensure_weights("tiny", WeightsSpec("hf:org/tiny@v1", "hf"), s)
     print(json.dumps({"path": r.model_path, "fetched": r.fetched}))
     """
@@ -223,8 +223,8 @@ def test_hf_failure_leaves_no_partial_copy(tmp_path: Path) -> None:
     bin_dir.mkdir()
     (bin_dir / "hf").write_text("#!/bin/sh\necho 'repository not found' >&2\nexit 3\n")
     (bin_dir / "hf").chmod(0o755)
-    settings = FetchSettings(
-        cache_dir=tmp_path / "cache", allow_hf=True, hf_command=(str(bin_dir / "hf"),)
+    settings = AgentWeightsConfig(
+        cache_dir=tmp_path / "cache", allow_download=True, hf_command=(str(bin_dir / "hf"),)
     )
     with pytest.raises(WeightsError, match=r"download org/tiny failed \(exit 3\)"):
         ensure_weights("tiny", WeightsSpec("hf:org/tiny", "hf"), settings)

@@ -57,11 +57,11 @@ from typing import Any, NamedTuple, Protocol
 
 from aiohttp import web
 
+from llmgw_slurm.accounting.usage import UsageQueries
+from llmgw_slurm.auth.keys import request_key
+from llmgw_slurm.base.errors import ConfigError, LlmgwError
+from llmgw_slurm.base.fsutil import atomic_write, locked
 from llmgw_slurm.config import QuotaConfig, ServerConfig
-from llmgw_slurm.errors import ConfigError, LlmgwError
-from llmgw_slurm.fsutil import atomic_write, locked
-from llmgw_slurm.router.keys import request_key
-from llmgw_slurm.router.usage import UsageQueries
 
 __all__ = [
     "NOTHING",

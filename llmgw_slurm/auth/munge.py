@@ -26,8 +26,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw_slurm.errors import LlmgwError
-from llmgw_slurm.subprocs import communicate
+from llmgw_slurm.base.errors import LlmgwError
+from llmgw_slurm.base.subprocs import communicate
 
 __all__ = [
     "LOGIN_PAYLOAD",

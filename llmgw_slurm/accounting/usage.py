@@ -57,7 +57,7 @@ CREATE TABLE IF NOT EXISTS usage (
     requests INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key_id, ts);
--- Budgets start from the day's and month's totals over every key (router/quota.py).
+-- Budgets start from the day's and month's totals over every key (accounting/quota.py).
 CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
 """
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from llmgw_slurm.audit import model_of
+from llmgw_slurm.accounting.audit import model_of
 from llmgw_slurm.slurm.types import AccountingRecord
 
 __all__ = ["IDLE", "UNKNOWN", "OwnerKind", "OwnerRow", "apportion", "by_owner", "owner_totals"]

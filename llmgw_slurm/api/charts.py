@@ -2,7 +2,7 @@
 
 Three sources, each kept bounded in memory:
 
-- the last hour per model (:class:`llmgw_slurm.history.History`, a point a
+- the last hour per model (:class:`llmgw_slurm.api.history.History`, a point a
   minute, sampled from the gateway's metrics);
 - GPU hours per model and per Slurm account over the last 7 days, from
   accounting (``sacct``, the service's own jobs, every run of a requeued
@@ -10,7 +10,7 @@ Three sources, each kept bounded in memory:
   the daemon decided something (a replica started or ended), never per page:
   slurmdbd is shared by the whole cluster;
 - the latest cold start of each model, from the trace store
-  (:mod:`llmgw_slurm.tracestore`), as a waterfall.
+  (:mod:`llmgw_slurm.tracing.store`), as a waterfall.
 """
 
 from __future__ import annotations
@@ -19,20 +19,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from aiohttp import web
 
-from llmgw_slurm import svgcharts
-from llmgw_slurm.audit import aggregate
-from llmgw_slurm.history import History
-from llmgw_slurm.reconciler.core import Reconciler
+from llmgw_slurm.accounting.audit import aggregate
+from llmgw_slurm.api import svgcharts
+from llmgw_slurm.api.history import History
+from llmgw_slurm.reconciler.clusters import ClusterSet
+from llmgw_slurm.reconciler.replicas import Decision
+from llmgw_slurm.router.directory import ModelDirectory
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.slurm import accounting_of
-from llmgw_slurm.tracestore import TraceStore
-from llmgw_slurm.waterfall import waterfall
+from llmgw_slurm.tracing.store import TraceStore
+from llmgw_slurm.tracing.waterfall import waterfall
 
 __all__ = ["CHARTS_KEY", "GPU_HOURS_EVERY", "Charts", "add_chart_routes", "page_data"]
 
@@ -52,10 +54,24 @@ GPU_HOURS_DAYS = 7
 
 
 class Charts:
-    def __init__(self, rec: Reconciler, history: History, store: TraceStore | None) -> None:
-        self.rec = rec
+    """The charts' three sources. ``clusters``: whose accounting has the GPU hours of
+    the jobs named ``prefix``; ``decisions``: the daemon's decision log (a decision
+    asks accounting again sooner)."""
+
+    def __init__(
+        self,
+        history: History,
+        store: TraceStore | None,
+        *,
+        clusters: ClusterSet | None = None,
+        prefix: str = "",
+        decisions: Sequence[Decision] = (),
+    ) -> None:
         self.history = history
         self.store = store
+        self.clusters = clusters
+        self.prefix = prefix
+        self.decisions = decisions
         self.gpu_hours: dict[str, Any] = {"at": None, "by_model": {}, "by_account": {}}
         # Per set of models left out (see _only_visible; most pages leave out
         # none), for the history's latest sample only.
@@ -64,10 +80,11 @@ class Charts:
 
     async def refresh_gpu_hours(self) -> None:
         """GPU hours of the service's jobs over the last 7 days, from accounting."""
+        if self.clusters is None:
+            return
         now = datetime.now()
         since = now - timedelta(days=GPU_HOURS_DAYS)
-        prefix = self.rec.server.slurm.job_prefix
-        backends = {c.name: c.backend for c in self.rec.clusters}
+        prefix, backends = self.prefix, self.clusters.backends()
         recs = await accounting_of(backends, since, now, name_prefix=prefix, duplicates=True)
         by_model: dict[str, float] = {}
         for row in aggregate(recs, prefix, since, now, "month", now):
@@ -143,7 +160,7 @@ class Charts:
         return _only_visible(data, visible)
 
     def _last_decision(self) -> float:
-        ds = self.rec.decisions
+        ds = self.decisions
         return ds[-1].at if ds else 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -186,13 +203,22 @@ def _only_visible(data: dict[str, Any], visible: Callable[[str], bool]) -> dict[
 CHARTS_KEY = web.AppKey("llmgw.charts", Charts)
 
 
-def add_chart_routes(app: web.Application, rec: Reconciler, store: TraceStore | None) -> Charts:
-    """``GET /api/v1/charts`` on the gateway app, and the samplers for its lifetime."""
+def add_chart_routes(
+    app: web.Application,
+    models: ModelDirectory,
+    clusters: ClusterSet,
+    decisions: Sequence[Decision],
+    prefix: str,
+    store: TraceStore | None,
+) -> Charts:
+    """``GET /api/v1/charts`` on the gateway app, and the samplers for its lifetime;
+    ``models``: whose replicas the history counts (the reconciler's directory)."""
 
     def replicas() -> dict[str, int]:
-        return {m.name: sum(m.replicas.values()) for m in rec.models()}
+        return {m.name: sum(m.replicas.values()) for m in models.models()}
 
-    charts = Charts(rec, History(app[GATEWAY_KEY].metrics, replicas), store)
+    history = History(app[GATEWAY_KEY].metrics, replicas)
+    charts = Charts(history, store, clusters=clusters, prefix=prefix, decisions=decisions)
     app[CHARTS_KEY] = charts
 
     async def get(request: web.Request) -> web.Response:

@@ -23,8 +23,8 @@ import os
 import stat
 from pathlib import Path
 
-from llmgw_slurm.errors import UnsafePathError
-from llmgw_slurm.fsutil import atomic_write
+from llmgw_slurm.base.errors import UnsafePathError
+from llmgw_slurm.base.fsutil import atomic_write
 
 __all__ = ["private_dir", "public_dir", "trusted_owner", "write_atomic"]
 
@@ -105,7 +105,7 @@ def trusted_owner(path: Path, uid: int) -> str | None:
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """:func:`llmgw_slurm.fsutil.atomic_write` with exactly ``mode``, whatever the umask.
+    """:func:`llmgw_slurm.base.fsutil.atomic_write` with exactly ``mode``, whatever the umask.
 
     The umask only takes bits away, so the file is never more open than
     ``mode`` on its way; the chmod after the rename gives back what it took

@@ -40,10 +40,10 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_slurm import munge
+from llmgw_slurm.auth import munge
+from llmgw_slurm.auth.keys import KeyFile, KeyRecord, KeyStore, NewKey, TooManyKeys
+from llmgw_slurm.base.errors import ConfigError, DatabaseError, LlmgwError, SlurmError
 from llmgw_slurm.config import ServerConfig
-from llmgw_slurm.errors import ConfigError, DatabaseError, LlmgwError, SlurmError
-from llmgw_slurm.router.keys import KeyFile, KeyRecord, KeyStore, NewKey, TooManyKeys
 from llmgw_slurm.slurm.cli import CliBackend
 from llmgw_slurm.slurm.types import Associations
 

@@ -7,23 +7,23 @@
 - ``POST /internal/v1/admin/trace`` (admin socket, or the internal port with
   the admin token): ``{"target": MODEL | REPLICA | TRACE_ID}``, the newest
   start of that model or replica, or that trace, as a waterfall
-  (:mod:`llmgw_slurm.waterfall`) with the spans it was built from.
+  (:mod:`llmgw_slurm.tracing.waterfall`) with the spans it was built from.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from typing import Any
 
 from aiohttp import web
 
-from llmgw_slurm.api import Gate
-from llmgw_slurm.reconciler.core import Reconciler
-from llmgw_slurm.secrets import REPORT_SCHEME
-from llmgw_slurm.tracestore import SpanRejected, TraceStore
-from llmgw_slurm.waterfall import find_start, generic, waterfall
+from llmgw_slurm.api.routes import Gate
+from llmgw_slurm.reconciler.reportroute import read_signed
+from llmgw_slurm.reconciler.reports import ReportVerifier
+from llmgw_slurm.router.directory import ModelDirectory
+from llmgw_slurm.tracing.store import SpanRejected, TraceStore
+from llmgw_slurm.tracing.waterfall import find_start, generic, waterfall
 
 __all__ = ["add_span_route", "add_trace_route", "trace_of"]
 
@@ -34,21 +34,21 @@ def _fail(status: int, message: str) -> web.Response:
     return web.json_response({"ok": False, "error": message}, status=status)
 
 
-def add_span_route(app: web.Application, rec: Reconciler, store: TraceStore | None) -> None:
+def add_span_route(
+    app: web.Application, verifier: ReportVerifier, store: TraceStore | None
+) -> None:
+    """The agents' spans, taken as their reports are (``verifier``: the reports')."""
+
     async def spans(request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
-        auth = request.headers.get("Authorization", "")
-        if not auth.startswith(REPORT_SCHEME + " "):
-            return _fail(401, f"missing signature ({REPORT_SCHEME})")
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            return _fail(400, "body is not JSON")
-        if not isinstance(body, dict) or not isinstance(body.get("spans"), list):
+        signed = await read_signed(request)
+        if isinstance(signed, web.Response):
+            return signed
+        auth, raw, body = signed
+        if not isinstance(body.get("spans"), list):
             return _fail(400, 'body must be {"spans": [...]}')
         try:
-            rec.verifier.verify(rid, auth, raw)
+            verifier.verify(rid, auth, raw)
         except PermissionError as err:
             return _fail(401, str(err))
         if store is None:
@@ -63,10 +63,10 @@ def add_span_route(app: web.Application, rec: Reconciler, store: TraceStore | No
     app.router.add_post("/internal/v1/replicas/{rid:[0-9a-f]{8}}/spans", spans)
 
 
-def trace_of(rec: Reconciler, store: TraceStore, target: str) -> dict[str, Any] | None:
+def trace_of(models: ModelDirectory, store: TraceStore, target: str) -> dict[str, Any] | None:
     """The waterfall for ``target`` (model, alias, replica id or trace id); None if none kept."""
     now = time.time()
-    model = rec.resolve(target)
+    model = models.resolve(target)
     start = find_start(store.starts(), target, model)
     if start is not None:
         spans = store.spans(start["trace_id"])
@@ -79,8 +79,10 @@ def trace_of(rec: Reconciler, store: TraceStore, target: str) -> dict[str, Any] 
 
 
 def add_trace_route(
-    app: web.Application, rec: Reconciler, store: TraceStore | None, gate: Gate
+    app: web.Application, models: ModelDirectory, store: TraceStore | None, gate: Gate
 ) -> None:
+    """Waterfalls out, behind ``gate``; ``models`` resolves a target's aliases."""
+
     async def trace(request: web.Request) -> web.Response:
         denied = gate(request)
         if denied is not None:
@@ -97,7 +99,7 @@ def add_trace_route(
                 404,
                 "this daemon keeps no traces (tracing.keep_spans is 0 in server.yaml)",
             )
-        found = trace_of(rec, store, target)
+        found = trace_of(models, store, target)
         if found is None:
             kept = sorted({str(s["attrs"].get("llmgw.model", "")) for s in store.starts()})
             return _fail(

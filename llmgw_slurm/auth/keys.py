@@ -37,8 +37,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from llmgw_slurm.errors import ConfigError, LlmgwError
-from llmgw_slurm.fsutil import atomic_write, locked
+from llmgw_slurm.base.errors import ConfigError, LlmgwError
+from llmgw_slurm.base.fsutil import atomic_write, locked
 
 __all__ = [
     "REQUEST_KEY",

@@ -126,7 +126,7 @@ def bars(values: Mapping[str, float], unit: str) -> dict[str, Any]:
 
 
 def waterfall_chart(wf: Mapping[str, Any], width: float = 600.0) -> dict[str, Any]:
-    """A start's waterfall (:meth:`llmgw_slurm.waterfall.Waterfall.to_json`) as bars."""
+    """A start's waterfall (:meth:`llmgw_slurm.tracing.waterfall.Waterfall.to_json`) as bars."""
     rows = [r for r in wf["rows"] if r["counted"] and r["depth"] in (0, 2)]
     span = max([r["offset_s"] + r["duration_s"] for r in rows] or [1.0]) or 1.0
     out = []

@@ -42,9 +42,9 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Link, SpanContext
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from llmgw_slurm.base.errors import ConfigError
+from llmgw_slurm.base.fsutil import atomic_write
 from llmgw_slurm.config import TracingConfig
-from llmgw_slurm.errors import ConfigError
-from llmgw_slurm.fsutil import atomic_write
 
 __all__ = [
     "RateLimitedExporter",

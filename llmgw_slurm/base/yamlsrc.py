@@ -5,7 +5,7 @@ this module returns a small tree (:class:`YMap`, :class:`YSeq`, :class:`YScalar`
 whose every node knows its 1-based line. Only the safe loader is used: no
 Python tags, no object construction. Anything that goes wrong while reading
 (a missing file, bad UTF-8, a YAML syntax error, duplicate keys, a tag we do
-not accept, a recursive alias) becomes a :class:`~llmgw_slurm.errors.ConfigError`
+not accept, a recursive alias) becomes a :class:`~llmgw_slurm.base.errors.ConfigError`
 naming the file and line; no other exception escapes :func:`load_yaml` or
 :func:`parse_yaml`.
 
@@ -31,7 +31,7 @@ import yaml
 import yaml.constructor
 import yaml.nodes
 
-from llmgw_slurm.errors import ConfigError, ConfigErrors
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors
 
 __all__ = [
     "YEntry",

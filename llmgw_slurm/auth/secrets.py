@@ -14,7 +14,7 @@ import re
 import secrets as _secrets
 from pathlib import Path
 
-from llmgw_slurm.fsutil import atomic_write
+from llmgw_slurm.base.fsutil import atomic_write
 
 __all__ = [
     "REPLY_HEADER",

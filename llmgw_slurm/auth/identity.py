@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from llmgw_slurm.errors import UnverifiedServerError
-from llmgw_slurm.private import trusted_owner, write_atomic
+from llmgw_slurm.auth.private import trusted_owner, write_atomic
+from llmgw_slurm.base.errors import UnverifiedServerError
 
 __all__ = [
     "DEFAULT_INFO",

@@ -19,7 +19,7 @@ from typing import Any
 
 import jinja2
 
-from llmgw_slurm.durations import format_duration
+from llmgw_slurm.base.durations import format_duration
 from llmgw_slurm.reconciler.status import MODEL_STATES
 
 __all__ = ["REFRESH_SECONDS", "render_page"]
@@ -31,7 +31,7 @@ _TEMPLATE = "status.html.j2"
 @functools.cache
 def _template() -> jinja2.Template:
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("llmgw_slurm", "templates"),
+        loader=jinja2.PackageLoader("llmgw_slurm.api", "templates"),
         # Escape everything: no value on the page is markup of ours.
         autoescape=True,
         # A name the template uses and the page does not give is a bug here,
@@ -171,7 +171,7 @@ def render_page(
 ) -> str:
     """The whole page for one status snapshot; ``endpoint`` is the OpenAI base URL to show.
 
-    ``charts``: :func:`llmgw_slurm.chartsapi.page_data`'s values, drawn as inline
+    ``charts``: :func:`llmgw_slurm.api.charts.page_data`'s values, drawn as inline
     SVG; None for the tables alone.
     """
     decisions: Sequence[Mapping[str, Any]] = status.get("decisions") or []

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from llmgw_slurm.fsutil import atomic_write
+from llmgw_slurm.base.fsutil import atomic_write
 
 __all__ = [
     "CERT_MAX_BYTES",

@@ -1,6 +1,6 @@
 """Who may use which model: the catalog's ``access`` rules against a gateway key.
 
-A key names a user and a Slurm account (:class:`~llmgw_slurm.router.keys.KeyRecord`,
+A key names a user and a Slurm account (:class:`~llmgw_slurm.auth.keys.KeyRecord`,
 its ``project``); a model's :class:`~llmgw_slurm.catalog.Access` lists users,
 Unix groups and accounts. Groups are the user's on the daemon's host
 (``getgrouplist``: primary and supplementary), which on a cluster are the
@@ -33,7 +33,7 @@ from llmgw_slurm.catalog import Access
 
 if TYPE_CHECKING:
     # Only for annotations: the router imports this module.
-    from llmgw_slurm.router.keys import KeyRecord
+    from llmgw_slurm.auth.keys import KeyRecord
 
 __all__ = ["GROUPS_TTL", "AccessGuard", "unix_groups"]
 

@@ -9,7 +9,7 @@ On the gateway port (what researchers reach):
 - ``GET /``: the status page.
 
 The admin routes, on two ways in: the internal port behind the admin token
-(:class:`llmgw_slurm.secrets.AdminToken`, a file only the daemon's user and
+(:class:`llmgw_slurm.auth.secrets.AdminToken`, a file only the daemon's user and
 root can read), and the admin Unix socket, where the kernel tells the daemon
 who calls (root, the daemon's user, or ``admin_group``) and no token travels:
 
@@ -36,17 +36,19 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_slurm import __version__, chartsapi
-from llmgw_slurm.errors import LlmgwError
-from llmgw_slurm.identity import peer_credentials
+from llmgw_slurm import __version__
+from llmgw_slurm.accounting.usage import UsageSummary
+from llmgw_slurm.api import charts
+from llmgw_slurm.api.status_page import render_page
+from llmgw_slurm.auth.identity import peer_credentials
+from llmgw_slurm.auth.keys import KeyRecord
+from llmgw_slurm.auth.login import LOGIN_KEY
+from llmgw_slurm.auth.secrets import AdminToken
+from llmgw_slurm.base.errors import LlmgwError
+from llmgw_slurm.reconciler.admin import AdminRequests
 from llmgw_slurm.reconciler.core import Reconciler
 from llmgw_slurm.router.gateway import GATEWAY_KEY
-from llmgw_slurm.router.keys import KeyRecord
-from llmgw_slurm.router.login import LOGIN_KEY
-from llmgw_slurm.router.usage import UsageSummary
-from llmgw_slurm.secrets import AdminToken
 from llmgw_slurm.slurm.types import NodeInfo
-from llmgw_slurm.status_page import render_page
 
 __all__ = [
     "ADMIN_PREFIX",
@@ -273,7 +275,7 @@ def add_cli_routes(app: web.Application, rec: Reconciler) -> None:
             text=render_page(
                 status_json(rec, caller_may_see(app, request)),
                 endpoint,
-                chartsapi.page_data(request.app, caller_may_see(app, request)),
+                charts.page_data(request.app, caller_may_see(app, request)),
             ),
             content_type="text/html",
             headers={
@@ -336,7 +338,7 @@ def peer_gate(admin_group: str | None) -> Gate:
 
 def add_admin_routes(
     app: web.Application,
-    rec: Reconciler,
+    admin: AdminRequests,
     gate: Gate,
     reload: Callable[[], str | None],
 ) -> None:
@@ -353,7 +355,7 @@ def add_admin_routes(
 
         return handler
 
-    h = _AdminHandlers(rec, reload)
+    h = _AdminHandlers(admin, reload)
     app.router.add_post(f"{ADMIN_PREFIX}/drain", guarded(h.drain))
     app.router.add_post(f"{ADMIN_PREFIX}/stop", guarded(h.stop))
     app.router.add_post(f"{ADMIN_PREFIX}/stop-preview", guarded(h.stop_preview))
@@ -378,8 +380,8 @@ async def _read_target(request: web.Request) -> tuple[str, str, str] | web.Respo
 class _AdminHandlers:
     """The admin routes' handlers (the admin token is checked before any of them runs)."""
 
-    def __init__(self, rec: Reconciler, reload: Callable[[], str | None]) -> None:
-        self.rec = rec
+    def __init__(self, admin: AdminRequests, reload: Callable[[], str | None]) -> None:
+        self.admin = admin
         self._reload = reload
 
     async def drain(self, request: web.Request) -> web.Response:
@@ -387,7 +389,7 @@ class _AdminHandlers:
         if isinstance(t, web.Response):
             return t
         try:
-            done = self.rec.request_drain(*t)
+            done = self.admin.request_drain(*t)
         except LookupError as exc:
             return _error(404, str(exc.args[0]), "not_found")
         return web.json_response({"ok": True, "replicas": done})
@@ -397,7 +399,7 @@ class _AdminHandlers:
         if isinstance(t, web.Response):
             return t
         try:
-            done = await self.rec.request_stop(*t)
+            done = await self.admin.request_stop(*t)
         except LookupError as exc:
             return _error(404, str(exc.args[0]), "not_found")
         except LlmgwError as exc:
@@ -410,7 +412,7 @@ class _AdminHandlers:
             return t
         target, node, _ = t
         try:
-            reps = self.rec.find_replicas(target, node)
+            reps = self.admin.find_replicas(target, node)
         except LookupError as exc:
             return _error(404, str(exc.args[0]), "not_found")
         # As request_stop: a replica already being stopped is not stopped again.
@@ -422,8 +424,7 @@ class _AdminHandlers:
         problem = self._reload()
         if problem is not None:
             return _error(422, problem, "catalog_refused")
-        names = [m.name for m in self.rec.catalog.models]
-        return web.json_response({"ok": True, "models": names})
+        return web.json_response({"ok": True, "models": self.admin.model_names()})
 
     async def jobs(self, request: web.Request) -> web.Response:
         # llmgw-admin fetch / install-engine announce what they submitted.
@@ -436,15 +437,7 @@ class _AdminHandlers:
         job_id, name, target, cluster = (
             str(body.get(k) or "") for k in ("job_id", "name", "target", "cluster")
         )
-        rec = self.rec
-        if rec.clusters.get(cluster) is None:
-            names = ", ".join(c.name for c in rec.clusters if c.name) or "none"
-            return _error(400, f"no cluster {cluster!r}; clusters: {names}", "bad_request")
-        if not rec.service_jobs.expect(job_id, name, target, rec.clock(), cluster):
-            return _error(
-                400,
-                f"job {job_id!r} named {name!r} is not a model job or engine install of "
-                f"this daemon (prefix {rec.prefix!r})",
-                "bad_request",
-            )
+        problem = self.admin.announce(job_id, name, target, cluster)
+        if problem is not None:
+            return _error(400, problem, "bad_request")
         return web.json_response({"ok": True})

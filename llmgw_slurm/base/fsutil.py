@@ -7,7 +7,8 @@ each has a hazard that is easy to get half right:
   renames it over the target and fsyncs the folder. A reader sees the old
   content or the new, never a part; after a crash or power loss the file is the
   old one or the new one, not empty (a rename without the fsync before it may
-  reach the disk before the data does).
+  reach the disk before the data does). :func:`atomic_file` is the same for a
+  file written piece by piece (too large to hold in memory at once).
 - :func:`locked` takes a POSIX record lock (``fcntl.lockf``). NFS and Lustre
   carry those to the file server, so jobs on different nodes exclude each other;
   ``flock`` may stay local to one node there. POSIX locks belong to the
@@ -26,8 +27,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
-__all__ = ["LockTimeout", "atomic_write", "locked"]
+__all__ = ["LockTimeout", "atomic_file", "atomic_write", "locked"]
 
 
 def atomic_write(path: Path, data: bytes | str, *, mode: int = 0o666) -> None:
@@ -37,13 +39,20 @@ def atomic_write(path: Path, data: bytes | str, *, mode: int = 0o666) -> None:
     secrets: the temporary file has them from its creation, so the data is
     never readable by others, not even for a moment).
     """
-    raw = data.encode() if isinstance(data, str) else data
+    with atomic_file(path, mode=mode) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+@contextmanager
+def atomic_file(path: Path, *, mode: int = 0o666) -> Iterator[BinaryIO]:
+    """A binary file that replaces ``path`` when the block ends without an exception,
+    as :func:`atomic_write` does; on an exception ``path`` is left as it was."""
     # Unique per writer: two writers at once must not share a temporary file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(raw)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

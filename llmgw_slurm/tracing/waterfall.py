@@ -1,6 +1,6 @@
 """A replica's start as a waterfall: where the seconds between the pass and serving went.
 
-Built from one trace's spans (:mod:`llmgw_slurm.tracestore`'s dicts). The
+Built from one trace's spans (:mod:`llmgw_slurm.tracing.store`'s dicts). The
 rows at depth 0 follow each other without gaps or overlaps, from the start
 of the reconcile pass that placed the replica to the moment the daemon took
 it as serving, so that their durations add up to the time to serve::
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from llmgw_slurm.tracestore import START_NAMES
+from llmgw_slurm.tracing.store import START_NAMES
 
 __all__ = ["Row", "Waterfall", "find_start", "generic", "waterfall"]
 

@@ -30,10 +30,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from llmgw_slurm import durations
-from llmgw_slurm.durations import DURATION_HELP
-from llmgw_slurm.errors import ConfigError, ConfigErrors
-from llmgw_slurm.yamlsrc import YEntry, YMap, YNode, YScalar, YSeq, describe, load_yaml
+from llmgw_slurm.base import durations
+from llmgw_slurm.base.durations import DURATION_HELP
+from llmgw_slurm.base.errors import ConfigError, ConfigErrors
+from llmgw_slurm.base.yamlsrc import YEntry, YMap, YNode, YScalar, YSeq, describe, load_yaml
 
 __all__ = [
     "INVALID",
@@ -179,7 +179,7 @@ def scalar_text(node: YNode) -> str:
 
 def parse_duration(node: YNode, ctx: Ctx) -> float:
     """Seconds, from ``30s``/``15m``/``4h``/``1d``/``1h30m``, ``H:MM:SS`` or a plain
-    number (:func:`llmgw_slurm.durations.parse_duration`)."""
+    number (:func:`llmgw_slurm.base.durations.parse_duration`)."""
     if not isinstance(node, YScalar) or isinstance(node.value, bool) or node.value is None:
         raise Invalid(f"expected {DURATION_HELP}; got {describe(node)}")
     # The text as written: YAML 1.1 reads 4:00:00 as the base-60 integer 14400.
