@@ -44,6 +44,7 @@ import psycopg
 
 from llmgw_slurm.base.errors import DatabaseError
 from llmgw_slurm.db.hub import DB_ERRORS, Hub
+from llmgw_slurm.reconciler.clusters import ClusterSet
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.plan import ReplicaState
 from llmgw_slurm.reconciler.replicas import Decision, Replica, ReplicaTable
@@ -125,9 +126,11 @@ class ReplicaSync:
         table: ReplicaTable,
         directory: ReplicaDirectory,
         leading: Callable[[], bool],
+        clusters: ClusterSet,
     ) -> None:
         self.hub = hub
         self.table = table
+        self.clusters = clusters
         self.directory = directory
         self.leading = leading
         self.base: dict[str, dict[str, Any]] = {}
@@ -139,6 +142,9 @@ class ReplicaSync:
         self.last_decision_id = 0
         # The node listing last written (leader) or taken (follower): its time.
         self._nodes_at: float | None = None
+        # Each cluster's listing time when the leader last wrote them: a listing
+        # is written when any cluster's is newer (the oldest may not move).
+        self._listings_written: tuple[float | None, ...] = ()
         table.on_change.append(self._kick.set)
         table.on_record.append(self._record)
         directory.on_demand = self._demand
@@ -188,7 +194,7 @@ class ReplicaSync:
             self._load_sent.clear()
             self._demand_dirty.update(m for m, *_ in demand)
             if nodes:
-                self._nodes_at = None
+                self._nodes_at, self._listings_written = None, ()
             raise
 
     def _changes(self) -> tuple[dict[str, tuple[str, dict[str, Any]]], list[str]]:
@@ -208,12 +214,16 @@ class ReplicaSync:
         return patches, gone
 
     def _nodes_to_write(self) -> str:
-        """The leader's node listing as JSON, when it is newer than the one written."""
+        """The leader's node listings as JSON (each node with its cluster's name), when
+        one of them is newer than the one written."""
         at = self.table.nodes_listed_at
-        if not self.leading() or at is None or at == self._nodes_at:
+        listings = tuple(c.nodes_listed_at for c in self.clusters)
+        if not self.leading() or at is None or listings == self._listings_written:
             return ""
-        self._nodes_at = at
-        return json.dumps([dataclasses.asdict(n) for n in self.table.nodes])
+        self._nodes_at, self._listings_written = at, listings
+        return json.dumps(
+            [{**dataclasses.asdict(n), "cluster": c.name} for c in self.clusters for n in c.nodes]
+        )
 
     def _load_changes(self) -> list[tuple[str, int, float | None]]:
         out = []
@@ -409,12 +419,29 @@ class ReplicaSync:
         if row is None:
             return
         try:
-            nodes = [_node(n) for n in row[1]]
+            by_cluster = self._listings_of(row[1])
         except (TypeError, KeyError, ValueError) as exc:
             log.warning("db: the shared node listing is unreadable, skipped: %s", exc)
             return
         self._nodes_at = float(row[0])
-        self.table.nodes, self.table.nodes_listed_at = nodes, self._nodes_at
+        for c in self.clusters:
+            c.nodes, c.nodes_listed_at = by_cluster.get(c.name, []), self._nodes_at
+        self.table.nodes, self.table.nodes_listed_at = self.clusters.all_nodes(), self._nodes_at
+
+    def _listings_of(self, rows: list[dict[str, Any]]) -> dict[str, list[NodeInfo]]:
+        """The leader's nodes by cluster. A node without a cluster (written by a daemon
+        of the single-listing format, during an upgrade) is the first cluster's; one
+        of a cluster this daemon does not know (its server.yaml differs) is left out."""
+        out: dict[str, list[NodeInfo]] = {}
+        for d in rows:
+            name = d.pop("cluster", self.clusters.first.name)
+            if self.clusters.get(name) is None:
+                log.warning(
+                    "db: the leader lists node %s of cluster %r, unknown here", d.get("name"), name
+                )
+                continue
+            out.setdefault(name, []).append(_node(d))
+        return out
 
     async def pull_load(self) -> None:
         """The other gateways' in-flight counts and last use (the leader's plan reads them)."""

@@ -93,7 +93,7 @@ class Shared:
         """Share the reconciler's replica table (through its directory); a leader's first
         pass at once on taking the lease; every daemon's URL in the next jobs."""
         self.passes = passes
-        self.replicas = ReplicaSync(self.hub, table, directory, self.lease.acting)
+        self.replicas = ReplicaSync(self.hub, table, directory, self.lease.acting, passes.clusters)
         self.hub.add(self.replicas, "decisions", "nodes")
         self.hub.add(DemandPart(self.replicas))
         # Taking the lease wakes the passes (adoption from one squeue, at once).
