@@ -465,7 +465,7 @@ async def _answer_stream(
     # decode steps are: a sleep after each write would add the host's timer
     # lateness once a token, and a stream of 52 tokens drifted by
     # milliseconds with the CPU load of whatever else runs on the machine (a
-    # proxy under test: docs/performance.md, "Streams on a schedule").
+    # proxy under test; the history is in git, CHANGELOG.md "streams on a schedule").
     loop = asyncio.get_running_loop()
     due = loop.time()
     resp = web.StreamResponse(
