@@ -68,6 +68,19 @@ _ENV_NAME_RE = r"[A-Za-z_][A-Za-z0-9_]*"
 _ENV_HELP = "an environment variable name (letters, digits, '_', not starting with a digit)"
 _SLURM_NAME_RE = r"[A-Za-z0-9_.+-]{1,64}"
 _SLURM_NAME_HELP = "a Slurm name: letters, digits, '_', '.', '+', '-'"
+
+
+def _slurm_name() -> Any:
+    """An optional Slurm name (an account, a QOS, a reservation): None by default."""
+    return field(default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP))
+
+
+def _slurm_names() -> Any:
+    """An optional Slurm name or comma list of them (partitions): None by default."""
+    pattern = rf"{_SLURM_NAME_RE}(,{_SLURM_NAME_RE})*"
+    return field(default=None, metadata=rule(pattern=pattern, pattern_help=_SLURM_NAME_HELP))
+
+
 _URL_HELP = "an http:// or https:// URL, e.g. http://login1:8001"
 
 
@@ -185,9 +198,7 @@ class SlurmRestConfig:
     )
     # Default 1h: how long a token minted with jwt_key lives; a new one is
     # minted when a fifth of it is left.
-    token_lifespan: float = field(
-        default=3600.0, metadata=rule(ge=60, parse=schema.parse_duration)
-    )
+    token_lifespan: float = field(default=3600.0, metadata=rule(ge=60, parse=schema.parse_duration))
     # Default None: the system's certificate authorities, for an https url.
     ca_file: Path | None = None
 
@@ -221,27 +232,16 @@ class SlurmConfig:
     rest: SlurmRestConfig = field(default_factory=SlurmRestConfig)
     # Default None (Slurm's default partition): used for models that do not
     # set resources.partition.
-    partition: str | None = field(
-        default=None,
-        metadata=rule(
-            pattern=r"[A-Za-z0-9_.+-]{1,64}(,[A-Za-z0-9_.+-]{1,64})*", pattern_help=_SLURM_NAME_HELP
-        ),
-    )
+    partition: str | None = _slurm_names()
     # Default None (the submitting user's default account).
-    account: str | None = field(
-        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
-    )
+    account: str | None = _slurm_name()
     # Default None (the association's default QOS).
-    qos: str | None = field(
-        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
-    )
+    qos: str | None = _slurm_name()
     # Default None (no reservation): every job of the service (replicas, batches,
     # model jobs, engine installs) runs in this Slurm reservation (sbatch
     # --reservation). The plan counts free GPUs on every node of a model's
     # partitions, so the reservation should cover those nodes (docs/configuration.md).
-    reservation: str | None = field(
-        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
-    )
+    reservation: str | None = _slurm_name()
     # Default "llmgw.": job names are PREFIX + model + "." + replica id; the
     # daemon adopts every job of its user with this prefix, so two daemons
     # under one user need different prefixes.
@@ -302,9 +302,7 @@ class ClusterConfig:
     # the one slurm_conf reaches (Slurm's multi-cluster mode): its commands run with
     # -M NAME. Every command then goes through slurmdbd to find the controller, so a
     # slurmdbd outage stops the daemon's view of this cluster: prefer slurm_conf.
-    multi_cluster: str | None = field(
-        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
-    )
+    multi_cluster: str | None = _slurm_name()
     # Default None: slurm.backend. Each cluster has a backend of its own.
     backend: Literal["cli", "pyslurm", "rest"] | None = None
     # Default None: slurm.rest. For backend rest: this cluster's slurmrestd and token.
@@ -313,24 +311,13 @@ class ClusterConfig:
     # ... (a cluster on another Slurm release needs its own).
     bin_dir: Path | None = None
     # Default None: slurm.partition. The partition (or comma list) for models that name none.
-    partition: str | None = field(
-        default=None,
-        metadata=rule(
-            pattern=r"[A-Za-z0-9_.+-]{1,64}(,[A-Za-z0-9_.+-]{1,64})*", pattern_help=_SLURM_NAME_HELP
-        ),
-    )
+    partition: str | None = _slurm_names()
     # Default None: slurm.account.
-    account: str | None = field(
-        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
-    )
+    account: str | None = _slurm_name()
     # Default None: slurm.qos.
-    qos: str | None = field(
-        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
-    )
+    qos: str | None = _slurm_name()
     # Default None: slurm.reservation. Reservations are a cluster's own.
-    reservation: str | None = field(
-        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
-    )
+    reservation: str | None = _slurm_name()
 
     def _problems(self) -> list[tuple[str, str]]:
         if self.backend == "rest" and (self.slurm_conf or self.multi_cluster or self.bin_dir):
@@ -707,21 +694,12 @@ class BatchConfig:
     directory: Path | None = None
     # Default None: slurm.partition. Batches wait for capacity, so a site usually
     # sends them to its preemptible partition.
-    partition: str | None = field(
-        default=None,
-        metadata=rule(
-            pattern=r"[A-Za-z0-9_.+-]{1,64}(,[A-Za-z0-9_.+-]{1,64})*", pattern_help=_SLURM_NAME_HELP
-        ),
-    )
+    partition: str | None = _slurm_names()
     # Default None: slurm.qos. The QOS of batch jobs (a low-priority, preemptible one).
-    qos: str | None = field(
-        default=None, metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
-    )
+    qos: str | None = _slurm_name()
     # Default 4h: a batch job's time limit; a batch that needs longer resumes in a
     # new job where the last one stopped.
-    time_limit: float = field(
-        default=4 * 3600.0, metadata=rule(ge=60, parse=schema.parse_duration)
-    )
+    time_limit: float = field(default=4 * 3600.0, metadata=rule(ge=60, parse=schema.parse_duration))
     # Default 200M: OpenAI's limit for one batch input file.
     max_file_bytes: int = field(
         default=200 * 1024 * 1024, metadata=rule(ge=1, parse=schema.parse_size)
