@@ -115,7 +115,15 @@ def with_login_and_batches(top: Path) -> Any:
         # Where researchers' CLIs read daemon.json (as /run/llmgw-slurm in production):
         # state_dir is the daemon's alone.
         server["runtime_dir"] = str(top / "run")
-        server["batch"] = {"partition": "llm", "concurrency": 2, "poll_interval": "1s"}
+        # Batches as Slurm jobs of their own, not rides on phys's warm replica
+        # (batch.warm, tests/slurm/test_batch_warm.py): the audit below charges a
+        # batch job to its user by the job's comment in sacct.
+        server["batch"] = {
+            "partition": "llm",
+            "concurrency": 2,
+            "poll_interval": "1s",
+            "warm": False,
+        }
         h.server_yaml.write_text(yaml.safe_dump(server, sort_keys=False))
 
     return configure
