@@ -282,7 +282,7 @@ class EngineSpec:
     # belong to the job's user before the agent sends it anything.
     tls: bool = True
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         if self.kind == "command":
             if not self.command:
@@ -334,11 +334,11 @@ class WeightsSpec:
     method: WeightsMethod = "none"
 
     @classmethod
-    def _fill_defaults(cls, values: dict[str, Any]) -> None:
+    def schema_fill_defaults(cls, values: dict[str, Any]) -> None:
         if "method" not in values:
             values["method"] = "hf" if str(values.get("source", "")).startswith("hf:") else "none"
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if self.source.startswith("hf:"):
             if not _HF_RE.fullmatch(self.source):
                 return [("source", f"{self.source!r} is not hf:ORG/NAME or hf:ORG/NAME@revision")]
@@ -423,7 +423,7 @@ class Resources:
         default=(), metadata=rule(pattern=CLUSTER_NAME_RE, pattern_help=_CLUSTER_HELP)
     )
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         twice = sorted({c for c in self.clusters if self.clusters.count(c) > 1})
         if twice:
             return [("clusters", f"clusters names {', '.join(twice)} more than once")]
@@ -510,7 +510,7 @@ class Scaling:
     # others queue in Slurm like any job. [] never evicts.
     evict_for: tuple[EvictFor, ...] = ("held",)
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if self.min > self.max:
             return [("min", f"min ({self.min}) is more than max ({self.max})")]
         twice = sorted({w for w in self.evict_for if self.evict_for.count(w) > 1})
@@ -550,7 +550,7 @@ class Access:
         default=(), metadata=rule(pattern=_SLURM_NAME_RE, pattern_help=_SLURM_NAME_HELP)
     )
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if not (self.users or self.groups or self.accounts):
             return [
                 (
@@ -629,7 +629,7 @@ class Model:
     # may pass). It must match what the engine is started with.
     context_length: int | None = field(default=None, metadata=rule(ge=1))
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         given = _engine_context(self.engine)
         if given is not None and self.context_length not in (None, given):
             return [

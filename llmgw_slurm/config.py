@@ -202,7 +202,7 @@ class SlurmRestConfig:
     # Default None: the system's certificate authorities, for an https url.
     ca_file: Path | None = None
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if self.token_file is not None and self.jwt_key is not None:
             return [("jwt_key", "set token_file or jwt_key, not both")]
         return []
@@ -259,7 +259,7 @@ class SlurmConfig:
     # every user's squeue shares slurmctld.
     poll_interval: float = field(default=5.0, metadata=rule(gt=0, parse=schema.parse_duration))
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if self.backend != "rest":
             return []
         out: list[tuple[str, str]] = []
@@ -319,7 +319,7 @@ class ClusterConfig:
     # Default None: slurm.reservation. Reservations are a cluster's own.
     reservation: str | None = _slurm_name()
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if self.backend == "rest" and (self.slurm_conf or self.multi_cluster or self.bin_dir):
             given = [k for k in ("slurm_conf", "multi_cluster", "bin_dir") if getattr(self, k)]
             key = given[0]
@@ -368,7 +368,7 @@ class ListenConfig:
     # agents must use another name or a proxy to reach the daemon.
     daemon_url: str | None = field(default=None, metadata=_URL)
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         if self.gateway.port != 0 and self.gateway.port == self.internal.port:
             out.append(("internal", f"the gateway already uses port {self.gateway.port}"))
@@ -428,7 +428,7 @@ class RestartConfig:
     # a broken model must not keep a queue slot and GPUs busy.
     give_up_after_failures: int = field(default=5, metadata=rule(ge=1))
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if self.initial_backoff > self.max_backoff:
             return [
                 (
@@ -590,7 +590,7 @@ class RouterConfig:
     # that path) still loads.
     fast_lane: bool = True
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if self.max_held_total < self.max_held:
             return [
                 (
@@ -674,7 +674,7 @@ class TlsConfig:
     # Default None: the certificate's private key (PEM), readable by the daemon's user only.
     key: Path | None = None
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if (self.cert is None) != (self.key is None):
             return [("key" if self.key is None else "cert", "set both cert and key, or neither")]
         return []
@@ -764,7 +764,7 @@ class DatabaseTlsConfig:
     # Default None: the client certificate's private key (readable by the daemon's user only).
     key: Path | None = None
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if (self.cert is None) != (self.key is None):
             return [("key" if self.key is None else "cert", "set both cert and key, or neither")]
         return []
@@ -813,7 +813,7 @@ class DatabaseConfig:
     # clock) stops acting, before its lease can run out elsewhere.
     lease_deadline: float = field(default=2.0, metadata=rule(gt=0, parse=schema.parse_duration))
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         if (self.dsn is None) == (self.service is None):
             out.append(("dsn", "set one of dsn (a connection string) or service (pg_service.conf)"))
@@ -958,7 +958,7 @@ class ServerConfig:
             )
         return out
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         out = self._cluster_problems()
         if self.login.enabled and self.router.keys_file is None:
             out.append(
@@ -1074,7 +1074,7 @@ class EngineRuntime:
         default_factory=FrozenMap, metadata=rule(key_pattern=_ENV_NAME_RE, key_help=_ENV_HELP)
     )
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if self.python and self.executable:
             return [("executable", "set python or executable, not both")]
         return []
@@ -1094,7 +1094,7 @@ class EnginesConfig:
         runtime = getattr(self, kind, None)
         return runtime if isinstance(runtime, EngineRuntime) else EngineRuntime()
 
-    def _problems(self) -> list[tuple[str, str]]:
+    def schema_problems(self) -> list[tuple[str, str]]:
         if self.command.python or self.command.executable:
             return [
                 (

@@ -8,9 +8,9 @@ the set of valid keys can never drift from the dataclass.
 
 Optional hooks on a schema class:
 
-``_fill_defaults(cls, values: dict[str, Any]) -> None`` (classmethod)
+``schema_fill_defaults(cls, values: dict[str, Any]) -> None`` (classmethod)
     fills defaults that depend on other fields, before construction;
-``_problems(self) -> list[tuple[str, str]]``
+``schema_problems(self) -> list[tuple[str, str]]``
     cross-field checks after construction: (field name, message) pairs.
 
 Nothing here raises while walking: every problem is recorded in a
@@ -433,11 +433,11 @@ def build(cls: type[Any], node: YNode | None, path: str, ctx: Ctx, *, line: int 
             values[name] = v
     if not ok:
         return INVALID
-    fill = getattr(cls, "_fill_defaults", None)
+    fill = getattr(cls, "schema_fill_defaults", None)
     if fill is not None:
         fill(values)
     obj = cls(**values)
-    problems = getattr(obj, "_problems", None)
+    problems = getattr(obj, "schema_problems", None)
     if problems is not None:
         found: list[tuple[str, str]] = problems()
         for name, message in found:

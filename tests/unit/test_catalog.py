@@ -946,6 +946,6 @@ def test_a_command_engine_may_use_every_placeholder_the_agent_fills(tmp_path: Pa
         name="m",
         engine=EngineSpec(kind="command", command=("serve", *argv)),
     )
-    assert m.engine._problems() == []
+    assert m.engine.schema_problems() == []
     p = LaunchParams(model_path="/w", served_name="m", host="h", port=1, python="py")
     assert len(build_engine_command(m.engine, p, "k").argv) == len(PLACEHOLDERS) + 1
