@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from llmgw_slurm.guard.heap import MIN_GROWTH
 from tests.faults.support import daemon_process, model_states, record, with_router
@@ -86,6 +87,11 @@ async def test_a_thousand_streams_for_a_minute_leave_no_growth_and_the_held_cap_
         ]
     )
     with_router(h, max_held=MAX_HELD, hold_timeout="10m")
+    # The 1,000 streams come from one user: above the per-peer connection bound's
+    # default (256, issue 33), which tests/slurm/test_hostile_load.py checks.
+    server = yaml.safe_load(h.server_yaml.read_text())
+    server["connections"] = {"per_peer": 2 * STREAMS}
+    h.server_yaml.write_text(yaml.safe_dump(server, sort_keys=False))
     with daemon_process(h, tmp_path / "daemon.log") as d:
 
         async def loaded_ready() -> bool:
