@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import resource
@@ -616,9 +617,13 @@ async def serve(d: Daemon, stop: asyncio.Event | None = None) -> None:
         nonlocal first
         if d.heap is not None:
             # Here, between passes: the trim blocks the loop for a few ms.
-            d.heap.maybe_trim()
+            d.heap.maybe_trim(idle=not d.gateway[GATEWAY_KEY].in_flight)
         if first:
             first = False
+            # What start-up allocated lives as long as the daemon: out of the
+            # collector's sight, so that the heap trimmer's collections when
+            # idle walk only what was made since (guard/heap.py).
+            gc.freeze()
             d.notifier.ready(status_line(d))
         else:
             d.notifier.status(status_line(d))

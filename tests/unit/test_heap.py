@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from llmgw_slurm.guard.heap import MIN_GROWTH, HeapTrimmer, glibc_heap
+from llmgw_slurm.guard.heap import IDLE_MIN_GROWTH, MIN_GROWTH, HeapTrimmer, glibc_heap
 
 MIB = 1024 * 1024
 
@@ -81,6 +84,38 @@ def test_the_floor_is_the_least_free_seen_between_trims() -> None:
         assert not t.maybe_trim()
     heap.free = 5 * MIB + MIN_GROWTH
     assert t.maybe_trim()
+
+
+def test_an_idle_gateway_returns_a_small_amount_freed_a_busy_one_keeps_it() -> None:
+    heap = FakeHeap()
+    t, registry = _trimmer(heap)
+    heap.free = 4 * MIB
+    assert not t.maybe_trim(idle=False)
+    assert t.maybe_trim(idle=True)
+    assert _metric(registry, "llmgw_heap_untrimmed_bytes") == 0
+    heap.free = 4 * MIB + IDLE_MIN_GROWTH - 1  # under the idle amount: left alone
+    assert not t.maybe_trim(idle=True)
+    assert heap.trimmed == 1
+
+
+def test_an_idle_trim_first_collects_the_cyclic_garbage_a_busy_one_leaves_it() -> None:
+    class Conn:
+        pass
+
+    heap = FakeHeap()
+    t, _ = _trimmer(heap)
+    gc.disable()  # only the trimmer collects within this test
+    try:
+        a = Conn()
+        a.peer = a  # type: ignore[attr-defined]  # a cycle, as a transport and its protocol
+        gone = weakref.ref(a)
+        del a
+        t.maybe_trim(idle=False)
+        assert gone() is not None
+        t.maybe_trim(idle=True)
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_without_glibc_the_trimmer_does_nothing() -> None:
