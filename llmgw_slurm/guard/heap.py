@@ -15,10 +15,10 @@ since the least it saw after its last trim: freed memory it has not yet
 returned. A heap whose free bytes stay high (already returned, or reused and
 freed at the same level) is left alone, so a trim costs only after a burst.
 With no request in flight it first collects Python's cyclic garbage and then
-trims from :data:`IDLE_MIN_GROWTH` freed: a stream's connection objects form
-reference cycles, so what a burst held stays allocated until the collector's
-oldest generation runs, which may be the next burst (measured after 1,000
-streams: about 240 MB of heap freed by one ``gc.collect()``). The daemon
+trims from :data:`IDLE_MIN_GROWTH` freed: part of what a burst's streams
+allocated is left in reference cycles, held until the collector's oldest
+generation runs, which may be the next burst (measured after 1,000 streams:
+about 240 MB of heap freed by one ``gc.collect()``; which objects, not traced). The daemon
 freezes what it allocated at start (``gc.freeze()``), so that the collection
 walks only the objects made since.
 On a C library without ``mallinfo2`` and ``malloc_trim`` (musl, glibc before
