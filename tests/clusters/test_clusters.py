@@ -118,6 +118,26 @@ async def ask(h: Harness, model: str, text: str = "hello", timeout: float = 240.
     return rid
 
 
+def sacct_rows(
+    conf: str, names: dict[str, str], since: str, job_prefix: str
+) -> dict[str, list[str]]:
+    """sacct over both clusters (one slurmdbd): each cluster's row of a job named
+    job_prefix..., by the cluster's short name."""
+    out = slurm(
+        conf,
+        "sacct",
+        "-M",
+        ",".join(names),
+        "-X",
+        "-n",
+        "-P",
+        "--format=Cluster,JobID,JobName,State,Start",
+        f"--starttime={since}",
+    )
+    rows = [ln.split("|") for ln in out.splitlines() if job_prefix in ln]
+    return {names[r[0]]: r for r in rows}
+
+
 def ready(h: Harness, model: str) -> list[Any]:
     return [r for r in h.rec.replicas.values() if r.model == model and r.state().value == "ready"]
 
@@ -135,7 +155,7 @@ async def test_a_model_only_the_second_cluster_can_run_starts_there(
         ]
         assert jobs_on(slurm_conf, prefix) == []
         (submit,) = h.decisions("submit", "l40s-only")
-        assert f"job {r.job_id} on b; b: gpunode13" in submit.reason
+        assert f"job {r.job_id} on b; room now on b: gpunode13" in submit.reason, submit.reason
 
 
 async def test_a_model_that_fits_on_both_goes_to_the_one_with_free_gpus(
@@ -207,22 +227,18 @@ async def test_first_controller_stopped_a_cold_model_is_served_from_the_second_a
         # before the daemon's next pass: it never served).
         assert stuck.ready_at is None
         names = {cluster_name(slurm_conf): "a", cluster_name(second_conf): "b"}
-        clusters = ",".join(names)
-        out = await asyncio.to_thread(
-            slurm,
-            slurm_conf,
-            "sacct",
-            "-M",
-            clusters,
-            "-X",
-            "-n",
-            "-P",
-            "--format=Cluster,JobID,JobName,State,Start",
-            f"--starttime={since}",
+
+        # The first cluster's record reaches slurmdbd when its controller, back from
+        # SIGTERM, sends what it had queued for the database: a while after the
+        # cancel, and its end after its start.
+        async def accounted() -> dict[str, list[str]] | None:
+            by = await asyncio.to_thread(sacct_rows, slurm_conf, names, since, f"{prefix}failover.")
+            ended = "a" in by and by["a"][3] not in ("PENDING", "RUNNING")
+            return by if ended and sorted(by) == ["a", "b"] else None
+
+        by = await eventually(
+            accounted, "sacct's record of the job on each, ended on a", timeout=120
         )
-        rows = [ln.split("|") for ln in out.splitlines() if f"{prefix}failover." in ln]
-        by = {names[r[0]]: r for r in rows}
-        assert sorted(names[r[0]] for r in rows) == ["a", "b"], rows
         assert by["a"][3].startswith("CANCELLED")
         assert by["b"][3] == "RUNNING"
 
