@@ -25,12 +25,16 @@ from tests.slurm.harness import (
 )
 
 
-def client(h: Harness) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(h: Harness, timeout: float = 120) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=timeout
+    )
 
 
-async def chat(h: Harness, model: str, text: str = "hello from a test") -> str:
-    async with client(h) as c:
+async def chat(
+    h: Harness, model: str, text: str = "hello from a test", timeout: float = 120
+) -> str:
+    async with client(h, timeout) as c:
         r = await c.chat.completions.create(
             model=model, messages=[{"role": "user", "content": text}], max_tokens=5
         )
@@ -111,7 +115,11 @@ async def test_eviction_makes_room_for_a_wanted_model(tmp_path: Path, prefix: st
     with reservation(prefix) as resv:
         _, fillers = await fill_all_but(prefix, keep=2, reservation=resv)
         try:
-            async with running(tmp_path, prefix + "d.", models, reservation=resv) as h:
+            # The held request waits through a whole eviction (the evicted job's end,
+            # then the new job's start and its engine's): with the other levels beside
+            # this one on two cores (CI), that took more than the harness's 90 s once.
+            hold = {"hold_timeout": "5m"}
+            async with running(tmp_path, prefix + "d.", models, reservation=resv, router=hold) as h:
                 await eventually(
                     lambda: asyncio.sleep(0, ready_replicas(h, "pinned")), "pinned ready"
                 )
@@ -119,7 +127,11 @@ async def test_eviction_makes_room_for_a_wanted_model(tmp_path: Path, prefix: st
                 (first_replica,) = ready_replicas(h, "first")
                 # Now the cluster is full; "second" can only start if "first" (idle, on
                 # demand) goes. "pinned" has min 1: a promise, never evicted.
-                text = await chat(h, "second", "room please")
+                try:
+                    text = await chat(h, "second", "room please", timeout=330)
+                except openai.APIError as exc:
+                    log = [(d.action, d.model, d.reason) for d in h.rec.decisions]
+                    pytest.fail(f"second not served: {exc}; decisions: {log}")
                 assert "room" in text
                 (evict,) = h.decisions("evict")
                 assert evict.model == "first"
