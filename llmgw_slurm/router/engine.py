@@ -2,7 +2,10 @@
 
 One request at a time on a connection; its answer goes, as it is read, to the
 request's :class:`Sink` (its head, its body's pieces with the framing undone,
-its end), from the connection's own callbacks. The answer is read by
+its end), from the connection's own callbacks. The pieces of one read go to the
+sink as one: an engine that answers faster than the gateway reads (a burst of
+tokens, many streams at once) sends a dozen chunks a read, and each piece costs
+the stream's relay, a client chunk and a send() of its own. The answer is read by
 httptools (llhttp), and strictly: an answer whose framing is in doubt (two
 Content-Lengths, a signed one, Content-Length with Transfer-Encoding, a
 Transfer-Encoding other than chunked, a folded header, a bad status line or
@@ -127,6 +130,7 @@ class Conn(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False
         self._writable: asyncio.Future[None] | None = None
+        self._body: list[bytes] = []  # the body's pieces of the read being parsed
 
     # asyncio.BufferedProtocol
 
@@ -147,12 +151,19 @@ class Conn(asyncio.BufferedProtocol):
             return
         self._got_bytes = True
         try:
-            self._parser.feed_data(data)
-            if self._in_head:  # a head not whole yet: the reads since the one it began in
-                self._unfinished = 0 if self._unfinished < 0 else self._unfinished + len(data)
-                if self._unfinished > http1.MAX_HEAD:
-                    raise _Strict("the engine's head is too long")
+            try:
+                self._parser.feed_data(data)
+                if self._in_head:  # a head not whole yet: the reads since the one it began in
+                    self._unfinished = 0 if self._unfinished < 0 else self._unfinished + len(data)
+                    if self._unfinished > http1.MAX_HEAD:
+                        raise _Strict("the engine's head is too long")
+            except (httptools.HttpParserError, _Strict):
+                if not self._complete:
+                    raise
+                self.reusable = False  # bytes past a whole answer: never reused
+            self._deliver()
         except Exception as raised:  # llhttp's errors, ours (_Strict), a sink's bug: never out
+            self._body.clear()
             e = http1.unwrap(raised)
             if not isinstance(e, (httptools.HttpParserError, _Strict)):
                 log.error("reading an engine's answer failed", exc_info=e)
@@ -160,9 +171,19 @@ class Conn(asyncio.BufferedProtocol):
                 why = f"the engine's answer is not HTTP as read here: {e}"
                 self._fail(EngineBroken(why, _cause(e)))
                 return
-            self.reusable = False  # bytes past a whole answer: never reused
+            self.reusable = False
         if self._complete:
             self._finish()
+
+    def _deliver(self) -> None:
+        """The body's pieces of this read, to the sink as one."""
+        body = self._body
+        if not body or self._sink is None:
+            body.clear()
+            return
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._sink.data(data)
 
     def eof_received(self) -> bool | None:
         return False  # close; connection_lost settles the answer
@@ -230,8 +251,7 @@ class Conn(asyncio.BufferedProtocol):
             self._sink.head(self, status, self._headers)
 
     def on_body(self, body: bytes) -> None:
-        if self._sink is not None:
-            self._sink.data(body)
+        self._body.append(body)  # delivered once the read is parsed (_deliver)
 
     def on_message_complete(self) -> None:
         if self._status >= 200:

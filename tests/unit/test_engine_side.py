@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from llmgw_slurm.auth.tls import client_context, make_identity
+from llmgw_slurm.router import http1
 from llmgw_slurm.router.engine import Answer, EngineBroken, EnginePool, EngineUnreachable
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
@@ -425,3 +426,46 @@ async def test_bytes_past_a_whole_answer_leave_it_whole_and_the_connection_unuse
         second = await p.post(s.url, None, "/x", {}, b"")
         p.close()
     assert first.body == second.body == OK_BODY and s.connections == 2
+
+
+class Pieces:
+    """A sink that records the body's pieces as the connection hands them over."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.ended: list[object] = []
+
+    def head(self, conn: object, status: int, headers: dict[str, str]) -> None:
+        pass
+
+    def data(self, data: bytes) -> None:
+        self.pieces.append(data)
+
+    def end(self, error: object) -> None:
+        self.ended.append(error)
+
+
+async def test_the_chunks_of_one_read_reach_the_sink_as_one_piece() -> None:
+    # A stream's events that came in one read cost one relay pass and one client
+    # chunk, not one each; those of a later read come as a piece of their own.
+    events = [b'data: {"n": %d}\n\n' % i for i in range(12)]
+    first = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"".join(
+        http1.chunk(e) for e in events[:10]
+    )
+    rest = b"".join(http1.chunk(e) for e in events[10:]) + b"0\r\n\r\n"
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await read_request(r, s)
+        w.write(first)
+        await w.drain()
+        await asyncio.sleep(0.2)  # the gateway reads the first ten before the rest is sent
+        w.write(rest)
+        await w.drain()
+
+    sink = Pieces()
+    async with serve(script) as s:
+        p = pool()
+        got = await p.fetch(s.url, None, "POST", "/x", {}, b"", sink)
+        p.close()
+    assert got.status == 200 and sink.ended == [None]
+    assert sink.pieces == [b"".join(events[:10]), b"".join(events[10:])]
