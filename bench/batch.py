@@ -14,9 +14,11 @@ the same model under a second name that no replica serves:
   ``--clients`` at a time, to a replica of the model. The replica is started by
   one request first (its cold start is not in the phase), so the phase measures
   serving;
-- ride: the same batch for the model while its replica is warm and idle: it
-  rides the replica (issue 37; ``batch.warm_share`` of the model's
-  ``target_inflight`` at once), no job. Timed from ``batches.create`` to
+- ride: the same batch for the model while its replica is warm and idle (no
+  online request for ``batch.warm_idle_after``): it
+  rides the replica (issue 37; ``batch.warm_idle_share`` of the model's
+  ``target_inflight`` at once, ``batch.warm_share`` while online requests use
+  it), no job. Timed from ``batches.create`` to
   ``completed``; the bench fails if a job was submitted for it;
 - online latency, ``--latency-clients`` at a time (a load that leaves the
   replica room): alone, then while another such batch rides the replica.
@@ -29,9 +31,11 @@ cold start added (what a replica started for this work alone holds its GPUs
 for beyond the phase). sacct's elapsed of the replica is printed too.
 
     python3 bench/batch.py [--requests 2000] [--clients 64] [--max-tokens 8] [--repeats 1]
-                           [--target-inflight 64] [--warm-share 0.5] [--latency-clients 4]
+                           [--target-inflight 64] [--warm-share S] [--warm-idle-share S]
+                           [--latency-clients 4]
 
-A ``--warm-share`` other than the default writes ``batch_shareN.json``.
+Without ``--warm-share`` and ``--warm-idle-share`` (server.yaml's defaults), it
+writes ``batch.json``; with either, ``batch_shareBUSY-IDLE.json``.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import aiohttp
 import openai
 
 from bench.common import TINY_LLAMA, VLLM_PYTHON, median, need_cluster, print_table, result, write
+from llmgw_slurm.config import BatchConfig
 from tests.engine.test_vllm_e2e import MODEL, daemon, gateway_listening, write_configs
 
 # The same model again, under a name no replica serves: its batches are jobs, as
@@ -252,7 +257,8 @@ async def main() -> None:
         help="the model's scaling.target_inflight: a replica's concurrency, of which a ride "
         "takes batch.warm_share (64: what the online phase's clients give it)",
     )  # fmt: skip
-    ap.add_argument("--warm-share", type=float, default=0.5, help="server.yaml batch.warm_share")
+    ap.add_argument("--warm-share", type=float, help="server.yaml batch.warm_share")
+    ap.add_argument("--warm-idle-share", type=float, help="server.yaml batch.warm_idle_share")
     args = ap.parse_args()
     need_cluster()
     reqs = bodies(args.requests, args.max_tokens)
@@ -269,13 +275,22 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = write_configs(Path(tmp), prefix + ".", str(VLLM_PYTHON), TINY_LLAMA)
         cfg = json.loads(server.read_text())
-        cfg["batch"] = {"poll_interval": "1s", "warm_share": args.warm_share}
+        cfg["batch"] = {"poll_interval": "1s"}
+        for name in ("warm_share", "warm_idle_share"):
+            if getattr(args, name) is not None:
+                cfg["batch"][name] = getattr(args, name)
+        idle_after = BatchConfig().warm_idle_after
         server.write_text(json.dumps(cfg))
         add_cold_twin(Path(cfg["models"]), args.target_inflight)
         gw = "http://" + cfg["listen"]["gateway"]
         dlog = Path(tmp) / "daemon.log"
         try:
-            async with daemon(server, dlog) as proc, aiohttp.ClientSession() as s:
+            # Idle connections kept 5 s, below the gateway's close of a connection
+            # that sends no request head for guard.head_timeout (10 s): aiohttp keeps
+            # them 15 s, and one reused as the gateway closes it fails the request
+            # (a phase that began ~10 s after the last, once).
+            keep = aiohttp.TCPConnector(keepalive_timeout=5.0)
+            async with daemon(server, dlog) as proc, aiohttp.ClientSession(connector=keep) as s:
                 await gateway_listening(proc, s, gw, dlog)
                 c = openai.AsyncOpenAI(base_url=gw + "/v1", api_key="none", max_retries=0)
                 for i in range(args.repeats):
@@ -287,6 +302,9 @@ async def main() -> None:
                         start_up = (await run_online(s, gw, reqs[:1], 1))["wall"]
                     onlines.append(await run_online(s, gw, reqs, args.clients))
                     print(f"round {i}: online {summary(onlines[-1])}", flush=True)
+                    # Idle as the seam counts it (no online request for warm_idle_after):
+                    # the phase is a batch riding a replica nobody else uses.
+                    await asyncio.sleep(idle_after + 0.5)
                     rides.append(await run_ride(c, s, gw, data, prefix))
                     print(f"round {i}: ride {rides[-1]}", flush=True)
                     quiet.append(await run_latency(s, gw, light, args.latency_clients))
@@ -306,7 +324,12 @@ async def main() -> None:
         f"\n{args.requests} requests, max_tokens {args.max_tokens}, {args.clients} clients,"
         f" {args.repeats} round(s); medians"
     )
-    name = "batch" if args.warm_share == 0.5 else f"batch_share{args.warm_share:g}"
+    name = "batch"
+    if args.warm_share is not None or args.warm_idle_share is not None:
+        defaults = BatchConfig()
+        busy = defaults.warm_share if args.warm_share is None else args.warm_share
+        idle = defaults.warm_idle_share if args.warm_idle_share is None else args.warm_idle_share
+        name = f"batch_share{busy:g}-{idle:g}"
     print(f"written {write(name, results, vars(args))}")
 
 

@@ -737,11 +737,20 @@ class BatchConfig:
     # in its completion window goes to a Slurm job. A replica that is up has paid
     # for its model's load; a batch job pays it again. false: every batch is a job.
     warm: bool = True
-    # Default 0.5: the share of each replica's concurrency (its model's
-    # scaling.target_inflight) that batch requests may take, fewer as its online
-    # requests rise (batch and online together within target_inflight). Higher
-    # finishes a batch sooner, and costs online requests more of the engine.
-    warm_share: float = field(default=0.5, metadata=rule(gt=0, le=1))
+    # Default 0.125: the share of each replica's concurrency (its model's
+    # scaling.target_inflight) that batch requests may take while online requests
+    # use it, fewer as they rise (batch and online together within
+    # target_inflight). Higher finishes a batch sooner, and costs online requests
+    # more of the engine: each request in flight lengthens every step.
+    warm_share: float = field(default=0.125, metadata=rule(gt=0, le=1))
+    # Default 1: the share of a replica no online request has used for
+    # warm_idle_after. An idle replica's GPUs are held anyway, so a batch may have
+    # all of it; an online request that comes then runs beside the batch requests
+    # in flight until they end (no new ones are sent while it is there).
+    warm_idle_share: float = field(default=1.0, metadata=rule(gt=0, le=1))
+    # Default 2s: how long a replica has had no online request before it is idle
+    # (a busy client's next request comes within milliseconds of its last answer).
+    warm_idle_after: float = field(default=2.0, metadata=rule(ge=0, parse=schema.parse_duration))
     # Default 1h: a riding batch goes to a Slurm job once, at its pace over the
     # last minute, it would end later than this before its deadline (the job's
     # queue wait and start need the time).

@@ -9,16 +9,24 @@ batch requests at once, ``capacity`` being its model's
 ``scaling.target_inflight`` (what one replica is meant to carry), and fewer as
 its online requests rise: batch and online together stay within the
 capacity, so at ``capacity`` online requests a replica takes no batch request
-at all. Online requests do not come through here: they are never held or
+at all. The share is :class:`SlotShares`' ``idle`` on a replica no online
+request has used for ``idle_after`` (it would sit unused: the batch may have
+all of it, and pays for its GPUs no more than online requests would), and its
+``busy`` share while online requests use it (each batch request in flight
+lengthens every step of the engine's, theirs too). The wait before the idle
+share keeps a replica between two requests of a busy client from taking a
+burst of batch requests its next online request would run beside.
+Online requests do not come through here: they are never held or
 refused for a batch; batch ones yield (those already sent finish). A batch
 request is no use of the replica in the reconciler's eyes (no last use, no
 request in flight): riding a replica never keeps it up, scales its model up,
 or keeps it from being evicted or drained; a draining replica takes none.
 
-What the seam needs of the gateway is one number: the online requests in
-flight on a replica (``online(model, replica_id)``). It sends with an aiohttp
-client of its own (made on first use, in the running loop), not the gateway's
-request path, so that that path can change under it.
+What the seam needs of the gateway is the online requests in flight on a
+replica (``online(model, replica_id)``) and when its last one ended
+(``online_ended``). It sends with an aiohttp client of its own (made on first
+use, in the running loop), not the gateway's request path, so that that path
+can change under it.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import aiohttp
 
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
 
-__all__ = ["BatchSeam", "BatchSlot", "BatchUnreached", "SeamAnswer"]
+__all__ = ["BatchSeam", "BatchSlot", "BatchUnreached", "SeamAnswer", "SlotShares"]
 
 # A replica that could not be reached is passed over this long: a dead engine
 # would otherwise take every retry the moment it is made.
@@ -42,6 +50,17 @@ UNREACHABLE_S = 10.0
 class BatchUnreached(Exception):
     """No whole answer came back (the engine could not be reached, went silent, or
     broke off): the request was not answered and may be sent again."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotShares:
+    """How much of a replica's concurrency batch requests may take (``batch:`` in
+    server.yaml): ``busy`` while online requests use it, ``idle`` once none has for
+    ``idle_after`` seconds."""
+
+    busy: float
+    idle: float
+    idle_after: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +87,18 @@ class BatchSeam:
         directory: ModelDirectory,
         online: Callable[[str, str], int],
         capacity: Callable[[str], int],
-        share: float,
+        shares: SlotShares,
         timeout: aiohttp.ClientTimeout,
         clock: Callable[[], float] = time.monotonic,
+        online_ended: Callable[[str, str], float | None] = lambda model, replica_id: None,
     ) -> None:
         self.directory = directory
         self.online = online
+        # When the replica's last online request ended (``clock``'s time), None if
+        # none has since the gateway started.
+        self.online_ended = online_ended
         self.capacity = capacity
-        self.share = share
+        self.shares = shares
         self.timeout = timeout
         self.clock = clock
         self._session: aiohttp.ClientSession | None = None
@@ -87,7 +110,16 @@ class BatchSeam:
         cap = max(1, self.capacity(model))
         online = self.online(model, ep.replica_id)
         mine = self._batch.get((model, ep.replica_id), 0)
-        return max(0, min(math.ceil(self.share * cap), cap - online) - mine)
+        share = self.shares.busy if online else self._share_unused(model, ep.replica_id)
+        return max(0, min(math.ceil(share * cap), cap - online) - mine)
+
+    def _share_unused(self, model: str, replica_id: str) -> float:
+        """The share of a replica with no online request in flight: the idle one once
+        its last ended ``idle_after`` ago."""
+        ended = self.online_ended(model, replica_id)
+        if ended is not None and self.clock() - ended < self.shares.idle_after:
+            return self.shares.busy
+        return self.shares.idle
 
     def _usable(self, model: str) -> list[Endpoint]:
         now = self.clock()

@@ -13,7 +13,7 @@ from llmgw_slurm.accounting.usage import UsageRecord, UsageSink
 from llmgw_slurm.batch.jobs import BatchJobs
 from llmgw_slurm.batch.model import BatchRecord
 from llmgw_slurm.batch.routes import add_batch_routes, add_internal_routes
-from llmgw_slurm.batch.seam import BatchSeam
+from llmgw_slurm.batch.seam import BatchSeam, SlotShares
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.batch.store import BatchStore
 from llmgw_slurm.catalog import Catalog, Model
@@ -98,7 +98,8 @@ def seam(
     catalog: Callable[[], Catalog],
 ) -> BatchSeam:
     """The gateway's batch seam: the replicas the directory lists, each one's online
-    requests as the gateway counts them, its model's target_inflight as its capacity."""
+    requests as the gateway counts them (and when its last ended), its model's
+    target_inflight as its capacity."""
     gw = gateway[GATEWAY_KEY]
 
     def capacity(model: str) -> int:
@@ -111,8 +112,13 @@ def seam(
         # seam depends on, whatever holds it.
         lambda model, replica_id: gw.in_flight.get((model, replica_id), 0),
         capacity,
-        server.batch.warm_share,
+        SlotShares(
+            busy=server.batch.warm_share,
+            idle=server.batch.warm_idle_share,
+            idle_after=server.batch.warm_idle_after,
+        ),
         aiohttp.ClientTimeout(
             sock_connect=server.router.connect_timeout, sock_read=server.router.read_timeout
         ),
+        online_ended=lambda model, replica_id: gw.online_ended.get((model, replica_id)),
     )

@@ -40,6 +40,8 @@ def warm_batches(h: Harness) -> None:
         "runner": "server",
         "warm": True,
         "warm_share": 0.5,
+        # Idle or not, 2 slots of the replica's 4: the late batch's pace below.
+        "warm_idle_share": 0.5,
         "warm_margin": "59m",
     }
     h.server_yaml.write_text(yaml.safe_dump(server, sort_keys=False))

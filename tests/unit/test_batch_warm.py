@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry
 from test_batch import (  # type: ignore[import-not-found]
     CHAT,
     KNOWN,
@@ -35,11 +37,13 @@ from llmgw_slurm.agent import batch as agent_batch
 from llmgw_slurm.base.errors import ConfigErrors
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.model import BatchStatus
-from llmgw_slurm.batch.seam import UNREACHABLE_S, BatchSeam, BatchUnreached
+from llmgw_slurm.batch.seam import UNREACHABLE_S, BatchSeam, BatchUnreached, SlotShares
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.batch.warm import PACE_WINDOW_S, WarmRide
-from llmgw_slurm.config import load_server_config
-from llmgw_slurm.router.directory import Endpoint, ModelInfo, StaticDirectory
+from llmgw_slurm.config import RouterConfig, load_server_config
+from llmgw_slurm.router.directory import Endpoint, ModelInfo, ModelRouting, StaticDirectory
+from llmgw_slurm.router.metrics import GatewayMetrics
+from llmgw_slurm.router.replicas import Replicas
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from tests.ports import free_port
 from tests.unit._router_support import serve
@@ -98,16 +102,20 @@ def seam_over(
     capacity: int = 16,
     share: float = 0.5,
     clock: Callable[[], float] | None = None,
+    idle: tuple[float, float, dict[tuple[str, str], float]] | None = None,
 ) -> BatchSeam:
+    """A seam over ``d``; ``idle``: the idle share, the wait before it, and when each
+    replica's last online request ended (without: one share, idle or not)."""
     counts = online if online is not None else {}
-    kw = {"clock": clock} if clock is not None else {}
+    idle_share, idle_after, ended = idle if idle is not None else (share, 0.0, {})
     seam = BatchSeam(
         d,
         lambda m, r: counts.get((m, r), 0),
         lambda m: capacity,
-        share,
+        SlotShares(busy=share, idle=idle_share, idle_after=idle_after),
         aiohttp.ClientTimeout(sock_connect=5.0, sock_read=30.0),
-        **kw,
+        clock=clock if clock is not None else time.monotonic,
+        online_ended=lambda m, r: ended.get((m, r)),
     )
     _OPEN.append(seam)
     return seam
@@ -143,6 +151,50 @@ def test_batch_slots_are_a_share_of_each_replica_and_yield_to_online_requests() 
     online[("tiny", "r0")] = 16
     assert seam.admit("tiny") is None
     assert seam.free("other") == 0 and not seam.ready("other")
+
+
+def test_an_idle_replica_lends_the_batch_its_idle_share_until_online_requests_come() -> None:
+    clock = Ticks()
+    d = directory("http://127.0.0.1:1")
+    online: dict[tuple[str, str], int] = {}
+    ended: dict[tuple[str, str], float] = {}
+    seam = seam_over(d, online, capacity=16, share=0.125, clock=clock, idle=(1.0, 2.0, ended))
+    (r0,) = d.endpoints("tiny")
+    # No online request since the gateway started: idle, the whole of it.
+    assert seam.slots("tiny", r0) == 16
+    # Online requests in flight: the busy share, less what they take past it.
+    online[("tiny", "r0")] = 3
+    assert seam.slots("tiny", r0) == 2
+    online[("tiny", "r0")] = 15
+    assert seam.slots("tiny", r0) == 1
+    # The last one just ended: still busy (its client's next one is on its way) ...
+    del online[("tiny", "r0")]
+    ended[("tiny", "r0")] = clock.t
+    clock.t += 1.9
+    assert seam.slots("tiny", r0) == 2
+    # ... until none has come for idle_after.
+    clock.t += 0.1
+    assert seam.slots("tiny", r0) == 16
+    # Batch requests taken then count against the busy share once online ones return:
+    # no new one is admitted until those in flight are below it.
+    taken = [seam.admit("tiny") for _ in range(16)]
+    assert all(t is not None for t in taken) and seam.admit("tiny") is None
+    online[("tiny", "r0")] = 1
+    assert seam.slots("tiny", r0) == 0 and seam.admit("tiny") is None
+
+
+async def test_the_gateway_records_when_a_replicas_last_online_request_ended() -> None:
+    d = directory("http://127.0.0.1:1")
+    reps = Replicas(
+        d, RouterConfig(), GatewayMetrics(d, CollectorRegistry()), lambda m: ModelRouting()
+    )
+    before = time.monotonic()
+    reps.started("tiny", "r0")
+    reps.started("tiny", "r0")
+    reps.ended("tiny", "r0")
+    assert ("tiny", "r0") not in reps.online_ended  # one is still in flight
+    reps.ended("tiny", "r0")
+    assert before <= reps.online_ended[("tiny", "r0")] <= time.monotonic()
 
 
 async def test_forward_sends_the_replicas_own_key_and_frees_its_slot() -> None:
@@ -439,13 +491,19 @@ def test_warm_settings_are_on_by_default_and_checked(tmp_path: Path) -> None:
     p = tmp_path / "server.yaml"
     p.write_text("state_dir: /tmp/x\n")
     b = load_server_config(p).batch
-    assert (b.warm, b.warm_share, b.warm_margin) == (True, 0.5, 3600.0)
-    p.write_text("batch: {warm: false, warm_share: 0.25, warm_margin: 10m}\n")
+    assert (b.warm, b.warm_share, b.warm_margin) == (True, 0.125, 3600.0)
+    assert (b.warm_idle_share, b.warm_idle_after) == (1.0, 2.0)
+    p.write_text(
+        "batch: {warm: false, warm_share: 0.25, warm_margin: 10m, warm_idle_share: 0.5,"
+        " warm_idle_after: 1m}\n"
+    )
     b = load_server_config(p).batch
     assert (b.warm, b.warm_share, b.warm_margin) == (False, 0.25, 600.0)
-    p.write_text("batch: {warm_share: 0}\n")
+    assert (b.warm_idle_share, b.warm_idle_after) == (0.5, 60.0)
+    p.write_text("batch: {warm_share: 0, warm_idle_share: 1.5}\n")
     with pytest.raises(ConfigErrors) as info:
         load_server_config(p)
     assert [str(e).replace(str(p), "F") for e in info.value.errors] == [
-        "F:1: batch.warm_share: must be more than 0; got 0"
+        "F:1: batch.warm_share: must be more than 0; got 0",
+        "F:1: batch.warm_idle_share: must be at most 1; got 1.5",
     ]
