@@ -23,10 +23,10 @@ request in flight): riding a replica never keeps it up, scales its model up,
 or keeps it from being evicted or drained; a draining replica takes none.
 
 What the seam needs of the gateway is the online requests in flight on a
-replica (``online(model, replica_id)``) and when its last one ended
-(``online_ended``). It sends with an aiohttp client of its own (made on first
-use, in the running loop), not the gateway's request path, so that that path
-can change under it.
+replica (``online(model, replica_id)``); how long ago one was last used is the
+directory's (``ModelDirectory.idle_for``). It sends with an aiohttp
+client of its own (made on first use, in the running loop), not the gateway's
+request path, so that that path can change under it.
 """
 
 from __future__ import annotations
@@ -90,13 +90,9 @@ class BatchSeam:
         shares: SlotShares,
         timeout: aiohttp.ClientTimeout,
         clock: Callable[[], float] = time.monotonic,
-        online_ended: Callable[[str, str], float | None] = lambda model, replica_id: None,
     ) -> None:
         self.directory = directory
         self.online = online
-        # When the replica's last online request ended (``clock``'s time), None if
-        # none has since the gateway started.
-        self.online_ended = online_ended
         self.capacity = capacity
         self.shares = shares
         self.timeout = timeout
@@ -115,9 +111,9 @@ class BatchSeam:
 
     def _share_unused(self, model: str, replica_id: str) -> float:
         """The share of a replica with no online request in flight: the idle one once
-        its last ended ``idle_after`` ago."""
-        ended = self.online_ended(model, replica_id)
-        if ended is not None and self.clock() - ended < self.shares.idle_after:
+        it has had none for ``idle_after``."""
+        idle = self.directory.idle_for(model, replica_id)
+        if idle is not None and idle < self.shares.idle_after:
             return self.shares.busy
         return self.shares.idle
 

@@ -98,8 +98,7 @@ def seam(
     catalog: Callable[[], Catalog],
 ) -> BatchSeam:
     """The gateway's batch seam: the replicas the directory lists, each one's online
-    requests as the gateway counts them (and when its last ended), its model's
-    target_inflight as its capacity."""
+    requests as the gateway counts them, its model's target_inflight as its capacity."""
     gw = gateway[GATEWAY_KEY]
 
     def capacity(model: str) -> int:
@@ -120,5 +119,4 @@ def seam(
         aiohttp.ClientTimeout(
             sock_connect=server.router.connect_timeout, sock_read=server.router.read_timeout
         ),
-        online_ended=lambda model, replica_id: gw.online_ended.get((model, replica_id)),
     )

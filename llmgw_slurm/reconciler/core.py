@@ -941,6 +941,9 @@ class Reconciler:
     def request_finished(self, model: str, replica_id: str) -> None:
         self.directory.request_finished(model, replica_id)
 
+    def idle_for(self, model: str, replica_id: str) -> float | None:
+        return self.directory.idle_for(model, replica_id)
+
     def want(self, model: str) -> None:
         """Someone asked for ``model`` to start (``llmgw up``). A model with a ready
         replica needs nothing: recorded as a waiting request, the ask would start the

@@ -138,6 +138,13 @@ class ReplicaDirectory:
             r.in_flight = max(0, r.in_flight - 1)
             r.last_used = self.table.clock()
 
+    def idle_for(self, model: str, replica_id: str) -> float | None:
+        # Another daemon's gateway's use too (shared state): its online requests
+        # are not in this gateway's count.
+        r = self.table.replicas.get(replica_id)
+        used = None if r is None else r.last_use()
+        return None if used is None else self.table.clock() - used
+
     def want(self, model: str) -> None:
         d = self._demand.setdefault(model, _ModelDemand())
         now = self.table.clock()

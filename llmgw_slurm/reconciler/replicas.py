@@ -103,6 +103,10 @@ class Replica:
             if name in _LISTED:
                 object.__setattr__(self, "listed", None)
 
+    def last_use(self) -> float | None:
+        """The latest use by any gateway: this daemon's or another's on the database."""
+        return _later(self.last_used, self.remote_last_used)
+
     def state(self) -> ReplicaState:
         if self.stop_reason:
             return ReplicaState.STOPPING
@@ -174,7 +178,7 @@ def build_view(r: Replica) -> ReplicaView:
         started_at=r.started_at,
         adopted_at=r.adopted_at,
         ready_at=r.ready_at,
-        last_used=_later(r.last_used, r.remote_last_used),
+        last_used=r.last_use(),
         in_flight=r.in_flight + r.remote_in_flight,
         engine_waiting=r.engine_waiting,
         draining_since=r.draining_since,

@@ -129,6 +129,11 @@ class ModelDirectory(Protocol):
         """A request to a replica ended (any outcome): one fewer in flight, last use is now."""
         ...
 
+    def idle_for(self, model: str, replica_id: str) -> float | None:
+        """Seconds since the replica's last use (a request began or ended), None if
+        it has none."""
+        ...
+
     def want(self, model: str) -> None:
         """A request is waiting for a model with no ready replica; ask for one.
 
@@ -281,6 +286,11 @@ class StaticDirectory:
             raise AssertionError(f"request_finished without request_started: {model}/{replica_id}")
         self.in_flight[(model, replica_id)] -= 1
         self.last_used[model] = _now()
+
+    def idle_for(self, model: str, replica_id: str) -> float | None:
+        # Kept per model here: a use of any of its replicas counts.
+        used = self.last_used.get(model)
+        return None if used is None else _now() - used
 
     def access(self, model: str) -> Access | None:
         return self.rules.get(model)

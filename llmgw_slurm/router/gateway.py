@@ -134,11 +134,6 @@ class Gateway:
         return self.replicas.in_flight
 
     @property
-    def online_ended(self) -> dict[tuple[str, str], float]:
-        """Per replica, when its last request ended (time.monotonic())."""
-        return self.replicas.online_ended
-
-    @property
     def holds(self) -> HoldQueue:
         return self.replicas.holds
 

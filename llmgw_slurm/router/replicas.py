@@ -27,8 +27,6 @@ from llmgw_slurm.router.metrics import GatewayMetrics
 
 __all__ = ["Replicas"]
 
-_MAX_ENDED = 4096  # replicas whose last request's end is kept
-
 
 class Replicas:
     """Requests in flight per replica, held requests per model and key."""
@@ -40,9 +38,6 @@ class Replicas:
         self.directory, self.config, self.metrics = directory, config, metrics
         self.routing = routing
         self.in_flight: dict[tuple[str, str], int] = {}
-        # Per replica, when its last request in flight ended (time.monotonic()): the
-        # batch seam's idle test (batch/seam.py).
-        self.online_ended: dict[tuple[str, str], float] = {}
         self.holds = HoldQueue(config)
         # Per model under prefix routing: which replica each active key lives on.
         self.placements: dict[str, balance.Placement] = {}
@@ -59,11 +54,6 @@ class Replicas:
         self.in_flight[key] -= 1
         if not self.in_flight[key]:
             del self.in_flight[key]
-            if len(self.online_ended) >= _MAX_ENDED:
-                # Replicas come and go; forgetting makes one look idle to the
-                # batch seam a little early, no worse.
-                self.online_ended.clear()
-            self.online_ended[key] = time.monotonic()
         self.directory.request_finished(model, replica_id)
 
     def pick(

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from prometheus_client import CollectorRegistry
 from test_batch import (  # type: ignore[import-not-found]
     CHAT,
     KNOWN,
@@ -34,16 +33,19 @@ from test_batch import (  # type: ignore[import-not-found]
 from test_batch import svc as svc  # the fixture
 
 from llmgw_slurm.agent import batch as agent_batch
+from llmgw_slurm.auth.tls import PinnedContexts, make_identity
 from llmgw_slurm.base.errors import ConfigErrors
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.model import BatchStatus
 from llmgw_slurm.batch.seam import UNREACHABLE_S, BatchSeam, BatchUnreached, SlotShares
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.batch.warm import PACE_WINDOW_S, WarmRide
-from llmgw_slurm.config import RouterConfig, load_server_config
-from llmgw_slurm.router.directory import Endpoint, ModelInfo, ModelRouting, StaticDirectory
-from llmgw_slurm.router.metrics import GatewayMetrics
-from llmgw_slurm.router.replicas import Replicas
+from llmgw_slurm.catalog import Catalog
+from llmgw_slurm.config import load_server_config
+from llmgw_slurm.reconciler.directory import ReplicaDirectory
+from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
+from llmgw_slurm.reconciler.spans import ReconcileTracing
+from llmgw_slurm.router.directory import Endpoint, ModelInfo, StaticDirectory
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from tests.ports import free_port
 from tests.unit._router_support import serve
@@ -102,12 +104,12 @@ def seam_over(
     capacity: int = 16,
     share: float = 0.5,
     clock: Callable[[], float] | None = None,
-    idle: tuple[float, float, dict[tuple[str, str], float]] | None = None,
+    idle: tuple[float, float] | None = None,
 ) -> BatchSeam:
-    """A seam over ``d``; ``idle``: the idle share, the wait before it, and when each
-    replica's last online request ended (without: one share, idle or not)."""
+    """A seam over ``d``; ``idle``: the idle share and the wait before it (without:
+    one share, idle or not)."""
     counts = online if online is not None else {}
-    idle_share, idle_after, ended = idle if idle is not None else (share, 0.0, {})
+    idle_share, idle_after = idle if idle is not None else (share, 0.0)
     seam = BatchSeam(
         d,
         lambda m, r: counts.get((m, r), 0),
@@ -115,7 +117,6 @@ def seam_over(
         SlotShares(busy=share, idle=idle_share, idle_after=idle_after),
         aiohttp.ClientTimeout(sock_connect=5.0, sock_read=30.0),
         clock=clock if clock is not None else time.monotonic,
-        online_ended=lambda m, r: ended.get((m, r)),
     )
     _OPEN.append(seam)
     return seam
@@ -154,13 +155,11 @@ def test_batch_slots_are_a_share_of_each_replica_and_yield_to_online_requests() 
 
 
 def test_an_idle_replica_lends_the_batch_its_idle_share_until_online_requests_come() -> None:
-    clock = Ticks()
     d = directory("http://127.0.0.1:1")
     online: dict[tuple[str, str], int] = {}
-    ended: dict[tuple[str, str], float] = {}
-    seam = seam_over(d, online, capacity=16, share=0.125, clock=clock, idle=(1.0, 2.0, ended))
+    seam = seam_over(d, online, capacity=16, share=0.125, idle=(1.0, 60.0))
     (r0,) = d.endpoints("tiny")
-    # No online request since the gateway started: idle, the whole of it.
+    # Never used online since the gateway started: idle, the whole of it.
     assert seam.slots("tiny", r0) == 16
     # Online requests in flight: the busy share, less what they take past it.
     online[("tiny", "r0")] = 3
@@ -169,11 +168,10 @@ def test_an_idle_replica_lends_the_batch_its_idle_share_until_online_requests_co
     assert seam.slots("tiny", r0) == 1
     # The last one just ended: still busy (its client's next one is on its way) ...
     del online[("tiny", "r0")]
-    ended[("tiny", "r0")] = clock.t
-    clock.t += 1.9
+    d.last_used["tiny"] = time.time()
     assert seam.slots("tiny", r0) == 2
-    # ... until none has come for idle_after.
-    clock.t += 0.1
+    # ... until none has come for idle_after (the directory's last use, wall time).
+    d.last_used["tiny"] = time.time() - 60.0
     assert seam.slots("tiny", r0) == 16
     # Batch requests taken then count against the busy share once online ones return:
     # no new one is admitted until those in flight are below it.
@@ -183,18 +181,28 @@ def test_an_idle_replica_lends_the_batch_its_idle_share_until_online_requests_co
     assert seam.slots("tiny", r0) == 0 and seam.admit("tiny") is None
 
 
-async def test_the_gateway_records_when_a_replicas_last_online_request_ended() -> None:
-    d = directory("http://127.0.0.1:1")
-    reps = Replicas(
-        d, RouterConfig(), GatewayMetrics(d, CollectorRegistry()), lambda m: ModelRouting()
-    )
-    before = time.monotonic()
-    reps.started("tiny", "r0")
-    reps.started("tiny", "r0")
-    reps.ended("tiny", "r0")
-    assert ("tiny", "r0") not in reps.online_ended  # one is still in flight
-    reps.ended("tiny", "r0")
-    assert before <= reps.online_ended[("tiny", "r0")] <= time.monotonic()
+def test_a_replicas_idle_time_is_its_last_use_by_any_gateway(tmp_path: Path) -> None:
+    # The daemon's directory: this gateway's requests, and another daemon's on the
+    # shared database (their requests are not in this gateway's count).
+    now = [100.0]
+    table = ReplicaTable(Catalog(models=()), lambda: now[0], ReconcileTracing(None, False))
+    d = ReplicaDirectory(table, b"p" * 64, PinnedContexts(make_identity(tmp_path, "gw", "gw", 1)))
+    table.replicas["r0"] = Replica("r0", "tiny", "1", submitted_at=0.0)
+    assert d.idle_for("tiny", "r0") is None and d.idle_for("tiny", "gone") is None
+    d.request_started("tiny", "r0")
+    now[0] = 101.0
+    d.request_finished("tiny", "r0")
+    now[0] = 104.0
+    assert d.idle_for("tiny", "r0") == 3.0
+    table.replicas["r0"].remote_last_used = 103.5
+    assert d.idle_for("tiny", "r0") == 0.5
+    # The gateway's own directory (no reconciler): its model's last use.
+    s = directory("http://127.0.0.1:1")
+    assert s.idle_for("tiny", "r0") is None
+    s.request_started("tiny", "r0")
+    s.request_finished("tiny", "r0")
+    idle = s.idle_for("tiny", "r0")
+    assert idle is not None and 0.0 <= idle < 60.0
 
 
 async def test_forward_sends_the_replicas_own_key_and_frees_its_slot() -> None:
