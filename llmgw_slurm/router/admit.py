@@ -113,8 +113,8 @@ class Admission:
         body, stream, strip = prepared
         ask = NOTHING
         if self.quota is not None and key is not None:
-            context = self.routing(model).context_length
-            ask = ask_of(obj, endpoint, context, self.quota.config.default_max_tokens)
+            ask = ask_of(obj, endpoint, routing.context_length,
+                         self.quota.config.default_max_tokens)
         return self.let_in(Plan(endpoint, model, key, body, stream, strip, prefix, pinned, ask))
 
     def model(self, name: str, key: KeyRecord | None, endpoint: str) -> str | Reply:

@@ -61,7 +61,11 @@ class Replicas:
         unreachable: frozenset[tuple[str, str, int]] = frozenset(),
     ) -> Endpoint | None:
         """A ready replica for a request (``prefix``: its prefix routing key), or None."""
-        ready = [e for e in self.directory.endpoints(model) if not e.draining]
+        every = self.directory.endpoints(model)
+        if len(every) == 1 and prefix is None and not exclude and not unreachable:
+            # Most models, most of the time: one replica and nothing to weigh.
+            return None if every[0].draining else every[0]
+        ready = [e for e in every if not e.draining]
         eps = [e for e in ready if e.replica_id not in exclude and e.identity not in unreachable]
         if not eps:
             return None

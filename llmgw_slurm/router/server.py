@@ -127,7 +127,8 @@ class Request:
         self.conn, self.url = conn, url
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.raw_headers_done = False  # the head is whole
-        self.headers: dict[str, str] = {}
+        self.headers: dict[str, str] = {}  # by lowercase name, each name's first value
+        self.hosts = 0
         self.method = ""
         self.path = ""
         self.http11 = True
@@ -205,6 +206,9 @@ class Connection(asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._req: Request | None = None  # the one being parsed
         self._unfinished = 0  # bytes read of a head not whole yet
+        self._read_size = 0  # of the read being parsed
+        self._feeding = False
+        self._deferred: Request | None = None  # waits for a body the read may hold
         self._advancing = False
         self._closing = False  # no request after the one answered last
         # The keep-alive timer runs from the connection's start to its end, and
@@ -235,6 +239,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
+        self._read_size, self._feeding = len(data), True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -244,6 +249,9 @@ class Connection(asyncio.Protocol):
             if not isinstance(e, (httptools.HttpParserError, ValueError)):
                 log.error("reading a request failed", exc_info=e)
             self._refuse(f"not HTTP/1.1 as read here: {e}")
+        self._feeding = False
+        if self._deferred is not None:
+            self._wait_deferred()
         if self._req is not None and not self._req.raw_headers_done:
             # A head not whole yet: the reads since the one it began in, all its
             # (the whole head is measured once it is in: _read_head).
@@ -291,8 +299,19 @@ class Connection(asyncio.Protocol):
         self._req.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self._req is not None
-        self._req.raw_headers.append((name, value))
+        req = self._req
+        assert req is not None
+        # llhttp leaves a value's trailing spaces on; they are not part of it
+        # (RFC 9110 5.5). Of a name given twice, the first value is taken.
+        # Made here, header by header, not in a pass over them all at the
+        # head's end: each pass is a loop of its own on the path of every request.
+        value = value.rstrip(b" \t")
+        req.raw_headers.append((name, value))
+        key = name.lower().decode("latin-1")
+        if key not in req.headers:
+            req.headers[key] = value.decode("latin-1")
+        if key == "host":
+            req.hosts += 1
 
     def on_headers_complete(self) -> None:
         req = self._req
@@ -350,17 +369,10 @@ class Connection(asyncio.Protocol):
         req.http11 = parser.get_http_version() == "1.1"
         req.keep_alive = parser.should_keep_alive()
         # Raised in a parser callback, these stop the reading there (see _refuse).
-        raw = req.raw_headers
-        if sum(len(n) + len(v) + 4 for n, v in raw) + len(req.url) > http1.MAX_HEAD:
+        if self._may_be_long() and _head_size(req) > http1.MAX_HEAD:
             raise ValueError(f"the request's head is longer than {http1.MAX_HEAD} bytes")
-        names = [n.lower() for n, _ in raw]
-        if req.http11 and names.count(b"host") != 1:
+        if req.http11 and req.hosts != 1:
             raise ValueError("an HTTP/1.1 request needs exactly one Host header")
-        # llhttp leaves a value's trailing spaces on; they are not part of it
-        # (RFC 9110 5.5). Of a name given twice, the first value is taken.
-        raw[:] = [(n, v.rstrip(b" \t")) for n, v in raw]
-        req.headers = dict(zip([n.decode("latin-1") for n in reversed(names)],
-                               [v.decode("latin-1") for _, v in reversed(raw)], strict=True))
         req.path = req.url.partition(b"?")[0].partition(b"#")[0].decode("latin-1")
         route = ROUTES.get(req.path) if req.method == "POST" else None
         if route is not None:
@@ -371,6 +383,12 @@ class Connection(asyncio.Protocol):
                 req.stream = BodyStream(self.flow)
             elif length is not None and int(length) > self.gw.config.max_body_bytes:
                 req.too_large = True
+
+    def _may_be_long(self) -> bool:
+        """Whether the head just read may be over :data:`http1.MAX_HEAD`: not
+        when it began in this read and the read is shorter (most heads), which
+        spares measuring it header by header."""
+        return self._unfinished >= 0 or self._read_size > http1.MAX_HEAD
 
     def _advance(self) -> None:
         """Start the request at the head of the queue, and the next while each
@@ -402,7 +420,8 @@ class Connection(asyncio.Protocol):
             self._wait_for_body(req)
             return
         req.started = True
-        self._body_wait(None)
+        if self._body_for is not None:
+            self._body_wait(None)
         try:
             req.handler = self.gw.serve(req)
         except Exception:
@@ -410,10 +429,20 @@ class Connection(asyncio.Protocol):
             req.crashed()
 
     def _wait_for_body(self, req: Request) -> None:
+        if self._feeding:
+            # The body often came in the read with the head: the timer (and a
+            # 100 Continue) only if it did not, once the read is parsed.
+            self._deferred = req
+            return
         if self._body_for is not req:
             if req.headers.get("expect", "").lower() == "100-continue":
                 self.write(_CONTINUE, True)
             self._body_wait(req)
+
+    def _wait_deferred(self) -> None:
+        req, self._deferred = self._deferred, None
+        if req is not None and not req.started and self._queue and self._queue[0] is req:
+            self._wait_for_body(req)
 
     def finished(self, req: Request) -> None:
         """``req``'s answer is out: on to the next request."""
@@ -537,6 +566,11 @@ class Connection(asyncio.Protocol):
                          "request_timeout")
             self.write(http1.response_head(408, body.headers.items(), len(body.body), False)
                        + body.body, False)
+
+
+def _head_size(req: Request) -> int:
+    """A head's size as read: its target, and each header as a line of its own."""
+    return sum(len(n) + len(v) + 4 for n, v in req.raw_headers) + len(req.url)
 
 
 class Runner:

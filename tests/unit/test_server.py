@@ -36,6 +36,7 @@ from llmgw_slurm.router import (
     RouterConfig,
     StaticDirectory,
     create_app,
+    http1,
 )
 from llmgw_slurm.router.forward import Exchange
 from llmgw_slurm.router.server import Request, Runner
@@ -701,6 +702,32 @@ async def test_expect_100_continue_gets_its_go_ahead() -> None:
     assert status == 200 and json.loads(body)["choices"]
 
 
+async def test_the_go_ahead_is_not_sent_for_a_body_that_came_with_its_head() -> None:
+    # RFC 9110 10.1.1: a server may omit the 100 once it has the content; the
+    # body's timer is armed only for a body still to come (after the read).
+    async with gateway_stack() as st:
+        reader, writer = await asyncio.open_connection("127.0.0.1", st.port)
+        writer.write(request(extra="Expect: 100-continue\r\n"))
+        status, _, body = await read_answer(reader)
+        writer.close()
+    assert status == 200 and json.loads(body)["choices"]
+
+
+async def test_a_pipelined_body_that_stops_coming_gets_408_after_the_answer_ahead() -> None:
+    # The second request's body is waited for from when the first is answered
+    # (outside any read): its timer is armed there too.
+    async with gateway_stack(RouterConfig(body_timeout=0.2)) as st:
+        reader, writer = await asyncio.open_connection("127.0.0.1", st.port)
+        writer.write(request() + request()[:-5])
+        first = await read_answer(reader)
+        second = await read_answer(reader)
+        rest = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+    assert first[0] == 200 and json.loads(first[2])["choices"]
+    assert second[0] == 408 and json.loads(second[2])["error"]["code"] == "request_timeout"
+    assert rest == b"" and st.served == ["chat/completions"]
+
+
 # ---- framing, set against a reference parser ------------------------------------------
 
 
@@ -889,6 +916,52 @@ def test_pipelined_requests_are_framed_as_the_reference_parser_frames_them(
         assert refused and requests[len(got)][1], (got, want)
     else:
         assert got == want
+
+
+def _long_request(size: int) -> bytes:
+    """A request whose head is about ``size`` bytes, in a header of its own."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n"
+    pad = size - len(head) - len(b"X: \r\n\r\n")
+    return head + b"X: " + b"y" * pad + b"\r\n\r\n{}"
+
+
+@pytest.mark.parametrize("piece", [1 << 20, 4096, 100], ids=["one-read", "4k-reads", "100b-reads"])
+def test_a_head_is_held_to_its_limit_however_it_is_read(piece: int) -> None:
+    # A head in one read shorter than the limit is not measured header by
+    # header (server._may_be_long); one that spans reads, or a read longer
+    # than the limit, is.
+    over, under = _long_request(http1.MAX_HEAD + 100), _long_request(http1.MAX_HEAD - 100)
+    for data, refused in ((over, True), (under, False)):
+        pieces = [data[i : i + piece] for i in range(0, len(data), piece)]
+        framed, was_refused = ours(pieces)
+        assert was_refused is refused and len(framed) == (0 if refused else 1), piece
+
+
+def test_a_short_head_after_a_long_body_in_one_read_is_taken() -> None:
+    # The read is longer than the limit, the head in it is not.
+    body = b"x" * (http1.MAX_HEAD + 10)
+    first = request(body, "/v1/embeddings")
+    framed, refused = ours([first + request()])
+    assert not refused and [f[3] for f in framed] == [body, CHAT]
+
+
+def test_the_go_ahead_goes_only_to_a_body_still_to_come() -> None:
+    from llmgw_slurm.router.server import Connection
+
+    async def run(pieces: list[bytes]) -> bytes:
+        conn = Connection(_Runner())  # type: ignore[arg-type]
+        transport = _Transport()
+        conn.connection_made(transport)
+        for piece in pieces:
+            conn.data_received(piece)
+        conn.connection_lost(None)
+        return bytes(transport.out)
+
+    whole = request(extra="Expect: 100-continue\r\n")
+    cut = whole.index(b"\r\n\r\n") + 4
+    go_ahead = b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert asyncio.run(run([whole])).startswith(b"HTTP/1.1 200 ")
+    assert asyncio.run(run([whole[:cut], whole[cut:]])).startswith(go_ahead + b"HTTP/1.1 200 ")
 
 
 async def test_aiohttps_routes_head_and_get_pipelined_with_the_request_path() -> None:
