@@ -26,7 +26,7 @@ import logging
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, cast
 from urllib.parse import urlsplit
@@ -46,6 +46,16 @@ log = logging.getLogger(__name__)
 IDLE_S = 4.0
 _MAX_IDLE = 256  # idle connections kept per engine
 _MAX_TARGETS = 4096  # base URLs parsed and kept (far more than a site's replicas)
+# Connections being opened to one engine at once; the rest wait their turn,
+# and the wait is not the connect timeout's. A burst (a thousand streams begun
+# together) opened all at once piles onto the engine's listen backlog
+# (aiohttp's 128, asyncio's 100: past it the kernel drops SYNs, retried 1 and
+# 3 s later) and onto its one event loop's TLS handshakes: the burst ends
+# about as soon, but its last connections take seconds each, past the connect
+# timeout on a loaded machine, and a live engine is taken for a dead one.
+# In turns of 64 (two gateways' together within a backlog of 128), the
+# longest connect of such a burst is under a fifth of that (bench/engine_burst.py).
+MAX_CONNECTING = 64
 
 
 class EngineUnreachable(Exception):
@@ -375,11 +385,16 @@ class EnginePool:
     """Kept-alive connections to each engine. No limit on connections: the
     engines' own queues are where requests should wait, not a pool in front."""
 
-    def __init__(self, connect_timeout: float | None, read_timeout: float | None) -> None:
+    def __init__(
+        self, connect_timeout: float | None, read_timeout: float | None,
+        max_connecting: int = MAX_CONNECTING,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.max_connecting = max_connecting
         self._idle: dict[Target, deque[Conn]] = {}
         self._targets: dict[tuple[str, ssl.SSLContext | None], Target] = {}
+        self._gates: dict[Target, _Gate] = {}
 
     def target(self, base_url: str, pinned: ssl.SSLContext | None) -> Target:
         got = self._targets.get((base_url, pinned))
@@ -401,6 +416,19 @@ class EnginePool:
         return None
 
     async def connect(self, target: Target) -> Conn:
+        """A new connection to ``target``, opened in its turn (:data:`MAX_CONNECTING`)."""
+        gate = self._gates.get(target)
+        if gate is None:
+            gate = self._gates[target] = _Gate(self.max_connecting)
+        gate.users += 1
+        try:
+            return await gate.open(functools.partial(self._open, target))
+        finally:
+            gate.users -= 1
+            if not gate.users:
+                del self._gates[target]
+
+    async def _open(self, target: Target) -> Conn:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
@@ -450,6 +478,36 @@ class EnginePool:
                 c.abandon()
                 raise
         raise AssertionError("unreachable")
+
+
+class _Gate:
+    """The connections being opened to one engine, and how the last attempt ended.
+
+    A connection that waited its turn while one to the same engine failed,
+    with none opened since, fails as it did without trying: an engine that
+    is down is known as such after one connect timeout, not after one per
+    turn of the queue."""
+
+    def __init__(self, limit: int) -> None:
+        self.turns = asyncio.Semaphore(limit)
+        self.users = 0  # waiting or opening
+        self.failures = 0
+        self.failed: EngineUnreachable | None = None  # the last, unless one opened since
+
+    async def open(self, attempt: Callable[[], Awaitable[Conn]]) -> Conn:
+        joined = self.failures
+        async with self.turns:
+            if self.failed is not None and self.failures > joined:
+                raise EngineUnreachable(f"{self.failed} (another connection, while "
+                                        "this one waited its turn)")
+            try:
+                conn = await attempt()
+            except EngineUnreachable as e:
+                self.failures += 1
+                self.failed = e
+                raise
+            self.failed = None
+            return conn
 
 
 class _Collect:

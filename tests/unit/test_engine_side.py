@@ -16,7 +16,14 @@ import pytest
 
 from llmgw_slurm.auth.tls import client_context, make_identity
 from llmgw_slurm.router import http1
-from llmgw_slurm.router.engine import Answer, EngineBroken, EnginePool, EngineUnreachable
+from llmgw_slurm.router.engine import (
+    Answer,
+    Conn,
+    EngineBroken,
+    EnginePool,
+    EngineUnreachable,
+    Target,
+)
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
 
@@ -469,3 +476,80 @@ async def test_the_chunks_of_one_read_reach_the_sink_as_one_piece() -> None:
         p.close()
     assert got.status == 200 and sink.ended == [None]
     assert sink.pieces == [b"".join(events[:10]), b"".join(events[10:])]
+
+
+class Opening(EnginePool):
+    """A pool whose connections open as the test says: each attempt waits for
+    ``go`` and then fails with ``fail`` (if set) or yields a connection to nowhere."""
+
+    def __init__(self, max_connecting: int) -> None:
+        super().__init__(connect_timeout=5.0, read_timeout=5.0, max_connecting=max_connecting)
+        self.go = asyncio.Event()
+        self.fail: EngineUnreachable | None = None
+        self.attempts = 0
+        self.opening = 0
+        self.most_at_once = 0
+
+    async def _open(self, target: Target) -> Conn:
+        assert target.host == "127.0.0.1", target  # the only engine these tests name
+        self.attempts += 1
+        self.opening += 1
+        self.most_at_once = max(self.most_at_once, self.opening)
+        try:
+            await self.go.wait()
+            if self.fail is not None:
+                raise self.fail
+            return Conn(asyncio.get_running_loop(), None)
+        finally:
+            self.opening -= 1
+
+
+async def _burst(p: Opening, n: int) -> list[Conn | BaseException]:
+    target = p.target("http://127.0.0.1:9", None)
+    tasks = [asyncio.ensure_future(p.connect(target)) for _ in range(n)]
+    while p.opening < min(n, p.max_connecting):
+        await asyncio.sleep(0)
+    p.go.set()
+    return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+
+async def test_a_burst_of_connections_to_one_engine_opens_a_few_at_a_time_and_all() -> None:
+    # A thousand streams begun together must not overflow the engine's listen
+    # backlog: the rest wait their turn, and every one is opened.
+    p = Opening(max_connecting=3)
+    got = await _burst(p, 20)
+    assert all(isinstance(c, Conn) for c in got), got
+    assert (p.attempts, p.most_at_once) == (20, 3)
+    assert not p._gates  # nothing kept for an engine nobody is connecting to
+
+
+async def test_connections_waiting_their_turn_fail_with_the_one_that_could_not_connect() -> None:
+    # An engine that is down is known after one connect timeout, not one per
+    # turn of the queue; who comes after the failure tries again.
+    p = Opening(max_connecting=2)
+    p.fail = EngineUnreachable("cannot connect to 127.0.0.1:9: TimeoutError()")
+    got = await _burst(p, 10)
+    assert all(isinstance(e, EngineUnreachable) for e in got), got
+    assert p.attempts == 2
+    assert sum("while this one waited its turn" in str(e) for e in got) == 8
+    p.fail = None
+    assert isinstance(await p.connect(p.target("http://127.0.0.1:9", None)), Conn)
+    assert p.attempts == 3
+
+
+async def test_a_connection_opened_after_a_failure_lets_the_later_ones_try() -> None:
+    p = Opening(max_connecting=1)
+    target = p.target("http://127.0.0.1:9", None)
+    p.fail = EngineUnreachable("refused")
+    first = asyncio.ensure_future(p.connect(target))
+    while not p.opening:
+        await asyncio.sleep(0)
+    p.go.set()
+    with pytest.raises(EngineUnreachable):
+        await first
+    p.go.clear()
+    p.fail = None
+    # Both join after the failure: each tries, in turn, and both open.
+    got = await _burst(p, 2)
+    assert all(isinstance(c, Conn) for c in got), got
+    assert p.attempts == 3
