@@ -382,8 +382,9 @@ def target_of(base_url: str, pinned: ssl.SSLContext | None) -> Target:
 
 
 class EnginePool:
-    """Kept-alive connections to each engine. No limit on connections: the
-    engines' own queues are where requests should wait, not a pool in front."""
+    """Kept-alive connections to each engine. No limit on connections open: the
+    engines' own queues are where requests should wait, not a pool in front;
+    only on those being opened at once (:data:`MAX_CONNECTING`)."""
 
     def __init__(
         self, connect_timeout: float | None, read_timeout: float | None,
