@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -57,10 +58,10 @@ class TimedPool(EnginePool):
             self.longest = max(self.longest, time.monotonic() - t0)
 
 
-async def burst(url: str, ctx: object, turns: int, n: int) -> tuple[float, int, float]:
+async def burst(url: str, ctx: ssl.SSLContext, turns: int, n: int) -> tuple[float, int, float]:
     """The longest connect, how many failed, and the burst's seconds."""
     pool = TimedPool(turns)
-    target = pool.target(url, ctx)  # type: ignore[arg-type]
+    target = pool.target(url, ctx)
     t0 = time.monotonic()
     got = await asyncio.gather(*(pool.connect(target) for _ in range(n)), return_exceptions=True)
     took = time.monotonic() - t0
