@@ -6,9 +6,13 @@ import contextlib
 import json
 import os
 import platform
+import socket
+import ssl
 import statistics
 import subprocess
 import sys
+import time
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -157,3 +161,31 @@ def print_table(results: list[dict[str, Any]]) -> None:
             f"{r['name']:44} {r['value']:>10.4f} {r['reference']:>24} "
             f"{r['reference_value']:>10.4f} {r['ratio'] if r['ratio'] is not None else '-':>7}"
         )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on (as of now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    timeout: float = 60.0,
+    context: ssl.SSLContext | None = None,
+) -> None:
+    """Until ``url`` answers 2xx or 3xx; an error if ``proc``, which serves it,
+    exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2, context=context):
+                return
+        except OSError as e:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server for {url} exited with {proc.returncode}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer in {timeout} s: {e}") from None
+            time.sleep(0.1)

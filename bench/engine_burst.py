@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import ssl
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, print_table, result, write
+from bench.common import free_port, median, print_table, result, wait_http, write
 from llmgw_slurm.auth.tls import client_context, make_identity
 from llmgw_slurm.router.engine import MAX_CONNECTING, Conn, EnginePool, EngineUnreachable, Target
 
@@ -76,12 +75,6 @@ async def burst(url: str, ctx: ssl.SSLContext, turns: int, n: int) -> tuple[floa
     return pool.longest, failed, took
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--connections", type=int, default=1000)
@@ -104,8 +97,8 @@ def main() -> None:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     got: dict[str, list[tuple[float, int, float]]] = {"in turns": [], "all at once": []}
     try:
-        time.sleep(3)  # the engine listens
         url = f"https://127.0.0.1:{port}"
+        wait_http(f"{url}/health", server, context=ctx)
         for _ in range(args.rounds):
             for name, turns in (("in turns", args.turns), ("all at once", ALL_AT_ONCE)):
                 got[name].append(asyncio.run(burst(url, ctx, turns, args.connections)))

@@ -72,13 +72,11 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +87,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import result, worktree, write
+from bench.common import free_port, result, wait_http, worktree, write
 from llmgw_slurm.auth.tls import (
     EngineTLS,
     Identity,
@@ -169,31 +167,6 @@ class BenchTLS:
             "--ssl-certfile", str(t.identity.cert_file), "--ssl-keyfile", str(t.identity.key_file),
             "--ssl-ca-certs", str(t.ca_file),
         ]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(
-    url: str,
-    proc: subprocess.Popen[bytes],
-    timeout: float = 60.0,
-    context: ssl.SSLContext | None = None,
-) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2, context=context):
-                return
-        except OSError as e:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server for {url} exited with {proc.returncode}") from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not answer in {timeout} s: {e}") from None
-            time.sleep(0.1)
 
 
 # ---- the servers (each its own process) ------------------------------------------------
@@ -764,7 +737,7 @@ def main() -> int:
                     ("direct", engines, None),
                     ("direct-tls", tls_engines, tls.client(name)),
                 ):
-                    port = _free_port()
+                    port = free_port()
                     urls[name] = f"{'https' if ctx else 'http'}://127.0.0.1:{port}"
                     cmd = [
                         sys.executable, "-m", "llmgw_slurm.testing.engine", "--port", str(port),
@@ -796,7 +769,7 @@ def main() -> int:
                 gateways.append((target, gateway_spec(tls_engines, tls)))
                 python[target] = args.gateway_python
             for target, spec in gateways:
-                g_port = _free_port()
+                g_port = free_port()
                 cmd = [python[target], __file__, "--serve-gateway", str(g_port), spec]
                 if args.profile:
                     # gateway-plain's and gateway-keyed's beside it, to set what TLS and
@@ -816,7 +789,7 @@ def main() -> int:
                 if "@py" in target:
                     continue
                 other = f"{target}@{args.against}"
-                g_port = _free_port()
+                g_port = free_port()
                 gw = start(
                     other_gateway_cmd(args.against, g_port, spec),
                     proxy_cpus,
@@ -829,7 +802,7 @@ def main() -> int:
                 }
 
             if args.tracing:
-                s_port = _free_port()
+                s_port = free_port()
                 sink = f"http://127.0.0.1:{s_port}"
                 cmd = [sys.executable, __file__, "--serve-sink", str(s_port)]
                 waits.append((sink + "/health", start(cmd, other_cpus), None))
@@ -841,7 +814,7 @@ def main() -> int:
                     # Every request a span, one trace in twenty kept.
                     ("gateway-traced-5pct", "ratio:0.05:" + sink),
                 ):
-                    t_port = _free_port()
+                    t_port = free_port()
                     cmd = [
                         sys.executable, __file__, "--serve-gateway", str(t_port),
                         gateway_spec(tls_engines, tls), "--collector", collector,
@@ -856,7 +829,7 @@ def main() -> int:
             if args.bare:
                 targets["aiohttp-bare"] = {}
                 for name, url in engines.items():
-                    b_port = _free_port()
+                    b_port = free_port()
                     cmd = [sys.executable, __file__, "--serve-bare", str(b_port), url]
                     bare = start(cmd, proxy_cpus)
                     server_pid[("aiohttp-bare", name)] = bare.pid
@@ -866,7 +839,7 @@ def main() -> int:
             if nginx is not None:
                 servers, urls = [], {}
                 for name, url in engines.items():
-                    n_port = _free_port()
+                    n_port = free_port()
                     servers.append(
                         _NGINX_SERVER.format(
                             name=name,
@@ -889,7 +862,7 @@ def main() -> int:
                 targets["nginx"] = {n: f"{u}/v1/chat/completions" for n, u in urls.items()}
 
             if litellm is not None:
-                l_port = _free_port()
+                l_port = free_port()
                 cfg = tmp / "litellm.yaml"
                 cfg.write_text(litellm_config(engines))
                 l_env = dict(
@@ -916,7 +889,7 @@ def main() -> int:
 
             for url, proc, ctx in waits:
                 try:
-                    _wait_http(url, proc, timeout=120, context=ctx)
+                    wait_http(url, proc, timeout=120, context=ctx)
                 except RuntimeError:
                     log = tmp / "litellm.log"
                     if proc is procs[-1] and log.exists():

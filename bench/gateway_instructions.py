@@ -29,41 +29,20 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, result, worktree, write
+from bench.common import ROOT, free_port, result, wait_http, worktree, write
 from bench.gateway import _NGINX_HTTP, _NGINX_SERVER, ENGINE_KEY, find_nginx, gateway_spec
 
 WARM = 300
 AT_ONCE = 16
 BODY = {"model": "instant", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(url: str, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                r.read()
-            return
-        except OSError:
-            if time.monotonic() > end:
-                raise RuntimeError(f"{url} did not answer in {timeout} s") from None
-            time.sleep(0.5)
 
 
 async def _load(url: str, n: int, stream: bool) -> None:
@@ -106,7 +85,7 @@ def count(cmd: list[str], url: str, health: str, n: int, stream: bool, out: Path
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        _wait(health, 300)
+        wait_http(health, proc, timeout=300)
         asyncio.run(_load(url, WARM, stream))
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], capture_output=True, check=True)
         asyncio.run(_load(url, n, stream))
@@ -139,7 +118,7 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="llmgw-icount-") as tmpd:
         tmp = Path(tmpd)
-        e_port = _free_port()
+        e_port = free_port()
         engine = subprocess.Popen(
             [sys.executable, "-m", "llmgw_slurm.testing.engine", "--port", str(e_port),
              "--api-key", ENGINE_KEY, "--served-name", "instant", "--token-delay", "0",
@@ -147,12 +126,12 @@ def main() -> int:
             env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            _wait(f"http://127.0.0.1:{e_port}/health", 60)
+            wait_http(f"http://127.0.0.1:{e_port}/health", engine)
             spec = gateway_spec({"instant": f"http://127.0.0.1:{e_port}"}, None)
             names = ["gateway", f"gateway@{args.against}"] + (["nginx"] if nginx else [])
             per: dict[tuple[str, str], float] = {}
             for name in names:
-                port = _free_port()
+                port = free_port()
                 if name == "nginx":
                     assert nginx is not None
                     conf = tmp / "nginx.conf"

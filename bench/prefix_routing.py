@@ -38,7 +38,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,7 +49,15 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import TINY_LLAMA, VLLM_CACHE, VLLM_PYTHON, print_table, result, write
+from bench.common import (
+    TINY_LLAMA,
+    VLLM_CACHE,
+    VLLM_PYTHON,
+    free_port,
+    print_table,
+    result,
+    write,
+)
 from llmgw_slurm.agent.engine import _VLLM_SERVE_SHIM
 from llmgw_slurm.router import GATEWAY_KEY, Endpoint, StaticDirectory, create_app
 from llmgw_slurm.router.directory import ModelRouting
@@ -109,12 +116,6 @@ WORDS = [
     "yankee",
     "zulu",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_engine(port: int, blocks: int, names: list[str], log: Path) -> subprocess.Popen[bytes]:
