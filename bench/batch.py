@@ -21,7 +21,10 @@ the same model under a second name that no replica serves:
   it), no job. Timed from ``batches.create`` to
   ``completed``; the bench fails if a job was submitted for it;
 - online latency, ``--latency-clients`` at a time (a load that leaves the
-  replica room): alone, then while another such batch rides the replica.
+  replica room), ``--latency-requests`` requests: alone, then as many arriving
+  at the replica once another such batch rides it idle (with the idle share:
+  the newest batch requests past ``batch.warm_share`` are called back), and
+  the ride's pace meanwhile.
 
 GPU-seconds are the jobs' allocated GPUs (sacct's AllocTRES) times elapsed:
 for the batch job, its ElapsedRaw (model load included: every batch job loads
@@ -182,27 +185,28 @@ async def run_latency(
     return {"p50": median(got["latencies"]), "p99": percentile(got["latencies"], 0.99)}
 
 
-async def online_until(
+async def online_beside(
     s: aiohttp.ClientSession, gw: str, reqs: list[dict[str, Any]], clients: int,
-    stop: asyncio.Event,
+    ride_done: asyncio.Event,
 ) -> list[float]:  # fmt: skip
-    """Online requests, ``clients`` at a time over ``reqs`` again and again, until
-    ``stop``: the latencies of those that ended before it."""
+    """``reqs`` as online requests, ``clients`` at a time, until they are all sent or
+    the ride is done: the latencies of those that ended before it was."""
+    todo = iter(reqs)
     latencies: list[float] = []
 
-    async def client(k: int) -> None:
-        i = k
-        while not stop.is_set():
+    async def client() -> None:
+        for body in todo:
+            if ride_done.is_set():
+                return
             t = time.monotonic()
-            async with s.post(gw + "/v1/chat/completions", json=reqs[i % len(reqs)]) as r:
+            async with s.post(gw + "/v1/chat/completions", json=body) as r:
                 answer = await r.json()
                 if r.status != 200:
                     raise RuntimeError(f"online request failed ({r.status}): {answer}")
-            if not stop.is_set():
+            if not ride_done.is_set():
                 latencies.append(time.monotonic() - t)
-            i += clients
 
-    await asyncio.gather(*(client(k) for k in range(clients)))
+    await asyncio.gather(*(client() for _ in range(clients)))
     return latencies
 
 
@@ -210,29 +214,43 @@ async def run_ride(
     c: openai.AsyncOpenAI, s: aiohttp.ClientSession, gw: str, data: bytes, prefix: str,
     online: tuple[list[dict[str, Any]], int] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """A batch created while the model's replica is warm: it rides the replica (no
-    job may be submitted for it). ``online``: requests and clients sent while it rides,
-    their latencies returned."""
+    """A batch created while the model's replica is warm and idle: it rides the
+    replica (no job may be submitted for it). ``online``: once the ride has the
+    replica, requests and clients sent beside it (online users arriving at a
+    replica a batch fills); their latencies, and the ride's answers meanwhile."""
     f = await c.files.create(file=("ride.jsonl", io.BytesIO(data)), purpose="batch")
     t0 = time.monotonic()
     b = await c.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    stop = asyncio.Event()
+    done = asyncio.Event()
     beside: asyncio.Task[list[float]] | None = None
-    if online is not None:
-        beside = asyncio.create_task(online_until(s, gw, *online, stop))
+    began: tuple[float, int] = (0.0, 0)
+    ended: tuple[float, int] | None = None
     while b.status not in ("completed", "failed", "cancelled", "expired"):
+        answered = b.request_counts.completed if b.request_counts is not None else 0
+        if online is not None and beside is None and answered > 0:
+            began = (time.monotonic(), answered)
+            beside = asyncio.create_task(online_beside(s, gw, *online, done))
+        if beside is not None and ended is None and beside.done():
+            ended = (time.monotonic(), answered)
         await asyncio.sleep(0.2)
         b = await c.batches.retrieve(b.id)
     wall = time.monotonic() - t0
-    stop.set()
+    done.set()
     lat: dict[str, float] = {}
-    if beside is not None:
+    if online is not None:
+        if beside is None:
+            raise RuntimeError("the ride ended before its first answer was seen: make it larger")
         got = await beside
-        if len(got) < 100:
+        if len(got) < len(online[0]) // 2:
             raise RuntimeError(f"{len(got)} online requests beside the ride: make it larger")
-        lat = {"p50": median(got), "p99": percentile(got, 0.99), "n_online": len(got)}
+        if ended is None:  # the ride ended first
+            ended = (time.monotonic(), b.request_counts.completed if b.request_counts else 0)
+        lat = {
+            "p50": median(got), "p99": percentile(got, 0.99), "n_online": len(got),
+            "ride_rps": (ended[1] - began[1]) / (ended[0] - began[0]),
+        }  # fmt: skip
     counts = b.request_counts
     if b.status != "completed" or counts is None or counts.failed:
         raise RuntimeError(f"the ride ended {b.status}: {b}")
@@ -251,7 +269,10 @@ async def main() -> None:
         "--latency-clients", type=int, default=4,
         help="online clients while measuring latency with and without a riding batch",
     )  # fmt: skip
-    ap.add_argument("--latency-requests", type=int, default=400)
+    ap.add_argument(
+        "--latency-requests", type=int, default=1000,
+        help="online requests alone, and as many beside a ride (fewer if it ends first)",
+    )  # fmt: skip
     ap.add_argument(
         "--target-inflight", type=int, default=64,
         help="the model's scaling.target_inflight: a replica's concurrency, of which a ride "
@@ -309,6 +330,8 @@ async def main() -> None:
                     print(f"round {i}: ride {rides[-1]}", flush=True)
                     quiet.append(await run_latency(s, gw, light, args.latency_clients))
                     online = (light, args.latency_clients)
+                    # Idle again: the ride takes the idle share, then online users come.
+                    await asyncio.sleep(idle_after + 0.5)
                     loaded = await run_ride(c, s, gw, data, prefix, online)
                     print(f"round {i}: latency alone {quiet[-1]}, beside a ride {loaded}")
                     rides[-1]["beside"] = loaded
@@ -370,6 +393,13 @@ def figures(
             "s",
             "the same, no batch",
             alone,
+        ),
+        result(
+            f"ride beside {args.latency_clients} online clients: requests per second",
+            median([r["beside"]["ride_rps"] for r in rides]),
+            "req/s",
+            "ride alone",
+            r_rps,
         ),
         result(
             f"online p50, {args.latency_clients} clients, beside a ride",

@@ -741,12 +741,15 @@ class BatchConfig:
     # scaling.target_inflight) that batch requests may take while online requests
     # use it, fewer as they rise (batch and online together within
     # target_inflight). Higher finishes a batch sooner, and costs online requests
-    # more of the engine: each request in flight lengthens every step.
-    warm_share: float = field(default=0.125, metadata=rule(gt=0, le=1))
+    # more of the engine: each request in flight lengthens every step. 0: a replica
+    # online requests use takes no batch request (they ride idle replicas only).
+    # An online request that begins on a replica with more batch requests than
+    # this (lent by warm_idle_share) calls the newest back: they are sent again.
+    warm_share: float = field(default=0.125, metadata=rule(ge=0, le=1))
     # Default 1: the share of a replica no online request has used for
     # warm_idle_after. An idle replica's GPUs are held anyway, so a batch may have
-    # all of it; an online request that comes then runs beside the batch requests
-    # in flight until they end (no new ones are sent while it is there).
+    # all of it; an online request that comes then calls back those past
+    # warm_share (what they had made is lost; they are sent again later).
     warm_idle_share: float = field(default=1.0, metadata=rule(gt=0, le=1))
     # Default 2s: how long a replica has had no online request before it is idle
     # (a busy client's next request comes within milliseconds of its last answer).

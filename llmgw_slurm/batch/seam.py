@@ -17,7 +17,15 @@ lengthens every step of the engine's, theirs too). The wait before the idle
 share keeps a replica between two requests of a busy client from taking a
 burst of batch requests its next online request would run beside.
 Online requests do not come through here: they are never held or
-refused for a batch; batch ones yield (those already sent finish). A batch
+refused for a batch; batch ones yield. New ones are not admitted past the
+busy share, and when an online request begins on a replica that has more
+batch requests in flight than that share allows (it was idle, and lent the
+batch its idle share), the newest of them are called back
+(:meth:`BatchSeam.online_started`): their connections are closed, so the
+engine drops them at its next step, and the ride sends them again later
+(:class:`BatchYielded`). That loses the tokens they had made; letting them
+finish would have the online request share every step with up to the whole
+idle share of batch requests until they end, which may be minutes. A batch
 request is no use of the replica in the reconciler's eyes (no last use, no
 request in flight): riding a replica never keeps it up, scales its model up,
 or keeps it from being evicted or drained; a draining replica takes none.
@@ -31,16 +39,25 @@ request path, so that that path can change under it.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
 
-__all__ = ["BatchSeam", "BatchSlot", "BatchUnreached", "SeamAnswer", "SlotShares"]
+__all__ = [
+    "BatchSeam",
+    "BatchSlot",
+    "BatchUnreached",
+    "BatchYielded",
+    "SeamAnswer",
+    "SlotShares",
+]
 
 # A replica that could not be reached is passed over this long: a dead engine
 # would otherwise take every retry the moment it is made.
@@ -50,6 +67,11 @@ UNREACHABLE_S = 10.0
 class BatchUnreached(Exception):
     """No whole answer came back (the engine could not be reached, went silent, or
     broke off): the request was not answered and may be sent again."""
+
+
+class BatchYielded(Exception):
+    """Called back for an online request (:meth:`BatchSeam.online_started`): not
+    answered, and no fault of the replica's; to be sent again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +85,15 @@ class SlotShares:
     idle_after: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class BatchSlot:
     """A batch slot taken on one replica: :meth:`BatchSeam.forward` uses and frees it."""
 
     model: str
     endpoint: Endpoint
+    # While forward() sends it: the task sending it, cancelled to call it back.
+    task: asyncio.Task[Any] | None = field(default=None, repr=False)
+    called_back: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,15 +124,40 @@ class BatchSeam:
         self.clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._batch: dict[tuple[str, str], int] = {}
+        # Per replica, the slots being sent now, oldest first.
+        self._sending: dict[tuple[str, str], list[BatchSlot]] = {}
         self._unreachable: dict[tuple[str, str, int], float] = {}
 
     def slots(self, model: str, ep: Endpoint) -> int:
         """Batch requests ``ep`` may take now, beyond those it has."""
-        cap = max(1, self.capacity(model))
         online = self.online(model, ep.replica_id)
         mine = self._batch.get((model, ep.replica_id), 0)
-        share = self.shares.busy if online else self._share_unused(model, ep.replica_id)
-        return max(0, min(math.ceil(share * cap), cap - online) - mine)
+        if online:
+            return max(0, self._busy_limit(model, online) - mine)
+        cap = max(1, self.capacity(model))
+        share = self._share_unused(model, ep.replica_id)
+        return max(0, math.ceil(share * cap) - mine)
+
+    def _busy_limit(self, model: str, online: int) -> int:
+        """Batch requests a replica may have in flight beside ``online`` online ones."""
+        cap = max(1, self.capacity(model))
+        return max(0, min(math.ceil(self.shares.busy * cap), cap - online))
+
+    def online_started(self, model: str, replica_id: str) -> None:
+        """An online request has begun on the replica (the gateway calls this for each,
+        after counting it): call back its newest batch requests beyond the busy limit."""
+        sending = self._sending.get((model, replica_id))
+        if not sending:
+            return  # nearly always: a dict lookup on the online request's path
+        live = [t for t in sending if not t.called_back]
+        excess = len(live) - self._busy_limit(model, self.online(model, replica_id))
+        if excess <= 0:
+            return
+        # The newest: they have made the fewest tokens, which calling back loses.
+        for t in live[-excess:]:
+            t.called_back = True
+            if t.task is not None:
+                t.task.cancel()
 
     def _share_unused(self, model: str, replica_id: str) -> float:
         """The share of a replica with no online request in flight: the idle one once
@@ -159,6 +209,13 @@ class BatchSeam:
         else:
             self._batch.pop(key, None)
 
+    def _stop_sending(self, key: tuple[str, str], t: BatchSlot) -> None:
+        sending = self._sending[key]
+        sending.remove(t)
+        if not sending:
+            del self._sending[key]
+        t.task = None
+
     async def forward(self, t: BatchSlot, path: str, body: bytes) -> SeamAnswer:
         """POST ``body`` (JSON, its ``model`` the engine's) to ``path`` on the ticket's
         replica; its whole answer. Frees the slot. Raises :class:`BatchUnreached`."""
@@ -177,12 +234,20 @@ class BatchSeam:
                 timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0)
             )
         url = ep.base_url.rstrip("/") + path
+        key = (t.model, ep.replica_id)
+        t.task = asyncio.current_task()
+        self._sending.setdefault(key, []).append(t)
         try:
             async with self._session.post(
                 url, data=body, headers=headers, ssl=ep.ssl if ep.ssl is not None else True
             ) as resp:
                 status, request_id = resp.status, resp.headers.get("X-Request-Id", "")
                 data = await resp.read()
+        except asyncio.CancelledError:
+            # Ours (online_started) unless someone else cancelled the task as well.
+            if t.called_back and t.task is not None and t.task.uncancel() == 0:
+                raise BatchYielded(f"replica {ep.replica_id}: called back") from None
+            raise
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             now = self.clock()
             if len(self._unreachable) > 256:
@@ -193,6 +258,7 @@ class BatchSeam:
             self._unreachable[ep.identity] = now
             raise BatchUnreached(f"replica {ep.replica_id}: {e}") from e
         finally:
+            self._stop_sending(key, t)
             self._release(t)
         return SeamAnswer(status, data, request_id, ep.replica_id)
 

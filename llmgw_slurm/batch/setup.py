@@ -105,10 +105,10 @@ def seam(
         m = catalog().get(model)
         return m.scaling.target_inflight if m is not None else 1
 
-    return BatchSeam(
+    s = BatchSeam(
         directory,
-        # Read through the gateway each time: its count is the one part of it the
-        # seam depends on, whatever holds it.
+        # Read through the gateway each time: its count, and its word when an online
+        # request begins (below), are the parts of it the seam depends on.
         lambda model, replica_id: gw.in_flight.get((model, replica_id), 0),
         capacity,
         SlotShares(
@@ -120,3 +120,7 @@ def seam(
             sock_connect=server.router.connect_timeout, sock_read=server.router.read_timeout
         ),
     )
+    # An online request that begins on a replica calls back its batch requests
+    # beyond the busy share.
+    gw.replicas.on_started = s.online_started
+    return s

@@ -15,7 +15,8 @@ Resume without repeats: a ride skips the ``custom_id``s already in the files,
 as a job does, and a ride and a job of one batch never run at once (the
 service waits for a stopped ride's requests in flight before it submits).
 A request the seam could not get answered is written nowhere: it is sent again
-(up to ``TRIES`` times a ride), or left to the job.
+(up to ``TRIES`` times a ride), or left to the job. One the seam called back
+for an online request is sent again first, as often as that happens.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 
 from llmgw_slurm.batch import results
 from llmgw_slurm.batch.model import BatchRecord
-from llmgw_slurm.batch.seam import BatchSeam, BatchSlot, BatchUnreached
+from llmgw_slurm.batch.seam import BatchSeam, BatchSlot, BatchUnreached, BatchYielded
 
 __all__ = ["PACE_WINDOW_S", "WarmRide"]
 
@@ -72,6 +73,8 @@ class WarmRide:
         self.completed = 0
         self.failed = 0
         self.unreached = 0
+        # Requests called back for online ones (sent again; not a try).
+        self.yielded = 0
         self.prompt_tokens = 0
         self.completion_tokens = 0
         # Requests not answered yet when the ride ended (for the job that follows).
@@ -133,12 +136,14 @@ class WarmRide:
         rest = [nxt] if nxt is not None else []
         self.left = len(again) + len(rest) + await asyncio.to_thread(_count, source)
         log.info(
-            "batch %s: warm ride ended: %d answered, %d failed, %d left, %d not reached",
+            "batch %s: warm ride ended: %d answered, %d failed, %d left, %d not reached,"
+            " %d called back for online requests",
             self.batch.id,
             self.completed,
             self.failed,
             self.left,
             self.unreached,
+            self.yielded,
         )
 
     def _done(self) -> set[str]:
@@ -161,6 +166,10 @@ class WarmRide:
     ) -> None:
         try:
             got = await self.seam.forward(ticket, self.batch.endpoint, body)
+        except BatchYielded:
+            self.yielded += 1
+            todo.appendleft((cid, body))
+            return
         except BatchUnreached as e:
             self.unreached += 1
             tries[cid] = tries.get(cid, 0) + 1

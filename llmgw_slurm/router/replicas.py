@@ -43,11 +43,16 @@ class Replicas:
         self.placements: dict[str, balance.Placement] = {}
         self._cold_since: dict[str, float] = {}
         self._rr = 0
+        # Told of each request begun on a replica, once counted (the batch seam:
+        # a replica's batch requests yield to it).
+        self.on_started: Callable[[str, str], None] | None = None
 
     def started(self, model: str, replica_id: str) -> None:
         key = (model, replica_id)
         self.in_flight[key] = self.in_flight.get(key, 0) + 1
         self.directory.request_started(model, replica_id)
+        if self.on_started is not None:
+            self.on_started(model, replica_id)
 
     def ended(self, model: str, replica_id: str) -> None:
         key = (model, replica_id)

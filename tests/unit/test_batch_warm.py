@@ -36,8 +36,16 @@ from llmgw_slurm.agent import batch as agent_batch
 from llmgw_slurm.auth.tls import PinnedContexts, make_identity
 from llmgw_slurm.base.errors import ConfigErrors
 from llmgw_slurm.batch import results
+from llmgw_slurm.batch import setup as batch_setup
 from llmgw_slurm.batch.model import BatchStatus
-from llmgw_slurm.batch.seam import UNREACHABLE_S, BatchSeam, BatchUnreached, SlotShares
+from llmgw_slurm.batch.seam import (
+    UNREACHABLE_S,
+    BatchSeam,
+    BatchUnreached,
+    BatchYielded,
+    SeamAnswer,
+    SlotShares,
+)
 from llmgw_slurm.batch.service import BatchService
 from llmgw_slurm.batch.warm import PACE_WINDOW_S, WarmRide
 from llmgw_slurm.catalog import Catalog
@@ -45,6 +53,7 @@ from llmgw_slurm.config import load_server_config
 from llmgw_slurm.reconciler.directory import ReplicaDirectory
 from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
 from llmgw_slurm.reconciler.spans import ReconcileTracing
+from llmgw_slurm.router import GATEWAY_KEY, create_app
 from llmgw_slurm.router.directory import Endpoint, ModelInfo, StaticDirectory
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from tests.ports import free_port
@@ -122,10 +131,24 @@ def seam_over(
     return seam
 
 
-def chat_body() -> bytes:
+def chat_body(max_tokens: int = 3) -> bytes:
     return json.dumps(
-        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
     ).encode()
+
+
+async def engine_in_flight(s: aiohttp.ClientSession, url: str) -> int:
+    """Requests the test engine is answering now (a client gone cancels its handler)."""
+    async with s.get(url + "/debug/stats", headers={"Authorization": f"Bearer {KEY}"}) as r:
+        n: int = (await r.json())["in_flight"]
+        return n
+
+
+async def until_engine_has(url: str, n: int) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with asyncio.timeout(30):  # stops a hung test; not a threshold
+            while await engine_in_flight(s, url) != n:
+                await asyncio.sleep(0.01)
 
 
 # ---------------------------------------------------------------- the seam
@@ -235,6 +258,88 @@ async def test_an_unreachable_replica_is_passed_over_for_a_while() -> None:
     assert not seam.ready("tiny") and seam.admit("tiny") is None
     clock.t += UNREACHABLE_S
     assert seam.ready("tiny")
+
+
+async def test_an_online_request_calls_back_batch_requests_past_the_busy_share() -> None:
+    # The replica was idle: the batch has all 8 of its slots. An online request
+    # begins: the newest 6 are called back (the busy share is 2), their connections
+    # closed, so the engine stops making their tokens; the 2 oldest finish.
+    async with engines(1, token_delay=0.02) as (url,):
+        d = directory(url)
+        online: dict[tuple[str, str], int] = {}
+        seam = seam_over(d, online, capacity=8, share=0.25, idle=(1.0, 0.0))
+        tickets = [seam.admit("tiny") for _ in range(8)]
+        sends = []
+        for t in tickets:
+            assert t is not None
+            sends.append(asyncio.create_task(seam.forward(t, CHAT, chat_body(100))))
+            await asyncio.sleep(0.01)  # in order, oldest first
+        await until_engine_has(url, 8)
+        online[("tiny", "r0")] = 1
+        seam.online_started("tiny", "r0")
+        got = await asyncio.gather(*sends, return_exceptions=True)
+        assert [type(g) for g in got] == [SeamAnswer] * 2 + [BatchYielded] * 6
+        await until_engine_has(url, 0)
+        assert seam.in_flight("tiny") == 0 and seam.ready("tiny")  # no fault of the replica's
+        # Within the busy share, an online request calls nothing back.
+        t = seam.admit("tiny")
+        assert t is not None and seam.slots("tiny", d.endpoints("tiny")[0]) == 1
+        send = asyncio.create_task(seam.forward(t, CHAT, chat_body(5)))
+        await until_engine_has(url, 1)
+        online[("tiny", "r0")] = 2
+        seam.online_started("tiny", "r0")
+        assert (await send).status == 200
+
+
+async def test_a_cancel_that_is_not_a_call_back_stays_a_cancel() -> None:
+    async with engines(1, token_delay=0.02) as (url,):
+        online: dict[tuple[str, str], int] = {}
+        seam = seam_over(directory(url), online, capacity=4, share=0.0, idle=(1.0, 0.0))
+        t = seam.admit("tiny")
+        assert t is not None
+        send = asyncio.create_task(seam.forward(t, CHAT, chat_body(100)))
+        await until_engine_has(url, 1)
+        send.cancel()  # the daemon stopping, say
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        # Called back and cancelled at once: the cancel wins.
+        t = seam.admit("tiny")
+        assert t is not None
+        send = asyncio.create_task(seam.forward(t, CHAT, chat_body(100)))
+        await until_engine_has(url, 1)
+        online[("tiny", "r0")] = 1
+        seam.online_started("tiny", "r0")
+        send.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        assert seam.in_flight("tiny") == 0
+
+
+async def test_the_gateways_online_requests_call_back_a_rides_requests(tmp_path: Path) -> None:
+    # The seam as the daemon makes it, over a gateway: a ride that took the whole
+    # of an idle replica (busy share 0) gives it up to one online request, and
+    # sends what was called back again once the replica is idle again: each once.
+    p = tmp_path / "server.yaml"
+    p.write_text("state_dir: /tmp/x\nbatch: {warm_share: 0, warm_idle_after: 0.2s}\n")
+    server = load_server_config(p)
+    work = tmp_path / "work"
+    work.mkdir()
+    async with engines(1, token_delay=0.01) as (url,):
+        d = directory(url)
+        app = create_app(d)
+        gw = app[GATEWAY_KEY]
+        seam = batch_setup.seam(app, server, d, lambda: Catalog(models=()))
+        _OPEN.append(seam)
+        ride = WarmRide(record(model="tiny", total=12), batch_input(tmp_path, 12), work, seam)
+        riding = asyncio.create_task(ride.run())
+        await until_engine_has(url, 1)  # capacity 1: the catalog does not list the model
+        async with serve(app) as gw_url, aiohttp.ClientSession() as s:
+            async with s.post(gw_url + CHAT, data=chat_body(2)) as r:
+                assert r.status == 200
+            await asyncio.wait_for(riding, 60)
+        assert gw.in_flight == {}
+    assert ride.yielded >= 1 and ride.completed == 12
+    assert sorted(ids_in(work / results.OUTPUT)) == sorted(f"q{i}" for i in range(12))
 
 
 # ---------------------------------------------------------------- a ride
@@ -508,10 +613,12 @@ def test_warm_settings_are_on_by_default_and_checked(tmp_path: Path) -> None:
     b = load_server_config(p).batch
     assert (b.warm, b.warm_share, b.warm_margin) == (False, 0.25, 600.0)
     assert (b.warm_idle_share, b.warm_idle_after) == (0.5, 60.0)
-    p.write_text("batch: {warm_share: 0, warm_idle_share: 1.5}\n")
+    p.write_text("batch: {warm_share: 0}\n")
+    assert load_server_config(p).batch.warm_share == 0  # online requests have it all
+    p.write_text("batch: {warm_share: -0.1, warm_idle_share: 1.5}\n")
     with pytest.raises(ConfigErrors) as info:
         load_server_config(p)
     assert [str(e).replace(str(p), "F") for e in info.value.errors] == [
-        "F:1: batch.warm_share: must be more than 0; got 0",
+        "F:1: batch.warm_share: must be at least 0; got -0.1",
         "F:1: batch.warm_idle_share: must be at most 1; got 1.5",
     ]
