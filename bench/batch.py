@@ -21,7 +21,8 @@ the same model under a second name that no replica serves:
   it), no job. Timed from ``batches.create`` to
   ``completed``; the bench fails if a job was submitted for it;
 - online latency, ``--latency-clients`` at a time (a load that leaves the
-  replica room), ``--latency-requests`` requests: alone, then as many arriving
+  replica room), ``--latency-requests`` requests: alone (half before, half
+  after the ride, so that the machine's drift falls on both sides), and as many arriving
   at the replica once another such batch rides it idle (with the idle share:
   the newest batch requests past ``batch.warm_share`` are called back), and
   the ride's pace meanwhile.
@@ -176,38 +177,12 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-async def run_latency(
-    s: aiohttp.ClientSession, gw: str, reqs: list[dict[str, Any]], clients: int
-) -> dict[str, float]:
-    """Online requests at a load that leaves the replica room (``clients`` at once):
-    their latencies' p50 and p99."""
-    got = await run_online(s, gw, reqs, clients)
-    return {"p50": median(got["latencies"]), "p99": percentile(got["latencies"], 0.99)}
-
-
-async def online_beside(
-    s: aiohttp.ClientSession, gw: str, reqs: list[dict[str, Any]], clients: int,
-    ride_done: asyncio.Event,
-) -> list[float]:  # fmt: skip
-    """``reqs`` as online requests, ``clients`` at a time, until they are all sent or
-    the ride is done: the latencies of those that ended before it was."""
-    todo = iter(reqs)
-    latencies: list[float] = []
-
-    async def client() -> None:
-        for body in todo:
-            if ride_done.is_set():
-                return
-            t = time.monotonic()
-            async with s.post(gw + "/v1/chat/completions", json=body) as r:
-                answer = await r.json()
-                if r.status != 200:
-                    raise RuntimeError(f"online request failed ({r.status}): {answer}")
-            if not ride_done.is_set():
-                latencies.append(time.monotonic() - t)
-
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return latencies
+def latency(latencies: list[float]) -> dict[str, float]:
+    return {
+        "p50": median(latencies),
+        "p99": percentile(latencies, 0.99),
+        "requests": len(latencies),
+    }
 
 
 async def run_ride(
@@ -223,34 +198,31 @@ async def run_ride(
     b = await c.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    done = asyncio.Event()
-    beside: asyncio.Task[list[float]] | None = None
+    beside: asyncio.Task[dict[str, Any]] | None = None
     began: tuple[float, int] = (0.0, 0)
     ended: tuple[float, int] | None = None
     while b.status not in ("completed", "failed", "cancelled", "expired"):
         answered = b.request_counts.completed if b.request_counts is not None else 0
         if online is not None and beside is None and answered > 0:
             began = (time.monotonic(), answered)
-            beside = asyncio.create_task(online_beside(s, gw, *online, done))
-        if beside is not None and ended is None and beside.done():
-            ended = (time.monotonic(), answered)
+            beside = asyncio.create_task(run_online(s, gw, *online))
+            # Not polled while online requests run: the polls would be load on the
+            # daemon that the requests alone do not have.
+            await asyncio.wait({beside})
+            b = await c.batches.retrieve(b.id)
+            ended = (time.monotonic(), b.request_counts.completed if b.request_counts else 0)
+            if ended[1] == (b.request_counts.total if b.request_counts else 0):
+                raise RuntimeError("the ride ended before the online requests: make it larger")
+            continue
         await asyncio.sleep(0.2)
         b = await c.batches.retrieve(b.id)
     wall = time.monotonic() - t0
-    done.set()
     lat: dict[str, float] = {}
     if online is not None:
-        if beside is None:
+        if beside is None or ended is None:
             raise RuntimeError("the ride ended before its first answer was seen: make it larger")
-        got = await beside
-        if len(got) < len(online[0]) // 2:
-            raise RuntimeError(f"{len(got)} online requests beside the ride: make it larger")
-        if ended is None:  # the ride ended first
-            ended = (time.monotonic(), b.request_counts.completed if b.request_counts else 0)
-        lat = {
-            "p50": median(got), "p99": percentile(got, 0.99), "n_online": len(got),
-            "ride_rps": (ended[1] - began[1]) / (ended[0] - began[0]),
-        }  # fmt: skip
+        got = beside.result()["latencies"]
+        lat = {**latency(got), "ride_rps": (ended[1] - began[1]) / (ended[0] - began[0])}
     counts = b.request_counts
     if b.status != "completed" or counts is None or counts.failed:
         raise RuntimeError(f"the ride ended {b.status}: {b}")
@@ -286,6 +258,8 @@ async def main() -> None:
     data = batch_file(reqs)
     cold = batch_file(bodies(args.requests, args.max_tokens, COLD))
     light = bodies(args.latency_requests, args.max_tokens, first=args.requests)
+    # A ride that outlasts the online requests beside it, whatever its share.
+    long_ride = batch_file(bodies(3 * args.requests, args.max_tokens))
     prefix = f"llmgwbench{secrets.token_hex(2)}"
     batches: list[dict[str, float]] = []
     onlines: list[dict[str, Any]] = []
@@ -328,11 +302,19 @@ async def main() -> None:
                     await asyncio.sleep(idle_after + 0.5)
                     rides.append(await run_ride(c, s, gw, data, prefix))
                     print(f"round {i}: ride {rides[-1]}", flush=True)
-                    quiet.append(await run_latency(s, gw, light, args.latency_clients))
+                    # Alone: half before the ride, half after (the machine's drift
+                    # in between counts on both sides).
+                    half = len(light) // 2
+                    before = await run_online(s, gw, light[:half], args.latency_clients)
                     online = (light, args.latency_clients)
                     # Idle again: the ride takes the idle share, then online users come.
                     await asyncio.sleep(idle_after + 0.5)
-                    loaded = await run_ride(c, s, gw, data, prefix, online)
+                    loaded = await run_ride(c, s, gw, long_ride, prefix, online)
+                    # The daemon's work on a completed batch (its output, its usage)
+                    # is not in the half after.
+                    await asyncio.sleep(5.0)
+                    after = await run_online(s, gw, light[half:], args.latency_clients)
+                    quiet.append(latency(before["latencies"] + after["latencies"]))
                     print(f"round {i}: latency alone {quiet[-1]}, beside a ride {loaded}")
                     rides[-1]["beside"] = loaded
                 (rep_id,) = [j for j, n in jobs_named(prefix + "." + MODEL + ".")]

@@ -737,15 +737,16 @@ class BatchConfig:
     # in its completion window goes to a Slurm job. A replica that is up has paid
     # for its model's load; a batch job pays it again. false: every batch is a job.
     warm: bool = True
-    # Default 0.125: the share of each replica's concurrency (its model's
+    # Default 0: a replica online requests use takes no batch request; batches ride
+    # idle replicas. Above 0: the share of each replica's concurrency (its model's
     # scaling.target_inflight) that batch requests may take while online requests
     # use it, fewer as they rise (batch and online together within
     # target_inflight). Higher finishes a batch sooner, and costs online requests
-    # more of the engine: each request in flight lengthens every step. 0: a replica
-    # online requests use takes no batch request (they ride idle replicas only).
-    # An online request that begins on a replica with more batch requests than
-    # this (lent by warm_idle_share) calls the newest back: they are sent again.
-    warm_share: float = field(default=0.125, metadata=rule(ge=0, le=1))
+    # more of the engine: each request in flight lengthens every step (on vLLM's
+    # CPU build an eighth made online requests 1.6 times slower, p50 and p99;
+    # docs/performance.md). An online request that begins on a replica with more
+    # batch requests than this (lent by warm_idle_share) calls the newest back.
+    warm_share: float = field(default=0.0, metadata=rule(ge=0, le=1))
     # Default 1: the share of a replica no online request has used for
     # warm_idle_after. An idle replica's GPUs are held anyway, so a batch may have
     # all of it; an online request that comes then calls back those past

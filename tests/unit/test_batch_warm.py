@@ -604,7 +604,7 @@ def test_warm_settings_are_on_by_default_and_checked(tmp_path: Path) -> None:
     p = tmp_path / "server.yaml"
     p.write_text("state_dir: /tmp/x\n")
     b = load_server_config(p).batch
-    assert (b.warm, b.warm_share, b.warm_margin) == (True, 0.125, 3600.0)
+    assert (b.warm, b.warm_share, b.warm_margin) == (True, 0.0, 3600.0)
     assert (b.warm_idle_share, b.warm_idle_after) == (1.0, 2.0)
     p.write_text(
         "batch: {warm: false, warm_share: 0.25, warm_margin: 10m, warm_idle_share: 0.5,"
