@@ -743,7 +743,7 @@ class BatchConfig:
     # use it, fewer as they rise (batch and online together within
     # target_inflight). Higher finishes a batch sooner, and costs online requests
     # more of the engine: each request in flight lengthens every step (on vLLM's
-    # CPU build an eighth made online requests 1.6 times slower, p50 and p99;
+    # CPU build an eighth made online requests 1.5-1.7 times slower, p50 and p99;
     # docs/performance.md). An online request that begins on a replica with more
     # batch requests than this (lent by warm_idle_share) calls the newest back.
     warm_share: float = field(default=0.0, metadata=rule(ge=0, le=1))
