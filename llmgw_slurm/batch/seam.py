@@ -218,7 +218,8 @@ class BatchSeam:
 
     async def forward(self, t: BatchSlot, path: str, body: bytes) -> SeamAnswer:
         """POST ``body`` (JSON, its ``model`` the engine's) to ``path`` on the ticket's
-        replica; its whole answer. Frees the slot. Raises :class:`BatchUnreached`."""
+        replica; its whole answer. Frees the slot. Raises :class:`BatchUnreached`, or
+        :class:`BatchYielded` when :meth:`online_started` called it back."""
         ep = t.endpoint
         headers = {
             # The replica's own engine key: a batch's owner's gateway key never
