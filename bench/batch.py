@@ -22,10 +22,10 @@ the same model under a second name that no replica serves:
   ``completed``; the bench fails if a job was submitted for it;
 - online latency, ``--latency-clients`` at a time (a load that leaves the
   replica room), ``--latency-requests`` requests: alone (half before, half
-  after the ride, so that the machine's drift falls on both sides), and as many arriving
-  at the replica once another such batch rides it idle (with the idle share:
-  the newest batch requests past ``batch.warm_share`` are called back), and
-  the ride's pace meanwhile.
+  after the ride, so that the machine's drift falls on both sides), and as
+  many arriving at the replica once a batch three times ``--requests`` rides
+  it idle (with the idle share: the newest batch requests past
+  ``batch.warm_share`` are called back), and the ride's pace meanwhile.
 
 GPU-seconds are the jobs' allocated GPUs (sacct's AllocTRES) times elapsed:
 for the batch job, its ElapsedRaw (model load included: every batch job loads
@@ -243,7 +243,7 @@ async def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--latency-requests", type=int, default=1000,
-        help="online requests alone, and as many beside a ride (fewer if it ends first)",
+        help="online requests alone, and as many beside a ride (which must outlast them)",
     )  # fmt: skip
     ap.add_argument(
         "--target-inflight", type=int, default=64,
