@@ -27,10 +27,12 @@ read the answer (10 to 60 s) and send the next; a request that finds no ready
 replica is held until one serves. Requests take time here, so a replica serving
 them is in use: eviction never takes it, and a drained one finishes them. The
 same plan every 10 s; an engine loads in 80 s. Reported, this checkout's
-defaults against main before fair share (52f920d), and with shorter turns: per
-model, the p95 of a cold request's wait until its model serves (the goal: none
-over ``max_wait`` plus a start); evictions and fair-share drains per hour; and
-the GPU-hours spent loading engines per evening, the cost of fairness.
+defaults against main before fair share (52f920d) and against the fair share
+before idle replicas went first and turns were 2 minutes (1e1bb8c), and with
+longer turns and slower loads: per model, the p95 of a cold request's wait
+until its model serves (the goal: none over ``max_wait`` plus a start);
+evictions and fair-share drains per hour; and the GPU-hours spent loading
+engines per evening, the cost of fairness.
 
 Each policy runs in its own process, ``llmgw_slurm`` imported from its
 checkout (``git worktree``s, made if missing: /tmp/old-policy for the day, and
@@ -61,6 +63,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OLD_COMMIT = "a60312a"
 # The peak hour's reference: main before fair share (issue 37).
 PEAK_OLD_COMMIT = "52f920d8e0c206b6a1c9d2faee4f472f503209ce"
+# And the fair share before idle replicas went first and turns were 2 minutes.
+PEAK_PREVIOUS_COMMIT = "1e1bb8c7c122e7e4a8ba315a8c275ee2d27188da"
 HOURS = 24.0
 TICK = 15.0  # the pass interval, simulated seconds
 KILL_DELAY = 20.0  # a cancelled job holds its GPUs this long (the agent drains, Slurm ends it)
@@ -446,14 +450,17 @@ PEAK_LOAD_S = 80.0  # a 1-GPU model's start, as on the day (60 + 20 per GPU)
 # whose overlapping sessions keep them busy throughout, and four asked for now and then.
 PEAK_RATES = (8.0, 6.0, 5.0, 2.0, 2.0, 1.5, 1.0)
 PEAK_SEEDS = (37, 38, 39, 40)
-# The trade-off beside the defaults: shorter turns (min_slice, and min_lifetime, which
-# bounds a turn from below too), down to max_wait.
-SHORTER_TURNS = {
+# The trade-off beside the defaults (2-minute turns): longer turns (min_slice, and
+# min_lifetime, which bounds a turn from below too), and engines that load in 5 minutes
+# rather than 80 s (load_s), with the default turns and with 10-minute ones.
+TURNS = {
     "5m turns": {"min_slice": 300.0, "min_lifetime": 300.0},
-    "2m turns": {"min_slice": 120.0, "min_lifetime": 120.0},
+    "10m turns": {"min_slice": 600.0, "min_lifetime": 600.0},
+    "5m loads": {"load_s": 300.0},
+    "5m loads, 10m turns": {"load_s": 300.0, "min_slice": 600.0, "min_lifetime": 600.0},
 }
-# What the shorter turns are shown by.
-TRADE_OFF = ("worst_model_p95_wait_s", "cold_wait_p95_s", "drains_per_hour")
+# What the other turns are shown by.
+TRADE_OFF = ("worst_model_p95_wait_s", "cold_wait_p50_s", "cold_wait_p95_s", "drains_per_hour")
 
 
 def peak_nodes() -> list[NodeSpec]:
@@ -584,7 +591,10 @@ class PeakSim(Sim):
 
 def run_peak(seed: int, settings: Mapping[str, float]) -> PeakSim:
     """One evening's peak with the ``llmgw_slurm`` this process imports: its default
-    settings, with ``settings`` (PlanConfig's fields) over them."""
+    settings, with ``settings`` (PlanConfig's fields, and ``load_s``, an engine's load
+    time) over them."""
+    settings = dict(settings)
+    load_s = settings.pop("load_s", PEAK_LOAD_S)
     from llmgw_slurm import catalog as cat
     from llmgw_slurm.reconciler import plan as pm
     from llmgw_slurm.slurm import types
@@ -595,7 +605,7 @@ def run_peak(seed: int, settings: Mapping[str, float]) -> PeakSim:
         path.write_text(peak_catalog())
         models = {m.name: m for m in cat.load_catalog(path)}
     cfg = pm.PlanConfig(default_partition="svc", **settings)
-    sim = PeakSim(peak_nodes(), models, lambda j: PEAK_LOAD_S)
+    sim = PeakSim(peak_nodes(), models, lambda j: load_s)
     for t, s in peak_sessions(rng):
         sim.push(t, "arrive", Req(s, t, s.service()))
     ids = iter(range(1, 10**9))
@@ -714,7 +724,8 @@ PEAK_UNITS = {
 
 
 def peak_results(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The peak hours: main before fair share, this checkout's defaults, shorter turns."""
+    """The peak hours: main before fair share, the fair share before this one, this
+    checkout's defaults, and the trade-off's other settings."""
     from bench.common import result, worktree
 
     old = in_process(worktree(PEAK_OLD_COMMIT), "peak", 0, args.verbose)
@@ -725,10 +736,13 @@ def peak_results(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[s
         result(f"peak: p95 wait {m}", v, "s", ref, old["p95_wait_s"].get(m, 0.0))
         for m, v in new["p95_wait_s"].items()
     ]
-    figures = {"old": old, "new": new}
-    for label, settings in SHORTER_TURNS.items():
+    previous = in_process(worktree(PEAK_PREVIOUS_COMMIT), "peak", 0, args.verbose)
+    figures = {"old": old, "previous": previous, "new": new}
+    keys = (*TRADE_OFF, "loading_gpu_hours_per_evening")
+    was = f"previous fair share ({PEAK_PREVIOUS_COMMIT[:7]})"
+    out += [result(f"peak: {k}", new[k], PEAK_UNITS[k], was, previous[k]) for k in keys]
+    for label, settings in TURNS.items():
         got = figures[label] = in_process(ROOT, "peak", 0, args.verbose, settings)
-        keys = (*TRADE_OFF, "loading_gpu_hours_per_evening")
         out += [result(f"peak, {label}: {k}", got[k], PEAK_UNITS[k], ref, old[k]) for k in keys]
     return out, figures
 
@@ -767,14 +781,21 @@ def main() -> None:
     results += peak
     print_table(results)
     print(f"\nday: {int(new['requests'])} requests over {HOURS:g} h, seed {args.seed}")
-    default = figures["new"]
-    goal = 120.0 + PEAK_LOAD_S
-    met = "met" if default["worst_model_p95_wait_s"] <= goal else "NOT met"
+    worst = figures["new"]["worst_model_p95_wait_s"]
     print(
         f"peak: {len(PEAK_RATES)} models on 4 GPUs, sessions over {PEAK_HOURS:g} h, evenings "
-        f"(seeds) {','.join(map(str, PEAK_SEEDS))}; goal, every model's p95 <= max_wait + "
-        f"a start = {goal:g} s: {met} with the defaults"
+        f"(seeds) {','.join(map(str, PEAK_SEEDS))}; the worst model's p95 {worst:.0f} s with "
+        f"the defaults; goal, every model's p95 <= max_wait + a start:"
     )
+    # A start that follows a drain also waits for the drained replica's requests in
+    # flight and its job's end, and the passes that see each: no drain avoids those.
+    # The same slack as tests/unit/test_plan_fair_share.py's starved model.
+    for what, goal in (
+        ("the engine's load alone", 120.0 + PEAK_LOAD_S),
+        ("with the drain's own costs (3 passes, the job's end)",
+         120.0 + PEAK_LOAD_S + 3 * PEAK_TICK + KILL_DELAY),
+    ):
+        print(f"  {what}: {goal:g} s, {'met' if worst <= goal else 'NOT met'}")
     settings = {**vars(args), "peak_seeds": list(PEAK_SEEDS), "peak": figures}
     print(f"written {write('eviction_site', results, settings)}")
 

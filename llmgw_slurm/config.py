@@ -427,6 +427,11 @@ class RestartConfig:
     # failed and not retried until its config changes or an admin resets it;
     # a broken model must not keep a queue slot and GPUs busy.
     give_up_after_failures: int = field(default=5, metadata=rule(ge=1))
+    # Default 10m: a replica that ends sooner after becoming ready is a failed
+    # start (an engine that dies at its first requests is a crash loop, not a
+    # start that worked), and one that has served this long clears its model's
+    # failed starts. Apart from min_lifetime, a hold-down for other models.
+    healthy_after: float = field(default=600.0, metadata=rule(gt=0, parse=schema.parse_duration))
 
     def schema_problems(self) -> list[tuple[str, str]]:
         if self.initial_backoff > self.max_backoff:
@@ -453,10 +458,12 @@ class ReconcileConfig:
     # Default 5m: a replica idle less than this is never evicted for another
     # model; a pause in a user's work must not cost them a cold start.
     eviction_grace: float = field(default=300.0, metadata=rule(parse=schema.parse_duration))
-    # Default 10m: no eviction before a replica has served this long after
-    # becoming ready, so two models that fit one at a time cannot evict each
-    # other in turn.
-    min_lifetime: float = field(default=600.0, metadata=rule(parse=schema.parse_duration))
+    # Default 2m: no replica is stopped for another model (evicted, or drained
+    # for fair share) before it has served this long after becoming ready, so
+    # two models that fit one at a time cannot take turns each pass. Eviction
+    # also waits for eviction_grace of idleness; fair share for max_wait and
+    # scaling.min_slice.
+    min_lifetime: float = field(default=120.0, metadata=rule(parse=schema.parse_duration))
     # Default 30m: a replacement is started this long before a replica's time
     # limit; it must cover queue wait plus engine start.
     renewal_margin: float = field(default=1800.0, metadata=rule(parse=schema.parse_duration))
@@ -496,11 +503,13 @@ class SiteScaling:
     # the drain and a start fit in the hold: the held request is answered, not
     # turned away with a 503.
     max_wait: float = field(default=120.0, metadata=rule(gt=0, parse=schema.parse_duration))
-    # Default 10m: a turn on the GPUs; a replica is never drained for fair share
+    # Default 2m: a turn on the GPUs; a replica is never drained for fair share
     # before it has served this long (nor before reconcile.min_lifetime). Each
     # turn costs the next model a start: longer slices spend less GPU time
-    # loading and make a model that waits behind a busy one wait longer.
-    min_slice: float = field(default=600.0, metadata=rule(gt=0, parse=schema.parse_duration))
+    # loading and make a model that waits behind a busy one wait longer (10m
+    # made the worst model's p95 wait 654 s on bench/eviction_site.py's peak
+    # hours, 2m 245 s, for a fifth more GPU time loading).
+    min_slice: float = field(default=120.0, metadata=rule(gt=0, parse=schema.parse_duration))
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,8 @@ class PassLoop:
         self.clusters = clusters
         self.jobs = jobs
         self.plan_cfg = plan_cfg
+        # Serving this long proves a start worked (reconcile.restart.healthy_after).
+        self.healthy_after = server.reconcile.restart.healthy_after
         self.intake = intake
         # When a request last asked for each model (the directory's demand).
         self.wanted = wanted
@@ -320,7 +322,7 @@ class PassLoop:
         self.table.nodes_listed_at = self.clusters.oldest_listing()
 
     def _forgive(self, now: float) -> None:
-        """Clear a model's failed starts once one of its replicas served its minimum lifetime.
+        """Clear a model's failed starts once one of its replicas served ``healthy_after``.
 
         Ready is not yet proof that the engine stays up: one that dies at its first
         request would otherwise restart at once, forever.
@@ -331,7 +333,7 @@ class PassLoop:
                 and r.ready_at is not None
                 and r.base_url
                 and not r.agent_failed
-                and now - r.ready_at >= self.plan_cfg.min_lifetime
+                and now - r.ready_at >= self.healthy_after
             ):
                 self.failures.pop(r.model, None)
 
@@ -591,7 +593,7 @@ class PassLoop:
             lived = now - r.ready_at if r.ready_at is not None else None
             # A replica that never served, or died soon after it began to, is a failed
             # start: it feeds the restart backoff so a crash loop slows down.
-            if lived is None or lived < self.plan_cfg.min_lifetime:
+            if lived is None or lived < self.healthy_after:
                 self.fail(r.model, cause)
             self.table.record("reap", r.model, r.replica_id, cause, pass_id)
 

@@ -51,8 +51,9 @@ over one ``_PlanState``: the actions and notes so far, and what the rules share)
    waited ``max_wait`` (server.yaml's ``scaling.max_wait``, or the model's), a
    ready single-node replica of another on-demand model that has had its turn
    (served ``min_slice``, and ``min_lifetime``) and whose stop makes the model
-   fit is drained for it (its requests in flight finish): the one furthest
-   beyond its share (:func:`fair_share_candidates`). One stop a pass on each cluster,
+   fit is drained for it (its requests in flight finish): one its users have
+   left (idle since the model began to wait) before one in use, then the one
+   furthest beyond its share (:func:`fair_share_candidates`). One stop a pass on each cluster,
    counting rule 3's; none while an eviction's job is being killed, and none for a model
    while a replica drained for it is still giving its GPUs back.
    The slice is the hold-down: two models that fit one at a time alternate,
@@ -195,7 +196,7 @@ class Failures:
 @dataclass(frozen=True)
 class PlanConfig:
     eviction_grace: float = 300.0
-    min_lifetime: float = 600.0
+    min_lifetime: float = 120.0
     renewal_margin: float = 1800.0
     drain_timeout: float = 120.0
     max_pending_time: float | None = None
@@ -213,7 +214,7 @@ class PlanConfig:
     # Rule 4, fair share (server.yaml's scaling: block).
     fair_share: bool = True
     max_wait: float = 120.0
-    min_slice: float = 600.0
+    min_slice: float = 120.0
 
 
 class ActionKind(enum.Enum):
@@ -1442,28 +1443,39 @@ def _turn(cfg: PlanConfig) -> float:
 
 
 def _sharers(
-    wanted_by: str,
-    waiting_since: float,
-    replicas: Sequence[ReplicaView],
-    models: Mapping[str, Model],
+    wanted_by: str, replicas: Sequence[ReplicaView], models: Mapping[str, Model]
 ) -> list[ReplicaView]:
-    """Ready single-node replicas of the other on-demand models that are in use while
-    ``wanted_by`` waits (serving now, or used since ``waiting_since``), whatever their turn.
-
-    One not used since is idle as far as the waiting model is concerned: rule 3
-    stops it once the eviction grace is over, which keeps the grace's promise to a
-    user who paused (and after a daemon restart, a replica nobody has reported a
-    use of is not taken to be in use).
-    """
+    """Ready single-node replicas of the other on-demand models, whatever their turn,
+    in use or not, save one nobody has reported a use of (after a daemon restart,
+    unknown is not idle)."""
     out = []
     for r in replicas:
         if r.model == wanted_by or r.state is not ReplicaState.READY or r.ready_at is None:
             continue
-        used = r.in_flight > 0 or (r.last_used is not None and r.last_used >= waiting_since)
         m = models.get(r.model)
-        if used and m is not None and m.scaling.on_demand and r.nodes == 1:
+        if r.last_used is not None and m is not None and m.scaling.on_demand and r.nodes == 1:
             out.append(r)
     return out
+
+
+def _left_since(r: ReplicaView, waiting_since: float) -> bool:
+    """Its users left it before the model began to wait: nothing in flight, no use since.
+
+    Such a replica goes before one in use. Rule 3 leaves it alone within the
+    eviction grace (a pause must not cost a cold start), but once a model has
+    waited ``max_wait`` someone loses a turn, and taking it cuts no work and
+    costs at most its one paused user a start, where a replica in use costs
+    every user now on it one.
+    """
+    return r.in_flight == 0 and r.last_used is not None and r.last_used < waiting_since
+
+
+def _drain_order(
+    r: ReplicaView, waiting_since: float, cfg: PlanConfig, now: float
+) -> tuple[bool, float]:
+    """The key of rule 4's choice, highest first: left by its users, then furthest
+    beyond its share."""
+    return _left_since(r, waiting_since), _beyond_share(r, cfg, now)
 
 
 def _beyond_share(r: ReplicaView, cfg: PlanConfig, now: float) -> float:
@@ -1481,7 +1493,8 @@ def fair_share_candidates(
     now: float,
 ) -> list[ReplicaView]:
     """Replicas that may be drained for ``wanted_by``, waiting since ``waiting_since``
-    (rule 4), furthest beyond their share first.
+    (rule 4), in the order they go: those idle since it began to wait, then those in
+    use; each furthest beyond its share first.
 
     The share is an equal turn: each replica of an on-demand model may serve for
     ``min_slice`` (never less than ``min_lifetime``) from becoming ready; past it,
@@ -1491,16 +1504,15 @@ def fair_share_candidates(
     fifty, which a demand-weighted share allows. Not GPU-time over a window either:
     the plan reads the state now, and a history would be lost with the daemon;
     and Slurm's own fair-share figures are per account, while every replica runs
-    under the service's. Only replicas in use while the model waits
-    (:func:`_sharers`), single-node, of models with ``min: 0`` (``min >= 1`` is a
-    promise).
+    under the service's. Only single-node replicas of models with ``min: 0``
+    (``min >= 1`` is a promise) whose last use is known (:func:`_sharers`).
     """
     out = [
         r
-        for r in _sharers(wanted_by, waiting_since, replicas, models)
+        for r in _sharers(wanted_by, replicas, models)
         if _beyond_share(r, cfg, now) >= 0
     ]
-    out.sort(key=lambda r: _beyond_share(r, cfg, now), reverse=True)
+    out.sort(key=lambda r: _drain_order(r, waiting_since, cfg, now), reverse=True)
     return out
 
 
@@ -1540,7 +1552,7 @@ def _fair_share(
     since = st.held_since.get(m.name)
     if not st.cfg.fair_share or purpose != "held" or since is None:
         return "", False
-    sharers = _sharers(m.name, since, st.live, st.models)
+    sharers = _sharers(m.name, st.live, st.models)
     helps = [
         (r, w)
         for r in sharers
@@ -1554,7 +1566,7 @@ def _fair_share(
     due = [(r, w) for r, w in helps if _beyond_share(r, st.cfg, st.now) >= 0]
     if not due or waited < limit:
         return _fair_share_later(st, m, helps, waited, limit), False
-    best, where = max(due, key=lambda t: _beyond_share(t[0], st.cfg, st.now))
+    best, where = max(due, key=lambda t: _drain_order(t[0], since, st.cfg, st.now))
     return _drain_for(st, site, m, best, (where, why), (waited, limit), len(due)), True
 
 
@@ -1590,7 +1602,7 @@ def _drain_for(
     """Drain ``r`` on ``site`` for ``m`` (rule 4), its room (``where`` ``m`` then fits,
     and ``why`` it fits nowhere now) promised to ``m``; ``wait``: how long ``m``'s
     oldest held request waited, and its max_wait. The note to add."""
-    assert r.ready_at is not None
+    assert r.ready_at is not None and r.last_used is not None
     (where, why), (waited, limit) = room, wait
     site.evicted = True
     site.making_room = _FAIR_SHARE_DRAIN
@@ -1602,7 +1614,7 @@ def _drain_for(
     reason = (
         f"{_MAKING_ROOM}{m.name} (waiting {format_duration(waited)}, max_wait "
         f"{format_duration(limit)}); held {gpus} GPU(s) {format_duration(held)}, past its "
-        f"{format_duration(turn)} turn"
+        f"{format_duration(turn)} turn{_idle_for(r, st.now - waited, st.now)}"
     )
     st.drain(
         r,
@@ -1615,6 +1627,7 @@ def _drain_for(
             "turn_seconds": turn,
             "gpus": gpus,
             "in_flight": r.in_flight,
+            "idle_seconds": st.now - r.last_used,
             "candidates": candidates,
             "nodes": ",".join(r.node_names),
             "fits_on": where,
@@ -1626,6 +1639,14 @@ def _drain_for(
         f"{FAIR_SHARE}: draining {r.model} {r.replica_id} (serving {format_duration(held)}, "
         f"past its {format_duration(turn)} turn; {r.in_flight} request(s) in flight finish first)"
     )
+
+
+def _idle_for(r: ReplicaView, waiting_since: float, now: float) -> str:
+    """", unused for 3m10s" of a replica its users left before the wait began, or ""."""
+    if not _left_since(r, waiting_since):
+        return ""
+    assert r.last_used is not None
+    return f", unused for {format_duration(now - r.last_used)}"
 
 
 def _fair_share_notes(st: _PlanState) -> None:

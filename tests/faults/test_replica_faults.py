@@ -19,7 +19,7 @@ from llmgw_slurm.slurm.cli import CliBackend
 from tests.faults.support import load, record, with_router
 from tests.procs import listener_pid
 from tests.slurm.conftest import eventually
-from tests.slurm.harness import Harness, research_job, running, tiny_model
+from tests.slurm.harness import RESTART, Harness, research_job, running, tiny_model
 
 
 def ready(h: Harness, model: str) -> list[str]:
@@ -156,9 +156,10 @@ async def test_engine_crash_is_detected_restarted_with_backoff_and_a_loop_shown(
     tmp_path: Path, prefix: str
 ) -> None:
     model = tiny_model("crashes", scaling={"min": 1, "max": 1})
-    # A long minimum lifetime: an engine that dies this soon after serving is a failed
-    # start, and three of them make the model "failing".
-    async with running(tmp_path, prefix, [model], min_lifetime="10m") as h:
+    # Healthy only after 10 minutes: an engine that dies this soon after serving is a
+    # failed start, and three of them make the model "failing".
+    restart = {**RESTART, "healthy_after": "10m"}
+    async with running(tmp_path, prefix, [model], restart=restart) as h:
         await eventually(lambda: asyncio.sleep(0, ready(h, "crashes")), "ready", timeout=120)
         states: list[str] = []
         notes: list[str] = []

@@ -75,7 +75,7 @@ class Peer:
                 "min_lifetime": "3s",
                 "renewal_margin": "1m",
                 "drain_timeout": "15s",
-                "restart": {"initial_backoff": "2s", "max_backoff": "20s"},
+                "restart": {"initial_backoff": "2s", "max_backoff": "20s", "healthy_after": "3s"},
             },
             "router": {"hold_timeout": "90s", "keys_file": str(shared / "keys.json")},
             **({"database": self.db} if self.db is not None else {}),

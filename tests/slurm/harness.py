@@ -45,6 +45,14 @@ from tests.ports import free_port
 from tests.slurm.conftest import backend_options, daemon_backend, eventually, need_backend
 
 TOP = Path(__file__).resolve().parents[2]
+# The harness's restart rules (a test passing restart= replaces them whole): short
+# backoffs, and a replica that served 3 s is a start that worked.
+RESTART = {
+    "initial_backoff": "2s",
+    "max_backoff": "20s",
+    "give_up_after_failures": 3,
+    "healthy_after": "3s",
+}
 
 
 @dataclass(frozen=True)
@@ -148,7 +156,7 @@ class Harness:
             "min_lifetime": "3s",
             "renewal_margin": "1m",
             "drain_timeout": "15s",
-            "restart": {"initial_backoff": "2s", "max_backoff": "20s", "give_up_after_failures": 3},
+            "restart": RESTART,
             **self.reconcile,
         }
         slurm: dict[str, Any] = {

@@ -16,6 +16,7 @@ import pytest
 
 from tests.slurm.conftest import eventually
 from tests.slurm.harness import (
+    RESTART,
     Harness,
     fill_all_but,
     research_job,
@@ -294,8 +295,10 @@ async def test_job_killed_from_outside_is_reaped_with_its_cause_and_restarted(
     tmp_path: Path, prefix: str
 ) -> None:
     model = tiny_model("victim", scaling={"min": 1, "max": 1})
-    # A long minimum lifetime: a replica that dies this soon after serving is a failed start.
-    async with running(tmp_path, prefix, [model], min_lifetime="10m") as h:
+    # Healthy only after 10 minutes: a replica that dies this soon after serving is a
+    # failed start.
+    restart = {**RESTART, "healthy_after": "10m"}
+    async with running(tmp_path, prefix, [model], restart=restart) as h:
         await eventually(lambda: asyncio.sleep(0, ready_replicas(h, "victim")), "ready")
         (job,) = h.jobs()
         subprocess.run(["scancel", job[0]], check=True)

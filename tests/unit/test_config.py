@@ -72,6 +72,9 @@ def test_empty_mapping_gives_every_default(tmp_path: Path) -> None:
     assert cfg.reconcile.interval == 10.0 and cfg.reconcile.max_pending_time == 3600.0
     r = cfg.reconcile.restart
     assert (r.initial_backoff, r.max_backoff, r.give_up_after_failures) == (30.0, 1800.0, 5)
+    # A replica stopped for another model (eviction, fair share) served 2 minutes at
+    # least; one that ends within 10 minutes of serving is a failed start: apart.
+    assert (cfg.reconcile.min_lifetime, r.healthy_after) == (120.0, 600.0)
     assert cfg.router.hold_timeout == 300.0 and cfg.router.retry_once is True
     assert cfg.router.keys_file is None and cfg.templates_dir is None
     assert cfg.tracing.enabled is False and cfg.tracing.protocol == "http/protobuf"
@@ -180,7 +183,7 @@ def test_server_errors_are_all_reported_with_suggestions(tmp_path: Path) -> None
       job_prefix: "my jobs"
       command_timeout: fast
     reconcile:
-      restart: {initial_backoff: 1h, max_backoff: 10m, give_up_after_failures: 0}
+      restart: {initial_backoff: 1h, max_backoff: 10m, give_up_after_failures: 0, healthy_after: 0}
     router:
       max_body_bytes: 12 parsecs
       retry_once: "yes"
@@ -196,6 +199,7 @@ def test_server_errors_are_all_reported_with_suggestions(tmp_path: Path) -> None
         "F:5: slurm.command_timeout: cannot read 'fast' as a duration; expected a duration "
         "like 30s, 15m, 4h, 1d, 2w, 1h30m, 4:00:00, or a number of seconds",
         "F:7: reconcile.restart.give_up_after_failures: must be at least 1; got 0",
+        "F:7: reconcile.restart.healthy_after: must be more than 0; got 0",
         "F:9: router.max_body_bytes: cannot read '12 parsecs' as a size; expected a size in "
         "bytes, or with a unit: 512K, 16M, 16MiB, 1G",
         "F:10: router.retry_once: expected true or false, got the string 'yes'",
@@ -220,7 +224,7 @@ def test_fair_share_is_on_by_default_and_each_setting_is_read_and_checked(tmp_pa
     assert (cfg.scaling.fair_share, cfg.scaling.max_wait, cfg.scaling.min_slice) == (
         True,
         120.0,
-        600.0,
+        120.0,
     )
     text = "scaling: {fair_share: false, max_wait: 5m, min_slice: 1h}\n"
     cfg = load_server_config(write(tmp_path, text))

@@ -107,7 +107,7 @@ async def test_a_replica_that_served_its_minimum_lifetime_clears_the_failures(
     _, rid = parse_job_name(PREFIX, fake.submitted[-1].name) or ("", "")
     await _serve_ready(rec, fake, rid, str(fake.next_id))
     assert rec.failures["m"].count == 1  # ready is not yet proof the engine stays up
-    clock.t += rec.plan_cfg.min_lifetime + 1
+    clock.t += rec.pass_loop.healthy_after + 1
     await rec.pass_once()
     assert "m" not in rec.failures
     await rec.close()

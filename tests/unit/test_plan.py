@@ -809,10 +809,11 @@ def test_evictable_respects_eviction_grace(tmp_path: Path) -> None:
 
 def test_evictable_respects_min_lifetime(tmp_path: Path) -> None:
     ms = _eviction_catalog(tmp_path)
+    cfg = dataclasses.replace(CFG, min_lifetime=600.0)
     young = idle_rv("aaaaaaaa", "od1", 400, ready_at=NOW - 599)
-    assert evictable("want", [young], ms, CFG, NOW) == []
+    assert evictable("want", [young], ms, cfg, NOW) == []
     grown = idle_rv("aaaaaaaa", "od1", 400, ready_at=NOW - 600)
-    assert evictable("want", [grown], ms, CFG, NOW) == [grown]
+    assert evictable("want", [grown], ms, cfg, NOW) == [grown]
 
 
 def test_evictable_skips_busy_and_own_model(tmp_path: Path) -> None:
@@ -902,8 +903,12 @@ def test_nothing_idle_enough_to_stop(tmp_path: Path) -> None:
         "; nothing idle enough to stop (od1 aaaaaaaa: used 10s ago, grace 5m00s; "
         "kept bbbbbbbb: min 1; od2 cccccccc: last use unknown)"
     )
-    assert res.notes["want"].endswith(kept)
-    assert res.of(ActionKind.SUBMIT)[0].placement.endswith(kept)
+    # And when fair share could take od1 (its users left before want's request; want
+    # has not waited max_wait yet).
+    later = "; fair share: od1 aaaaaaaa may be drained for want in 1m59s, if want still "
+    later += "waits then (max_wait 2m00s)"
+    assert res.notes["want"].endswith(kept + later)
+    assert res.of(ActionKind.SUBMIT)[0].placement.endswith(kept + later)
 
 
 def test_no_eviction_when_the_new_replica_fits(tmp_path: Path) -> None:

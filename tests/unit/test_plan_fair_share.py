@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from test_plan import CFG, NOW, P, R, X, entry, models_of, node, rv  # type: ignore[import-not-found]
+from test_plan import NOW, P, R, X, entry, models_of, node, rv  # type: ignore[import-not-found]
 
 from llmgw_slurm.catalog import Model
 from llmgw_slurm.reconciler.plan import (
@@ -35,6 +35,8 @@ from llmgw_slurm.slurm.types import NodeInfo
 D = ReplicaState.DRAINING
 LONG = "{idle_timeout: 1d}"
 MIN = 60.0
+# 10-minute turns (the defaults are 2): the figures below are a turn's.
+CFG = dataclasses.replace(PlanConfig(), min_slice=10 * MIN, min_lifetime=10 * MIN)
 
 
 def run(
@@ -272,6 +274,7 @@ def test_after_max_wait_the_busy_replica_is_drained_for_the_waiting_model(tmp_pa
         "turn_seconds": 600.0,
         "gpus": 1,
         "in_flight": 1,
+        "idle_seconds": 0.0,
         "candidates": 1,
         "nodes": "n1",
         "fits_on": "n1",
@@ -362,20 +365,43 @@ def test_the_replica_furthest_beyond_its_share_goes_first(tmp_path: Path) -> Non
     assert kinds(res)[0] == ("drain", "w3", "33333333")
 
 
-def test_a_replica_not_used_while_the_model_waits_is_left_to_eviction(tmp_path: Path) -> None:
-    # w1 was last used before w2's request and is idle since, within the eviction grace:
-    # rule 3 stops it once the grace is over; fair share does not take it sooner.
-    ms = two(tmp_path)
+def test_a_replica_its_users_left_goes_before_one_in_use(tmp_path: Path) -> None:
+    # w1 was last used before w2's request and is idle since, within the eviction grace
+    # (rule 3 keeps it); w3 serves, and has held its GPU longer. Once w2 has waited
+    # max_wait, w1 goes: that cuts no work, and costs only w1's paused user a start.
+    ms = two(tmp_path, entry("w3", LONG))
+    nodes = [node("n1", gpus=1, used=1), node("n2", gpus=1, used=1)]
     w1 = busy("11111111", "w1", 3600, in_flight=0, last_used=NOW - 200)
-    res = run(ms, [w1], one_gpu(), {"w2": NOW - 150})
+    w3 = busy("33333333", "w3", 2 * 3600, where="n2")
+    got = fair_share_candidates("w2", NOW - 150, [w3, w1], ms, CFG, NOW)
+    assert [r.replica_id for r in got] == ["11111111", "33333333"]
+    res = run(ms, [w1, w3], nodes, {"w2": NOW - 150})
+    assert kinds(res) == [("drain", "w1", "11111111"), ("submit", "w2", "00000001")]
+    assert res.actions[0].reason == (
+        "fair share: making room for w2 (waiting 2m30s, max_wait 2m00s); "
+        "held 1 GPU(s) 1h00m, past its 10m00s turn, unused for 3m20s"
+    )
+    assert res.actions[0].attrs["idle_seconds"] == 200.0
+    # Before max_wait, rule 3 leaves it in its grace, and the note says when it may go.
+    res = run(ms, [w1, w3], nodes, {"w2": NOW - 100})
+    assert kinds(res) == [("submit", "w2", "00000001")]
+    assert res.notes["w2"].endswith(
+        "fair share: w1 11111111 may be drained for w2 in 20s, if w2 still waits then "
+        "(max_wait 2m00s)"
+    )
+    # Used since w2 began waiting, w1 is in use too: w3, further beyond its share, goes.
+    res = run(ms, [dataclasses.replace(w1, last_used=NOW - 100), w3], nodes, {"w2": NOW - 150})
+    assert kinds(res)[0] == ("drain", "w3", "33333333")
+
+
+def test_a_replica_nobody_reported_a_use_of_is_never_drained(tmp_path: Path) -> None:
+    # After a daemon restart, unknown is not idle, nor in use: neither rule takes it.
+    ms = two(tmp_path)
+    w1 = busy("11111111", "w1", 3600, in_flight=0, last_used=None)
+    res = run(ms, [w1], one_gpu(), {"w2": NOW - 3600})
     assert kinds(res) == [("submit", "w2", "00000001")]
     assert "fair share" not in res.notes["w2"]
-    # Nor one nobody has reported a use of (a restarted daemon's).
-    res = run(ms, [dataclasses.replace(w1, last_used=None)], one_gpu(), {"w2": NOW - 3600})
-    assert kinds(res) == [("submit", "w2", "00000001")]
-    # Used since w2 began waiting: in use, and drained.
-    res = run(ms, [dataclasses.replace(w1, last_used=NOW - 100)], one_gpu(), {"w2": NOW - 150})
-    assert kinds(res)[0] == ("drain", "w1", "11111111")
+    assert fair_share_candidates("w2", NOW - 3600, [w1], ms, CFG, NOW) == []
 
 
 def test_an_idle_replica_that_can_be_evicted_is_evicted_not_drained(tmp_path: Path) -> None:

@@ -748,7 +748,9 @@ def served(rec: Reconciler, model: str) -> str:
 async def test_two_models_that_fit_one_at_a_time_do_not_evict_each_other_in_turn(
     tmp_path: Path,
 ) -> None:
-    rec, fake, clock = on_demand_world(tmp_path)
+    # Eviction's rules alone: fair share would drain a, idle within its grace, once b
+    # has waited max_wait (tests/unit/test_plan_fair_share.py).
+    rec, fake, clock = on_demand_world(tmp_path, fair_share=False)
     t0 = clock.t
     acted: list[tuple[float, str, str]] = []
 
