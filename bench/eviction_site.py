@@ -743,7 +743,17 @@ def peak_results(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[s
     out += [result(f"peak: {k}", new[k], PEAK_UNITS[k], was, previous[k]) for k in keys]
     for label, settings in TURNS.items():
         got = figures[label] = in_process(ROOT, "peak", 0, args.verbose, settings)
-        out += [result(f"peak, {label}: {k}", got[k], PEAK_UNITS[k], ref, old[k]) for k in keys]
+        # Slower loads against no fair share with the same loads.
+        base, base_ref = old, ref
+        if "load_s" in settings:
+            loads = {"load_s": settings["load_s"]}
+            base = figures[f"old, {label}"] = in_process(
+                worktree(PEAK_OLD_COMMIT), "peak", 0, args.verbose, loads
+            )
+            base_ref = f"{ref}, the same loads"
+        out += [
+            result(f"peak, {label}: {k}", got[k], PEAK_UNITS[k], base_ref, base[k]) for k in keys
+        ]
     return out, figures
 
 
