@@ -32,9 +32,13 @@ or keeps it from being evicted or drained; a draining replica takes none.
 
 What the seam needs of the gateway is the online requests in flight on a
 replica (``online(model, replica_id)``); how long ago one was last used is the
-directory's (``ModelDirectory.idle_for``). It sends with an aiohttp
-client of its own (made on first use, in the running loop), not the gateway's
-request path, so that that path can change under it.
+directory's (``ModelDirectory.idle_for``). It sends with an engine client of
+its own: an :class:`~llmgw_slurm.router.engine.EnginePool` (the gateway's strict
+HTTP/1.1 to engines, with connections of its own), not the gateway's request
+path, so that that path can change under it. Not aiohttp's client: on vLLM's
+CPU build a ride's requests through it cost the engine's two cores enough that
+a ride took 1.15 times the GPU-seconds of the same requests online
+(bench/batch.py).
 """
 
 from __future__ import annotations
@@ -46,9 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from llmgw_slurm.router.directory import Endpoint, ModelDirectory
+from llmgw_slurm.router.engine import EngineBroken, EnginePool, EngineUnreachable
 
 __all__ = [
     "BatchSeam",
@@ -113,16 +116,17 @@ class BatchSeam:
         online: Callable[[str, str], int],
         capacity: Callable[[str], int],
         shares: SlotShares,
-        timeout: aiohttp.ClientTimeout,
+        pool: EnginePool,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory = directory
         self.online = online
         self.capacity = capacity
         self.shares = shares
-        self.timeout = timeout
+        # Connections kept per engine; no limit: the engines' queues are where
+        # requests wait, and the slots bound how many a ride sends.
+        self.pool = pool
         self.clock = clock
-        self._session: aiohttp.ClientSession | None = None
         self._batch: dict[tuple[str, str], int] = {}
         # Per replica, the slots being sent now, oldest first.
         self._sending: dict[tuple[str, str], list[BatchSlot]] = {}
@@ -228,28 +232,19 @@ class BatchSeam:
             "Content-Type": "application/json",
             "Accept-Encoding": "identity",
         }
-        if self._session is None or self._session.closed:
-            # Connections kept per engine; no limit: the engines' queues are where
-            # requests wait, and the slots bound how many a ride sends.
-            self._session = aiohttp.ClientSession(
-                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0)
-            )
-        url = ep.base_url.rstrip("/") + path
         key = (t.model, ep.replica_id)
         t.task = asyncio.current_task()
         self._sending.setdefault(key, []).append(t)
         try:
-            async with self._session.post(
-                url, data=body, headers=headers, ssl=ep.ssl if ep.ssl is not None else True
-            ) as resp:
-                status, request_id = resp.status, resp.headers.get("X-Request-Id", "")
-                data = await resp.read()
+            # A cancel closes the connection (the pool does not keep it): the engine
+            # sees its client go and drops the request.
+            got = await self.pool.fetch(ep.base_url, ep.ssl, "POST", path, headers, body)
         except asyncio.CancelledError:
             # Ours (online_started) unless someone else cancelled the task as well.
             if t.called_back and t.task is not None and t.task.uncancel() == 0:
                 raise BatchYielded(f"replica {ep.replica_id}: called back") from None
             raise
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+        except (EngineUnreachable, EngineBroken) as e:
             now = self.clock()
             if len(self._unreachable) > 256:
                 # Replicas come and go: forget those passed over long ago.
@@ -261,9 +256,8 @@ class BatchSeam:
         finally:
             self._stop_sending(key, t)
             self._release(t)
-        return SeamAnswer(status, data, request_id, ep.replica_id)
+        request_id = got.headers.get("X-Request-Id", "")
+        return SeamAnswer(got.status, got.body, request_id, ep.replica_id)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self.pool.close()

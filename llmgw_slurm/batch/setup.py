@@ -6,7 +6,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 
 from llmgw_slurm.accounting.usage import UsageRecord, UsageSink
@@ -21,6 +20,7 @@ from llmgw_slurm.config import ServerConfig
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.reconciler.reports import ReportVerifier
 from llmgw_slurm.router.directory import ModelDirectory
+from llmgw_slurm.router.engine import EnginePool
 from llmgw_slurm.router.gateway import GATEWAY_KEY
 from llmgw_slurm.slurm.types import SlurmBackend
 
@@ -116,9 +116,7 @@ def seam(
             idle=server.batch.warm_idle_share,
             idle_after=server.batch.warm_idle_after,
         ),
-        aiohttp.ClientTimeout(
-            sock_connect=server.router.connect_timeout, sock_read=server.router.read_timeout
-        ),
+        EnginePool(server.router.connect_timeout, server.router.read_timeout),
     )
     # An online request that begins on a replica calls back its batch requests
     # beyond the busy share.

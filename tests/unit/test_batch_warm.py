@@ -55,6 +55,7 @@ from llmgw_slurm.reconciler.replicas import Replica, ReplicaTable
 from llmgw_slurm.reconciler.spans import ReconcileTracing
 from llmgw_slurm.router import GATEWAY_KEY, create_app
 from llmgw_slurm.router.directory import Endpoint, ModelInfo, StaticDirectory
+from llmgw_slurm.router.engine import EnginePool
 from llmgw_slurm.testing.engine import EngineOptions, create_engine_app
 from tests.ports import free_port
 from tests.unit._router_support import serve
@@ -124,7 +125,7 @@ def seam_over(
         lambda m, r: counts.get((m, r), 0),
         lambda m: capacity,
         SlotShares(busy=share, idle=idle_share, idle_after=idle_after),
-        aiohttp.ClientTimeout(sock_connect=5.0, sock_read=30.0),
+        EnginePool(5.0, 30.0),
         clock=clock if clock is not None else time.monotonic,
     )
     _OPEN.append(seam)
