@@ -858,6 +858,47 @@ async def test_two_models_that_fit_one_at_a_time_do_not_evict_each_other_in_turn
     assert [s.comment.split()[1] for s in fake.submitted] == ["model=a", "model=b", "model=a"]
 
 
+async def test_with_fair_share_a_replica_its_users_left_goes_once_the_other_waited(
+    tmp_path: Path,
+) -> None:
+    # The same start as above, fair share on: a, idle inside its eviction grace, is
+    # drained for b once b has waited max_wait (2 min) and a has had its turn (its
+    # 10-minute minimum lifetime), 2 minutes before eviction could take it.
+    rec, _, clock = on_demand_world(tmp_path)
+    t0 = clock.t
+
+    async def pass_at(t: float, *wanted: str) -> list[tuple[str, str]]:
+        clock.t = t0 + t
+        for m in wanted:
+            rec.want(m)
+        return [(a.kind.value, a.model) for a in await rec.pass_once()]
+
+    async with contextlib.AsyncExitStack() as stack:
+        assert await pass_at(0, "a") == [("submit", "a")]
+        assert await pass_at(10) == []
+        clock.t = t0 + 1 * MIN
+        (a,) = rec.replicas
+        await agent_reports(rec, stack, a)
+        served(rec, "a")
+        clock.t = t0 + 9 * MIN
+        served(rec, "a")
+        assert await pass_at(10 * MIN, "b") == [("submit", "b")]
+        # Not yet: b has waited 1 min; the note says when a may go.
+        assert await pass_at(11 * MIN) == []
+        assert rec.notes["b"].endswith(
+            f"fair share: a {a} may be drained for b in 1m00s, if b still waits then "
+            "(max_wait 2m00s)"
+        )
+        assert await pass_at(12 * MIN) == [("drain", "a")]
+        (drain,) = [d for d in rec.decisions if d.model == "a" and d.replica_id == a][-1:]
+        assert drain.reason == (
+            "fair share: making room for b (waiting 2m00s, max_wait 2m00s); held 4 GPU(s) "
+            "11m00s, past its 10m00s turn, unused for 3m00s"
+        )
+        assert rec.notes["a"] == f"{a} draining: {drain.reason}"
+    await rec.close()
+
+
 async def test_after_a_restart_nothing_is_evictable_until_a_use_is_reported(
     tmp_path: Path,
 ) -> None:
