@@ -12,6 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -737,6 +738,20 @@ async def agent_reports(
     assert r.state() is ReplicaState.READY
 
 
+def passes(rec: Reconciler, clock: Clock) -> Callable[..., Awaitable[list[tuple[str, str]]]]:
+    """``pass_at(t, *wanted)``: a pass ``t`` seconds after now (the clock's time when
+    made), after a request for each of ``wanted``; its actions' (kind, model)."""
+    t0 = clock.t
+
+    async def pass_at(t: float, *wanted: str) -> list[tuple[str, str]]:
+        clock.t = t0 + t
+        for m in wanted:
+            rec.want(m)
+        return [(x.kind.value, x.model) for x in await rec.pass_once()]
+
+    return pass_at
+
+
 def served(rec: Reconciler, model: str) -> str:
     """One request served by the model's ready replica, reported as the gateway does."""
     (ep,) = rec.endpoints(model)
@@ -866,12 +881,7 @@ async def test_with_fair_share_a_replica_its_users_left_goes_once_the_other_wait
     # 10-minute minimum lifetime), 2 minutes before eviction could take it.
     rec, _, clock = on_demand_world(tmp_path)
     t0 = clock.t
-
-    async def pass_at(t: float, *wanted: str) -> list[tuple[str, str]]:
-        clock.t = t0 + t
-        for m in wanted:
-            rec.want(m)
-        return [(a.kind.value, a.model) for a in await rec.pass_once()]
+    pass_at = passes(rec, clock)
 
     async with contextlib.AsyncExitStack() as stack:
         assert await pass_at(0, "a") == [("submit", "a")]
@@ -985,12 +995,7 @@ async def test_after_a_restart_a_replica_in_use_while_a_model_waits_is_drained_f
     t0 = clock.t
     a, c = "0a0a0a0a", "0c0c0c0c"
     a_job, c_job = fake.running("a", a, 5 * MIN), fake.running("c", c, 5 * MIN)
-
-    async def pass_at(t: float, *wanted: str) -> list[tuple[str, str]]:
-        clock.t = t0 + t
-        for m in wanted:
-            rec.want(m)
-        return [(x.kind.value, x.model) for x in await rec.pass_once()]
+    pass_at = passes(rec, clock)
 
     async with contextlib.AsyncExitStack() as stack:
         assert await pass_at(0, "b") == [("submit", "b")]
