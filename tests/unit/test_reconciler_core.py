@@ -760,6 +760,26 @@ def served(rec: Reconciler, model: str) -> str:
     return ep.replica_id
 
 
+async def a_used_until_9_min(
+    rec: Reconciler,
+    stack: contextlib.AsyncExitStack,
+    clock: Clock,
+    pass_at: Callable[..., Awaitable[list[tuple[str, str]]]],
+) -> str:
+    """a comes up for a request (ready at 1 min) and serves it; it is last used at 9
+    min (from ``pass_at``'s start). Its replica id."""
+    t0 = clock.t
+    assert await pass_at(0, "a") == [("submit", "a")]
+    assert await pass_at(10) == []
+    clock.t = t0 + 1 * MIN
+    (a,) = rec.replicas
+    await agent_reports(rec, stack, a)
+    served(rec, "a")
+    clock.t = t0 + 9 * MIN
+    served(rec, "a")
+    return a
+
+
 async def test_two_models_that_fit_one_at_a_time_do_not_evict_each_other_in_turn(
     tmp_path: Path,
 ) -> None:
@@ -778,16 +798,8 @@ async def test_two_models_that_fit_one_at_a_time_do_not_evict_each_other_in_turn
         return actions
 
     async with contextlib.AsyncExitStack() as stack:
-        # a comes up for a request and serves it; it is last used 9 min after.
-        assert await pass_at(0, "a") == [("submit", "a")]
-        assert await pass_at(10) == []
-        clock.t = t0 + 1 * MIN
-        (a,) = rec.replicas
-        await agent_reports(rec, stack, a)
+        a = await a_used_until_9_min(rec, stack, clock, pass_at)
         assert rec.replicas[a].ready_at == t0 + 1 * MIN
-        served(rec, "a")
-        clock.t = t0 + 9 * MIN
-        served(rec, "a")
 
         # A request for b, 1 min after a's last use, 9 min after it became ready:
         # b is queued, a is not evicted, and the placement says why.
@@ -880,18 +892,10 @@ async def test_with_fair_share_a_replica_its_users_left_goes_once_the_other_wait
     # drained for b once b has waited max_wait (2 min) and a has had its turn (its
     # 10-minute minimum lifetime), 2 minutes before eviction could take it.
     rec, _, clock = on_demand_world(tmp_path)
-    t0 = clock.t
     pass_at = passes(rec, clock)
 
     async with contextlib.AsyncExitStack() as stack:
-        assert await pass_at(0, "a") == [("submit", "a")]
-        assert await pass_at(10) == []
-        clock.t = t0 + 1 * MIN
-        (a,) = rec.replicas
-        await agent_reports(rec, stack, a)
-        served(rec, "a")
-        clock.t = t0 + 9 * MIN
-        served(rec, "a")
+        a = await a_used_until_9_min(rec, stack, clock, pass_at)
         assert await pass_at(10 * MIN, "b") == [("submit", "b")]
         # Not yet: b has waited 1 min; the note says when a may go.
         assert await pass_at(11 * MIN) == []
