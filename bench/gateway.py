@@ -12,7 +12,10 @@ worker: the gateway (as the daemon runs it), nginx as a plain reverse proxy
 (upstream keep-alive, buffering off: the near-zero-cost reference; Debian's
 nginx-light is installed if no nginx is found), LiteLLM's proxy (installed
 into .dev-cluster/bench-venv, not into the project's environment) and, with
-``--bare``, the least an aiohttp proxy can do (what the framework alone costs).
+``--bare``, the least an aiohttp proxy can do (what the framework alone costs)
+and, with ``--floor``, the least a proxy on the gateway's own stack can do
+(uvloop and httptools, ``bench/floor_proxy.py``: the floor under the
+gateway's CPU, what any Python proxy built this way spends before its work).
 
 The gateway reaches its engines as it does in production: over mutual TLS.
 Each engine runs twice, once plain and once serving TLS with a key pair from
@@ -632,6 +635,9 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=2.0, help="measured seconds per run")
     p.add_argument("--rounds", type=int, default=2, help="runs per target and case")
     p.add_argument("--bare", action="store_true", help="also a bare aiohttp proxy")
+    p.add_argument("--floor", action="store_true",
+                   help="also the floor: the least a proxy on the gateway's own stack "
+                   "(uvloop, httptools) does (bench/floor_proxy.py)")
     p.add_argument("--no-nginx", action="store_true")
     p.add_argument("--no-litellm", action="store_true")
     p.add_argument("--no-install", action="store_true", help="use nginx/LiteLLM only if present")
@@ -835,6 +841,17 @@ def main() -> int:
                     server_pid[("aiohttp-bare", name)] = bare.pid
                     waits.append((f"http://127.0.0.1:{b_port}/health", bare, None))
                     targets["aiohttp-bare"][name] = f"http://127.0.0.1:{b_port}/v1/chat/completions"
+
+            if args.floor:
+                targets["floor"] = {}
+                for name, url in engines.items():
+                    f_port = free_port()
+                    cmd = [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), str(f_port),
+                           url, ENGINE_KEY]  # fmt: skip
+                    floor = start(cmd, proxy_cpus)
+                    server_pid[("floor", name)] = floor.pid
+                    waits.append((f"http://127.0.0.1:{f_port}/health", floor, None))
+                    targets["floor"][name] = f"http://127.0.0.1:{f_port}/v1/chat/completions"
 
             if nginx is not None:
                 servers, urls = [], {}
@@ -1068,11 +1085,19 @@ def report(
         for mode in MODES:
             g = measured.get((target, "instant", mode, 64))
             n = measured.get(("nginx", "instant", mode, 64))
-            if target.startswith("gateway") and g is not None and n is not None:
+            if target.startswith(("gateway", "floor")) and g is not None and n is not None:
                 results.append(result(f"{target}.instant.{mode}.c64.cpu_vs_nginx", g["cpu_us"],
                                       "us/request", f"nginx.instant.{mode}.c64.cpu", n["cpu_us"]))
+            f = measured.get(("floor", "instant", mode, 64))
+            if target.startswith("gateway") and g is not None and f is not None:
+                print(f"CPU {'a request' if mode == 'plain' else 'a stream'} (instant, 64): "
+                      f"{target} {g['cpu_us'] / f['cpu_us']:.2f}x the floor's"
+                      + (f", the floor {f['cpu_us'] / n['cpu_us']:.2f}x nginx's" if n else ""))
+                results.append(result(f"{target}.instant.{mode}.c64.cpu_vs_floor", g["cpu_us"],
+                                      "us/request", f"floor.instant.{mode}.c64.cpu", f["cpu_us"]))
     # A run against another commit is the whole comparison (docs/performance.md quotes it).
     name = "gateway_keyed" if "gateway-keyed" in targets else "gateway"
+    name = "gateway_floor" if "floor" in targets else name
     path = write(
         "gateway" if any("@" in t and "@py" not in t for t in targets) else name,
         results,

@@ -7,10 +7,12 @@ The instructions a process executes for a fixed number of requests do not: a
 rerun on a busy machine gives the same figure within a percent. This counts
 them with valgrind's callgrind for each server in front of the instant test
 engine (plain HTTP, the 50 tokens at once): this tree's gateway, the gateway
-at ``--against COMMIT`` (a git worktree), and nginx as a reverse proxy (one
-process, ``master_process off``). Each server: 300 requests to warm it, the
-counters zeroed (``callgrind_control -z``), then N requests, 16 at once, and
-the counters dumped; instructions / N, whole answers and streams.
+at ``--against COMMIT`` (a git worktree), the floor (``bench/floor_proxy.py``:
+the least a proxy on the gateway's stack, uvloop and httptools, does) and
+nginx as a reverse proxy (one process, ``master_process off``). Each server:
+300 requests to warm it, the counters zeroed (``callgrind_control -z``), then
+N requests, 16 at once, and the counters dumped; instructions / N, whole
+answers and streams.
 
 User space only: the kernel's part of a request (its reads, writes and
 polls), which is most of nginx's CPU, is not counted, so the ratio to nginx
@@ -128,7 +130,7 @@ def main() -> int:
         try:
             wait_http(f"http://127.0.0.1:{e_port}/health", engine)
             spec = gateway_spec({"instant": f"http://127.0.0.1:{e_port}"}, None)
-            names = ["gateway", f"gateway@{args.against}"] + (["nginx"] if nginx else [])
+            names = ["gateway", f"gateway@{args.against}", "floor"] + (["nginx"] if nginx else [])
             per: dict[tuple[str, str], float] = {}
             for name in names:
                 port = free_port()
@@ -139,6 +141,10 @@ def main() -> int:
                                                   key=ENGINE_KEY)  # fmt: skip
                     conf.write_text(_NGINX_HTTP.format(dir=tmp, servers=server))
                     argv = [nginx, "-c", str(conf), "-g", "daemon off; master_process off;"]
+                    env = None
+                elif name == "floor":
+                    argv = [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), str(port),
+                            f"http://127.0.0.1:{e_port}", ENGINE_KEY]  # fmt: skip
                     env = None
                 else:
                     tree = ROOT if name == "gateway" else other
@@ -160,6 +166,10 @@ def main() -> int:
                               "instructions/request", f"{theirs}.{mode}.instructions",
                               per[(theirs, mode)]))  # fmt: skip
         for name in ("gateway", theirs):
+            results.append(result(f"{name}.{mode}.instructions_vs_floor", per[(name, mode)],
+                                  "instructions/request", f"floor.{mode}.instructions",
+                                  per[("floor", mode)]))  # fmt: skip
+        for name in ("gateway", theirs, "floor"):
             if ("nginx", mode) in per:
                 results.append(result(f"{name}.{mode}.instructions_vs_nginx", per[(name, mode)],
                                       "instructions/request", f"nginx.{mode}.instructions",
