@@ -46,9 +46,8 @@ def test_history_is_the_change_per_minute_and_forgets_models_that_left() -> None
     h = History(m, lambda: dict(reps), step=60, points=3, clock=clock)
     h.sample()
     for _ in range(30):
-        m.requests.labels("alpha", "200").inc()
-        m.ttfb.labels("alpha").observe(0.2)
-    m.tokens.labels("alpha", "completion").inc(600)
+        m.answered("alpha", 200, 0.5, 0.2)
+    m.counted("alpha", 0, 600)
     m.held.labels("beta").set(4)
     clock.t += 60
     h.sample()
