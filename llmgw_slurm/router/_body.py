@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 __all__ = ["top_level_spans", "with_fields"]
@@ -48,22 +49,43 @@ def top_level_spans(text: str) -> tuple[dict[str, tuple[int, int]], int]:
         i = _skip(text, i + 1)  # past the ','
 
 
-def with_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
-    """``raw`` (a JSON object) with the given top-level fields set, all else unchanged."""
+def with_fields(raw: bytes, fields: dict[str, Any], keys: AbstractSet[str] | None = None) -> bytes:
+    """``raw`` (a JSON object) with the given top-level fields set, all else unchanged.
+
+    ``keys``: the object's top-level keys, when the caller has parsed it. Fields
+    none of them names (a stream's ``stream_options``, most often) are added
+    before the closing brace, without finding each value's span: that walk
+    decodes every value again, the whole conversation, on every stream."""
+    if keys is not None and keys.isdisjoint(fields):
+        return _added_at_end(raw, fields, bool(keys))
     text = raw.decode("utf-8")
     spans, close = top_level_spans(text)
     edits: list[tuple[int, int, str]] = []
-    added: list[str] = []
+    added: dict[str, Any] = {}
     for name, value in fields.items():
-        encoded = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
         if name in spans:
             start, end = spans[name]
-            edits.append((start, end, encoded))
+            edits.append((start, end, _encoded(value)))
         else:
-            added.append(f"{json.dumps(name)}:{encoded}")
+            added[name] = value
     if added:
         sep = "," if spans else ""
-        edits.append((close, close, sep + ",".join(added)))
+        edits.append((close, close, sep + _members(added)))
     for start, end, new in sorted(edits, reverse=True):
         text = text[:start] + new + text[end:]
     return text.encode("utf-8")
+
+
+def _added_at_end(raw: bytes, fields: dict[str, Any], others: bool) -> bytes:
+    # The object's "}" is its last byte but whitespace: json.loads took it whole.
+    close = len(raw.rstrip(b" \t\n\r")) - 1
+    added = ("," if others else "") + _members(fields)
+    return raw[:close] + added.encode("utf-8") + raw[close:]
+
+
+def _members(fields: dict[str, Any]) -> str:
+    return ",".join(f"{json.dumps(name)}:{_encoded(value)}" for name, value in fields.items())
+
+
+def _encoded(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

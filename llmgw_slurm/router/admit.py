@@ -227,4 +227,4 @@ def _upstream_body(
         if so is None or (isinstance(so, dict) and so.get("include_usage") is not True):
             fields["stream_options"] = {**(so or {}), "include_usage": True}
             strip = True
-    return (with_fields(raw, fields) if fields else raw), stream is True, strip
+    return (with_fields(raw, fields, obj.keys()) if fields else raw), stream is True, strip

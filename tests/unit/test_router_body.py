@@ -41,7 +41,10 @@ def _spaced(obj: dict[str, Any], rnd: random.Random) -> str:
 )
 def test_only_the_named_fields_change(obj: dict[str, Any], new_model: str, seed: int) -> None:
     raw = _spaced(obj, random.Random(seed)).encode()
-    out = with_fields(raw, {"model": new_model, "stream_options": {"include_usage": True}})
+    fields = {"model": new_model, "stream_options": {"include_usage": True}}
+    out = with_fields(raw, fields)
+    # Told the object's keys, it gives the same bytes (by either way).
+    assert with_fields(raw, fields, obj.keys()) == out
     assert json.loads(out) == {
         **obj,
         "model": new_model,
@@ -64,3 +67,15 @@ def test_numbers_and_nested_models_are_not_touched() -> None:
 
 def test_empty_object_gets_fields() -> None:
     assert json.loads(with_fields(b" {\n} ", {"model": "m"})) == {"model": "m"}
+
+
+@given(obj=st.dictionaries(st.text(max_size=6), _json, max_size=5), seed=st.integers(0, 1000))
+def test_a_field_the_object_lacks_is_added_at_its_end(obj: dict[str, Any], seed: int) -> None:
+    fields = {"stream_options": {"include_usage": True}, "é": [1, "ü"]}
+    obj = {k: v for k, v in obj.items() if k not in fields}
+    raw = _spaced(obj, random.Random(seed)).encode() + b" \n"[: seed % 3]
+    out = with_fields(raw, fields, obj.keys())
+    assert out == with_fields(raw, fields)  # the walk over every value's span adds them there too
+    assert json.loads(out) == {**obj, **fields}
+    end = len(raw.rstrip()) - 1
+    assert out.startswith(raw[:end]) and out.endswith(raw[end:])
