@@ -156,8 +156,8 @@ class _Timings(Collector):
         for key, counts in self._counts.items():
             cumulative = itertools.accumulate(counts[:-1])
             family.add_metric(key, list(zip(self._les, cumulative, strict=True)), counts[-1])
-            family.samples.append(Sample(f"{self._name}_created", dict(zip(self._labels, key,
-                                         strict=True)), self._created[key]))
+            labels = dict(zip(self._labels, key, strict=True))
+            family.samples.append(Sample(f"{self._name}_created", labels, self._created[key]))
         yield family
 
 
