@@ -8,6 +8,10 @@ keys, no checks, no JSON, no accounting, no metrics, no timers, no failover,
 no flow control: what any Python proxy built this way spends before it does
 any of a gateway's work, to set the gateway's CPU and nginx's against.
 
+A floor for whole answers; for streams, a little above one: each event is
+written as llhttp hands it over, where the gateway writes a read's events
+as one (``engine.Conn._deliver``).
+
 Not a server to run: it trusts its clients and its engine, and a malformed
 message ends the connection without an answer.
 
