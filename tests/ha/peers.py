@@ -219,7 +219,8 @@ class Peers:
             subprocess.run(["scancel", *ids], check=False)
 
     async def leader(self, timeout: float = 60.0) -> Peer:
-        """The one peer that leads, once one does (and says so in status)."""
+        """The one peer that leads, once one does (and says so in status) and every
+        peer running answers (a test goes on to use the others too)."""
 
         async def probe() -> Peer | None:
             leading = []
@@ -227,7 +228,9 @@ class Peers:
                 if p.proc is None or p.proc.poll() is not None:
                     continue
                 c = await p.cluster()
-                if c and c.get("leading"):
+                if c is None:
+                    return None
+                if c.get("leading"):
                     leading.append(p)
             return leading[0] if len(leading) == 1 else None
 
