@@ -158,7 +158,18 @@ class OtherGateways(Protocol):
         ...
 
     def held(self, kind: str, name: str) -> int:
-        """Tokens the other gateways' requests in flight hold for ``kind`` ``name``."""
+        """Tokens the other gateways' requests in flight hold for ``kind`` ``name``
+        (with what they may let in without asking: their allowances)."""
+        ...
+
+    def covers(self, kind: str, name: str) -> bool:
+        """Whether the others were told of room for what this gateway holds for
+        ``kind`` ``name`` now."""
+        ...
+
+    async def agree(self, budgets: list[tuple[str, str, str, float, int]]) -> bool | None:
+        """Room asked for on ``budgets`` ((kind, name, span, start, limit)): True
+        (agreed), False (none), None (no word: go on what was last read)."""
         ...
 
 
@@ -550,6 +561,31 @@ class QuotaBook:
                 used = period.at(now)
                 used[name] = used.get(name, 0) + tokens
 
+    def agreed(self, res: Reservation) -> bool:
+        """Whether ``res`` is within what the other gateways were told this one may
+        hold (always, without them); when not, :meth:`agree` asks them."""
+        others = self.others
+        if others is None or not res.tokens:
+            return True
+        return all(others.covers(*rule.whose) for rule in self._rules(res.who))
+
+    async def agree(self, res: Reservation, ask: Ask) -> Reservation | Refusal:
+        """``res`` once the other gateways agree there is room for it (a request near
+        its budget's end: llmgw_slurm/db/quota.py), or released and refused."""
+        assert self.others is not None
+        now = self._clock()
+        budgets = []
+        for rule in self._rules(res.who):
+            rule.period.at(now)  # a new day or month starts here
+            budgets.append((*rule.whose, rule.period.span, rule.period.start, rule.limit))
+        if await self.others.agree(budgets) is not False:
+            return res
+        res.release()
+        self._uncount(res)
+        limits = self._token_limits(res.who, self._clock(), 0, False)
+        over = [t for t in limits if t.remaining == 0 or ask.tokens > t.remaining] or limits
+        return _refusal(res.who, ask, over, self.headers(res.who))
+
     def headers(self, who: Payer) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers for ``who`` as things stand (the budgets
         file as :meth:`reserve` last read it: one stat a request is enough)."""
@@ -559,6 +595,14 @@ class QuotaBook:
         return _headers(self._request_limit(reqs, now), _least_left(limits))
 
     # ---- the counts -----------------------------------------------------------------
+
+    def _uncount(self, res: Reservation) -> None:
+        """A request let in, then refused: not one of its key's requests this minute."""
+        if not res.per_minute:
+            return
+        m, reqs, toks = self._minute.get(res.who.key_id, (-1, 0, 0))
+        if m == int(self._clock() // 60) and reqs > 0:
+            self._minute[res.who.key_id] = (m, reqs - 1, toks)
 
     def _unhold(self, holds: tuple[tuple[str, str], ...], tokens: int) -> None:
         for h in holds:
@@ -627,6 +671,16 @@ class QuotaBook:
         """What this gateway's requests in flight hold per user and account (shared with
         the other gateways on one database)."""
         return {h: n for h, n in self._held.items() if h[0] != "key"}
+
+    def holding_of(self, kind: str, name: str) -> int:
+        """What this gateway's requests in flight hold for one user or account."""
+        return self._held.get((kind, name), 0)
+
+    def spent_of(self, kind: str, name: str, span: str) -> tuple[float, int]:
+        """The start of the current ``span`` and what ``kind`` ``name`` spent in it."""
+        period = self._periods[(kind, span)]
+        used = period.at(self._clock()).get(name, 0)
+        return period.start, used
 
     def spent_in(self, kind: str, span: str) -> tuple[float, dict[str, int]]:
         """The start of the current ``span`` and what ``kind`` names spent through this

@@ -263,7 +263,7 @@ class BatchService:
             batch = transition(batch, BatchStatus.FAILED, now, errors=tuple(checked))
             self.store.save(batch)
             return batch
-        refused = self._reserve(batch, checked)
+        refused = await self._reserve(batch, checked)
         if refused is not None:
             batch = transition(batch, BatchStatus.FAILED, now, errors=(refused,))
             self.store.save(batch)
@@ -284,12 +284,15 @@ class BatchService:
             return batch
         return await self._start(batch)
 
-    def _reserve(self, batch: BatchRecord, checked: Checked) -> BatchError | None:
-        """Hold what the batch may spend on its creator's budgets; or the error
-        that fails it, naming the budget it does not fit."""
+    async def _reserve(self, batch: BatchRecord, checked: Checked) -> BatchError | None:
+        """Hold what the batch may spend on its creator's budgets (agreed with the
+        other gateways when near a budget's end); or the error that fails it,
+        naming the budget it does not fit."""
         if self.quota is None or not (batch.key_id or batch.owner):
             return None
         got = self.quota.reserve(_Payer.of(batch), checked.ask, per_minute=False)
+        if not isinstance(got, Refusal) and not self.quota.agreed(got):
+            got = await self.quota.agree(got, checked.ask)
         if isinstance(got, Refusal):
             return BatchError(
                 "insufficient_quota",

@@ -14,13 +14,28 @@ figures (:class:`SharedQuota`, its ``others``):
   written by each gateway when it changes, at most every ``every`` seconds.
 
 Both are read on every ``spend``/``holds`` notification and every ``every``
-seconds. The bound this gives, stated in docs/operations.md and measured by
-the ha level: a budget is over-spent by at most what the other gateways let
-in for the same user or account before they heard of the spend and holds
-that used it up, that is, within one round of this sync (a notification,
-then one read; ``every`` at worst), each such request counted at the most it
-may spend. Per-minute limits are counted by each gateway alone: behind G
-gateways a key may get up to G times its per-minute limit.
+seconds: what the book shows and refuses by. They are not what lets a
+request in, because a read is always a little old: two gateways that each
+saw room for one more request would both let theirs in. What lets a request
+in is an *allowance*: tokens this gateway told the others it may hold, under
+a lock of the user's (or account's) budget in the database, before holding
+them. Its held row in ``llmgw_holds`` is the larger of what its requests
+hold (with its unwritten spend) and its allowance, so the others count an
+allowance as if spent. A request whose user's allowance covers it is let in
+from memory; one it does not cover waits for :meth:`SharedQuota.agree`: one
+transaction that takes the lock, reads the spend and every live gateway's
+held row, and either refuses or raises the allowance by a share of the room
+left (the room divided among the live gateways, so near a budget's end the
+shares shrink and every request asks). Since each gateway's own requests
+stay within an allowance the others counted before it was used, the
+gateways together never let in more than the budget, however late a read
+or a notification: over-spent only by what answers use beyond their
+reservation (a prompt larger than its estimate). An allowance no request
+used for ``_IDLE`` seconds is given back. While the database cannot be
+reached, a request goes in on the figures last read (as with one gateway:
+requests keep working), and the bound holds again once it is back.
+Per-minute limits are counted by each gateway alone: behind G gateways a
+key may get up to G times its per-minute limit.
 
 Accounts' own budgets (``llmgw-admin quota``) are ``llmgw_budgets``, read the
 same way (:class:`SharedBudgets`).
@@ -34,7 +49,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 
@@ -47,6 +62,36 @@ __all__ = ["SharedBudgets", "SharedQuota", "set_budget"]
 log = logging.getLogger(__name__)
 
 _LIVE = 10.0  # seconds: a daemon's holds count while it was seen this recently
+_IDLE = 2.0  # seconds: an allowance no request used for this long is given back
+# Seconds a request waits for the database's word on its budget before it goes in
+# on the figures last read (a slow database slows no request by more).
+_WORD_WITHIN = 1.0
+# pg_advisory_xact_lock's first key for a budget's lock ("llmgw" "Q"); the second
+# is hashtext of its kind and name. One budget's agreements go one at a time.
+_BUDGET_LOCK = 0x6C6C6D51
+
+
+# One budget of a key, as the book asks about it: (kind, name, span, start, limit).
+Budget = tuple[str, str, str, float, int]
+
+
+class _Seen(NamedTuple):
+    """What an agreement read under its budgets' locks."""
+
+    spent: dict[tuple[str, str, str], int]  # (kind, name, period) -> tokens, all gateways
+    held: dict[tuple[str, str], int]  # the other live gateways' held rows
+    live: int  # gateways alive, this one among them
+
+    def room(self, key: tuple[str, str], mine: int, budgets: list[Budget]) -> int:
+        """What is left of ``key``'s tightest budget once everyone's counted (below
+        zero: this gateway's requests hold more than there is)."""
+        left = [
+            limit - self.spent.get((kind, name, _period(span, start)), 0)
+            - self.held.get(key, 0) - mine
+            for kind, name, span, start, limit in budgets
+            if (kind, name) == key
+        ]
+        return min(left)
 
 
 def _period(span: str, start: float) -> str:
@@ -70,6 +115,13 @@ class SharedQuota:
         self._held: dict[tuple[str, str], int] = {}
         self._sent: dict[tuple[str, str], int] = {}
         self._last_seq = 0
+        # (kind, name) -> [the most this gateway's in-flight figure may reach without
+        # asking again, when a request last used it (monotonic)].
+        self._allowed: dict[tuple[str, str], list[float]] = {}
+        # Writes of this gateway's held rows, one at a time: a push that read its
+        # figures before an agreement raised them must not write after it.
+        self._writing = asyncio.Lock()
+        self._warned_at = -60.0
 
     # ---- OtherGateways ----------------------------------------------------------------
 
@@ -85,6 +137,110 @@ class SharedQuota:
     def wrote(self, spend: Mapping[tuple[str, str, str], int]) -> None:
         """This gateway's usage store wrote ``spend``: in the table, and in the book already."""
         self._mine.update(spend)
+        # Written spend leaves the in-flight figure for the table: the allowance,
+        # a bound on that figure, shrinks with it (or the others count it twice).
+        day = _period("day", time.time())
+        for (kind, name, period), tokens in spend.items():
+            allowed = self._allowed.get((kind, name))
+            if allowed is not None and period == day:
+                allowed[0] -= tokens
+
+    # ---- allowances ---------------------------------------------------------------------
+
+    def covers(self, kind: str, name: str) -> bool:
+        """Whether this gateway's allowance for ``kind`` ``name`` covers what its
+        requests hold now (the one just held among them)."""
+        allowed = self._allowed.get((kind, name))
+        if allowed is None or self._in_flight_of(kind, name) > allowed[0]:
+            return False
+        allowed[1] = time.monotonic()
+        return True
+
+    async def agree(self, budgets: list[Budget]) -> bool | None:
+        """Ask the database for room for what this gateway's requests hold now, on
+        ``budgets`` (one key's): True (the allowances raised and told the others),
+        False (no room: the book refuses), None (the database did not answer: the
+        book lets the request in on the figures it last read)."""
+        if not self.hub.healthy(_WORD_WITHIN * 10):
+            return None  # known unreachable: no request waits to find it out again
+        try:
+            # The wait for a push under way counts too. Cut after the commit, the
+            # table says more than this gateway knows: safe, it only counts more.
+            async with asyncio.timeout(_WORD_WITHIN), self._writing:
+                room: bool = await self.hub.run_sql(lambda conn: self._agree(conn, budgets))
+        except DB_ERRORS as exc:
+            self._no_word(budgets, exc)
+            return None
+        return room
+
+    def _no_word(self, budgets: list[Budget], exc: BaseException) -> None:
+        # Once a minute at most: a slow database would otherwise log every request.
+        now = time.monotonic()
+        if now - self._warned_at < 60.0:
+            return
+        self._warned_at = now
+        names = ", ".join(sorted({f"{b[0]} {b[1]}" for b in budgets}))
+        log.warning("quota: no word from the database on %s within %g s; requests go in on "
+                    "the figures last read: %s", names, _WORD_WITHIN, exc or type(exc).__name__)
+
+    async def _agree(self, conn: psycopg.AsyncConnection[Any], budgets: list[Budget]) -> bool:
+        names = sorted({(kind, name) for kind, name, _, _, _ in budgets})
+        async with conn.transaction():
+            # In one order: two agreements on the same budgets never wait on each other.
+            for kind, name in names:
+                await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                                   (_BUDGET_LOCK, f"{kind} {name}"))
+            seen = await self._read_budgets(conn, budgets, names)
+            mine = {key: self._in_flight_of(*key) for key in names}
+            room = {key: seen.room(key, mine[key], budgets) for key in names}
+            if any(r < 0 for r in room.values()):
+                return False
+            now = time.monotonic()
+            rows = {key: mine[key] + room[key] // seen.live for key in names}
+            async with conn.cursor() as cur:
+                await cur.executemany(
+                    "INSERT INTO llmgw_holds (daemon, kind, name, tokens) VALUES (%s, %s, %s, %s)"
+                    " ON CONFLICT (daemon, kind, name) DO UPDATE SET tokens = EXCLUDED.tokens",
+                    [(self.hub.name, k, n, t) for (k, n), t in rows.items()],
+                )
+            await self.hub.notify(conn, "holds")
+        for key, tokens in rows.items():
+            self._allowed[key] = [tokens, now]
+            self._sent[key] = tokens
+        return True
+
+    async def _read_budgets(
+        self, conn: psycopg.AsyncConnection[Any], budgets: list[Budget],
+        names: list[tuple[str, str]],
+    ) -> _Seen:
+        """Under the budgets' locks: their spend, the other live gateways' held rows,
+        and how many gateways live; the figures the book shows are brought up to them."""
+        periods = sorted({(k, n, _period(span, start)) for k, n, span, start, _ in budgets})
+        cur = await conn.execute(
+            "SELECT kind, name, period, tokens FROM llmgw_spend WHERE (kind, name, period)"
+            " IN (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))",
+            tuple(list(column) for column in zip(*periods, strict=True)),
+        )
+        spent = {(k, n, p): int(t) for k, n, p, t in await cur.fetchall()}
+        cur = await conn.execute(
+            "SELECT kind, name, sum(tokens) FROM llmgw_holds WHERE daemon <> %s AND daemon IN"
+            " (SELECT name FROM llmgw_daemons WHERE last_seen > now() - make_interval(secs => %s))"
+            " AND (kind, name) IN (SELECT * FROM unnest(%s::text[], %s::text[]))"
+            " GROUP BY kind, name",
+            (self.hub.name, _LIVE, [k for k, _ in names], [n for _, n in names]),
+        )
+        held = {(k, n): int(t) for k, n, t in await cur.fetchall()}
+        cur = await conn.execute(
+            "SELECT count(*) FROM llmgw_daemons WHERE name <> %s AND stopped_at IS NULL"
+            " AND last_seen > now() - make_interval(secs => %s)",
+            (self.hub.name, _LIVE),
+        )
+        row = await cur.fetchone()
+        for period_key, tokens in spent.items():
+            self._spend[period_key] = max(self._spend.get(period_key, 0), tokens)
+        for key in names:
+            self._held[key] = held.get(key, 0)
+        return _Seen(spent, held, 1 + int(row[0] if row else 0))
 
     # ---- sync ---------------------------------------------------------------------------
 
@@ -118,6 +274,13 @@ class SharedQuota:
         self._spend = {k: v for k, v in self._spend.items() if k[2] in keep}
         self._mine = Counter({k: v for k, v in self._mine.items() if k[2] in keep})
 
+    def _in_flight_of(self, kind: str, name: str) -> int:
+        """:meth:`_in_flight` of one user or account (on a request's path: no copies)."""
+        assert self.book is not None
+        start, used = self.book.spent_of(kind, name, "day")
+        pending = used - self._mine.get((kind, name, _period("day", start)), 0)
+        return self.book.holding_of(kind, name) + max(0, pending)
+
     def _in_flight(self) -> dict[tuple[str, str], int]:
         """What the others must count of this gateway's beyond the table's spend: its
         requests' holds, and what it spent that its usage store has not written yet."""
@@ -132,11 +295,27 @@ class SharedQuota:
                     out[(kind, name)] = out.get((kind, name), 0) + pending
         return out
 
+    def _held_rows(self) -> dict[tuple[str, str], int]:
+        """What this gateway's held rows say: its in-flight figure, or its allowance
+        where that is more (an allowance idle for ``_IDLE`` seconds given back)."""
+        out = self._in_flight()
+        idle = time.monotonic() - _IDLE
+        for key, (allowed, used_at) in list(self._allowed.items()):
+            if used_at < idle:
+                del self._allowed[key]
+            elif allowed > out.get(key, 0):
+                out[key] = int(allowed)
+        return out
+
     async def push(self) -> None:
-        """This gateway's holds, where they changed since the last push."""
+        """This gateway's held rows, where they changed since the last push."""
         if self.book is None:
             return
-        now = self._in_flight()
+        async with self._writing:
+            await self._push()
+
+    async def _push(self) -> None:
+        now = self._held_rows()
         changed = {h: n for h, n in now.items() if self._sent.get(h) != n}
         gone = [h for h in self._sent if h not in now]
         if not changed and not gone:

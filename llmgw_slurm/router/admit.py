@@ -141,9 +141,14 @@ class Admission:
             return plan
         got = self.quota.reserve(plan.key, plan.ask)
         if isinstance(got, Refusal):
-            headers = {**got.headers, "Retry-After": str(got.retry_after)}
-            return error(429, got.message, got.type, got.code, headers)
+            return self.refused(got)
         return plan._replace(hold=got, limits=got.headers)
+
+    @staticmethod
+    def refused(got: Refusal) -> Reply:
+        """The quota's 429."""
+        headers = {**got.headers, "Retry-After": str(got.retry_after)}
+        return error(429, got.message, got.type, got.code, headers)
 
     def known_names(self, key: KeyRecord | None) -> str:
         parts = [m.name + (f" (aliases: {', '.join(m.aliases)})" if m.aliases else "")

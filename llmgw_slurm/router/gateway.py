@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from llmgw_slurm.accounting.quota import QuotaBook, add_quota_headers
+from llmgw_slurm.accounting.quota import QuotaBook, Refusal, add_quota_headers
 from llmgw_slurm.accounting.usage import UsageSink
 from llmgw_slurm.auth.access import AccessGuard
 from llmgw_slurm.auth.keys import REQUEST_KEY, KeyRecord, KeyRing, request_key
@@ -80,8 +80,9 @@ class Handling(Protocol):
     def client_resumed(self) -> None: ...
 
 
-class _Upload:
-    """An upload under way: its model field read first (a task), then its exchange."""
+class _Before:
+    """An answer waiting on a step before its exchange (an upload's model field, the
+    database's word on a budget near its end): a task, then its exchange."""
 
     def __init__(self) -> None:
         self.task: asyncio.Task[None] | None = None
@@ -184,16 +185,59 @@ class Gateway:
             return None
         tally.key = key
         if req.stream is not None:
-            upload = _Upload()
-            upload.task = asyncio.get_running_loop().create_task(
-                self._upload(req, tally, key, upload)
-            )
-            return upload
+            return self._before(req, tally, self._upload_plan(req, key))
         if req.too_large:
             self._refuse(req, tally, self._too_large(self.config.max_body_bytes, "body"))
             return None
         plan = self.admission.json(key, req.endpoint, bytes(req.body))
+        if isinstance(plan, Plan) and not self._agreed(plan):
+            return self._before(req, tally, self._word(plan, None))
         return self._go(req, tally, plan)
+
+    def _agreed(self, plan: Plan) -> bool:
+        """Whether the plan's tokens are within what this gateway may hold without
+        asking the others (always, on its own)."""
+        return plan.hold is None or self.quota is None or self.quota.agreed(plan.hold)
+
+    async def _word(
+        self, plan: Plan | Reply, upload: surface.Upload | None
+    ) -> tuple[Plan | Reply, surface.Upload | None]:
+        """The plan once the other gateways agree there is room for it, or its 429."""
+        if isinstance(plan, Reply) or self._agreed(plan):
+            return plan, upload
+        assert plan.hold is not None and self.quota is not None
+        try:
+            got = await self.quota.agree(plan.hold, plan.ask)
+        except BaseException:
+            plan.hold.release()  # the client left while the database was asked
+            raise
+        return (self.admission.refused(got) if isinstance(got, Refusal) else plan), upload
+
+    def _before(
+        self, req: Incoming, tally: Tally,
+        step: Coroutine[Any, Any, tuple[Plan | Reply, surface.Upload | None] | Reply],
+    ) -> _Before:
+        handling = _Before()
+        handling.task = asyncio.get_running_loop().create_task(
+            self._then_go(req, tally, step, handling)
+        )
+        return handling
+
+    async def _then_go(
+        self, req: Incoming, tally: Tally,
+        step: Coroutine[Any, Any, tuple[Plan | Reply, surface.Upload | None] | Reply],
+        handling: _Before,
+    ) -> None:
+        try:
+            got = await step
+        except asyncio.CancelledError:
+            tally.answered(499)
+            raise
+        plan, upload = (got, None) if isinstance(got, Reply) else got
+        if isinstance(plan, Reply):
+            self._refuse(req, tally, plan)
+            return
+        handling.exchange = self._go(req, tally, plan, upload)
 
     def _go(self, req: Incoming, tally: Tally, plan: Plan | Reply,
             upload: surface.Upload | None = None) -> Exchange | None:
@@ -220,24 +264,9 @@ class Gateway:
         return error(413, f"The request {what} is larger than {limit} bytes.",
                      "invalid_request_error", "request_too_large")
 
-    async def _upload(
-        self, req: Incoming, tally: Tally, key: KeyRecord | None, handling: _Upload
-    ) -> None:
-        """A multipart request: read up to its model field, then streamed to the engine."""
-        try:
-            got = await self._upload_plan(req, key)
-        except asyncio.CancelledError:
-            tally.answered(499)
-            raise
-        if isinstance(got, Reply):
-            self._refuse(req, tally, got)
-            return
-        plan, upload = got
-        handling.exchange = self._go(req, tally, plan, upload)
-
     async def _upload_plan(
         self, req: Incoming, key: KeyRecord | None
-    ) -> tuple[Plan | Reply, surface.Upload] | Reply:
+    ) -> tuple[Plan | Reply, surface.Upload | None] | Reply:
         assert req.stream is not None and req.endpoint is not None
         cfg, ctype = self.config, req.headers.get("content-type", "")
         boundary = surface.multipart_boundary(ctype)
@@ -257,7 +286,7 @@ class Gateway:
             return model
         head = field.head if field.model == model else field.with_model(model)
         upload = surface.Upload(head, req.stream, cfg.max_upload_bytes, cfg.body_timeout)
-        return self.admission.let_in(Plan(req.endpoint, model, key, head)), upload
+        return await self._word(self.admission.let_in(Plan(req.endpoint, model, key, head)), upload)
 
     # aiohttp's routes
 

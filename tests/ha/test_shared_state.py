@@ -3,8 +3,8 @@
 - a key made with ``llmgw-admin keys add`` works through both gateways at once,
   and one revoked is refused by both;
 - one user's day budget of N tokens, spent through both gateways at once: the
-  total is at most N plus the documented bound (each of the other gateway's
-  clients' one request, at its reservation), and the over-spend is printed.
+  total is at most N (each gateway lets in only what the other counted first,
+  llmgw_slurm/db/quota.py), and near it (what is left is printed).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from tests.slurm.harness import TINY_ENGINE, tiny_model
 
 pytestmark = [pytest.mark.ha]
 
-# 0.1 s a token: a request of 5 tokens takes about half a second, longer than a
-# round of the quota's sync, which is what the bound counts on.
+# 0.1 s a token: a request of 5 tokens takes about half a second, so that the
+# clients of both gateways have requests in flight at once near the budget's end.
 SLOW = tiny_model(
     "slow",
     engine={"kind": "command", "command": [*TINY_ENGINE, "--token-delay", "0.1"]},
@@ -106,16 +106,17 @@ async def test_keys_and_a_day_budget_hold_across_both_gateways(
 
         total = await written()
         assert total is not None
-        # A request's reservation: its prompt's estimate (a few tokens) and its max_tokens.
-        reservation = MAX_TOKENS + 4
-        bound = CLIENTS * reservation  # the other gateway's clients, one request each
-        over = total - BUDGET
+        # A request's reservation: its prompt's estimate (2 tokens) and its max_tokens;
+        # it spends less (the engine counts "hi" as 1 token), so nothing goes over.
+        reservation = MAX_TOKENS + 2
+        assert total <= BUDGET, f"spent {total} of {BUDGET} through both gateways"
+        # What stops the last clients: less left than one request may spend, with
+        # what the other gateway may still hold for its own.
         assert total >= BUDGET - 2 * CLIENTS * reservation, (total, spent_before)
-        assert over <= bound, f"spent {total} of {BUDGET}: over by {over}, bound {bound}"
         with capsys.disabled():
             print(
                 f"\nbudget {BUDGET} through 2 gateways x {CLIENTS} clients: spent {total} "
-                f"(over by {max(0, over)}; bound {bound}); requests per client {done}"
+                f"({BUDGET - total} left); requests per client {done}"
             )
 
         # Revoked on the command line: refused by both gateways.
