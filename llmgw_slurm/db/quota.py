@@ -75,6 +75,16 @@ _BUDGET_LOCK = 0x6C6C6D51
 Budget = tuple[str, str, str, float, int]
 
 
+class _Allowance:
+    """What a gateway may let in for one user or account without asking: its gross
+    for the ``day`` (held, and spent through it) up to ``gross``."""
+
+    __slots__ = ("day", "gross", "used_at")
+
+    def __init__(self, day: float, gross: int, used_at: float) -> None:
+        self.day, self.gross, self.used_at = day, gross, used_at
+
+
 class _Seen(NamedTuple):
     """What an agreement read under its budgets' locks."""
 
@@ -115,13 +125,13 @@ class SharedQuota:
         self._held: dict[tuple[str, str], int] = {}
         self._sent: dict[tuple[str, str], int] = {}
         self._last_seq = 0
-        # (kind, name) -> [the most this gateway's in-flight figure may reach without
-        # asking again, when a request last used it (monotonic)].
-        self._allowed: dict[tuple[str, str], list[float]] = {}
+        # (kind, name) -> what this gateway may let in without asking again.
+        self._allowed: dict[tuple[str, str], _Allowance] = {}
         # Writes of this gateway's held rows, one at a time: a push that read its
         # figures before an agreement raised them must not write after it.
         self._writing = asyncio.Lock()
         self._warned_at = -60.0
+        self._spend_written = asyncio.Event()
 
     # ---- OtherGateways ----------------------------------------------------------------
 
@@ -137,13 +147,7 @@ class SharedQuota:
     def wrote(self, spend: Mapping[tuple[str, str, str], int]) -> None:
         """This gateway's usage store wrote ``spend``: in the table, and in the book already."""
         self._mine.update(spend)
-        # Written spend leaves the in-flight figure for the table: the allowance,
-        # a bound on that figure, shrinks with it (or the others count it twice).
-        day = _period("day", time.time())
-        for (kind, name, period), tokens in spend.items():
-            allowed = self._allowed.get((kind, name))
-            if allowed is not None and period == day:
-                allowed[0] -= tokens
+        self._spend_written.set()
 
     # ---- allowances ---------------------------------------------------------------------
 
@@ -151,9 +155,12 @@ class SharedQuota:
         """Whether this gateway's allowance for ``kind`` ``name`` covers what its
         requests hold now (the one just held among them)."""
         allowed = self._allowed.get((kind, name))
-        if allowed is None or self._in_flight_of(kind, name) > allowed[0]:
+        if allowed is None:
             return False
-        allowed[1] = time.monotonic()
+        day, gross, _ = self._gross_of(kind, name)
+        if allowed.day != day or gross > allowed.gross:
+            return False
+        allowed.used_at = time.monotonic()
         return True
 
     async def agree(self, budgets: list[Budget]) -> bool | None:
@@ -191,12 +198,15 @@ class SharedQuota:
                 await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
                                    (_BUDGET_LOCK, f"{kind} {name}"))
             seen = await self._read_budgets(conn, budgets, names)
-            mine = {key: self._in_flight_of(*key) for key in names}
-            room = {key: seen.room(key, mine[key], budgets) for key in names}
+            mine = {key: self._gross_of(*key) for key in names}
+            room = {key: seen.room(key, gross - written, budgets)
+                    for key, (_, gross, written) in mine.items()}
             if any(r < 0 for r in room.values()):
                 return False
             now = time.monotonic()
-            rows = {key: mine[key] + room[key] // seen.live for key in names}
+            grant = {key: _Allowance(day, gross + room[key] // seen.live, now)
+                     for key, (day, gross, _) in mine.items()}
+            rows = {key: grant[key].gross - mine[key][2] for key in names}
             async with conn.cursor() as cur:
                 await cur.executemany(
                     "INSERT INTO llmgw_holds (daemon, kind, name, tokens) VALUES (%s, %s, %s, %s)"
@@ -204,9 +214,8 @@ class SharedQuota:
                     [(self.hub.name, k, n, t) for (k, n), t in rows.items()],
                 )
             await self.hub.notify(conn, "holds")
-        for key, tokens in rows.items():
-            self._allowed[key] = [tokens, now]
-            self._sent[key] = tokens
+        self._allowed.update(grant)
+        self._sent.update(rows)
         return True
 
     async def _read_budgets(
@@ -214,33 +223,46 @@ class SharedQuota:
         names: list[tuple[str, str]],
     ) -> _Seen:
         """Under the budgets' locks: their spend, the other live gateways' held rows,
-        and how many gateways live; the figures the book shows are brought up to them."""
+        and how many gateways live; the figures the book shows are brought up to them.
+
+        One statement, so one snapshot: a gateway writes its spend to the table
+        before it lowers its held row by it, and two reads could see the row
+        lowered but not the spend (counted nowhere). A transaction's snapshot
+        will not do either: it would be taken before the lock was granted."""
         periods = sorted({(k, n, _period(span, start)) for k, n, span, start, _ in budgets})
         cur = await conn.execute(
-            "SELECT kind, name, period, tokens FROM llmgw_spend WHERE (kind, name, period)"
-            " IN (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))",
-            tuple(list(column) for column in zip(*periods, strict=True)),
+            "SELECT 's', kind, name, period, tokens FROM llmgw_spend WHERE (kind, name, period)"
+            "  IN (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
+            " UNION ALL"
+            " SELECT 'h', kind, name, '', sum(tokens) FROM llmgw_holds WHERE daemon <> %s"
+            "  AND daemon IN (SELECT name FROM llmgw_daemons"
+            "   WHERE last_seen > now() - make_interval(secs => %s))"
+            "  AND (kind, name) IN (SELECT * FROM unnest(%s::text[], %s::text[]))"
+            "  GROUP BY kind, name"
+            " UNION ALL"
+            " SELECT 'n', '', '', '', count(*) FROM llmgw_daemons WHERE name <> %s"
+            "  AND stopped_at IS NULL AND last_seen > now() - make_interval(secs => %s)",
+            (
+                *(list(column) for column in zip(*periods, strict=True)),
+                self.hub.name, _LIVE, [k for k, _ in names], [n for _, n in names],
+                self.hub.name, _LIVE,
+            ),
         )
-        spent = {(k, n, p): int(t) for k, n, p, t in await cur.fetchall()}
-        cur = await conn.execute(
-            "SELECT kind, name, sum(tokens) FROM llmgw_holds WHERE daemon <> %s AND daemon IN"
-            " (SELECT name FROM llmgw_daemons WHERE last_seen > now() - make_interval(secs => %s))"
-            " AND (kind, name) IN (SELECT * FROM unnest(%s::text[], %s::text[]))"
-            " GROUP BY kind, name",
-            (self.hub.name, _LIVE, [k for k, _ in names], [n for _, n in names]),
-        )
-        held = {(k, n): int(t) for k, n, t in await cur.fetchall()}
-        cur = await conn.execute(
-            "SELECT count(*) FROM llmgw_daemons WHERE name <> %s AND stopped_at IS NULL"
-            " AND last_seen > now() - make_interval(secs => %s)",
-            (self.hub.name, _LIVE),
-        )
-        row = await cur.fetchone()
+        spent: dict[tuple[str, str, str], int] = {}
+        held: dict[tuple[str, str], int] = {}
+        live = 1
+        for what, kind, name, period, tokens in await cur.fetchall():
+            if what == "s":
+                spent[(kind, name, period)] = int(tokens)
+            elif what == "h":
+                held[(kind, name)] = int(tokens)
+            else:
+                live += int(tokens)
         for period_key, tokens in spent.items():
             self._spend[period_key] = max(self._spend.get(period_key, 0), tokens)
         for key in names:
             self._held[key] = held.get(key, 0)
-        return _Seen(spent, held, 1 + int(row[0] if row else 0))
+        return _Seen(spent, held, live)
 
     # ---- sync ---------------------------------------------------------------------------
 
@@ -274,12 +296,16 @@ class SharedQuota:
         self._spend = {k: v for k, v in self._spend.items() if k[2] in keep}
         self._mine = Counter({k: v for k, v in self._mine.items() if k[2] in keep})
 
-    def _in_flight_of(self, kind: str, name: str) -> int:
-        """:meth:`_in_flight` of one user or account (on a request's path: no copies)."""
+    def _gross_of(self, kind: str, name: str) -> tuple[float, int, int]:
+        """The day, what this gateway holds and spent in it for ``kind`` ``name``, and
+        how much of that spend its usage store wrote to the table. An allowance
+        bounds the gross, which a write does not change: a bound on what is not
+        written yet would have to shrink with each write, and one granted while a
+        write was under way would count that write twice."""
         assert self.book is not None
-        start, used = self.book.spent_of(kind, name, "day")
-        pending = used - self._mine.get((kind, name, _period("day", start)), 0)
-        return self.book.holding_of(kind, name) + max(0, pending)
+        day, used = self.book.spent_of(kind, name, "day")
+        written = self._mine.get((kind, name, _period("day", day)), 0)
+        return day, self.book.holding_of(kind, name) + max(used, written), written
 
     def _in_flight(self) -> dict[tuple[str, str], int]:
         """What the others must count of this gateway's beyond the table's spend: its
@@ -300,11 +326,12 @@ class SharedQuota:
         where that is more (an allowance idle for ``_IDLE`` seconds given back)."""
         out = self._in_flight()
         idle = time.monotonic() - _IDLE
-        for key, (allowed, used_at) in list(self._allowed.items()):
-            if used_at < idle:
+        for key, allowed in list(self._allowed.items()):
+            day, _, written = self._gross_of(*key)
+            if allowed.used_at < idle or allowed.day != day:
                 del self._allowed[key]
-            elif allowed > out.get(key, 0):
-                out[key] = int(allowed)
+            elif allowed.gross - written > out.get(key, 0):
+                out[key] = allowed.gross - written
         return out
 
     async def push(self) -> None:
@@ -342,8 +369,23 @@ class SharedQuota:
                 # The book goes on with what it knows; the next round tries again.
                 log.debug("quota: holds not shared: %s", exc)
                 self._sent = {}
+            # Until the next round, or at once when written spend left the held
+            # rows counting it twice (the table has it now): near a budget's end
+            # the others would refuse on that double count.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.every)
+                async with asyncio.timeout(self.every):
+                    await _first(stop, self._spend_written)
+            self._spend_written.clear()
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Until one of ``events`` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 class SharedBudgets:
