@@ -233,6 +233,12 @@ class Gateway:
         except asyncio.CancelledError:
             tally.answered(499)
             raise
+        except Exception:
+            # A bug in a step: the client gets its 500, the daemon goes on.
+            log.exception("the step before %s's exchange failed", req.path)
+            req.crashed()
+            tally.answered(500)
+            return
         plan, upload = (got, None) if isinstance(got, Reply) else got
         if isinstance(plan, Reply):
             self._refuse(req, tally, plan)

@@ -164,3 +164,31 @@ async def test_a_client_that_leaves_while_the_word_is_awaited_holds_nothing(
         await eventually(released, "the left request's tokens to be released")
         others.gate.set()
         await c.close()
+
+
+class Broken(Others):
+    """Other gateways whose question fails with a bug (not a database error)."""
+
+    async def agree(self, budgets: list[tuple[str, str, str, float, int]]) -> bool | None:
+        self.asked.append(budgets)
+        if len(self.asked) == 1:
+            raise RuntimeError("a bug in the question")
+        return True
+
+
+async def test_a_bug_while_asking_is_a_500_and_the_next_request_is_answered(
+    tmp_path: Path,
+) -> None:
+    async with gateway(tmp_path, Broken(True)) as (url, k, book):
+        # A time limit only so that a request never answered fails the test.
+        c = openai.AsyncOpenAI(api_key=k, base_url=url + "/v1", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError):
+            await c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+            )
+        assert book.holding() == {}
+        got = await c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+        )
+        assert got.choices[0].message.content
+        await c.close()
