@@ -506,7 +506,8 @@ class QuotaBook:
         req = self._request_limit(reqs, now) if per_minute else None
         limits = self._token_limits(who, now, toks, per_minute)
         tokens = ask.tokens
-        over = [t for t in limits if t.remaining == 0 or tokens > t.remaining]
+        over = [t for t in self._sure(limits, who, now, toks, per_minute)
+                if t.remaining == 0 or tokens > t.remaining]
         if req is not None and req.limit <= req.used:
             over.insert(0, req)
         if over:
@@ -522,6 +523,16 @@ class QuotaBook:
         # Itself counted, its tokens not yet: what its answer's headers tell.
         headers = _headers(req, _least_left(limits))
         return self.hold(who, tokens, per_minute=per_minute, headers=headers)
+
+    def _sure(
+        self, limits: list[_Limit], who: Payer, now: float, toks: int, per_minute: bool
+    ) -> list[_Limit]:
+        """The limits a refusal may rest on. With other gateways, their figures as
+        last read are old, and an allowance (or the database, asked) decides
+        whether theirs leave room (:meth:`agreed`): only this gateway's own count."""
+        if self.others is None:
+            return limits
+        return self._token_limits(who, now, toks, per_minute, others=False)
 
     def hold(
         self,
@@ -650,8 +661,11 @@ class QuotaBook:
         rpm = self.config.requests_per_minute
         return None if rpm is None else _limit(_MINUTE_REQUESTS, rpm, reqs, 60.0 - (now % 60))
 
-    def _token_limits(self, key: Payer, now: float, toks: int, per_minute: bool) -> list[_Limit]:
-        """Every token limit that applies to ``key`` now, with what is held against it."""
+    def _token_limits(
+        self, key: Payer, now: float, toks: int, per_minute: bool, others: bool = True
+    ) -> list[_Limit]:
+        """Every token limit that applies to ``key`` now, with what is held against it
+        (``others``: through the other gateways too, as last read)."""
         out = []
         tpm = self.config.tokens_per_minute
         if per_minute and tpm is not None:
@@ -660,7 +674,7 @@ class QuotaBook:
         for rule in self._rules(key):
             used = rule.period.at(now).get(rule.whose[1], 0)
             held = self._held.get(rule.whose, 0)
-            if self.others is not None:
+            if others and self.others is not None:
                 kind, name = rule.whose
                 used += self.others.used(kind, name, rule.period.span, rule.period.start)
                 held += self.others.held(kind, name)

@@ -197,16 +197,21 @@ class SharedQuota:
             for kind, name in names:
                 await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
                                    (_BUDGET_LOCK, f"{kind} {name}"))
+            # What this gateway wrote, taken before the read: a write that commits
+            # while the read is under way is then still in this gateway's figure if
+            # it is not in the table's (counted twice at worst, never nowhere). The
+            # gross is taken after: requests let in meanwhile are in it.
+            written = {key: self._gross_of(*key)[2] for key in names}
             seen = await self._read_budgets(conn, budgets, names)
-            mine = {key: self._gross_of(*key) for key in names}
-            room = {key: seen.room(key, gross - written, budgets)
-                    for key, (_, gross, written) in mine.items()}
+            mine = {key: self._gross_of(*key)[:2] for key in names}
+            room = {key: seen.room(key, gross - written[key], budgets)
+                    for key, (_, gross) in mine.items()}
             if any(r < 0 for r in room.values()):
                 return False
             now = time.monotonic()
             grant = {key: _Allowance(day, gross + room[key] // seen.live, now)
-                     for key, (day, gross, _) in mine.items()}
-            rows = {key: grant[key].gross - mine[key][2] for key in names}
+                     for key, (day, gross) in mine.items()}
+            rows = {key: grant[key].gross - written[key] for key in names}
             async with conn.cursor() as cur:
                 await cur.executemany(
                     "INSERT INTO llmgw_holds (daemon, kind, name, tokens) VALUES (%s, %s, %s, %s)"

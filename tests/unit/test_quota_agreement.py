@@ -72,6 +72,31 @@ def test_a_reservation_the_allowance_covers_needs_no_word() -> None:
     assert isinstance(free, Reservation) and plain.agreed(free)
 
 
+class Stale(Others):
+    """Other gateways whose figures, as last read, fill the budget: old news."""
+
+    def used(self, kind: str, name: str, span: str, start: float) -> int:
+        super().used(kind, name, span, start)
+        return BUDGET
+
+
+async def test_old_news_of_the_others_refuses_nothing_the_database_would_let_in() -> None:
+    others = Stale(True)
+    book = QuotaBook(QuotaConfig(user_tokens_per_day=BUDGET), others=others)
+    # The headers tell the budget as last read ...
+    assert book.headers(alice())["x-ratelimit-remaining-tokens"] == "0"
+    # ... but the allowance, or the database asked, decides: in.
+    got = book.reserve(alice(), Ask(10, 20))
+    assert isinstance(got, Reservation) and not book.agreed(got)
+    assert await book.agree(got, Ask(10, 20)) is got
+    # What this gateway alone spent is sure: over it, refused without asking.
+    book.spent(alice(), BUDGET - 40)
+    asked = len(others.asked)
+    no = book.reserve(alice(), Ask(10, 20))
+    assert isinstance(no, Refusal) and no.code == "insufficient_quota"
+    assert len(others.asked) == asked
+
+
 async def test_no_room_refuses_releases_and_does_not_count_the_request() -> None:
     others = Others(False)
     cfg = QuotaConfig(requests_per_minute=5, user_tokens_per_day=BUDGET)
