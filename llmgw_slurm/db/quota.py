@@ -368,6 +368,8 @@ class SharedQuota:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            # Cleared before the push: a write while it runs wakes the next at once.
+            self._spend_written.clear()
             try:
                 await self.push()
             except DB_ERRORS as exc:
@@ -380,7 +382,6 @@ class SharedQuota:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.every):
                     await _first(stop, self._spend_written)
-            self._spend_written.clear()
 
 
 async def _first(*events: asyncio.Event) -> None:
