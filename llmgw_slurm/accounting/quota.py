@@ -147,6 +147,11 @@ class Budgets(Protocol):
     def refresh(self) -> None: ...
 
 
+# One day or month budget of a key, as the book asks the other gateways about it:
+# (kind, name, span, the span's start, limit).
+Budget = tuple[str, str, str, float, int]
+
+
 class OtherGateways(Protocol):
     """What the other gateways on one database spent and hold (llmgw_slurm.db.quota):
     the book adds it to its own, so a day's budget is one budget whichever gateway
@@ -167,8 +172,8 @@ class OtherGateways(Protocol):
         ``kind`` ``name`` now."""
         ...
 
-    async def agree(self, budgets: list[tuple[str, str, str, float, int]]) -> bool | None:
-        """Room asked for on ``budgets`` ((kind, name, span, start, limit)): True
+    async def agree(self, budgets: list[Budget]) -> bool | None:
+        """Room asked for on ``budgets``: True
         (agreed), False (none), None (no word: go on what was last read)."""
         ...
 
@@ -585,7 +590,7 @@ class QuotaBook:
         its budget's end: llmgw_slurm/db/quota.py), or released and refused."""
         assert self.others is not None
         now = self._clock()
-        budgets = []
+        budgets: list[Budget] = []
         for rule in self._rules(res.who):
             rule.period.at(now)  # a new day or month starts here
             budgets.append((*rule.whose, rule.period.span, rule.period.start, rule.limit))

@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 
-from llmgw_slurm.accounting.quota import AccountBudget, QuotaBook
+from llmgw_slurm.accounting.quota import AccountBudget, Budget, QuotaBook
 from llmgw_slurm.db.connect import Conninfo, connect, database_error
 from llmgw_slurm.db.hub import CHANNEL, DB_ERRORS, Hub
 
@@ -69,10 +69,6 @@ _WORD_WITHIN = 1.0
 # pg_advisory_xact_lock's first key for a budget's lock ("llmgw" "Q"); the second
 # is hashtext of its kind and name. One budget's agreements go one at a time.
 _BUDGET_LOCK = 0x6C6C6D51
-
-
-# One budget of a key, as the book asks about it: (kind, name, span, start, limit).
-Budget = tuple[str, str, str, float, int]
 
 
 class _Allowance:

@@ -15,7 +15,7 @@ import openai
 import pytest
 from _router_support import engine, eventually, serve
 
-from llmgw_slurm.accounting.quota import Ask, QuotaBook, Refusal, Reservation
+from llmgw_slurm.accounting.quota import Ask, Budget, QuotaBook, Refusal, Reservation
 from llmgw_slurm.auth.keys import KeyRecord, KeyRing, add_key
 from llmgw_slurm.config import QuotaConfig
 from llmgw_slurm.router import Endpoint, ModelInfo, StaticDirectory, create_app
@@ -31,7 +31,7 @@ class Others:
         self.word = word
         self.gate = asyncio.Event()
         self.gate.set()
-        self.asked: list[list[tuple[str, str, str, float, int]]] = []
+        self.asked: list[list[Budget]] = []
         self.covered: set[tuple[str, str]] = set()
 
     def used(self, kind: str, name: str, span: str, start: float) -> int:
@@ -46,7 +46,7 @@ class Others:
         assert kind in ("user", "account"), kind
         return (kind, name) in self.covered
 
-    async def agree(self, budgets: list[tuple[str, str, str, float, int]]) -> bool | None:
+    async def agree(self, budgets: list[Budget]) -> bool | None:
         for kind, _, span, start, limit in budgets:
             assert kind in ("user", "account") and span in ("day", "month"), budgets
             assert start > 0 and limit == BUDGET, budgets
@@ -194,7 +194,7 @@ async def test_a_client_that_leaves_while_the_word_is_awaited_holds_nothing(
 class Broken(Others):
     """Other gateways whose question fails with a bug (not a database error)."""
 
-    async def agree(self, budgets: list[tuple[str, str, str, float, int]]) -> bool | None:
+    async def agree(self, budgets: list[Budget]) -> bool | None:
         self.asked.append(budgets)
         if len(self.asked) == 1:
             raise RuntimeError("a bug in the question")
