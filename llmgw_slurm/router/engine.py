@@ -128,7 +128,6 @@ class Conn(asyncio.BufferedProtocol):
         self.reusable = True
         self.idle_since = time.monotonic()
         self._sink: Sink | None = None
-        self._parser = httptools.HttpResponseParser(self)
         self._headers: dict[str, str] = {}
         self._status = 0
         self._head_bytes = self._unfinished = 0
@@ -141,6 +140,12 @@ class Conn(asyncio.BufferedProtocol):
         self._paused = False
         self._writable: asyncio.Future[None] | None = None
         self._body: list[bytes] = []  # the body's pieces of the read being parsed
+        # llhttp calls the list's own append for each piece (a chunked stream:
+        # a piece an event), not a method of ours: a Python frame less per
+        # piece, a tenth of a stream's instructions. httptools takes its
+        # callbacks once, when the parser is made, so this comes first.
+        self.on_body: Callable[[bytes], None] = self._body.append
+        self._parser = httptools.HttpResponseParser(self)
 
     # asyncio.BufferedProtocol
 
@@ -259,9 +264,6 @@ class Conn(asyncio.BufferedProtocol):
             self.reusable = False
         if self._sink is not None:
             self._sink.head(self, status, self._headers)
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)  # delivered once the read is parsed (_deliver)
 
     def on_message_complete(self) -> None:
         if self._status >= 200:
