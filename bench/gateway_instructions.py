@@ -9,7 +9,10 @@ them with valgrind's callgrind for each server in front of the instant test
 engine (plain HTTP, the 50 tokens at once): this tree's gateway, the gateway
 at ``--against COMMIT`` (a git worktree), the floor (``bench/floor_proxy.py``:
 the least a proxy on the gateway's stack, uvloop and httptools, does) and
-nginx as a reverse proxy (one process, ``master_process off``). Each server:
+nginx as a reverse proxy (one process, ``master_process off``), and with
+``--compiled`` this tree's gateway with its request path compiled to C by
+mypyc (the compiler mypy ships: the same typed source, no other language),
+the measure of what a compiled path would take off. Each server:
 300 requests to warm it, the counters zeroed (``callgrind_control -z``), then
 N requests, 16 at once, and the counters dumped; instructions / N, whole
 answers and streams.
@@ -20,6 +23,7 @@ here is larger than the CPU-time ratio of ``bench/gateway.py``; between two
 gateways, it is the change in the code's own work.
 
     python3 bench/gateway_instructions.py --against 039fa63   # ~6 minutes
+    python3 bench/gateway_instructions.py --against 039fa63 --compiled   # ~8
 
 Writes bench/results/gateway_instructions.json.
 """
@@ -105,6 +109,32 @@ def count(cmd: list[str], url: str, health: str, n: int, stream: bool, out: Path
         proc.wait()
 
 
+# The request path's modules, as mypyc can compile them: all of them but
+# gateway.py, whose aiohttp middleware is a function aiohttp marks with an
+# attribute, which a compiled function cannot carry (it holds one call a
+# request; the rest of the package, its callers, stays interpreted too).
+COMPILED = ("_body", "account", "admit", "answers", "engine", "forward", "http1", "metrics",
+            "replicas", "server", "sse")  # fmt: skip
+
+
+def compiled_tree(dest: Path) -> Path:
+    """This tree's files as they are now (uncommitted changes too), under
+    ``dest``, with :data:`COMPILED` built to extension modules beside their
+    source (which Python imports first)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "llmgw_slurm", "bench", "setup.cfg"],
+                            cwd=ROOT, capture_output=True, check=True).stdout  # fmt: skip
+    for name in filter(None, listed.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    sources = [f"llmgw_slurm/router/{m}.py" for m in COMPILED]
+    built = subprocess.run([sys.executable, "-m", "mypyc", *sources], cwd=dest,
+                           capture_output=True, text=True)  # fmt: skip
+    if built.returncode != 0:
+        sys.exit(f"mypyc could not compile the request path:\n{built.stdout}{built.stderr}")
+    return dest
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", required=True, metavar="COMMIT",
@@ -112,6 +142,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=1000, help="whole answers counted")
     p.add_argument("--streams", type=int, default=300, help="streams counted")
     p.add_argument("--no-nginx", action="store_true")
+    p.add_argument("--compiled", action="store_true",
+                   help="also this tree with its request path compiled by mypyc")
     args = p.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         sys.exit("valgrind not found: apt-get install valgrind (its callgrind counts them)")
@@ -131,6 +163,9 @@ def main() -> int:
             wait_http(f"http://127.0.0.1:{e_port}/health", engine)
             spec = gateway_spec({"instant": f"http://127.0.0.1:{e_port}"}, None)
             names = ["gateway", f"gateway@{args.against}", "floor"] + (["nginx"] if nginx else [])
+            if args.compiled:
+                names.insert(1, "gateway-compiled")
+                compiled_tree(tmp / "compiled")
             per: dict[tuple[str, str], float] = {}
             for name in names:
                 port = free_port()
@@ -147,7 +182,7 @@ def main() -> int:
                             f"http://127.0.0.1:{e_port}", ENGINE_KEY]  # fmt: skip
                     env = None
                 else:
-                    tree = ROOT if name == "gateway" else other
+                    tree = {"gateway": ROOT, "gateway-compiled": tmp / "compiled"}.get(name, other)
                     argv = [sys.executable, str(tree / "bench" / "gateway.py"), "--serve-gateway",
                             str(port), spec]  # fmt: skip
                     env = dict(os.environ, PYTHONPATH=str(tree))
@@ -165,11 +200,16 @@ def main() -> int:
         results.append(result(f"gateway.{mode}.instructions", per[("gateway", mode)],
                               "instructions/request", f"{theirs}.{mode}.instructions",
                               per[(theirs, mode)]))  # fmt: skip
-        for name in ("gateway", theirs):
+        compiled = ("gateway-compiled",) if ("gateway-compiled", mode) in per else ()
+        for name in compiled:
+            results.append(result(f"{name}.{mode}.instructions", per[(name, mode)],
+                                  "instructions/request", f"gateway.{mode}.instructions",
+                                  per[("gateway", mode)]))  # fmt: skip
+        for name in ("gateway", *compiled, theirs):
             results.append(result(f"{name}.{mode}.instructions_vs_floor", per[(name, mode)],
                                   "instructions/request", f"floor.{mode}.instructions",
                                   per[("floor", mode)]))  # fmt: skip
-        for name in ("gateway", theirs, "floor"):
+        for name in ("gateway", *compiled, theirs, "floor"):
             if ("nginx", mode) in per:
                 results.append(result(f"{name}.{mode}.instructions_vs_nginx", per[(name, mode)],
                                       "instructions/request", f"nginx.{mode}.instructions",

@@ -20,6 +20,7 @@ import email.utils
 import time
 from collections.abc import Iterable
 from http import HTTPStatus
+from typing import ClassVar
 
 import httptools
 
@@ -48,8 +49,9 @@ def chunk(data: bytes) -> bytes:
 class _Date:
     """The Date header's value, made at most once a second."""
 
-    second = -1
-    value = ""
+    # State of the class, not of an instance (an instance is never made).
+    second: ClassVar[int] = -1
+    value: ClassVar[str] = ""
 
     @classmethod
     def now(cls) -> str:
