@@ -142,8 +142,9 @@ class Conn(asyncio.BufferedProtocol):
         self._body: list[bytes] = []  # the body's pieces of the read being parsed
         # llhttp calls the list's own append for each piece (a chunked stream:
         # a piece an event), not a method of ours: a Python frame less per
-        # piece, a tenth of a stream's instructions. httptools takes its
-        # callbacks once, when the parser is made, so this comes first.
+        # piece, 4 % of a stream's instructions. httptools takes its callbacks
+        # once, when the parser is made, so this comes first, and the list is
+        # only ever cleared, never replaced.
         self.on_body: Callable[[bytes], None] = self._body.append
         self._parser = httptools.HttpResponseParser(self)
 
