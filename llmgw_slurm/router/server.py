@@ -270,8 +270,9 @@ class Connection(asyncio.Protocol):
                 timer.cancel()
         queue, self._queue = self._queue, deque()
         for req in queue:
-            if req.handler is not None:
-                req.handler.client_gone()
+            handler, req.handler = req.handler, None  # the cycle finished() breaks (below)
+            if handler is not None:
+                handler.client_gone()
         if self.bridge is not None:
             self.bridge.lost()
         self.runner.settle(self)

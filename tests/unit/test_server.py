@@ -368,6 +368,38 @@ async def test_an_answered_request_leaves_nothing_for_the_cycle_collector() -> N
     assert left == []
 
 
+async def test_a_request_whose_client_left_mid_answer_leaves_nothing_for_the_cycle_collector(
+) -> None:
+    """As an answered request (above): a client that leaves before its answer
+    ends frees the request with its exchange, not at the collector's next run."""
+    cut = asyncio.Event()
+
+    async def never_answers(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        if await r.read(1) == b"":
+            cut.set()
+
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        async with raw_engine_gateway(never_answers) as (_, writer, gw):
+            writer.write(request())
+            await eventually(lambda: bool(gw.in_flight), "the request in flight")
+            writer.close()
+            await eventually(lambda: not gw.in_flight, "the replica freed")
+            await asyncio.wait_for(cut.wait(), 30)
+            await asyncio.sleep(0)  # the gateway's side of the connection settles
+            gc.collect()
+            left = sorted({type(o).__name__ for o in gc.garbage
+                           if isinstance(o, (Request, Exchange, Tally, Plan))})  # fmt: skip
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
+
+
 async def test_a_client_gone_mid_answer_on_a_kept_connection_cuts_the_engines() -> None:
     cut = asyncio.Event()
 
