@@ -117,6 +117,10 @@ class _Strict(Exception):
     """What llhttp accepts and the gateway does not (raised inside a parser callback)."""
 
 
+# A closed connection's parser: it calls nothing back.
+_CLOSED = httptools.HttpResponseParser(object())
+
+
 class Conn(asyncio.BufferedProtocol):
     """One connection to an engine; see the module's docstring."""
 
@@ -208,6 +212,10 @@ class Conn(asyncio.BufferedProtocol):
         self.closed = True
         self.reusable = False
         self._cancel_timer()
+        # The parser calls this connection back: left so, every closed engine
+        # connection (a client gone mid-answer closes one) would wait for
+        # Python's cycle collector. Nothing is read from here on.
+        self._parser = _CLOSED
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
         if self._sink is None:

@@ -193,6 +193,11 @@ class Request:
         self.conn.close()
 
 
+# A closed connection's parser: it calls nothing back (data_received reads
+# nothing once the connection is closing, so it is never fed).
+_CLOSED = httptools.HttpRequestParser(object())
+
+
 class Connection(asyncio.Protocol):
     """One client connection: see the module's docstring."""
 
@@ -268,6 +273,10 @@ class Connection(asyncio.Protocol):
         for timer in (self._idle_timer, self._body_timer):
             if timer is not None:
                 timer.cancel()
+        # The parser calls this connection back and the timers held it: left
+        # so, every closed connection would wait for Python's cycle collector
+        # (a client that connects a request would run it every 60 requests).
+        self._parser, self._idle_timer, self._body_timer = _CLOSED, None, None
         queue, self._queue = self._queue, deque()
         for req in queue:
             handler, req.handler = req.handler, None  # the cycle finished() breaks (below)

@@ -12,8 +12,8 @@ import itertools
 import json
 import shutil
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,9 @@ from llmgw_slurm.router import (
 )
 from llmgw_slurm.router.account import Tally
 from llmgw_slurm.router.admit import Plan
+from llmgw_slurm.router.engine import Conn
 from llmgw_slurm.router.forward import Exchange
-from llmgw_slurm.router.server import Request, Runner
+from llmgw_slurm.router.server import Connection, Request, Runner
 
 CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -339,6 +340,29 @@ async def test_a_kept_engine_connection_answers_without_a_task(
         assert not st.gateway.in_flight
 
 
+# The gateway's objects a request or a connection makes.
+OURS = (Request, Exchange, Tally, Plan, Connection, Conn)
+
+
+@contextmanager
+def left_for_the_collector() -> Iterator[list[str]]:
+    """The names of the gateway's objects (:data:`OURS`) made in the block that
+    only Python's cycle collector would free, once the block ends; the
+    collector is off meanwhile."""
+    found: list[str] = []
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept, to be looked at
+    try:
+        yield found
+        gc.collect()
+        found += sorted({type(o).__name__ for o in gc.garbage if isinstance(o, OURS)})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
 async def test_an_answered_request_leaves_nothing_for_the_cycle_collector() -> None:
     """A request's objects go as its answer ends (reference counting), whole or
     streamed: left in a cycle, every request waited for Python's cycle collector,
@@ -348,30 +372,38 @@ async def test_an_answered_request_leaves_nothing_for_the_cycle_collector() -> N
                            "stream": True}).encode()  # fmt: skip
     async with gateway_stack() as st:
         reader, writer = await warm(st)
-        gc.collect()
-        gc.disable()
-        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept, to be looked at
-        try:
+        with left_for_the_collector() as left:
             for body in (CHAT, streamed, CHAT):
                 writer.write(request(body))
                 status, _, answer = await read_answer(reader)
                 assert status == 200 and answer
-            gc.collect()
-            left = sorted({type(o).__name__ for o in gc.garbage
-                           if isinstance(o, (Request, Exchange, Tally, Plan))})  # fmt: skip
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
         writer.close()
+        assert st.served == ["chat/completions"] * 4
+    assert left == []
+
+
+async def test_a_closed_connection_leaves_nothing_for_the_cycle_collector() -> None:
+    """A client that opens a connection a request (requests.post without a
+    session): each closed connection's objects go as it closes."""
+    async with gateway_stack() as st:
+        _, writer = await warm(st)
+        writer.close()
+        with left_for_the_collector() as left:
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection("127.0.0.1", st.port)
+                writer.write(request(extra="Connection: close\r\n"))
+                status, _, answer = await read_answer(reader)
+                assert status == 200 and answer
+                assert await reader.read() == b""  # the gateway closed its side
+                writer.close()
         assert st.served == ["chat/completions"] * 4
     assert left == []
 
 
 async def test_a_request_whose_client_left_mid_answer_leaves_nothing_for_the_cycle_collector(
 ) -> None:
-    """As an answered request (above): a client that leaves before its answer
-    ends frees the request with its exchange, not at the collector's next run."""
+    """Nor does a client that leaves before its answer ends: its request, its
+    connection, and the engine's connection cut for it."""
     cut = asyncio.Event()
 
     async def never_answers(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -379,24 +411,13 @@ async def test_a_request_whose_client_left_mid_answer_leaves_nothing_for_the_cyc
         if await r.read(1) == b"":
             cut.set()
 
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        async with raw_engine_gateway(never_answers) as (_, writer, gw):
+    async with raw_engine_gateway(never_answers) as (_, writer, gw):
+        with left_for_the_collector() as left:
             writer.write(request())
             await eventually(lambda: bool(gw.in_flight), "the request in flight")
             writer.close()
             await eventually(lambda: not gw.in_flight, "the replica freed")
             await asyncio.wait_for(cut.wait(), 30)
-            await asyncio.sleep(0)  # the gateway's side of the connection settles
-            gc.collect()
-            left = sorted({type(o).__name__ for o in gc.garbage
-                           if isinstance(o, (Request, Exchange, Tally, Plan))})  # fmt: skip
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
     assert left == []
 
 
