@@ -604,6 +604,21 @@ def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(sorted(xs), n=100, method="inclusive")[q - 1]
 
 
+def round_order(targets: list[str], rnd: int) -> list[str]:
+    """The targets in another order each round (the first as given), the same
+    in every run of the benchmark. In one fixed order a target had the same
+    slot in every round, after the same neighbour on a shared engine, so
+    whatever the machine did at that moment was always its own: two runs in
+    that order put gateway-plain@039fa63 0.3 ms below gateway-plain at 64 paced
+    clients, and below nginx and the floor, where six alternating rounds of
+    the two gateways alone put them 0.01 ms apart."""
+    if rnd == 0:
+        return list(targets)
+    order = list(targets)
+    random.Random(rnd).shuffle(order)
+    return order
+
+
 def summarize(s: Samples) -> dict[str, float]:
     return {
         "p50_ms": statistics.median(s.latency) * 1000 if s.latency else float("nan"),
@@ -929,7 +944,8 @@ def main() -> int:
                 for engine in args.engines.split(","):
                     for mode in args.modes.split(","):
                         for clients in map(int, args.clients.split(",")):
-                            for target, urls in targets.items():
+                            for target in round_order(list(targets), rnd):
+                                urls = targets[target]
                                 data = body(engine, mode == "stream")
                                 key = LITELLM_KEY if target == "litellm" else ENGINE_KEY
                                 key = bench_key if target.startswith("gateway-keyed") else key
