@@ -19,9 +19,10 @@ from llmgw_slurm.guard.accept import Acceptor, Guard, bind_listeners, guard_of, 
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.guard.fds import FdBudget, open_fds, raise_open_files_limit
 from llmgw_slurm.guard.limiter import ConnectionLimiter, Seat
-from llmgw_slurm.guard.peers import PeerIdentifier, peer_of
+from llmgw_slurm.guard.peers import CLOSED_PEER, PeerIdentifier, peer_of
 
 __all__ = [
+    "CLOSED_PEER",
     "Acceptor",
     "ConnectionLimiter",
     "Faults",

@@ -7,7 +7,8 @@ the listening sockets itself (``loop.add_reader``, then
 protocol it asks a :class:`~llmgw_slurm.guard.limiter.ConnectionLimiter`:
 
 - a peer (a local user's uid, or an address: :mod:`llmgw_slurm.guard.peers`)
-  at its bound has the connection reset at once;
+  at its bound has the connection reset at once, and so does a connection
+  its client closed before it was accepted;
 - a listener at its total stops accepting until a connection closes (what
   arrives meanwhile waits in the kernel's backlog);
 - ``accept()`` failing for lack of descriptors pauses the listener half a
@@ -45,7 +46,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from llmgw_slurm.guard.limiter import ConnectionLimiter, Seat
-from llmgw_slurm.guard.peers import PeerIdentifier, peer_of
+from llmgw_slurm.guard.peers import CLOSED_PEER, PeerIdentifier, peer_of
 
 __all__ = ["Acceptor", "Guard", "bind_listeners", "guard_of", "hand_over"]
 
@@ -341,13 +342,17 @@ class Acceptor:
 
     def _take(self, conn: socket.socket, addr: object) -> None:
         peer = peer_of(self._peers, conn, addr)
+        if peer == CLOSED_PEER:
+            # Its client closed it before it was accepted: no one to answer, and
+            # counted as any user's it would spend that user's bound.
+            self.limiter.refused["closed"] += 1
+            _reset(conn)
+            return
         ticket = self.limiter.admit(peer)
         if ticket is None:
             held = self.limiter.held_by(peer)
             self._warn(f"{peer} holds {held} connections (bound {self.limiter.per_peer})")
-            with contextlib.suppress(OSError):
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
-            conn.close()
+            _reset(conn)
             return
         conn.setblocking(False)
         assert self._loop is not None
@@ -389,6 +394,13 @@ class Acceptor:
                 lim.total,
                 dict(lim.refused) or "none",
             )
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close an accepted connection unserved, with a reset (no TIME_WAIT kept)."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+    conn.close()
 
 
 def bind_listeners(host: str, port: int, backlog: int = 1024) -> list[socket.socket]:

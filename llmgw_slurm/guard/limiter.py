@@ -55,7 +55,8 @@ class ConnectionLimiter:
         self._by_peer: collections.Counter[str] = collections.Counter()
         # Connections closed unserved, by why: "peer" (its peer at its bound),
         # "total" (accepted in the batch that filled the listener), "head_timeout"
-        # (no whole request head in time).
+        # (no whole request head in time), "closed" (its client closed it
+        # before it was accepted).
         self.refused: collections.Counter[str] = collections.Counter()
         # Times the listener filled up and stopped accepting; accept() failures
         # (EMFILE and the like), after which it waits a moment.

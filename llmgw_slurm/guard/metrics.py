@@ -59,7 +59,8 @@ class GuardCollector(Collector):
         refused = CounterMetricFamily(
             "llmgw_connections_refused",
             "Connections closed unserved: reason peer (its peer at connections.per_peer), "
-            "total (the listener full), head_timeout (no whole request head in time).",
+            "total (the listener full), head_timeout (no whole request head in time), "
+            "closed (closed by its client before it was accepted).",
             labels=["listener", "reason"],
         )
         pauses = CounterMetricFamily(
@@ -71,7 +72,7 @@ class GuardCollector(Collector):
             open_.add_metric([lim.name], lim.open)
             bound.add_metric([lim.name], lim.total)
             peers.add_metric([lim.name], lim.peers())
-            for reason in ("peer", "total", "head_timeout"):
+            for reason in ("peer", "total", "head_timeout", "closed"):
                 refused.add_metric([lim.name, reason], lim.refused.get(reason, 0))
             pauses.add_metric([lim.name, "full"], lim.pauses)
             pauses.add_metric([lim.name, "accept_error"], lim.accept_errors)

@@ -19,6 +19,7 @@ from typing import cast
 import pytest
 
 from llmgw_slurm.guard import (
+    CLOSED_PEER,
     Acceptor,
     ConnectionLimiter,
     FdBudget,
@@ -118,6 +119,16 @@ def test_another_local_users_connection_is_that_user(tmp_path: Path) -> None:
             assert peer_of(PeerIdentifier(), conn, addr) == f"uid:{intruder.pw_uid}"
 
 
+def test_a_connection_closed_before_it_was_accepted_is_nobodys() -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    with srv:
+        socket.create_connection(srv.getsockname()).close()
+        conn, addr = srv.accept()
+        with conn:
+            # What is left of the client socket the kernel reports as root's.
+            assert peer_of(PeerIdentifier(), conn, addr) == CLOSED_PEER
+
+
 def test_a_remote_client_is_its_address() -> None:
     ident = PeerIdentifier()
     # No socket on this host has that client address: the kernel says so.
@@ -127,6 +138,58 @@ def test_a_remote_client_is_its_address() -> None:
     srv = socket.create_server(("127.0.0.1", 0))
     with srv, socket.create_connection(srv.getsockname()) as c:
         assert ident.uid(c.getsockname(), c.getpeername()) == 0
+
+
+class Hiccups(PeerIdentifier):
+    """The kernel's netlink, but the first sockets opened are stuck: a query on
+    one is sent and never answered (a socketpair end nobody reads), as when the
+    kernel is short of memory under a flood."""
+
+    def __init__(self, stuck: int, refuse: OSError | None = None) -> None:
+        super().__init__()
+        self.stuck, self.refuse, self.opened = stuck, refuse, 0
+        self.pairs: list[socket.socket] = []
+
+    def _open(self) -> socket.socket:
+        self.opened += 1
+        if self.refuse is not None:
+            raise self.refuse
+        if self.stuck:
+            self.stuck -= 1
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self.pairs.append(theirs)
+            ours.settimeout(0.05)
+            return ours
+        return super()._open()
+
+
+def test_a_query_the_kernel_leaves_unanswered_is_asked_again_on_a_fresh_socket() -> None:
+    ident = Hiccups(stuck=1)
+    srv = socket.create_server(("127.0.0.1", 0))
+    with srv, socket.create_connection(srv.getsockname()) as c:
+        assert ident.uid(c.getsockname(), c.getpeername()) == 0
+        assert (ident.opened, ident.hiccups) == (2, 1)
+
+
+def test_a_kernel_that_does_not_answer_twice_leaves_that_connection_unknown_only() -> None:
+    ident = Hiccups(stuck=2)
+    srv = socket.create_server(("127.0.0.1", 0))
+    with srv, socket.create_connection(srv.getsockname()) as c:
+        # That one connection is bounded by its address...
+        assert ident.uid(c.getsockname(), c.getpeername()) is None
+        # ...but the uids of the next are asked for again: a flood that made the
+        # kernel stumble once must not leave every local user in one bound.
+        assert ident.uid(c.getsockname(), c.getpeername()) == 0
+        assert (ident.opened, ident.hiccups) == (3, 2)
+
+
+def test_netlink_refused_outright_is_not_asked_for_again() -> None:
+    ident = Hiccups(stuck=0, refuse=PermissionError(13, "Permission denied"))
+    srv = socket.create_server(("127.0.0.1", 0))
+    with srv, socket.create_connection(srv.getsockname()) as c:
+        assert ident.uid(c.getsockname(), c.getpeername()) is None
+        assert ident.uid(c.getsockname(), c.getpeername()) is None
+        assert (ident.opened, ident.hiccups) == (1, 0)
 
 
 # ---- the accept loop ----------------------------------------------------------------------
@@ -233,6 +296,39 @@ async def test_another_user_cannot_take_a_local_users_share() -> None:
             assert lim.open == 8
             # Root is another peer: served while the intruder holds its whole share.
             assert await ask(port) == b"ok\n"
+
+
+async def test_another_users_connections_closed_before_accepted_do_not_spend_roots_share() -> None:
+    INTRUDER.ensure()
+    lim = ConnectionLimiter("gateway", total=100, per_peer=4, head_timeout=60)
+    socks = bind_listeners("127.0.0.1", 0)
+    port = socks[0].getsockname()[1]
+    opener = textwrap.dedent(
+        """
+        import socket, sys
+        for _ in range(20):
+            socket.create_connection(("127.0.0.1", int(sys.argv[1]))).close()
+        print("closed", flush=True)
+        """
+    )
+    ended: list[str] = []
+    acc = Acceptor(socks, lambda: Echo(ended), lim)
+    try:
+        with INTRUDER.spawn_python(opener, str(port)) as p:
+            assert p.stdout is not None
+            assert await asyncio.to_thread(p.stdout.readline) == "closed\n"
+        # Root's request waits in the backlog behind the intruder's twenty.
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        acc.start()
+        # Counted as root's (uid 0, as the kernel reports them), the twenty would
+        # take root's four places and root's own connection would be reset.
+        assert await asyncio.wait_for(r.read(3), 30) == b"ok\n"
+        assert (lim.refused["closed"], lim.refused["peer"]) == (20, 0)
+        w.close()
+    finally:
+        acc.stop_accepting()
+        acc.abort_all()
 
 
 async def test_no_request_head_in_time_closes_the_connection() -> None:
