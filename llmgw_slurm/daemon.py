@@ -456,7 +456,7 @@ async def open_listeners(
             _accept("internal", factory, inherited, server.listen.internal,
                     limiters["internal"], None)
         )
-        d.guard.limiters = list(limiters.values())
+        d.guard.acceptors = list(out.acceptors)
         runner = web.AppRunner(d.admin, **RUNNER_OPTIONS)
         await runner.setup()
         out.runners.append(runner)

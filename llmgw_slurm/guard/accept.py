@@ -61,6 +61,10 @@ _WARN_EVERY_S = 60.0
 # SO_LINGER on, 0 s: close() resets the connection and keeps no TIME_WAIT state.
 _RESET = struct.pack("ii", 1, 0)
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# struct tcp_info up to tcpi_sacked: state and flags (8 bytes), rto, ato, snd_mss,
+# rcv_mss, unacked, sacked. Of a listening socket the kernel puts its accept
+# queue's length in unacked and the queue's limit in sacked.
+_TCP_INFO_HEAD = struct.Struct("=8xIIIIII")
 
 
 class Guard:
@@ -273,6 +277,22 @@ class Acceptor:
     @property
     def connections(self) -> int:
         return self.limiter.open
+
+    def accept_queue(self) -> tuple[int, int]:
+        """Connections the kernel completed that wait for the daemon to accept
+        them, and how many it queues before it drops new ones (the listen
+        backlog), over the listener's sockets. A full queue drops or resets
+        new connections before the daemon sees them, whoever made them."""
+        waiting = limit = 0
+        for s in self.socks:
+            try:
+                info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_HEAD.size)
+            except OSError:  # closed: no longer accepting
+                continue
+            *_, queued, queue_limit = _TCP_INFO_HEAD.unpack_from(info)
+            waiting += queued
+            limit += queue_limit
+        return waiting, limit
 
     def _sweep(self) -> None:
         """Release the places of connections taken from the guard by a plain

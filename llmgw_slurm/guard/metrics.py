@@ -8,9 +8,9 @@ from collections.abc import Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from llmgw_slurm.guard.accept import Acceptor
 from llmgw_slurm.guard.faults import Faults
 from llmgw_slurm.guard.fds import open_fds
-from llmgw_slurm.guard.limiter import ConnectionLimiter
 
 __all__ = ["GuardCollector"]
 
@@ -18,10 +18,10 @@ __all__ = ["GuardCollector"]
 class GuardCollector(Collector):
     """Faults survived, connections and their bounds per listener, open files."""
 
-    def __init__(self, faults: Faults, limiters: Iterable[ConnectionLimiter]) -> None:
+    def __init__(self, faults: Faults, acceptors: Iterable[Acceptor]) -> None:
         self._faults = faults
-        # The listeners' limiters: the daemon sets them once it listens.
-        self.limiters = list(limiters)
+        # The listeners: the daemon sets them once it listens.
+        self.acceptors = list(acceptors)
 
     def collect(self) -> Iterator[Metric]:
         faults = CounterMetricFamily(
@@ -68,7 +68,22 @@ class GuardCollector(Collector):
             "Times a listener stopped accepting: full, or accept() out of descriptors.",
             labels=["listener", "why"],
         )
-        for lim in self.limiters:
+        queue = GaugeMetricFamily(
+            "llmgw_accept_queue",
+            "Connections the kernel completed that wait for the daemon to accept them.",
+            labels=["listener"],
+        )
+        queue_limit = GaugeMetricFamily(
+            "llmgw_accept_queue_limit",
+            "Connections the kernel queues for the daemon before it drops new ones "
+            "(the listen backlog).",
+            labels=["listener"],
+        )
+        for acc in self.acceptors:
+            lim = acc.limiter
+            waiting, limit = acc.accept_queue()
+            queue.add_metric([lim.name], waiting)
+            queue_limit.add_metric([lim.name], limit)
             open_.add_metric([lim.name], lim.open)
             bound.add_metric([lim.name], lim.total)
             peers.add_metric([lim.name], lim.peers())
@@ -76,4 +91,4 @@ class GuardCollector(Collector):
                 refused.add_metric([lim.name, reason], lim.refused.get(reason, 0))
             pauses.add_metric([lim.name, "full"], lim.pauses)
             pauses.add_metric([lim.name, "accept_error"], lim.accept_errors)
-        yield from (open_, bound, peers, refused, pauses)
+        yield from (open_, bound, peers, refused, pauses, queue, queue_limit)

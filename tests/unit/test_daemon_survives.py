@@ -107,6 +107,12 @@ def test_one_local_users_flood_leaves_the_others_served(rd: RunningDaemon) -> No
             refused = f'llmgw_connections_refused_total{{listener="{listener}",reason="peer"}}'
             assert _sample(text, refused) >= 200 - 20
         assert _sample(text, 'llmgw_connections{listener="gateway"}') <= 20 + 1
+        # The listen backlog, as the kernel caps it.
+        somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+        for listener in ("gateway", "internal"):
+            limit = _sample(text, f'llmgw_accept_queue_limit{{listener="{listener}"}}')
+            assert limit == min(1024, somaxconn)
+            assert 0 <= _sample(text, f'llmgw_accept_queue{{listener="{listener}"}}') <= limit
         status, _ = asyncio.run(_get(f"http://127.0.0.1:{internal}/healthz"))
         assert status == 200
 

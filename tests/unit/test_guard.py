@@ -331,6 +331,28 @@ async def test_another_users_connections_closed_before_accepted_do_not_spend_roo
         acc.abort_all()
 
 
+async def test_connections_waiting_to_be_accepted_are_counted_against_the_queues_limit() -> None:
+    lim = ConnectionLimiter("gateway", total=100, per_peer=100, head_timeout=60)
+    socks = bind_listeners("127.0.0.1", 0, backlog=8)
+    acc = Acceptor(socks, lambda: Echo([]), lim)
+    port = acc.port
+    assert port is not None
+    try:
+        # The kernel completes the handshakes; nobody has accepted them yet.
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        assert acc.accept_queue() == (3, 8)
+        acc.start()
+        await eventually(lambda: lim.open == 3, "the three accepted")
+        assert acc.accept_queue() == (0, 8)
+        for c in clients:
+            c.close()
+    finally:
+        acc.stop_accepting()
+        acc.abort_all()
+    # Its sockets closed: nothing to tell, and nothing raised.
+    assert acc.accept_queue() == (0, 0)
+
+
 async def test_no_request_head_in_time_closes_the_connection() -> None:
     lim = ConnectionLimiter("gateway", total=100, per_peer=100, head_timeout=0.3)
     async with accepting(lim) as (_, port, ended):
