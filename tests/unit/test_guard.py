@@ -124,9 +124,11 @@ def test_a_connection_closed_before_it_was_accepted_is_nobodys() -> None:
     with srv:
         socket.create_connection(srv.getsockname()).close()
         conn, addr = srv.accept()
+        ident = PeerIdentifier()
         with conn:
             # What is left of the client socket the kernel reports as root's.
-            assert peer_of(PeerIdentifier(), conn, addr) == CLOSED_PEER
+            assert peer_of(ident, conn, addr) == CLOSED_PEER
+        ident.close()
 
 
 def test_a_remote_client_is_its_address() -> None:
@@ -162,19 +164,25 @@ class Hiccups(PeerIdentifier):
             return ours
         return super()._open()
 
+    def __enter__(self) -> Hiccups:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+        for theirs in self.pairs:
+            theirs.close()
+
 
 def test_a_query_the_kernel_leaves_unanswered_is_asked_again_on_a_fresh_socket() -> None:
-    ident = Hiccups(stuck=1)
     srv = socket.create_server(("127.0.0.1", 0))
-    with srv, socket.create_connection(srv.getsockname()) as c:
+    with Hiccups(stuck=1) as ident, srv, socket.create_connection(srv.getsockname()) as c:
         assert ident.uid(c.getsockname(), c.getpeername()) == 0
         assert (ident.opened, ident.hiccups) == (2, 1)
 
 
 def test_a_kernel_that_does_not_answer_twice_leaves_that_connection_unknown_only() -> None:
-    ident = Hiccups(stuck=2)
     srv = socket.create_server(("127.0.0.1", 0))
-    with srv, socket.create_connection(srv.getsockname()) as c:
+    with Hiccups(stuck=2) as ident, srv, socket.create_connection(srv.getsockname()) as c:
         # That one connection is bounded by its address...
         assert ident.uid(c.getsockname(), c.getpeername()) is None
         # ...but the uids of the next are asked for again: a flood that made the
@@ -184,9 +192,13 @@ def test_a_kernel_that_does_not_answer_twice_leaves_that_connection_unknown_only
 
 
 def test_netlink_refused_outright_is_not_asked_for_again() -> None:
-    ident = Hiccups(stuck=0, refuse=PermissionError(13, "Permission denied"))
+    refuse = PermissionError(13, "Permission denied")
     srv = socket.create_server(("127.0.0.1", 0))
-    with srv, socket.create_connection(srv.getsockname()) as c:
+    with (
+        Hiccups(stuck=0, refuse=refuse) as ident,
+        srv,
+        socket.create_connection(srv.getsockname()) as c,
+    ):
         assert ident.uid(c.getsockname(), c.getpeername()) is None
         assert ident.uid(c.getsockname(), c.getpeername()) is None
         assert (ident.opened, ident.hiccups) == (1, 0)
